@@ -1,0 +1,1 @@
+"""The compiler: checkpoint in, engine artifact out (frontend → passes → backend → artifact)."""

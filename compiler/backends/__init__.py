@@ -1,0 +1,1 @@
+"""Backends lower the optimised graph to one runtime's engine files."""

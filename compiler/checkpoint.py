@@ -1,0 +1,164 @@
+"""Load and validate a Hugging Face checkpoint directory without reading its weights.
+
+Only the safetensors headers are parsed here; tensors are read later, one at a time, when the
+backend writes the engine (see :func:`tensor_reader`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from llmc.errors import LlmcError, UnsupportedError
+
+# Architectures whose engines are tested against transformers end to end.
+SUPPORTED_MODEL_TYPES = ("llama",)
+
+_ST_DTYPES = {
+    "F32": "float32",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "F64": "float64",
+    "I64": "int64",
+    "I32": "int32",
+    "I8": "int8",
+    "U8": "uint8",
+    "BOOL": "bool",
+}
+_ST_ITEMSIZE = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8, "I64": 8, "I32": 4, "I8": 1, "U8": 1, "BOOL": 1}
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """Where one tensor lives: file, dtype name (numpy-style), shape, byte offset and length in the file."""
+
+    name: str
+    file: Path
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+
+@dataclass
+class Checkpoint:
+    """A validated checkpoint directory: its config and an index of its tensors."""
+
+    path: Path
+    config: dict
+    tensors: dict[str, TensorEntry]
+    files: list[Path] = field(default_factory=list)
+
+    @property
+    def model_type(self) -> str:
+        return self.config["model_type"]
+
+    @property
+    def dtype(self) -> str:
+        """The checkpoint's storage dtype as named in config.json (default float32)."""
+        return str(self.config.get("dtype") or self.config.get("torch_dtype") or "float32")
+
+    def digest(self) -> str:
+        """sha256 over every file that defines the model (config, weights, tokenizer), in name order."""
+        h = hashlib.sha256()
+        for f in sorted(self.path.iterdir()):
+            if f.is_file() and (f.suffix in {".json", ".safetensors", ".model", ".txt", ".jinja"}):
+                h.update(f.name.encode() + b"\0")
+                with open(f, "rb") as fh:
+                    for chunk in iter(lambda: fh.read(1 << 22), b""):
+                        h.update(chunk)
+        return "sha256:" + h.hexdigest()
+
+
+def _read_safetensors_header(path: Path) -> dict[str, TensorEntry]:
+    size = path.stat().st_size
+    with open(path, "rb") as fh:
+        raw = fh.read(8)
+        if len(raw) < 8:
+            raise LlmcError(f"{path}: truncated safetensors file ({size} bytes); re-download or re-save it")
+        (header_len,) = struct.unpack("<Q", raw)
+        if header_len > size - 8 or header_len > 100 * 2**20:
+            raise LlmcError(
+                f"{path}: corrupt safetensors header (declares {header_len} header bytes, file has {size}); "
+                "re-download or re-save the checkpoint"
+            )
+        try:
+            header = json.loads(fh.read(header_len))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise LlmcError(f"{path}: corrupt safetensors header ({exc}); re-download or re-save it") from None
+    base = 8 + header_len
+    entries = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        dtype = info.get("dtype")
+        if dtype not in _ST_DTYPES:
+            raise UnsupportedError(f"{path}: tensor {name!r} has dtype {dtype!r}, which llmc cannot read")
+        shape = tuple(int(d) for d in info["shape"])
+        start, end = (int(x) for x in info["data_offsets"])
+        expected = int(np.prod(shape, dtype=np.int64)) * _ST_ITEMSIZE[dtype]
+        if end - start != expected or base + end > size:
+            raise LlmcError(
+                f"{path}: tensor {name!r} needs bytes {start}..{end} of the data section but the file ends at "
+                f"{size - base}: the file is truncated or corrupt; re-download or re-save it"
+            )
+        entries[name] = TensorEntry(name, path, _ST_DTYPES[dtype], shape, base + start, end - start)
+    return entries
+
+
+def load_checkpoint(path: str | Path) -> Checkpoint:
+    """Validate a checkpoint directory and index its tensors. Raises :class:`LlmcError` on bad input."""
+    root = Path(path)
+    if not root.exists():
+        raise LlmcError(f"{root}: no such checkpoint directory; pass the folder that holds config.json")
+    if not root.is_dir():
+        raise LlmcError(f"{root}: not a directory; pass the folder that holds config.json")
+    cfg_path = root / "config.json"
+    if not cfg_path.is_file():
+        raise LlmcError(f"{cfg_path}: missing; a Hugging Face checkpoint folder needs config.json")
+    try:
+        config = json.loads(cfg_path.read_text())
+    except json.JSONDecodeError as exc:
+        raise LlmcError(f"{cfg_path}: not valid JSON ({exc}); fix or re-download it") from None
+    model_type = config.get("model_type")
+    if model_type is None:
+        raise LlmcError(f"{cfg_path}: field 'model_type' is missing; add it (supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise UnsupportedError(
+            f"{cfg_path}: model_type {model_type!r} is not supported; supported model types: "
+            f"{', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+
+    index_path = root / "model.safetensors.index.json"
+    if index_path.is_file():
+        try:
+            weight_map = json.loads(index_path.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as exc:
+            raise LlmcError(f"{index_path}: unreadable ({exc}); it must hold a 'weight_map'") from None
+        files = sorted({root / f for f in weight_map.values()})
+        for f in files:
+            if not f.is_file():
+                raise LlmcError(f"{index_path}: names shard {f.name} which does not exist; re-download the shards")
+    else:
+        files = sorted(root.glob("*.safetensors"))
+        if not files:
+            raise LlmcError(f"{root}: no *.safetensors weights found; save the model with safe_serialization=True")
+
+    tensors: dict[str, TensorEntry] = {}
+    for f in files:
+        tensors.update(_read_safetensors_header(f))
+    return Checkpoint(path=root, config=config, tensors=tensors, files=files)
+
+
+def read_tensor(entry: TensorEntry) -> np.ndarray:
+    """Read one tensor from disk (memory-mapped); bfloat16 is returned as float32."""
+    mm = np.memmap(entry.file, dtype=np.uint8, mode="r", offset=entry.offset, shape=(entry.nbytes,))
+    if entry.dtype == "bfloat16":
+        u16 = np.frombuffer(mm, dtype=np.uint16).astype(np.uint32) << 16
+        return u16.view(np.float32).reshape(entry.shape)
+    return np.frombuffer(mm, dtype=np.dtype(entry.dtype)).reshape(entry.shape)

@@ -1,0 +1,232 @@
+"""Trace a Hugging Face causal LM into an ONNX graph on packed tokens.
+
+transformers is the reference definition of every architecture, so the frontend instantiates the
+model class itself and swaps only attention, through ``AttentionInterface``, for llmc's
+``PagedAttention`` custom op. The model is instantiated without initialising or loading weights
+(untouched ``torch.empty`` storage costs no RAM); the exported graph's initializers are then bound
+by name to the checkpoint's safetensors tensors as lazy tensors, which the backend reads one at a
+time when it writes the engine.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from dataclasses import dataclass
+
+import numpy as np
+import onnx_ir as ir
+
+from llmc.compiler.checkpoint import Checkpoint, TensorEntry, read_tensor
+from llmc.errors import LlmcError
+from llmc.plugins.paged_attention import INPUT_NAMES
+
+ATTN_IMPLEMENTATION = "llmc_paged"
+
+# Graph inputs, in order: flat token ids and positions of every sequence in the step, then the
+# attention metadata (see llmc.plugins.paged_attention), then which rows need logits.
+GRAPH_INPUTS = ("input_ids", "positions", *INPUT_NAMES[3:], "logits_indices")
+GRAPH_OUTPUTS = ("logits",)
+
+
+@dataclass
+class TracedModel:
+    """The traced graph plus what later stages need to know about the model."""
+
+    model: ir.Model
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_size: int
+    vocab_size: int
+    compute_dtype: str
+
+
+def _attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """AttentionInterface entry: [1, H, T, D] query and [1, Hkv, T, D] key/value on packed tokens."""
+    import torch
+
+    _, num_heads, tokens, head_size = query.shape
+    num_kv_heads = key.shape[1]
+    q = query[0].transpose(0, 1).reshape(tokens, num_heads * head_size)
+    k = key[0].transpose(0, 1).reshape(tokens, num_kv_heads * head_size)
+    v = value[0].transpose(0, 1).reshape(tokens, num_kv_heads * head_size)
+    window = kwargs.get("sliding_window") or getattr(module, "sliding_window", None) or 0
+    softcap = kwargs.get("softcap") or 0.0
+    out = torch.ops.llmc.paged_attention(
+        q,
+        k,
+        v,
+        kwargs["slot_mapping"],
+        kwargs["block_tables"],
+        kwargs["context_lens"],
+        kwargs["query_start_loc"],
+        int(module.layer_idx),
+        int(num_heads),
+        int(num_kv_heads),
+        int(head_size),
+        float(scaling if scaling is not None else head_size**-0.5),
+        int(window),
+        float(softcap),
+    )
+    return out.reshape(1, tokens, num_heads, head_size), None
+
+
+def _register_attention() -> None:
+    from transformers import AttentionInterface
+
+    import llmc.plugins.paged_attention.torch_op  # noqa: F401  (registers torch.ops.llmc)
+
+    AttentionInterface.register(ATTN_IMPLEMENTATION, _attention)
+
+
+def _build_module(checkpoint: Checkpoint, compute_dtype: str):
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.initialization import no_init_weights
+
+    _register_attention()
+    try:
+        config = AutoConfig.from_pretrained(checkpoint.path, local_files_only=True)
+    except Exception as exc:  # transformers raises many types for a bad config
+        raise LlmcError(f"{checkpoint.path / 'config.json'}: transformers cannot read it: {exc}") from None
+    config._attn_implementation = ATTN_IMPLEMENTATION
+    with no_init_weights(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        hf = AutoModelForCausalLM.from_config(
+            config, dtype=getattr(torch, compute_dtype), attn_implementation=ATTN_IMPLEMENTATION
+        )
+    hf.eval()
+
+    class PackedCausalLM(torch.nn.Module):
+        """Packed-token step: hidden states for all new tokens, logits only for ``logits_indices``."""
+
+        def __init__(self, inner):
+            super().__init__()
+            # Keep transformers' attribute names so parameter names match the checkpoint's keys.
+            self.model = inner.model
+            self.lm_head = inner.lm_head
+
+        def forward(self, input_ids, positions, slot_mapping, block_tables, context_lens, query_start_loc,
+                    logits_indices):
+            hidden = self.model(
+                input_ids=input_ids[None],
+                position_ids=positions[None],
+                use_cache=False,
+                slot_mapping=slot_mapping,
+                block_tables=block_tables,
+                context_lens=context_lens,
+                query_start_loc=query_start_loc,
+            ).last_hidden_state
+            hidden = hidden[0].index_select(0, logits_indices)
+            return self.lm_head(hidden).float()
+
+    return config, hf, PackedCausalLM(hf).eval()
+
+
+def _check_shapes(checkpoint: Checkpoint, module) -> None:
+    """Every checkpoint tensor the model uses must have the shape the config implies."""
+    for name, param in module.state_dict().items():
+        entry = checkpoint.tensors.get(name)
+        if entry is not None and tuple(entry.shape) != tuple(param.shape):
+            raise LlmcError(
+                f"{entry.file}: tensor {name!r} has shape {list(entry.shape)} but config.json implies "
+                f"{list(param.shape)}; the weights do not belong to this config (check hidden_size, "
+                "num_attention_heads, num_key_value_heads, intermediate_size, vocab_size)"
+            )
+
+
+def _source_entry(checkpoint: Checkpoint, name: str, config) -> TensorEntry | None:
+    entry = checkpoint.tensors.get(name)
+    if entry is None and name == "lm_head.weight" and getattr(config, "tie_word_embeddings", False):
+        entry = checkpoint.tensors.get("model.embed_tokens.weight")
+    return entry
+
+
+def trace(checkpoint: Checkpoint, compute_dtype: str = "float32") -> TracedModel:
+    """Trace ``checkpoint`` into an ``onnx_ir.Model`` whose weights are lazily bound to the safetensors.
+
+    ``compute_dtype`` is the dtype of the graph (weights are converted on write when it differs
+    from the checkpoint's storage dtype).
+    """
+    import torch
+
+    from llmc.plugins.paged_attention import onnx_schema, torch_op
+
+    onnx_schema.register()
+    config, hf, module = _build_module(checkpoint, compute_dtype)
+    _check_shapes(checkpoint, module)
+
+    # Small, pairwise distinct sizes so that torch.export keeps every dimension symbolic.
+    tokens, seqs, max_blocks, n_logits = 11, 3, 5, 2
+    example = (
+        torch.randint(0, config.vocab_size, (tokens,)),
+        torch.arange(tokens),
+        torch.arange(tokens),
+        torch.zeros(seqs, max_blocks, dtype=torch.long),
+        torch.tensor([4, 3, 4]),
+        torch.tensor([0, 4, 7, 11]),
+        torch.tensor([3, 10]),
+    )
+    t, s, b, n = (torch.export.Dim(x) for x in ("tokens", "seqs", "max_blocks", "n_logits"))
+    dynamic = {
+        "input_ids": {0: t},
+        "positions": {0: t},
+        "slot_mapping": {0: t},
+        "block_tables": {0: s, 1: b},
+        "context_lens": {0: s},
+        "query_start_loc": {0: s + 1},
+        "logits_indices": {0: n},
+    }
+    logging.getLogger("torch.onnx").setLevel(logging.ERROR)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        program = torch.onnx.export(
+            module,
+            example,
+            input_names=list(GRAPH_INPUTS),
+            output_names=list(GRAPH_OUTPUTS),
+            dynamo=True,
+            dynamic_shapes=dynamic,
+            custom_translation_table={torch.ops.llmc.paged_attention.default: torch_op.onnx_translation},
+            # Folding here would materialise weights in RAM; ORT folds at load, passes fold later.
+            optimize=False,
+            verbose=False,
+        )
+    model = program.model
+    buffers = {name: buf for name, buf in module.named_buffers()}
+    for name, value in list(model.graph.initializers.items()):
+        entry = _source_entry(checkpoint, name, config)
+        if entry is not None:
+            value.const_value = _lazy_tensor(entry, compute_dtype, name)
+        elif name in buffers:  # computed buffers such as rotary inv_freq are not in the checkpoint
+            value.const_value = ir.tensor(buffers[name].detach().cpu().numpy(), name=name)
+        else:
+            raise LlmcError(
+                f"{checkpoint.path}: the model needs tensor {name!r} but no safetensors file holds it; "
+                "the checkpoint is incomplete or for another architecture"
+            )
+    del hf, module, program
+    text_cfg = config
+    num_heads = text_cfg.num_attention_heads
+    return TracedModel(
+        model=model,
+        num_layers=text_cfg.num_hidden_layers,
+        num_heads=num_heads,
+        num_kv_heads=getattr(text_cfg, "num_key_value_heads", None) or num_heads,
+        head_size=getattr(text_cfg, "head_dim", None) or text_cfg.hidden_size // num_heads,
+        vocab_size=text_cfg.vocab_size,
+        compute_dtype=compute_dtype,
+    )
+
+
+def _lazy_tensor(entry: TensorEntry, dtype: str, name: str) -> ir.LazyTensor:
+    ir_dtype = {"float32": ir.DataType.FLOAT, "float16": ir.DataType.FLOAT16}[dtype]
+
+    def load() -> ir.Tensor:
+        array = read_tensor(entry)
+        if array.dtype != np.dtype(dtype):
+            array = array.astype(dtype)
+        return ir.tensor(array, name=name)
+
+    return ir.LazyTensor(load, dtype=ir_dtype, shape=ir.Shape(entry.shape), name=name)

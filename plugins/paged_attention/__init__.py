@@ -1,0 +1,36 @@
+"""PagedAttention: attention over a KV cache held in fixed-size blocks.
+
+Semantics (the reference in :mod:`.reference` is normative):
+
+Inputs, for one step over ``S`` sequences whose new tokens are packed into ``T`` rows:
+
+- ``query``  ``[T, num_heads * head_size]``
+- ``key``, ``value`` ``[T, num_kv_heads * head_size]`` (new tokens only, rotary already applied)
+- ``slot_mapping`` ``[T]`` int64: cache slot of each new token, ``block_id * block_size + offset``
+- ``block_tables`` ``[S, max_blocks]`` int64: the blocks of each sequence, in order
+- ``context_lens`` ``[S]`` int64: tokens in each sequence's cache *after* this step's writes
+- ``query_start_loc`` ``[S + 1]`` int64: sequence ``s`` owns rows ``query_start_loc[s]:query_start_loc[s+1]``,
+  which are its last tokens (positions ``context_lens[s] - n_s ... context_lens[s] - 1``)
+
+The op first writes every new token's K and V into its slot, then each query row attends
+causally to its sequence's cached positions ``0..p``. Query head ``h`` reads KV head
+``h // (num_heads // num_kv_heads)``. Softmax is computed in float32.
+
+The KV cache of one layer is two arrays ``[num_blocks, num_kv_heads, block_size, head_size]``
+(layout name ``"blocks_hnd"``) owned by the runtime; the graph never holds it.
+"""
+
+OP_TYPE = "PagedAttention"
+DOMAIN = "llmc"
+OPSET_VERSION = 1
+KV_LAYOUT = "blocks_hnd"
+
+INPUT_NAMES = (
+    "query",
+    "key",
+    "value",
+    "slot_mapping",
+    "block_tables",
+    "context_lens",
+    "query_start_loc",
+)

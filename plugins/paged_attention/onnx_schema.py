@@ -1,0 +1,44 @@
+"""The ONNX operator schema of ``llmc::PagedAttention`` (opset 1).
+
+Registering it lets the ONNX checker, shape inference and the torch exporter treat the node as a
+known single-output op instead of an opaque custom node.
+"""
+
+from __future__ import annotations
+
+import onnx
+from onnx.defs import OpSchema
+
+from llmc.plugins.paged_attention import DOMAIN, INPUT_NAMES, OP_TYPE, OPSET_VERSION
+
+ATTRIBUTES = {
+    "layer_idx": OpSchema.AttrType.INT,
+    "num_heads": OpSchema.AttrType.INT,
+    "num_kv_heads": OpSchema.AttrType.INT,
+    "head_size": OpSchema.AttrType.INT,
+    "scale": OpSchema.AttrType.FLOAT,
+    "sliding_window": OpSchema.AttrType.INT,
+    "softcap": OpSchema.AttrType.FLOAT,
+}
+
+
+def register() -> None:
+    """Register the schema once per process (idempotent)."""
+    if onnx.defs.has(OP_TYPE, DOMAIN):
+        return
+    float_like = "T"
+    inputs = [
+        OpSchema.FormalParameter(name, float_like if i < 3 else "tensor(int64)")
+        for i, name in enumerate(INPUT_NAMES)
+    ]
+    schema = OpSchema(
+        OP_TYPE,
+        DOMAIN,
+        OPSET_VERSION,
+        doc="Paged attention over a runtime-owned block KV cache; see llmc.plugins.paged_attention.",
+        inputs=inputs,
+        outputs=[OpSchema.FormalParameter("output", float_like)],
+        type_constraints=[(float_like, ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"], "")],
+        attributes=[OpSchema.Attribute(name, kind, required=False) for name, kind in ATTRIBUTES.items()],
+    )
+    onnx.defs.register_schema(schema)

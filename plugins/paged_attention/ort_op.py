@@ -1,0 +1,73 @@
+"""PagedAttention for ONNX Runtime on the CPU, bridged through onnxruntime-extensions.
+
+ORT calls the Python function registered here once per layer per step (measured ≈ 40 µs of
+bridge overhead per call, see benchmarks/); the function hands ORT's numpy views and the bound
+KV pool (:mod:`.kv_binding`) to llmc's C++ kernel. Importing this module registers the op;
+sessions must then load :func:`library_path` as a custom-op library.
+"""
+
+from __future__ import annotations
+
+import os
+
+from onnxruntime_extensions import PyCustomOpDef, get_library_path, onnx_op
+
+from llmc.plugins.paged_attention import OP_TYPE, kv_binding
+
+ORT_DOMAIN = "ai.onnx.contrib"
+
+
+def _select_kernel():
+    # LLMC_PAGED_ATTENTION_KERNEL=reference runs the numpy definition instead, for debugging.
+    if os.environ.get("LLMC_PAGED_ATTENTION_KERNEL", "cpp") == "reference":
+        from llmc.plugins.paged_attention.reference import paged_attention
+
+        return paged_attention
+    from llmc.plugins.paged_attention.cpu import paged_attention_cpu
+
+    return paged_attention_cpu
+
+
+_kernel = _select_kernel()
+
+_F, _I = PyCustomOpDef.dt_float, PyCustomOpDef.dt_int64
+
+
+@onnx_op(
+    op_type=OP_TYPE,
+    domain=ORT_DOMAIN,
+    inputs=[_F, _F, _F, _I, _I, _I, _I],
+    outputs=[_F],
+    attrs={
+        "layer_idx": PyCustomOpDef.dt_int64,
+        "num_heads": PyCustomOpDef.dt_int64,
+        "num_kv_heads": PyCustomOpDef.dt_int64,
+        "head_size": PyCustomOpDef.dt_int64,
+        "scale": PyCustomOpDef.dt_float,
+        "sliding_window": PyCustomOpDef.dt_int64,
+        "softcap": PyCustomOpDef.dt_float,
+    },
+)
+def _paged_attention(query, key, value, slot_mapping, block_tables, context_lens, query_start_loc, **attrs):
+    k_cache, v_cache = kv_binding.layer_cache(int(attrs["layer_idx"]))
+    return _kernel(
+        query,
+        key,
+        value,
+        slot_mapping,
+        block_tables,
+        context_lens,
+        query_start_loc,
+        k_cache,
+        v_cache,
+        num_heads=int(attrs["num_heads"]),
+        num_kv_heads=int(attrs["num_kv_heads"]),
+        scale=float(attrs["scale"]),
+        sliding_window=int(attrs.get("sliding_window", 0)),
+        softcap=float(attrs.get("softcap", 0.0)),
+    )
+
+
+def library_path() -> str:
+    """The onnxruntime-extensions library that hosts the Python custom ops."""
+    return get_library_path()

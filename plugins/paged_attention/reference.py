@@ -1,0 +1,78 @@
+"""Reference PagedAttention in numpy: slow, obviously correct, the definition every kernel is tested against."""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def write_kv(
+    key: np.ndarray,
+    value: np.ndarray,
+    slot_mapping: np.ndarray,
+    k_cache: np.ndarray,
+    v_cache: np.ndarray,
+) -> None:
+    """Store new tokens' K/V ``[T, Hkv*D]`` into caches ``[blocks, Hkv, block_size, D]`` in place."""
+    _, hkv, block_size, d = k_cache.shape
+    for t, slot in enumerate(slot_mapping.tolist()):
+        if slot < 0:  # padding rows carry no K/V
+            continue
+        b, off = divmod(slot, block_size)
+        k_cache[b, :, off, :] = key[t].reshape(hkv, d)
+        v_cache[b, :, off, :] = value[t].reshape(hkv, d)
+
+
+def paged_attention(
+    query: np.ndarray,
+    key: np.ndarray,
+    value: np.ndarray,
+    slot_mapping: np.ndarray,
+    block_tables: np.ndarray,
+    context_lens: np.ndarray,
+    query_start_loc: np.ndarray,
+    k_cache: np.ndarray,
+    v_cache: np.ndarray,
+    *,
+    num_heads: int,
+    num_kv_heads: int,
+    scale: float,
+    sliding_window: int = 0,
+    softcap: float = 0.0,
+) -> np.ndarray:
+    """Write the new K/V into the caches, then attend. Returns ``[T, num_heads * head_size]``.
+
+    ``sliding_window`` > 0 limits each query to its last ``sliding_window`` positions;
+    ``softcap`` > 0 applies ``softcap * tanh(scores / softcap)`` before the softmax.
+    """
+    write_kv(key, value, slot_mapping, k_cache, v_cache)
+    _, hkv, block_size, d = k_cache.shape
+    assert hkv == num_kv_heads
+    group = num_heads // num_kv_heads
+    out = np.zeros((query.shape[0], num_heads * d), dtype=query.dtype)
+    for s in range(len(context_lens)):
+        start, end = int(query_start_loc[s]), int(query_start_loc[s + 1])
+        n_new, ctx = end - start, int(context_lens[s])
+        if n_new == 0:
+            continue
+        n_blocks = -(-ctx // block_size)
+        blocks = block_tables[s, :n_blocks]
+        # [Hkv, ctx, D] gathered from the sequence's blocks
+        k = k_cache[blocks].transpose(1, 0, 2, 3).reshape(hkv, -1, d)[:, :ctx].astype(np.float32)
+        v = v_cache[blocks].transpose(1, 0, 2, 3).reshape(hkv, -1, d)[:, :ctx].astype(np.float32)
+        q = query[start:end].reshape(n_new, num_heads, d).astype(np.float32)
+        for h in range(num_heads):
+            kh, vh = k[h // group], v[h // group]
+            scores = (q[:, h, :] @ kh.T) * scale  # [n_new, ctx]
+            if softcap > 0:
+                scores = softcap * np.tanh(scores / softcap)
+            pos_q = np.arange(ctx - n_new, ctx)[:, None]
+            pos_k = np.arange(ctx)[None, :]
+            allowed = pos_k <= pos_q
+            if sliding_window > 0:
+                allowed &= pos_k > pos_q - sliding_window
+            scores = np.where(allowed, scores, -np.inf)
+            scores -= scores.max(axis=-1, keepdims=True)
+            p = np.exp(scores)
+            p /= p.sum(axis=-1, keepdims=True)
+            out[start:end, h * d : (h + 1) * d] = (p @ vh).astype(query.dtype)
+    return out

@@ -1,0 +1,91 @@
+"""``torch.ops.llmc.paged_attention``: the custom op the frontend puts in place of attention.
+
+Tracing only needs its fake (shape) implementation; its eager implementation runs the numpy
+reference against the KV pool bound by :func:`llmc.plugins.paged_attention.kv_binding.bound_pool`,
+so a traced model can also be executed in torch for debugging.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from llmc.plugins.paged_attention import DOMAIN, OP_TYPE, OPSET_VERSION, kv_binding, reference
+
+
+@torch.library.custom_op("llmc::paged_attention", mutates_args=())
+def paged_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    layer_idx: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_size: int,
+    scale: float,
+    sliding_window: int,
+    softcap: float,
+) -> torch.Tensor:
+    k_cache, v_cache = kv_binding.layer_cache(layer_idx)
+    out = reference.paged_attention(
+        *(t.detach().float().numpy() if t.is_floating_point() else t.numpy() for t in (query, key, value)),
+        slot_mapping.numpy(),
+        block_tables.numpy(),
+        context_lens.numpy(),
+        query_start_loc.numpy(),
+        k_cache,
+        v_cache,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        scale=scale,
+        sliding_window=sliding_window,
+        softcap=softcap,
+    )
+    return torch.from_numpy(np.ascontiguousarray(out)).to(query.dtype)
+
+
+@paged_attention.register_fake
+def _(query, key, value, slot_mapping, block_tables, context_lens, query_start_loc, *attrs):
+    return torch.empty_like(query)
+
+
+def onnx_translation(
+    query,
+    key,
+    value,
+    slot_mapping,
+    block_tables,
+    context_lens,
+    query_start_loc,
+    layer_idx: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_size: int,
+    scale: float,
+    sliding_window: int,
+    softcap: float,
+):
+    """Lowering for ``torch.onnx.export(custom_translation_table=...)``: one ``llmc.PagedAttention`` node."""
+    import onnxscript
+
+    opset = onnxscript.values.Opset(DOMAIN, OPSET_VERSION)
+    return getattr(opset, OP_TYPE)(
+        query,
+        key,
+        value,
+        slot_mapping,
+        block_tables,
+        context_lens,
+        query_start_loc,
+        layer_idx=layer_idx,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_size=head_size,
+        scale=scale,
+        sliding_window=sliding_window,
+        softcap=softcap,
+    )

@@ -1,0 +1,28 @@
+"""Tokenizer glue over the `tokenizers` library (the runtime imports no transformers)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tokenizers import Tokenizer as _HFTokenizer
+
+from llmc.errors import LlmcError
+
+
+class Tokenizer:
+    """Encodes prompts and decodes outputs exactly as the checkpoint's ``tokenizer.json`` defines."""
+
+    def __init__(self, engine_dir: Path) -> None:
+        path = engine_dir / "tokenizer.json"
+        if not path.is_file():
+            raise LlmcError(f"{path}: missing; text prompts need a tokenizer (pass token ids instead)")
+        self._tok = _HFTokenizer.from_file(str(path))
+        cfg_path = engine_dir / "tokenizer_config.json"
+        self.config = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
