@@ -137,6 +137,31 @@ class Engine:
             ))
         return outputs
 
+    def score(self, token_ids: list[int]) -> np.ndarray:
+        """Logits ``[len(token_ids), vocab]`` (float32) for every position of one sequence, in one step.
+
+        Used for perplexity and for comparing engines position by position.
+        """
+        n = len(token_ids)
+        if n == 0:
+            raise LlmcError("score: token_ids is empty")
+        blocks = self._blocks.allocate(-(-n // self.block_size))
+        try:
+            p = np.arange(n, dtype=np.int64)
+            table = np.asarray(blocks, np.int64)
+            feeds = {
+                "input_ids": np.asarray(token_ids, np.int64),
+                "positions": p,
+                "slot_mapping": table[p // self.block_size] * self.block_size + p % self.block_size,
+                "block_tables": table[None, :],
+                "context_lens": np.asarray([n], np.int64),
+                "query_start_loc": np.asarray([0, n], np.int64),
+                "logits_indices": p,
+            }
+            return self._session.run(feeds, self._pool)
+        finally:
+            self._blocks.free(blocks)
+
     def _make_request(self, index: int, prompt, params: SamplingParams) -> _Request:
         if isinstance(prompt, str):
             if self.tokenizer is None:

@@ -1,0 +1,1 @@
+"""The ``llmc`` command line (click). Thin: parses flags, calls library functions, prints."""

@@ -1,0 +1,78 @@
+"""Shared fixtures: tiny checkpoints and engines, built once per test session (shared across xdist workers)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from filelock import FileLock
+
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT_MODEL = REPO / "assets" / "default-model"
+
+
+def _shared_dir(tmp_path_factory) -> Path:
+    # With xdist every worker has its own basetemp; their parent is common to the run.
+    base = tmp_path_factory.getbasetemp()
+    root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    shared = root / "llmc-shared"
+    shared.mkdir(exist_ok=True)
+    return shared
+
+
+def _once(tmp_path_factory, name: str, make) -> Path:
+    shared = _shared_dir(tmp_path_factory)
+    target = shared / name
+    with FileLock(str(shared / f"{name}.lock")):
+        if not (target / ".done").exists():
+            make(target)
+            (target / ".done").touch()
+    return target
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory) -> Path:
+    from llmc.testing.checkpoints import write_tiny_llama
+
+    return _once(tmp_path_factory, "tiny-llama-fp32", lambda p: write_tiny_llama(p, seed=0))
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_bf16(tmp_path_factory) -> Path:
+    from llmc.testing.checkpoints import write_tiny_llama
+
+    return _once(tmp_path_factory, "tiny-llama-bf16", lambda p: write_tiny_llama(p, dtype="bfloat16", seed=1))
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_sharded(tmp_path_factory) -> Path:
+    from llmc.testing.checkpoints import write_tiny_llama
+
+    return _once(tmp_path_factory, "tiny-llama-sharded",
+                 lambda p: write_tiny_llama(p, seed=2, max_shard_size="100KB"))
+
+
+def _engine(tmp_path_factory, name: str, checkpoint: Path) -> Path:
+    from llmc.compiler.build import build
+
+    def make(target: Path) -> None:
+        target.mkdir(parents=True, exist_ok=True)
+        build(checkpoint, target / "engine")
+
+    return _once(tmp_path_factory, name, make) / "engine"
+
+
+@pytest.fixture(scope="session")
+def tiny_engine(tmp_path_factory, tiny_llama) -> Path:
+    return _engine(tmp_path_factory, "engine-tiny-fp32", tiny_llama)
+
+
+@pytest.fixture(scope="session")
+def tiny_engine_bf16(tmp_path_factory, tiny_llama_bf16) -> Path:
+    return _engine(tmp_path_factory, "engine-tiny-bf16", tiny_llama_bf16)
+
+
+@pytest.fixture(scope="session")
+def default_engine(tmp_path_factory) -> Path:
+    return _engine(tmp_path_factory, "engine-default", DEFAULT_MODEL)
