@@ -127,7 +127,9 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
         raise LlmcError(f"{cfg_path}: not valid JSON ({exc}); fix or re-download it") from None
     model_type = config.get("model_type")
     if model_type is None:
-        raise LlmcError(f"{cfg_path}: field 'model_type' is missing; add it (supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
+        raise LlmcError(
+            f"{cfg_path}: field 'model_type' is missing; add it (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
+        )
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise UnsupportedError(
             f"{cfg_path}: model_type {model_type!r} is not supported; supported model types: "

@@ -158,7 +158,7 @@ def trace(checkpoint: Checkpoint, compute_dtype: str = "float32") -> TracedModel
     _check_shapes(checkpoint, module)
 
     # Small, pairwise distinct sizes so that torch.export keeps every dimension symbolic.
-    tokens, seqs, max_blocks, n_logits = 11, 3, 5, 2
+    tokens, seqs, max_blocks = 11, 3, 5
     example = (
         torch.randint(0, config.vocab_size, (tokens,)),
         torch.arange(tokens),
