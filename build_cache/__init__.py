@@ -1,0 +1,1 @@
+"""The content-addressed store of built artifacts (keys, atomic publish, locking, pruning)."""

@@ -1,0 +1,1 @@
+"""Quantization formats, algorithms, calibration and the graph pass that applies them."""
