@@ -55,17 +55,35 @@ def cli() -> None:
     """
 
 
+def _print_passes(ctx: click.Context, _param, value: bool) -> None:
+    if not value or ctx.resilient_parsing:
+        return
+    from llmc.passes.registry import ALL_PASSES
+
+    for p in ALL_PASSES:
+        needs = f" (requires {', '.join(p.requires)})" if p.requires else ""
+        click.echo(f"{p.name:24} {'fusion' if p.fusion else 'cleanup':8} {p.description}{needs}")
+    ctx.exit(0)
+
+
 @cli.command()
 @click.argument("checkpoint", type=click.Path(path_type=Path))
 @click.option("-o", "--output", "output", type=click.Path(path_type=Path), required=True,
               help="Engine directory to create (must not exist unless --force).")
+@click.option("--print-passes", is_flag=True, expose_value=False, is_eager=True, callback=_print_passes,
+              help="List the passes of the pipeline, in order, and exit.")
+@click.option("--disable-pass", "disabled_passes", multiple=True, metavar="NAME",
+              help="Skip a pass (repeatable); 'all-fusions' skips every fusion. See --print-passes.")
+@click.option("--verify-passes", is_flag=True,
+              help="Run the graph before and after every pass on random inputs; fail naming the first pass "
+                   "that changes the logits beyond 1e-5 relative error.")
 @click.option("--target", default="cpu", show_default=True, help="Target to build for (see `llmc targets`).")
 @click.option("--block-size", default=16, show_default=True, help="KV-cache block size in tokens (power of two).")
 @click.option("--force", is_flag=True, help="Replace the output directory if it exists (only once the build succeeds).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object with the result instead of text.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress output.")
-def build(checkpoint: Path, output: Path, target: str, block_size: int, force: bool, as_json: bool,
-          quiet: bool) -> None:
+def build(checkpoint: Path, output: Path, disabled_passes: tuple[str, ...], verify_passes: bool, target: str,
+          block_size: int, force: bool, as_json: bool, quiet: bool) -> None:
     """Build an engine from a Hugging Face CHECKPOINT directory."""
     from llmc.compiler.build import BuildOptions
     from llmc.compiler.build import build as run_build
@@ -76,8 +94,9 @@ def build(checkpoint: Path, output: Path, target: str, block_size: int, force: b
         if not quiet:
             click.echo(f"{msg} (+{time.perf_counter() - start:.1f}s)", err=True)
 
-    result = run_build(checkpoint, output, BuildOptions(target=target, block_size=block_size, force=force),
-                       progress=progress)
+    options = BuildOptions(target=target, block_size=block_size, force=force, disabled_passes=disabled_passes,
+                           verify_passes=verify_passes)
+    result = run_build(checkpoint, output, options, progress=progress)
     if as_json:
         click.echo(json.dumps({
             "status": "ok",
@@ -85,6 +104,7 @@ def build(checkpoint: Path, output: Path, target: str, block_size: int, force: b
             "target": target,
             "timings_s": result.report["timings_s"],
             "graph": result.report["graph"],
+            "passes": result.report["passes"],
         }))
     elif not quiet:
         size = sum(f.stat().st_size for f in result.out_dir.rglob("*") if f.is_file())

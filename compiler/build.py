@@ -18,7 +18,7 @@ from llmc.compiler import artifact
 from llmc.compiler.backends import onnxruntime as ort_backend
 from llmc.compiler.checkpoint import load_checkpoint
 from llmc.compiler.frontend import GRAPH_INPUTS, GRAPH_OUTPUTS, trace
-from llmc.compiler.pipeline import run_pipeline
+from llmc.compiler.pipeline import passes_for, run_pipeline
 from llmc.compiler.targets import get_target
 from llmc.errors import LlmcError
 from llmc.plugins.paged_attention import KV_LAYOUT
@@ -33,6 +33,10 @@ class BuildOptions:
     target: str = "cpu"
     block_size: int = 16
     force: bool = False
+    disabled_passes: tuple[str, ...] = ()
+    verify_passes: bool = False
+    # Python API only: passes appended to the pipeline (tests use this to plant a broken pass).
+    extra_passes: tuple = ()
 
 
 @dataclass
@@ -59,6 +63,7 @@ def build(checkpoint_dir: str | Path, out_dir: str | Path, options: BuildOptions
     out = Path(out_dir)
     _validate(options)
     target = get_target(options.target)
+    passes = passes_for(target.name, options.disabled_passes, options.extra_passes)
     if out.exists() and not options.force:
         raise LlmcError(f"{out}: output directory already exists; pass --force to replace it or choose another -o")
     if out.exists() and not out.is_dir():
@@ -81,9 +86,19 @@ def build(checkpoint_dir: str | Path, out_dir: str | Path, options: BuildOptions
     timings["trace"] = time.perf_counter() - t
     nodes_traced = sum(1 for _ in traced.model.graph)
 
-    stage("optimise graph", 3)
+    stage(f"optimise graph ({len(passes)} passes{', verified' if options.verify_passes else ''})", 3)
     t = time.perf_counter()
-    pass_stats = run_pipeline(traced.model, target.name)
+    verifier = None
+    if options.verify_passes:
+        from llmc.compiler.verify import KVShape, PassVerifier
+
+        verifier = PassVerifier(traced.model, traced.vocab_size,
+                                KVShape(traced.num_layers, traced.num_kv_heads, traced.head_size,
+                                        options.block_size))
+    pass_stats = run_pipeline(traced.model, passes, verify=verifier, progress=lambda name: say(f"      {name}"))
+    if verifier is not None:
+        for entry in pass_stats:
+            entry["verified_rel_error"] = verifier.errors.get(entry["pass"])
     timings["passes"] = time.perf_counter() - t
 
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -107,7 +122,8 @@ def build(checkpoint_dir: str | Path, out_dir: str | Path, options: BuildOptions
             tmp,
             {
                 "source": {"model_type": ckpt.model_type, "digest": digest, "dtype": ckpt.dtype},
-                "recipe": {"quant": "none", "compute_dtype": traced.compute_dtype},
+                "recipe": {"quant": "none", "compute_dtype": traced.compute_dtype,
+                           "passes": [p.name for p in passes]},
                 "target": {"name": target.name, "backend": target.backend},
                 "toolchain": artifact.toolchain_versions(),
                 "engine": {

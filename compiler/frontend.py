@@ -27,6 +27,7 @@ ATTN_IMPLEMENTATION = "llmc_paged"
 # attention metadata (see llmc.plugins.paged_attention), then which rows need logits.
 GRAPH_INPUTS = ("input_ids", "positions", *INPUT_NAMES[3:], "logits_indices")
 GRAPH_OUTPUTS = ("logits",)
+OPSET = 23
 
 
 @dataclass
@@ -187,6 +188,8 @@ def trace(checkpoint: Checkpoint, compute_dtype: str = "float32") -> TracedModel
             input_names=list(GRAPH_INPUTS),
             output_names=list(GRAPH_OUTPUTS),
             dynamo=True,
+            # Opset 23 has RMSNormalization and RotaryEmbedding, which ORT and TensorRT both run natively.
+            opset_version=OPSET,
             dynamic_shapes=dynamic,
             custom_translation_table={torch.ops.llmc.paged_attention.default: torch_op.onnx_translation},
             # Folding here would materialise weights in RAM; ORT folds at load, passes fold later.

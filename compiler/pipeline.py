@@ -1,29 +1,58 @@
-"""The ordered list of graph passes for a recipe and target."""
+"""The ordered pass pipeline for a recipe and target, with optional differential verification."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 
 import onnx_ir as ir
 
-from llmc.passes import cleanup
+from llmc.errors import LlmcError
+from llmc.passes import base
+from llmc.passes.base import GraphPass
+from llmc.passes.registry import ALL_PASSES, BY_NAME
+
+ALL_FUSIONS = "all-fusions"
 
 
-@dataclass(frozen=True)
-class PassSpec:
-    name: str
-    run: Callable[[ir.Model], dict]
+def passes_for(target: str, disabled: Sequence[str] = (), extra: Sequence[GraphPass] = ()) -> list[GraphPass]:
+    """The passes to run, in order, for ``target``.
+
+    ``disabled`` names passes to skip (``all-fusions`` skips every fusion, leaving cleanup);
+    disabling a pass that another enabled pass requires disables that one too. ``extra`` passes
+    (Python API only) run after the standard ones, before the final dead-code elimination.
+    """
+    unknown = [d for d in disabled if d not in BY_NAME and d != ALL_FUSIONS]
+    if unknown:
+        raise LlmcError(
+            f"--disable-pass {unknown[0]!r}: no such pass; choose from {', '.join([*BY_NAME, ALL_FUSIONS])} "
+            "(see `llmc build --print-passes`)"
+        )
+    off = set(disabled)
+    if ALL_FUSIONS in off:
+        off |= {p.name for p in ALL_PASSES if p.fusion}
+    chosen: list[GraphPass] = []
+    for p in ALL_PASSES:
+        if p.name in off or any(r in off for r in p.requires):
+            off.add(p.name)
+            continue
+        chosen.append(p)
+    if extra:
+        chosen[-1:-1] = list(extra)
+    return chosen
 
 
-def passes_for(target: str) -> list[PassSpec]:
-    """The passes applied, in order, for ``target``."""
-    return [PassSpec("dead-code-elimination", cleanup.dead_code_elimination)]
+Verifier = Callable[[str, ir.Model], None]
 
 
-def run_pipeline(model: ir.Model, target: str) -> list[dict]:
-    """Run every pass in place; returns per-pass statistics for report.json."""
+def run_pipeline(model: ir.Model, passes: Sequence[GraphPass], verify: Verifier | None = None,
+                 progress: Callable[[str], None] | None = None) -> list[dict]:
+    """Run ``passes`` in place; after each, ``verify(pass_name, model)`` if given. Returns per-pass statistics."""
     stats = []
-    for spec in passes_for(target):
-        stats.append({"pass": spec.name, **spec.run(model)})
+    for p in passes:
+        if progress:
+            progress(p.name)
+        s = base.apply(p, model)
+        stats.append({"pass": p.name, **s})
+        if verify is not None:
+            verify(p.name, model)
     return stats

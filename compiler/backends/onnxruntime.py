@@ -16,6 +16,7 @@ import onnx_ir as ir
 from llmc.plugins.paged_attention import DOMAIN, OP_TYPE
 
 ORT_CONTRIB_DOMAIN = "ai.onnx.contrib"
+MS_DOMAIN = "com.microsoft"
 MODEL_FILE = "model.onnx"
 WEIGHTS_FILE = "model.onnx.data"
 
@@ -26,15 +27,53 @@ class EngineFiles:
     weights: str
 
 
+def _lower_skip_rms_norm(graph: ir.Graph, node: ir.Node) -> None:
+    # ORT's SkipSimplifiedLayerNormalization: outputs (y, mean, inv_std_var, input+skip sum).
+    eps = node.attributes["epsilon"].value
+    fused = ir.node("SkipSimplifiedLayerNormalization", list(node.inputs), attributes={"epsilon": eps},
+                    domain=MS_DOMAIN, num_outputs=4)
+    graph.insert_before(node, fused)
+    for old, new in ((node.outputs[0], fused.outputs[0]), (node.outputs[1], fused.outputs[3])):
+        new.name, new.shape, new.type = old.name, old.shape, old.type
+        ir.convenience.replace_all_uses_with(old, new)
+    graph.remove(node, safe=True)
+
+
+def _lower_swiglu(graph: ir.Graph, node: ir.Node) -> None:
+    # ORT has no SwiGLU kernel; QuickGelu(alpha=1) is its fused x * sigmoid(x).
+    gate, up = node.inputs
+    silu = ir.node("QuickGelu", [gate], attributes={"alpha": 1.0}, domain=MS_DOMAIN)
+    mul = ir.node("Mul", [silu.outputs[0], up])
+    graph.insert_before(node, [silu, mul])
+    old = node.outputs[0]
+    mul.outputs[0].name, mul.outputs[0].shape, mul.outputs[0].type = old.name, old.shape, old.type
+    ir.convenience.replace_all_uses_with(old, mul.outputs[0])
+    graph.remove(node, safe=True)
+
+
 def lower(model: ir.Model) -> int:
-    """Move PagedAttention into the domain ORT executes it from. Returns the number of nodes lowered."""
+    """Rewrite llmc-domain ops into ops ONNX Runtime executes. Returns the number of nodes lowered.
+
+    PagedAttention moves to onnxruntime-extensions' domain (llmc's kernel behind it);
+    SkipRMSNormalization and SwiGLU become ORT contrib ops.
+    """
     count = 0
-    for node in ir.traversal.RecursiveGraphIterator(model.graph):
-        if node.domain == DOMAIN and node.op_type == OP_TYPE:
+    graph = model.graph
+    for node in list(graph):
+        if node.domain != DOMAIN:
+            continue
+        if node.op_type == OP_TYPE:
             node.domain = ORT_CONTRIB_DOMAIN
-            count += 1
+        elif node.op_type == "SkipRMSNormalization":
+            _lower_skip_rms_norm(graph, node)
+        elif node.op_type == "SwiGLU":
+            _lower_swiglu(graph, node)
+        else:
+            raise NotImplementedError(f"the ONNX Runtime backend cannot lower llmc.{node.op_type}")
+        count += 1
     model.opset_imports.pop(DOMAIN, None)
     model.opset_imports[ORT_CONTRIB_DOMAIN] = 1
+    model.opset_imports[MS_DOMAIN] = 1
     return count
 
 

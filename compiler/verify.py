@@ -1,0 +1,106 @@
+"""Differential verification of passes: run the graph before and after each pass on the same
+fresh random step (ONNX Runtime, with the KV pool filled with random values) and fail, naming
+the pass, when the logits move beyond tolerance.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import onnx_ir as ir
+
+from llmc.compiler.backends import onnxruntime as ort_backend
+from llmc.errors import EXIT_INTERNAL, LlmcError
+
+
+@dataclass
+class KVShape:
+    num_layers: int
+    num_kv_heads: int
+    head_size: int
+    block_size: int = 16
+
+
+def random_step(rng: np.random.Generator, vocab: int, kv: KVShape, num_blocks: int = 32):
+    """A valid packed step over three sequences: a fresh prefill, a prefill chunk after cached
+    context, and a decode token; plus a random KV pool for the cached positions."""
+    bs = kv.block_size
+    plan = [(0, 7), (9, 5), (20, 1)]  # (cached tokens, new tokens) per sequence
+    perm = rng.permutation(num_blocks)
+    ids, pos, slots, ctx, qsl, tables = [], [], [], [], [0], []
+    nb = max(-(-(c + n) // bs) for c, n in plan)
+    used = 0
+    for cached, new in plan:
+        blocks = perm[used : used + nb]
+        used += nb
+        p = np.arange(cached, cached + new)
+        ids.append(rng.integers(0, vocab, new))
+        pos.append(p)
+        slots.append(blocks[p // bs] * bs + p % bs)
+        ctx.append(cached + new)
+        qsl.append(qsl[-1] + new)
+        tables.append(blocks)
+    feeds = {
+        "input_ids": np.concatenate(ids).astype(np.int64),
+        "positions": np.concatenate(pos).astype(np.int64),
+        "slot_mapping": np.concatenate(slots).astype(np.int64),
+        "block_tables": np.stack(tables).astype(np.int64),
+        "context_lens": np.asarray(ctx, np.int64),
+        "query_start_loc": np.asarray(qsl, np.int64),
+        "logits_indices": np.asarray([qsl[1] - 1, 2, qsl[2] - 1, qsl[3] - 1], np.int64),
+    }
+    shape = (num_blocks, kv.num_kv_heads, bs, kv.head_size)
+    pool = [(rng.standard_normal(shape, dtype=np.float32), rng.standard_normal(shape, dtype=np.float32))
+            for _ in range(kv.num_layers)]
+    return feeds, pool
+
+
+def run_graph(model: ir.Model, feeds: dict[str, np.ndarray], pool) -> np.ndarray:
+    """Execute ``model`` (llmc ops lowered on a copy) in ONNX Runtime on a copy of ``pool``."""
+    import onnxruntime as ort
+
+    from llmc.plugins.paged_attention import kv_binding, ort_op
+
+    copy = ir.serde.deserialize_model(ir.serde.serialize_model(model))
+    ort_backend.lower(copy)
+    so = ort.SessionOptions()
+    so.register_custom_ops_library(ort_op.library_path())
+    # Run the graph as written: ORT's own rewrites would blur which pass changed what.
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    so.log_severity_level = 3
+    session = ort.InferenceSession(ir.serde.serialize_model(copy).SerializeToString(), so,
+                                   providers=["CPUExecutionProvider"])
+    layers = [(k.copy(), v.copy()) for k, v in pool]
+    with kv_binding.bound_pool(layers):
+        return session.run(["logits"], feeds)[0]
+
+
+class PassVerifier:
+    """Callable for :func:`llmc.compiler.pipeline.run_pipeline`: checks each pass against the
+    previous graph and against the unoptimised one, relative error ``max|a-b| / max|b|``."""
+
+    def __init__(self, model: ir.Model, vocab: int, kv: KVShape, rtol: float = 1e-5, seed: int | None = None):
+        self.rng = np.random.default_rng(seed)
+        self.feeds, self.pool = random_step(self.rng, vocab, kv)
+        self.rtol = rtol
+        self.reference = run_graph(model, self.feeds, self.pool)
+        self.previous = self.reference
+        self.errors: dict[str, float] = {}
+
+    def __call__(self, pass_name: str, model: ir.Model) -> None:
+        out = run_graph(model, self.feeds, self.pool)
+        for against, ref in (("the graph before it", self.previous), ("the unoptimised graph", self.reference)):
+            if out.shape != ref.shape:
+                raise LlmcError(f"--verify-passes: pass {pass_name!r} changed output 'logits' shape from "
+                                f"{ref.shape} to {out.shape}", exit_code=EXIT_INTERNAL)
+            err = float(np.abs(out - ref).max() / max(float(np.abs(ref).max()), 1e-30))
+            if not err <= self.rtol:
+                raise LlmcError(
+                    f"--verify-passes: pass {pass_name!r} changed the numerics: output 'logits' differs from "
+                    f"{against} by max relative error {err:.3g} (tolerance {self.rtol:g}); "
+                    f"build with --disable-pass {pass_name} and report the bug",
+                    exit_code=EXIT_INTERNAL,
+                )
+        self.errors[pass_name] = float(np.abs(out - self.reference).max() / np.abs(self.reference).max())
+        self.previous = out

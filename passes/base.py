@@ -1,0 +1,45 @@
+"""What a pass is: a named, in-place rewrite of an ``onnx_ir.Model`` that reports statistics."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import onnx_ir as ir
+
+
+@dataclass(frozen=True)
+class GraphPass:
+    """One pass.
+
+    ``run`` rewrites the model in place and returns its own statistics (at least ``matches``).
+    ``requires`` names passes that must run earlier when this one runs (the pipeline checks);
+    ``guarantees`` names properties the graph has afterwards, for passes and backends to rely on.
+    ``fusion`` marks passes that only make the engine faster (``--disable-pass all-fusions``).
+    """
+
+    name: str
+    run: Callable[[ir.Model], dict[str, int]]
+    description: str
+    requires: tuple[str, ...] = ()
+    guarantees: tuple[str, ...] = ()
+    fusion: bool = True
+
+
+def count_nodes(model: ir.Model) -> int:
+    """Nodes in the main graph and every subgraph."""
+    return sum(1 for _ in ir.traversal.RecursiveGraphIterator(model.graph))
+
+
+def apply(graph_pass: GraphPass, model: ir.Model) -> dict[str, int]:
+    """Run one pass and add graph-level statistics: nodes before/after, removed and added."""
+    before = {id(n) for n in ir.traversal.RecursiveGraphIterator(model.graph)}
+    stats = dict(graph_pass.run(model))
+    after = {id(n) for n in ir.traversal.RecursiveGraphIterator(model.graph)}
+    stats.update(
+        nodes_before=len(before),
+        nodes_after=len(after),
+        nodes_removed=len(before - after),
+        nodes_added=len(after - before),
+    )
+    return stats

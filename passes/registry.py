@@ -1,0 +1,31 @@
+"""Every pass llmc has, in the order the default pipeline runs them."""
+
+from __future__ import annotations
+
+from llmc.passes import activation, cleanup, normalization, projections, rotary, weight_layout
+from llmc.passes.base import GraphPass
+
+ALL_PASSES: tuple[GraphPass, ...] = (
+    GraphPass("fold-constants", cleanup.fold_constants,
+              "constant folding, shape/cast/reshape simplification, dead-code elimination",
+              guarantees=("folded",), fusion=False),
+    GraphPass("weight-layout", weight_layout.transpose_weights,
+              "store transposed weights instead of transposing them at run time (lazy)",
+              requires=("fold-constants",), guarantees=("no-weight-transposes",)),
+    GraphPass("rms-norm", normalization.rms_norm, "RMSNorm subgraph -> RMSNormalization (opset 23)",
+              requires=("fold-constants",), guarantees=("rms-normalization",)),
+    GraphPass("skip-rms-norm", normalization.skip_rms_norm,
+              "residual Add + RMSNormalization -> llmc.SkipRMSNormalization", requires=("rms-norm",)),
+    GraphPass("rotary-embedding", rotary.rotary_embedding, "rotate-half rotary subgraph -> RotaryEmbedding",
+              requires=("fold-constants",)),
+    GraphPass("pack-projections", projections.pack_projections,
+              "Q/K/V and gate/up projections sharing an input -> one MatMul + Split",
+              requires=("weight-layout",)),
+    GraphPass("swiglu", activation.swiglu, "SiLU(gate) * up -> llmc.SwiGLU"),
+    GraphPass("cse", cleanup.common_subexpressions, "merge identical computations (per-layer rotary cos/sin)",
+              fusion=False),
+    GraphPass("dead-code-elimination", cleanup.dead_code_elimination, "remove unused nodes and opsets",
+              fusion=False),
+)
+
+BY_NAME = {p.name: p for p in ALL_PASSES}
