@@ -43,3 +43,16 @@ def apply(graph_pass: GraphPass, model: ir.Model) -> dict[str, int]:
         nodes_added=len(after - before),
     )
     return stats
+
+
+def replace_value(old: ir.Value, new: ir.Value) -> None:
+    """Make every consumer (and the graph output, if ``old`` is one) read ``new``; ``new`` takes
+    ``old``'s name, shape and type so graph signatures and readable names survive rewrites."""
+    name, shape, vtype = old.name, old.shape, old.type
+    old.name = f"{name}.replaced"
+    new.name = name
+    if new.shape is None:
+        new.shape = shape
+    if new.type is None:
+        new.type = vtype
+    ir.convenience.replace_all_uses_with(old, new, replace_graph_outputs=True)

@@ -12,6 +12,7 @@ from collections import defaultdict
 import numpy as np
 import onnx_ir as ir
 
+from llmc.passes.base import replace_value
 from llmc.passes.lazy import constant_of, derived
 
 
@@ -25,7 +26,6 @@ def _packable(node: ir.Node, graph: ir.Graph) -> bool:
         and len(tensor.shape) == 2
         and len(w.uses()) == 1
         and w not in graph.outputs
-        and node.outputs[0] not in graph.outputs
     )
 
 
@@ -64,8 +64,7 @@ def pack_projections(model: ir.Model) -> dict[str, int]:
                         num_outputs=len(nodes))
         graph.insert_before(nodes[0], [matmul, split])
         for old, new in zip(nodes, split.outputs, strict=True):
-            new.shape, new.type, new.name = old.outputs[0].shape, old.outputs[0].type, old.outputs[0].name + "/packed"
-            ir.convenience.replace_all_uses_with(old.outputs[0], new)
+            replace_value(old.outputs[0], new)
         for old, w in zip(nodes, weights, strict=True):
             graph.remove(old, safe=True)
             del graph.initializers[w.name]

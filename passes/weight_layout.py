@@ -32,7 +32,7 @@ def transpose_weights(model: ir.Model) -> dict[str, int]:
         new = ir.Value(name=name, shape=ir.Shape(shape), type=ir.TensorType(tensor.dtype))
         new.const_value = derived([tensor], lambda a, p=tuple(perm): np.transpose(a, p), tensor.dtype, shape, name)
         graph.register_initializer(new)
-        ir.convenience.replace_all_uses_with(node.outputs[0], new)
+        ir.convenience.replace_all_uses_with(node.outputs[0], new, replace_graph_outputs=True)
         graph.remove(node, safe=True)
         del graph.initializers[src.name]
         matches += 1

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import onnx_ir as ir
 
+from llmc.passes.base import replace_value
 from llmc.plugins.paged_attention import DOMAIN, OP_TYPE
 
 ORT_CONTRIB_DOMAIN = "ai.onnx.contrib"
@@ -33,9 +34,8 @@ def _lower_skip_rms_norm(graph: ir.Graph, node: ir.Node) -> None:
     fused = ir.node("SkipSimplifiedLayerNormalization", list(node.inputs), attributes={"epsilon": eps},
                     domain=MS_DOMAIN, num_outputs=4)
     graph.insert_before(node, fused)
-    for old, new in ((node.outputs[0], fused.outputs[0]), (node.outputs[1], fused.outputs[3])):
-        new.name, new.shape, new.type = old.name, old.shape, old.type
-        ir.convenience.replace_all_uses_with(old, new)
+    replace_value(node.outputs[0], fused.outputs[0])
+    replace_value(node.outputs[1], fused.outputs[3])
     graph.remove(node, safe=True)
 
 
@@ -45,9 +45,7 @@ def _lower_swiglu(graph: ir.Graph, node: ir.Node) -> None:
     silu = ir.node("QuickGelu", [gate], attributes={"alpha": 1.0}, domain=MS_DOMAIN)
     mul = ir.node("Mul", [silu.outputs[0], up])
     graph.insert_before(node, [silu, mul])
-    old = node.outputs[0]
-    mul.outputs[0].name, mul.outputs[0].shape, mul.outputs[0].type = old.name, old.shape, old.type
-    ir.convenience.replace_all_uses_with(old, mul.outputs[0])
+    replace_value(node.outputs[0], mul.outputs[0])
     graph.remove(node, safe=True)
 
 
