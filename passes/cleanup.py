@@ -8,25 +8,61 @@ weight-layout pass handles lazily instead.
 from __future__ import annotations
 
 import onnx_ir as ir
-import onnxscript
+import onnx_ir.passes.common as common
 from onnx_ir.passes.common import (
     CommonSubexpressionEliminationPass,
     RemoveUnusedNodesPass,
     RemoveUnusedOpsetsPass,
 )
+from onnxscript import rewriter
+from onnxscript.optimizer import _constant_folding
 
 from llmc.passes.base import count_nodes
 
 # Tensors above this many elements are never folded (they are weights, or derived from them).
-FOLD_SIZE_LIMIT = 4096
+FOLD_SIZE_LIMIT = 1024
+
+
+def _never_fold_weights(node: ir.Node) -> bool | None:
+    # onnxscript always folds Transpose of an initializer, whatever its size: that would read the
+    # weight into RAM now. Weights are repacked lazily by the weight-layout pass instead.
+    for value in node.inputs:
+        tensor = value.const_value if value is not None else None
+        if tensor is not None and tensor.size > FOLD_SIZE_LIMIT:
+            return False
+    return None
 
 
 def fold_constants(model: ir.Model) -> dict[str, int]:
-    """Fold constant subgraphs, simplify shapes/casts/reshapes, remove dead nodes."""
+    """Fold constant subgraphs, simplify shapes/casts/reshapes, remove dead nodes.
+
+    This is onnxscript's optimizer pipeline minus initializer deduplication (which would read
+    every weight to compare them), with weights excluded from folding.
+    """
     before = count_nodes(model)
-    onnxscript.optimizer.optimize(
-        model, input_size_limit=FOLD_SIZE_LIMIT, output_size_limit=FOLD_SIZE_LIMIT, num_iterations=2
-    )
+    ir.passes.Sequential(
+        common.InlinePass(),
+        ir.passes.PassManager(
+            [
+                _constant_folding.FoldConstantsPass(
+                    shape_inference=True,
+                    input_size_limit=FOLD_SIZE_LIMIT,
+                    output_size_limit=FOLD_SIZE_LIMIT,
+                    should_fold=_never_fold_weights,
+                ),
+                rewriter.RewritePass(rewriter._DEFAULT_REWRITE_RULES),
+                common.RemoveUnusedNodesPass(),
+                common.RemoveUnusedFunctionsPass(),
+                common.RemoveUnusedOpsetsPass(),
+            ],
+            steps=2,
+            early_stop=True,
+        ),
+        common.RemoveUnusedNodesPass(),
+        common.LiftConstantsToInitializersPass(lift_all_constants=True, size_limit=0),
+        common.OutputFixPass(),
+        common.NameFixPass(),
+    )(model)
     return {"matches": max(0, before - count_nodes(model))}
 
 
