@@ -1,4 +1,4 @@
-"""Builds the C++ core (CPU paged-attention kernel) as part of `pip install`.
+"""Builds the C++ core (CPU paged-attention kernel, KV block manager) as part of `pip install`.
 
 Metadata lives in pyproject.toml; only the extension needs code.
 """
@@ -13,7 +13,13 @@ ext_modules = [
         cxx_std=17,
         extra_compile_args=["-O3", "-fopenmp", "-march=x86-64-v2"],
         extra_link_args=["-fopenmp"],
-    )
+    ),
+    Pybind11Extension(
+        "llmc.runtime._block_manager",
+        ["runtime/csrc/block_manager.cpp"],
+        cxx_std=17,
+        extra_compile_args=["-O2"],
+    ),
 ]
 
 setup(ext_modules=ext_modules)
