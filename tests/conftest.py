@@ -54,11 +54,12 @@ def tiny_llama_sharded(tmp_path_factory) -> Path:
 
 
 def _engine(tmp_path_factory, name: str, checkpoint: Path) -> Path:
-    from llmc.compiler.build import build
+    from llmc.compiler.build import BuildOptions, build
 
     def make(target: Path) -> None:
         target.mkdir(parents=True, exist_ok=True)
-        build(checkpoint, target / "engine")
+        # Every test build checks each pass differentially (graph before vs after, fresh random inputs).
+        build(checkpoint, target / "engine", BuildOptions(verify_passes=True))
 
     return _once(tmp_path_factory, name, make) / "engine"
 

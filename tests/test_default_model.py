@@ -37,3 +37,14 @@ def test_default_model_writes_documentation_english(default_engine):
     assert len(words) >= 40, text
     known = sum(w in vocabulary for w in words) / len(words)
     assert known >= 0.9, (known, text)
+
+
+def test_default_model_graph_is_optimised(default_engine):
+    """The pass pipeline at least halves the traced graph; every pass was verified (rel. error <= 1e-5)."""
+    import json
+
+    report = json.loads((default_engine / "report.json").read_text())
+    graph = report["graph"]
+    assert graph["nodes_final"] * 2 <= graph["nodes_traced"], graph
+    errors = [p["verified_rel_error"] for p in report["passes"]]
+    assert errors and all(e is not None and e <= 1e-5 for e in errors), report["passes"]

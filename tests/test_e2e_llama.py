@@ -107,10 +107,10 @@ def test_bf16_checkpoint_matches_transformers(tiny_llama_bf16, tiny_engine_bf16)
 
 
 def test_sharded_checkpoint_builds_and_matches(tiny_llama_sharded, tmp_path):
-    from llmc.compiler.build import build
+    from llmc.compiler.build import BuildOptions, build
 
     assert (tiny_llama_sharded / "model.safetensors.index.json").is_file()
-    build(tiny_llama_sharded, tmp_path / "engine")
+    build(tiny_llama_sharded, tmp_path / "engine", BuildOptions(verify_passes=True))
     prompt = _prompts(3, (12,))[0]
     got = Engine.load(tmp_path / "engine").generate([prompt], SamplingParams(max_tokens=16, ignore_eos=True))
     assert got[0].token_ids == _hf_greedy(_hf(tiny_llama_sharded), prompt, 16)
