@@ -100,35 +100,45 @@ def _build_module(checkpoint: Checkpoint, compute_dtype: str):
     hf.eval()
 
     class PackedCausalLM(torch.nn.Module):
-        """Packed-token step: hidden states for all new tokens, logits only for ``logits_indices``."""
+        """Packed-token step: all new tokens through the model, logits only for ``logits_indices``.
+
+        The transformers model's own forward runs (final norm, logit soft-capping and all), with
+        ``logits_to_keep`` selecting the sampled rows before the LM head.
+        """
 
         def __init__(self, inner):
             super().__init__()
-            # Keep transformers' attribute names so parameter names match the checkpoint's keys.
-            self.model = inner.model
-            self.lm_head = inner.lm_head
+            self.inner = inner
 
         def forward(self, input_ids, positions, slot_mapping, block_tables, context_lens, query_start_loc,
                     logits_indices):
-            hidden = self.model(
+            out = self.inner(
                 input_ids=input_ids[None],
                 position_ids=positions[None],
                 use_cache=False,
+                logits_to_keep=logits_indices,
                 slot_mapping=slot_mapping,
                 block_tables=block_tables,
                 context_lens=context_lens,
                 query_start_loc=query_start_loc,
-            ).last_hidden_state
-            hidden = hidden[0].index_select(0, logits_indices)
-            return self.lm_head(hidden).float()
+            )
+            return out.logits[0].float()
 
     return config, hf, PackedCausalLM(hf).eval()
+
+
+WRAPPER_PREFIX = "inner."
+
+
+def _param_name(graph_name: str) -> str:
+    """The checkpoint key of a graph initializer (the wrapper adds a prefix to every parameter)."""
+    return graph_name[len(WRAPPER_PREFIX):] if graph_name.startswith(WRAPPER_PREFIX) else graph_name
 
 
 def _check_shapes(checkpoint: Checkpoint, module) -> None:
     """Every checkpoint tensor the model uses must have the shape the config implies."""
     for name, param in module.state_dict().items():
-        entry = checkpoint.tensors.get(name)
+        entry = checkpoint.tensors.get(_param_name(name))
         if entry is not None and tuple(entry.shape) != tuple(param.shape):
             raise LlmcError(
                 f"{entry.file}: tensor {name!r} has shape {list(entry.shape)} but config.json implies "
@@ -137,10 +147,14 @@ def _check_shapes(checkpoint: Checkpoint, module) -> None:
             )
 
 
-def _source_entry(checkpoint: Checkpoint, name: str, config) -> TensorEntry | None:
+def _source_entry(checkpoint: Checkpoint, name: str, hf) -> TensorEntry | None:
     entry = checkpoint.tensors.get(name)
-    if entry is None and name == "lm_head.weight" and getattr(config, "tie_word_embeddings", False):
-        entry = checkpoint.tensors.get("model.embed_tokens.weight")
+    if entry is None and getattr(hf.config, "tie_word_embeddings", False):
+        # A tied output embedding is stored once, under the input embedding's key.
+        out_emb, in_emb = hf.get_output_embeddings(), hf.get_input_embeddings()
+        names = {id(p): n for n, p in hf.named_parameters(remove_duplicate=False)}
+        if out_emb is not None and names.get(id(out_emb.weight)) == name:
+            entry = checkpoint.tensors.get(next(n for n, p in hf.named_parameters() if p is in_emb.weight))
     return entry
 
 
@@ -199,9 +213,13 @@ def trace(checkpoint: Checkpoint, compute_dtype: str = "float32") -> TracedModel
     model = program.model
     buffers = {name: buf for name, buf in module.named_buffers()}
     for name, value in list(model.graph.initializers.items()):
-        entry = _source_entry(checkpoint, name, config)
+        entry = _source_entry(checkpoint, _param_name(name), hf)
         if entry is not None:
-            value.const_value = _lazy_tensor(entry, compute_dtype, name)
+            # Initializers are named by their checkpoint key, as in the Hugging Face model.
+            del model.graph.initializers[name]
+            value.name = _param_name(name)
+            model.graph.register_initializer(value)
+            value.const_value = _lazy_tensor(entry, compute_dtype, value.name)
         elif name in buffers:  # computed buffers such as rotary inv_freq are not in the checkpoint
             value.const_value = ir.tensor(buffers[name].detach().cpu().numpy(), name=name)
         else:
