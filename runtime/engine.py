@@ -1,16 +1,26 @@
-"""``Engine``: load an artifact and generate, packing every active request into each step.
+"""``Engine``: load an artifact and serve generation requests with continuous batching.
 
-Each step takes, for every running request, the tokens it has not yet computed (its whole prompt
-on the first step, one token per step afterwards), bounded by a per-step token budget, so long
-prompts are prefilled in chunks. Logits are computed only for requests whose step reaches their
-last known token; those sample one new token.
+Requests are submitted to a :class:`~llmc.runtime.scheduler.Scheduler`; every :meth:`Engine.step`
+runs one packed forward pass over the chunks the scheduler picked (decode tokens and prefill
+chunks together, KV in the paged pool), samples one token for each request whose chunk reached
+its last known token, and retires finished requests, returning their blocks at once.
+
+Entry points: :meth:`Engine.generate` (a batch, to completion), :meth:`Engine.stream` (events as
+tokens are produced) and :meth:`Engine.astream` (asyncio), :meth:`Engine.submit` /
+:meth:`Engine.step` / :meth:`Engine.cancel` for callers that drive the loop themselves, and
+:meth:`Engine.stats`. One engine serves one process; calls are serialised by a lock.
 """
 
 from __future__ import annotations
 
+import asyncio
+import itertools
+import json
 import os
+import threading
 import time
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -18,14 +28,21 @@ import numpy as np
 from llmc.errors import LlmcError
 from llmc.runtime import artifact
 from llmc.runtime.kv_cache import BlockManager, KVPool
-from llmc.runtime.sampler import SamplingParams, sample
+from llmc.runtime.sampler import SamplingParams, sample, token_logprobs
+from llmc.runtime.scheduler import Request, Scheduler, SchedulerConfig, SchedulerOutput
 from llmc.runtime.session import OrtSession
 from llmc.runtime.tokenizer import Tokenizer
+
+Prompt = str | Sequence[int]
 
 
 @dataclass
 class GenerationOutput:
-    """One finished request. Times in seconds; ``ttft`` is time to first token."""
+    """One finished request. Times in seconds from submission; ``ttft`` is time to first token.
+
+    ``logprobs`` (when requested) has one ``{token_id: logprob}`` per output token, holding the
+    chosen token and the requested number of most likely ones.
+    """
 
     prompt_token_ids: list[int]
     token_ids: list[int]
@@ -33,30 +50,69 @@ class GenerationOutput:
     finish_reason: str
     ttft: float = 0.0
     latency: float = 0.0
+    request_id: str = ""
+    logprobs: list[dict[int, float]] | None = None
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
 
 
 @dataclass
-class _Request:
-    index: int
-    tokens: list[int]
-    prompt_len: int
-    params: SamplingParams
-    rng: np.random.Generator
-    blocks: list[int] = field(default_factory=list)
-    computed: int = 0
-    finish_reason: str | None = None
-    first_token_time: float | None = None
+class RequestOutput:
+    """What one step produced for one request: its new token (if any) and whether it finished."""
 
-    @property
-    def generated(self) -> list[int]:
-        return self.tokens[self.prompt_len :]
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[dict[int, float]] | None
+    finished: bool
+    finish_reason: str | None
+
+
+@dataclass
+class StreamEvent:
+    """One streamed token of request ``index`` (position in the prompts given to stream()).
+
+    The last event of a request has ``finished`` set (a cancelled request's last event carries
+    no token). ``text`` is the new text this token adds (``None`` without a tokenizer).
+    """
+
+    index: int
+    request_id: str
+    token_id: int | None
+    text: str | None
+    logprobs: dict[int, float] | None
+    finished: bool
+    finish_reason: str | None
+
+
+@dataclass
+class EngineStats:
+    """A snapshot of the engine. Block counts are KV blocks of ``block_size`` tokens."""
+
+    num_running: int
+    num_waiting: int
+    kv_blocks_total: int
+    kv_blocks_used: int
+    kv_blocks_free: int  # free plus cached-but-unused (evictable) blocks
+    kv_blocks_cached: int  # blocks registered in the prefix cache
+    prefix_cache_hit_rate: float  # hit blocks / looked-up full prompt blocks
+    cached_prompt_tokens: int  # prompt tokens served by the prefix cache
+    prompt_tokens_computed: int
+    recomputed_tokens: int
+    generated_tokens: int
+    num_preemptions: int
+    num_steps: int
+    busy_seconds: float  # time spent in steps
+    tokens_per_s: float  # generated tokens per busy second
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
 
 
 class Engine:
     """A loaded engine. Create with :meth:`load`."""
 
     def __init__(self, path: Path, manifest: dict, session: OrtSession, pool: KVPool, blocks: BlockManager,
-                 tokenizer: Tokenizer | None, eos_ids: list[int], max_num_tokens: int) -> None:
+                 tokenizer: Tokenizer | None, eos_ids: list[int], config: SchedulerConfig) -> None:
         self.path = path
         self.manifest = manifest
         self._session = session
@@ -64,18 +120,31 @@ class Engine:
         self._blocks = blocks
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_ids
-        self.max_num_tokens = max_num_tokens
+        self.config = config
+        self.max_num_tokens = config.max_num_tokens
         self.block_size = pool.block_size
         self.max_model_len = int(manifest.get("engine", {}).get("max_position_embeddings", 0)) or None
+        self.vocab_size = int(manifest["engine"]["vocab_size"])
+        self.scheduler = Scheduler(config, blocks)
+        self.last_schedule: SchedulerOutput | None = None  # the latest step's decisions, for inspection
+        self._lock = threading.RLock()
+        self._ids = itertools.count()
+        self._pending: list[RequestOutput] = []  # cancellations to report with the next step
+        self._busy = 0.0
+        self._generated = 0
+        self._driver: asyncio.Task | None = None
+        self._listeners: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
 
     @classmethod
     def load(cls, path: str | Path, *, kv_cache_tokens: int = 16384, max_num_tokens: int = 2048,
-             num_threads: int | None = None, verify: bool = True) -> Engine:
+             max_num_seqs: int = 256, max_waiting: int = 1024, enable_chunked_prefill: bool = True,
+             enable_prefix_caching: bool = True, num_threads: int | None = None, verify: bool = True) -> Engine:
         """Load the artifact at ``path``.
 
-        ``kv_cache_tokens`` sizes the KV pool (tokens across all sequences); ``max_num_tokens``
-        bounds the tokens computed in one step. With ``verify`` (default) every file's sha256 is
-        checked first and a modified or missing file is refused, naming it.
+        ``kv_cache_tokens`` sizes the KV pool (tokens across all sequences, rounded up to whole
+        blocks); ``max_num_tokens`` is the token budget of one step; ``max_num_seqs`` bounds the
+        running requests and ``max_waiting`` the waiting queue. With ``verify`` (default) every
+        file's sha256 is checked first and a modified or missing file is refused, naming it.
         """
         root = Path(path)
         manifest = artifact.require_valid(root) if verify else artifact.read_manifest(root)
@@ -85,84 +154,53 @@ class Engine:
                 f"{root / artifact.MANIFEST}: engine backend {engine_info.get('backend')!r} cannot run on this "
                 "machine (this runtime runs 'onnxruntime' CPU engines); build with --target cpu"
             )
+        config = SchedulerConfig(max_num_tokens=max_num_tokens, max_num_seqs=max_num_seqs, max_waiting=max_waiting,
+                                 enable_chunked_prefill=enable_chunked_prefill,
+                                 enable_prefix_caching=enable_prefix_caching)
         session = OrtSession(root / engine_info["model_file"], num_threads=num_threads or os.cpu_count())
         block_size = int(kv["block_size"])
         num_blocks = max(1, -(-kv_cache_tokens // block_size))
         pool = KVPool.allocate(kv["num_layers"], num_blocks, kv["num_kv_heads"], block_size, kv["head_size"],
                                kv["dtype"])
         tokenizer = Tokenizer(root) if (root / "tokenizer.json").is_file() else None
-        return cls(root, manifest, session, pool, BlockManager(num_blocks), tokenizer, _eos_ids(root),
-                   max_num_tokens)
+        blocks = BlockManager(num_blocks, block_size, enable_prefix_caching)
+        return cls(root, manifest, session, pool, blocks, tokenizer, _eos_ids(root), config)
 
-    # -- generation -------------------------------------------------------------------------------
+    # -- requests ---------------------------------------------------------------------------------
 
-    def generate(self, prompts: list[str] | list[list[int]] | str,
-                 params: SamplingParams | list[SamplingParams] | None = None) -> list[GenerationOutput]:
-        """Generate for every prompt (text, or a list of token ids), all packed together per step."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
-        if params is None:
-            params = SamplingParams()
-        plist = params if isinstance(params, list) else [params] * len(prompts)
-        if len(plist) != len(prompts):
-            raise LlmcError(f"generate: {len(prompts)} prompts but {len(plist)} SamplingParams; pass one or one each")
-        requests = [self._make_request(i, p, sp) for i, (p, sp) in enumerate(zip(prompts, plist, strict=True))]
-        start = time.perf_counter()
-        active = list(requests)
-        finish_times: dict[int, float] = {}
-        try:
-            while active:
-                self._step(active)
-                now = time.perf_counter()
-                for r in active:
-                    if r.finish_reason is not None:
-                        finish_times[r.index] = now
-                        self._blocks.free(r.blocks)
-                        r.blocks = []
-                active = [r for r in active if r.finish_reason is None]
-        finally:
-            for r in active:
-                self._blocks.free(r.blocks)
-                r.blocks = []
-        outputs = []
-        for r in requests:
-            text = self.tokenizer.decode(r.generated) if self.tokenizer else None
-            outputs.append(GenerationOutput(
-                prompt_token_ids=r.tokens[: r.prompt_len],
-                token_ids=r.generated,
-                text=text,
-                finish_reason=r.finish_reason or "length",
-                ttft=(r.first_token_time or start) - start,
-                latency=finish_times.get(r.index, start) - start,
-            ))
-        return outputs
+    def submit(self, prompt: Prompt, params: SamplingParams | None = None, *, request_id: str | None = None) -> str:
+        """Queue one request (text or token ids); returns its id. It runs as :meth:`step` is called.
 
-    def score(self, token_ids: list[int]) -> np.ndarray:
-        """Logits ``[len(token_ids), vocab]`` (float32) for every position of one sequence, in one step.
-
-        Used for perplexity and for comparing engines position by position.
+        Raises ``LlmcError`` for a bad prompt, a request that could never fit in the KV pool (the
+        message says how many blocks it needs), or a full waiting queue.
         """
-        n = len(token_ids)
-        if n == 0:
-            raise LlmcError("score: token_ids is empty")
-        blocks = self._blocks.allocate(-(-n // self.block_size))
-        try:
-            p = np.arange(n, dtype=np.int64)
-            table = np.asarray(blocks, np.int64)
-            feeds = {
-                "input_ids": np.asarray(token_ids, np.int64),
-                "positions": p,
-                "slot_mapping": table[p // self.block_size] * self.block_size + p % self.block_size,
-                "block_tables": table[None, :],
-                "context_lens": np.asarray([n], np.int64),
-                "query_start_loc": np.asarray([0, n], np.int64),
-                "logits_indices": p,
-            }
-            return self._session.run(feeds, self._pool)
-        finally:
-            self._blocks.free(blocks)
+        return self._submit(prompt, params, request_id, "prompt").request_id
 
-    def _make_request(self, index: int, prompt, params: SamplingParams) -> _Request:
+    def _submit(self, prompt: Prompt, params: SamplingParams | None, request_id: str | None,
+                label: str) -> Request:
+        params = params or SamplingParams()
+        ids = self._tokenize(prompt, label)
+        if params.stop and self.tokenizer is None:
+            raise LlmcError(f"{label}: stop strings need the engine's tokenizer.json; use stop_token_ids instead")
+        if self.max_model_len and len(ids) + params.max_tokens > self.max_model_len:
+            raise LlmcError(
+                f"{label}: {len(ids)} prompt + {params.max_tokens} new tokens exceed the engine's context of "
+                f"{self.max_model_len} tokens (max_position_embeddings); shorten the prompt or lower max_tokens"
+            )
+        seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(4), "little")
+        with self._lock:
+            seq_id = next(self._ids)
+            req = Request(
+                request_id=request_id if request_id is not None else f"req-{seq_id}",
+                seq_id=seq_id, prompt_len=len(ids), tokens=list(ids), params=params,
+                arrival_time=time.perf_counter(), rng=np.random.default_rng(seed),
+                logprobs=[] if params.logprobs is not None else None,
+                text="" if params.stop else None,
+            )
+            self.scheduler.add(req)
+        return req
+
+    def _tokenize(self, prompt: Prompt, label: str) -> list[int]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise LlmcError(f"{self.path}: engine has no tokenizer.json; pass token ids instead of text")
@@ -170,75 +208,301 @@ class Engine:
         else:
             ids = [int(t) for t in prompt]
         if not ids:
-            raise LlmcError(f"prompt {index} is empty after tokenization; give at least one token")
-        vocab = self.manifest["engine"]["vocab_size"]
-        bad = [t for t in ids if not 0 <= t < vocab]
+            raise LlmcError(f"{label} is empty after tokenization; give at least one token")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
-            raise LlmcError(f"prompt {index}: token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
-        needed = -(-(len(ids) + params.max_tokens) // self.block_size)
-        if needed > self._blocks.num_blocks:
-            raise LlmcError(
-                f"prompt {index}: {len(ids)} prompt + {params.max_tokens} new tokens need {needed} KV blocks but "
-                f"the pool has {self._blocks.num_blocks}; raise kv_cache_tokens or lower max_tokens"
-            )
-        seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(4), "little")
-        return _Request(index, ids, len(ids), params, np.random.default_rng(seed))
+            raise LlmcError(f"{label}: token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})")
+        return ids
 
-    def _step(self, active: list[_Request]) -> None:
-        budget = self.max_num_tokens
-        chunks: list[tuple[_Request, int]] = []
-        for r in active:
-            n = min(len(r.tokens) - r.computed, budget)
-            if n <= 0:
-                continue
-            need = -(-(r.computed + n) // self.block_size) - len(r.blocks)
-            if need > 0:
-                r.blocks += self._blocks.allocate(need)
-            chunks.append((r, n))
-            budget -= n
-        ids, pos, slots, qsl, ctx, logit_rows, sampled = [], [], [], [0], [], [], []
-        max_blocks = max(len(r.blocks) for r, _ in chunks)
-        tables = np.zeros((len(chunks), max_blocks), np.int64)
-        for s, (r, n) in enumerate(chunks):
-            p = np.arange(r.computed, r.computed + n)
-            ids.extend(r.tokens[r.computed : r.computed + n])
-            pos.append(p)
-            blocks = np.asarray(r.blocks, np.int64)
-            slots.append(blocks[p // self.block_size] * self.block_size + p % self.block_size)
-            tables[s, : len(r.blocks)] = blocks
-            ctx.append(r.computed + n)
-            qsl.append(qsl[-1] + n)
-            if r.computed + n == len(r.tokens):
-                logit_rows.append(qsl[-1] - 1)
-                sampled.append(r)
-        feeds = {
-            "input_ids": np.asarray(ids, np.int64),
-            "positions": np.concatenate(pos).astype(np.int64),
-            "slot_mapping": np.concatenate(slots).astype(np.int64),
-            "block_tables": tables,
-            "context_lens": np.asarray(ctx, np.int64),
-            "query_start_loc": np.asarray(qsl, np.int64),
-            "logits_indices": np.asarray(logit_rows, np.int64),
-        }
-        logits = self._session.run(feeds, self._pool)
-        for r, n in chunks:
-            r.computed += n
-        now = time.perf_counter()
-        for row, r in enumerate(sampled):
-            token = sample(logits[row], r.params, r.rng)
-            r.tokens.append(token)
-            if r.first_token_time is None:
-                r.first_token_time = now
-            p = r.params
-            if (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids:
-                r.finish_reason = "stop"
-            elif len(r.generated) >= p.max_tokens:
-                r.finish_reason = "length"
+    def cancel(self, request_id: str) -> bool:
+        """Cancel a waiting or running request; its KV blocks are returned at once.
+
+        Returns False if no such request is in flight. Streams of the request end with a
+        ``finish_reason == "cancelled"`` event.
+        """
+        with self._lock:
+            req = self.scheduler.requests.get(request_id)
+            if req is None:
+                return False
+            self.scheduler.finish(req, "cancelled")
+            req.finish_time = time.perf_counter()
+            self._pending.append(RequestOutput(request_id, [], [] if req.logprobs is not None else None, True,
+                                               "cancelled"))
+            return True
+
+    def has_unfinished(self) -> bool:
+        with self._lock:
+            return self.scheduler.has_work() or bool(self._pending)
+
+    # -- one step ---------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduler step; returns what each affected request produced."""
+        with self._lock:
+            outputs, self._pending = self._pending, []
+            if not self.scheduler.has_work():
+                return outputs
+            t0 = time.perf_counter()
+            sched = self.scheduler.schedule()
+            self.last_schedule = sched
+            if not sched.chunks:
+                return outputs
+            self._pool.copy_blocks(sched.copies)
+            chunks = sched.chunks
+            ids, pos, slots, tables, ctx, qsl = self._blocks.prepare_step(
+                [c.request.seq_id for c in chunks], [c.num_tokens for c in chunks])
+            sampling = [c for c in chunks if c.samples]
+            rows = np.asarray([qsl[i + 1] - 1 for i, c in enumerate(chunks) if c.samples], np.int64)
+            feeds = {"input_ids": ids, "positions": pos, "slot_mapping": slots, "block_tables": tables,
+                     "context_lens": ctx, "query_start_loc": qsl, "logits_indices": rows}
+            logits = self._session.run(feeds, self._pool)
+            self.scheduler.complete(sched)
+            now = time.perf_counter()
+            for row, chunk in enumerate(sampling):
+                outputs.append(self._accept(chunk.request, logits[row], now))
+            self._busy += time.perf_counter() - t0
+            return outputs
+
+    def _accept(self, r: Request, logits: np.ndarray, now: float) -> RequestOutput:
+        p = r.params
+        token = sample(logits, p, r.rng, r.tokens if p.repetition_penalty != 1.0 else ())
+        lp = token_logprobs(logits, token, p.logprobs) if p.logprobs is not None else None
+        self.scheduler.append_token(r, token)
+        self._generated += 1
+        if r.first_token_time is None:
+            r.first_token_time = now
+        r.token_times.append(now)
+        if lp is not None:
+            r.logprobs.append(lp)
+        reason = None
+        if (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids:
+            reason = "stop"
+        elif p.stop and self._hit_stop_string(r):
+            reason = "stop"
+        elif len(r.tokens) - r.prompt_len >= p.max_tokens:
+            reason = "length"
+        if reason is not None:
+            self.scheduler.finish(r, reason)
+            r.finish_time = now
+        return RequestOutput(r.request_id, [token], [lp] if lp is not None else None, reason is not None, reason)
+
+    def _hit_stop_string(self, r: Request) -> bool:
+        text = self.tokenizer.decode(r.output_token_ids)
+        # Only the tail can hold a stop string that this token completed.
+        start = max(0, len(r.text or "") - max(len(s) for s in r.params.stop))
+        r.text = text
+        hits = [i for i in (text.find(s, start) for s in r.params.stop) if i >= 0]
+        if hits:
+            r.text = text[: min(hits)]
+            return True
+        return False
+
+    # -- batch ------------------------------------------------------------------------------------
+
+    def generate(self, prompts: Prompt | list[Prompt],
+                 params: SamplingParams | list[SamplingParams] | None = None) -> list[GenerationOutput]:
+        """Generate for every prompt (text, or a list of token ids), batched continuously; outputs in order."""
+        reqs = self._submit_all(prompts, params)
+        try:
+            while any(not r.finished for r in reqs):
+                self.step()
+        finally:
+            for r in reqs:
+                if not r.finished:
+                    self.cancel(r.request_id)
+        return [self._output(r) for r in reqs]
+
+    def _submit_all(self, prompts, params) -> list[Request]:
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int | np.integer)):
+            prompts = [prompts]
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        if len(plist) != len(prompts):
+            raise LlmcError(f"generate: {len(prompts)} prompts but {len(plist)} SamplingParams; pass one or one each")
+        reqs: list[Request] = []
+        try:
+            for i, (p, sp) in enumerate(zip(prompts, plist, strict=True)):
+                reqs.append(self._submit(p, sp, None, f"prompt {i}"))
+        except BaseException:
+            for r in reqs:  # all or nothing
+                self.cancel(r.request_id)
+            raise
+        return reqs
+
+    def _output(self, r: Request) -> GenerationOutput:
+        if r.params.stop and r.finish_reason == "stop" and r.text is not None:
+            text = r.text
+        else:
+            text = self.tokenizer.decode(r.output_token_ids) if self.tokenizer else None
+        end = r.finish_time or time.perf_counter()
+        return GenerationOutput(
+            prompt_token_ids=r.prompt_token_ids, token_ids=r.output_token_ids, text=text,
+            finish_reason=r.finish_reason or "length",
+            ttft=(r.first_token_time or end) - r.arrival_time, latency=end - r.arrival_time,
+            request_id=r.request_id, logprobs=r.logprobs, num_cached_tokens=r.num_cached_tokens,
+            num_preemptions=r.num_preemptions,
+        )
+
+    def result(self, request_id: str) -> GenerationOutput | None:
+        """The output so far of an in-flight request (None when unknown or already finished)."""
+        with self._lock:
+            r = self.scheduler.requests.get(request_id)
+            return self._output(r) if r is not None else None
+
+    # -- streaming --------------------------------------------------------------------------------
+
+    def stream(self, prompts: Prompt | list[Prompt],
+               params: SamplingParams | list[SamplingParams] | None = None) -> Iterator[StreamEvent]:
+        """Yield a :class:`StreamEvent` per generated token of every prompt, as steps produce them.
+
+        Other submitted requests keep running in the same steps. Closing the iterator early cancels
+        the requests it still has in flight.
+        """
+        reqs = self._submit_all(prompts, params)
+        index = {r.request_id: i for i, r in enumerate(reqs)}
+        texts = _TextDeltas(self.tokenizer, reqs)
+        pending = set(index)
+        try:
+            while pending:
+                for o in self.step():
+                    if o.request_id in pending:
+                        yield from texts.events(index[o.request_id], o)
+                        if o.finished:
+                            pending.discard(o.request_id)
+        finally:
+            for rid in pending:
+                self.cancel(rid)
+
+    async def astream(self, prompts: Prompt | list[Prompt],
+                      params: SamplingParams | list[SamplingParams] | None = None) -> AsyncIterator[StreamEvent]:
+        """asyncio variant of :meth:`stream`: steps run in a worker thread, shared by all concurrent streams.
+
+        Streams started from several tasks are batched together (continuous batching); closing one
+        cancels only its own requests.
+        """
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        reqs = await asyncio.to_thread(self._submit_all, prompts, params)
+        index = {r.request_id: i for i, r in enumerate(reqs)}
+        texts = _TextDeltas(self.tokenizer, reqs)
+        pending = set(index)
+        for rid in index:
+            self._listeners[rid] = (loop, queue)
+        if self._driver is None or self._driver.done():
+            self._driver = loop.create_task(self._drive())
+        try:
+            while pending:
+                o = await queue.get()
+                if isinstance(o, BaseException):
+                    raise o
+                for ev in texts.events(index[o.request_id], o):
+                    yield ev
+                if o.finished:
+                    pending.discard(o.request_id)
+        finally:
+            for rid in index:
+                self._listeners.pop(rid, None)
+            for rid in pending:
+                self.cancel(rid)
+
+    async def _drive(self) -> None:
+        """Step while any request is in flight, handing outputs to the streams that wait for them."""
+        try:
+            while self.has_unfinished():
+                outputs = await asyncio.to_thread(self.step)
+                for o in outputs:
+                    listener = self._listeners.get(o.request_id)
+                    if listener is not None:
+                        listener[1].put_nowait(o)
+        except Exception as exc:  # surfaced to every waiting stream
+            for _, q in set(self._listeners.values()):
+                q.put_nowait(exc)
+
+    # -- other ------------------------------------------------------------------------------------
+
+    def stats(self) -> EngineStats:
+        """Running/waiting requests, KV blocks, prefix-cache hit rate, preemptions and throughput."""
+        with self._lock:
+            b, c = self._blocks, self.scheduler.counters
+            return EngineStats(
+                num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+                kv_blocks_total=b.num_blocks, kv_blocks_used=b.num_used_blocks, kv_blocks_free=b.num_free_blocks,
+                kv_blocks_cached=b.num_cached_blocks,
+                prefix_cache_hit_rate=b.prefix_hits / b.prefix_queries if b.prefix_queries else 0.0,
+                cached_prompt_tokens=c.cached_prompt_tokens, prompt_tokens_computed=c.prompt_tokens_computed,
+                recomputed_tokens=c.recomputed_tokens, generated_tokens=self._generated,
+                num_preemptions=c.num_preemptions, num_steps=c.num_steps, busy_seconds=self._busy,
+                tokens_per_s=self._generated / self._busy if self._busy > 0 else 0.0,
+            )
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block not in use (e.g. between benchmark runs)."""
+        with self._lock:
+            self._blocks.reset_prefix_cache()
+
+    def score(self, token_ids: list[int]) -> np.ndarray:
+        """Logits ``[len(token_ids), vocab]`` (float32) for every position of one sequence, in one step.
+
+        Used for perplexity and for comparing engines position by position. Runs outside the
+        scheduler, with blocks of its own; raises ``LlmcError`` if the pool lacks them right now.
+        """
+        n = len(token_ids)
+        if n == 0:
+            raise LlmcError("score: token_ids is empty")
+        with self._lock:
+            need = -(-n // self.block_size)
+            if need > self._blocks.num_free_blocks:
+                raise LlmcError(f"score: {n} tokens need {need} free KV blocks, {self._blocks.num_free_blocks} "
+                                "are free; raise kv_cache_tokens or score when requests have finished")
+            blocks = self._blocks.allocate(need)
+            try:
+                p = np.arange(n, dtype=np.int64)
+                table = np.asarray(blocks, np.int64)
+                feeds = {
+                    "input_ids": np.asarray(token_ids, np.int64),
+                    "positions": p,
+                    "slot_mapping": table[p // self.block_size] * self.block_size + p % self.block_size,
+                    "block_tables": table[None, :],
+                    "context_lens": np.asarray([n], np.int64),
+                    "query_start_loc": np.asarray([0, n], np.int64),
+                    "logits_indices": p,
+                }
+                return self._session.run(feeds, self._pool)
+            finally:
+                self._blocks.free(blocks)
+
+
+class _TextDeltas:
+    """Turns per-token outputs into stream events with the text each token adds."""
+
+    def __init__(self, tokenizer: Tokenizer | None, reqs: list[Request]) -> None:
+        self._tok = tokenizer
+        self._reqs = reqs
+        self._ids: list[list[int]] = [[] for _ in reqs]  # tokens delivered so far (the request may be ahead)
+        self._shown = [""] * len(reqs)
+
+    def events(self, i: int, o: RequestOutput) -> Iterator[StreamEvent]:
+        if not o.new_token_ids:
+            yield StreamEvent(i, o.request_id, None, None, None, o.finished, o.finish_reason)
+            return
+        self._ids[i] += o.new_token_ids
+        text = None
+        if self._tok is not None:
+            r = self._reqs[i]
+            if o.finished and o.finish_reason == "stop" and r.params.stop and r.text is not None:
+                full = r.text  # cut before the stop string
+            else:
+                full = self._tok.decode(self._ids[i])
+            # A token can end inside a multi-byte character; hold the text back until it completes.
+            text = ""
+            if not full.endswith("\ufffd") or o.finished:
+                if full.startswith(self._shown[i]):
+                    text = full[len(self._shown[i]) :]
+                self._shown[i] = full
+        lp = o.new_logprobs[0] if o.new_logprobs else None
+        yield StreamEvent(i, o.request_id, o.new_token_ids[0], text, lp, o.finished, o.finish_reason)
 
 
 def _eos_ids(root: Path) -> list[int]:
-    import json
-
     for name in ("generation_config.json", "hf_config.json"):
         f = root / name
         if f.is_file():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -11,31 +12,72 @@ from llmc.errors import LlmcError
 
 @dataclass
 class SamplingParams:
-    """How to pick each next token. ``temperature == 0`` means greedy.
+    """How to pick each next token, and when to stop. ``temperature == 0`` means greedy.
 
-    ``top_k <= 0`` and ``top_p >= 1`` disable those filters. ``stop_token_ids`` end the request
-    (in addition to the model's EOS unless ``ignore_eos``); the stop token is kept in the output.
+    Logits are processed in this order: ``repetition_penalty`` (Hugging Face semantics: every token
+    already in the prompt or the output has its logit divided by the penalty when positive,
+    multiplied when negative; 1 = off), ``temperature``, ``top_k`` (``<= 0`` = off), ``top_p``
+    (``1`` = off), ``min_p`` (drop tokens less likely than ``min_p`` times the most likely one;
+    ``0`` = off). ``seed`` makes sampling reproducible per request.
+
+    Stopping: ``max_tokens`` new tokens; the model's EOS (unless ``ignore_eos``); any of
+    ``stop_token_ids`` (kept in the output); any of the ``stop`` strings (the text is cut before
+    the stop string; the token ids keep the token that completed it). ``logprobs`` = N returns, per
+    generated token, the log-probability of the chosen token and of the N most likely tokens under
+    the model's distribution (before any processing); ``None`` returns none.
     """
 
     max_tokens: int = 64
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
     seed: int | None = None
+    stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
         if self.max_tokens < 1:
             raise LlmcError(f"SamplingParams.max_tokens={self.max_tokens}: must be at least 1")
         if self.temperature < 0:
             raise LlmcError(f"SamplingParams.temperature={self.temperature}: must be >= 0 (0 = greedy)")
         if not 0 < self.top_p <= 1:
             raise LlmcError(f"SamplingParams.top_p={self.top_p}: must be in (0, 1]")
+        if not 0 <= self.min_p <= 1:
+            raise LlmcError(f"SamplingParams.min_p={self.min_p}: must be in [0, 1] (0 = off)")
+        if self.repetition_penalty <= 0:
+            raise LlmcError(f"SamplingParams.repetition_penalty={self.repetition_penalty}: must be > 0 (1 = off)")
+        if self.logprobs is not None and self.logprobs < 0:
+            raise LlmcError(f"SamplingParams.logprobs={self.logprobs}: must be >= 0 (or None for none)")
+        if any(not s for s in self.stop):
+            raise LlmcError("SamplingParams.stop: stop strings must be non-empty")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
 
 
-def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> int:
-    """Pick one token id from ``logits`` ``[vocab]``."""
+def apply_repetition_penalty(logits: np.ndarray, context: Sequence[int], penalty: float) -> np.ndarray:
+    """Return a copy of ``logits`` ``[vocab]`` with every token of ``context`` penalised (HF semantics)."""
+    out = np.array(logits, dtype=np.float32, copy=True)
+    if penalty == 1.0 or not len(context):
+        return out
+    ids = np.unique(np.asarray(context, np.int64))
+    seen = out[ids]
+    out[ids] = np.where(seen > 0, seen / penalty, seen * penalty)
+    return out
+
+
+def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator,
+           context: Sequence[int] = ()) -> int:
+    """Pick one token id from ``logits`` ``[vocab]``; ``context`` (prompt + output ids) feeds the repetition penalty."""
+    if params.repetition_penalty != 1.0:
+        logits = apply_repetition_penalty(logits, context, params.repetition_penalty)
     if params.temperature == 0:
         return int(np.argmax(logits))
     scaled = logits.astype(np.float64) / params.temperature
@@ -52,4 +94,21 @@ def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator)
         mask = np.zeros_like(probs)
         mask[keep] = probs[keep]
         probs = mask / mask.sum()
+    if params.min_p > 0.0:
+        probs = np.where(probs < params.min_p * probs.max(), 0.0, probs)
+        probs /= probs.sum()
     return int(rng.choice(probs.size, p=probs))
+
+
+def token_logprobs(logits: np.ndarray, token: int, top: int) -> dict[int, float]:
+    """Log-probabilities under ``softmax(logits)``: of ``token`` and of the ``top`` most likely ids."""
+    x = logits.astype(np.float64)
+    m = x.max()
+    logz = m + np.log(np.exp(x - m).sum())
+    out: dict[int, float] = {}
+    if top > 0:
+        ids = np.argpartition(-x, min(top, x.size) - 1)[:top]
+        for i in ids[np.argsort(-x[ids], kind="stable")]:
+            out[int(i)] = float(x[i] - logz)
+    out[int(token)] = float(x[token] - logz)
+    return out

@@ -1,0 +1,346 @@
+"""The scheduler: which requests compute which tokens in each step.
+
+Policy (continuous batching with chunked prefill, as in vLLM's scheduler):
+
+- Each step has a token budget (``max_num_tokens``). Running requests are served first, those
+  decoding (one token to compute) before those still prefilling, each group in admission order,
+  so a long prompt never takes the budget away from running decodes. Prefills take what is left
+  of the budget, in chunks (``enable_chunked_prefill``); with chunking off, a prompt is computed
+  in one step or waits.
+- Waiting requests are admitted first-come-first-served between steps while budget, sequence
+  slots (``max_num_seqs``) and KV blocks allow; finished and cancelled requests leave at once.
+  The waiting queue is bounded (``max_waiting``): a full queue rejects new requests with an
+  ``LlmcError`` instead of growing without limit.
+- Prefix caching: an admitted request reuses every cached full block of its tokens (see the
+  block manager), and computes only the rest. When the next block of a waiting request's prefix
+  is being computed right now by a running request (requests sharing a system prompt arrive
+  together), the queue waits for it instead of computing the same block twice.
+- Preemption by recompute: when a running request needs a block and none is free, the most
+  recently admitted running request is preempted (its blocks are freed; it goes back to the front
+  of the waiting queue keeping its generated tokens, and is recomputed when readmitted — cheaply,
+  when its blocks are still in the prefix cache). The oldest request is never preempted by a
+  younger one, so it always progresses. Nothing is admitted in a step that preempted.
+- A request that cannot fit even alone in the pool is rejected when submitted, saying how many
+  blocks it needs.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from llmc.errors import LlmcError
+from llmc.runtime.kv_cache import BlockManager, hash_block
+from llmc.runtime.sampler import SamplingParams
+
+
+@dataclass
+class SchedulerConfig:
+    """Limits of the scheduler. Token counts are tokens of all requests together."""
+
+    max_num_tokens: int = 2048  # token budget of one step
+    max_num_seqs: int = 256  # running requests at most
+    max_waiting: int = 1024  # waiting requests at most (back-pressure); preempted requests always requeue
+    enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True  # the block manager's setting; kept here for reporting
+    # Blocks kept free when admitting a request while others run, so running decodes do not have to
+    # preempt the newcomer at once (a fraction of the pool).
+    admission_watermark: float = 0.01
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_tokens", "max_num_seqs", "max_waiting"):
+            if getattr(self, name) < 1:
+                raise LlmcError(f"SchedulerConfig.{name}={getattr(self, name)}: must be at least 1")
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    """One generation request and its progress. ``tokens`` holds the prompt, then the output."""
+
+    request_id: str
+    seq_id: int
+    prompt_len: int
+    tokens: list[int]
+    params: SamplingParams
+    arrival_time: float
+    rng: np.random.Generator
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed: int = 0  # tokens whose KV is in the cache
+    finish_reason: str | None = None
+    num_preemptions: int = 0
+    num_cached_tokens: int = 0  # prefix-cache hits at the first admission
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    token_times: list[float] = field(default_factory=list)
+    logprobs: list[dict[int, float]] | None = None
+    text: str | None = None  # detokenised output, kept up to date only when stop strings need it
+    _hashes: tuple[int, list[int]] | None = None  # (len(tokens), chained hashes of the cacheable blocks)
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.tokens[: self.prompt_len]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.tokens[self.prompt_len :]
+
+    @property
+    def num_remaining(self) -> int:
+        """Known tokens whose KV still has to be computed (1 while decoding)."""
+        return len(self.tokens) - self.num_computed
+
+    @property
+    def finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+
+@dataclass
+class ScheduledChunk:
+    """``request`` computes its tokens ``[start, start + num_tokens)`` in this step."""
+
+    request: Request
+    start: int
+    num_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """Whether the chunk reaches the request's last known token, whose logits pick the next token."""
+        return self.start + self.num_tokens == len(self.request.tokens)
+
+
+@dataclass
+class SchedulerOutput:
+    """What one step computes. ``copies`` are (src, dst) KV block copies to do first (copy-on-write)."""
+
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+    admitted: list[Request] = field(default_factory=list)
+    copies: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+
+@dataclass
+class SchedulerCounters:
+    """Cumulative counts since the scheduler was created."""
+
+    num_preemptions: int = 0
+    num_steps: int = 0
+    prompt_tokens_computed: int = 0  # prompt positions computed (not served by the prefix cache)
+    recomputed_tokens: int = 0  # output positions computed again after a preemption
+    decode_tokens: int = 0
+    admitted_prompt_tokens: int = 0  # prompt tokens of first admissions
+    cached_prompt_tokens: int = 0  # of which served by the prefix cache
+
+
+class Scheduler:
+    """Decides each step's chunks; owns the waiting queue and the running list."""
+
+    def __init__(self, config: SchedulerConfig, blocks: BlockManager) -> None:
+        self.config = config
+        self.blocks = blocks
+        self.block_size = blocks.block_size
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # admission order
+        self.requests: dict[str, Request] = {}
+        self.counters = SchedulerCounters()
+        # Hash of a full prompt block -> the running request that is computing it (prefix caching).
+        self._inflight: dict[int, Request] = {}
+
+    # -- requests in and out ---------------------------------------------------------------------
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        """Blocks a sequence of ``num_tokens`` computed tokens occupies."""
+        return -(-num_tokens // self.block_size)
+
+    def check_fits(self, prompt_len: int, params: SamplingParams, label: str) -> None:
+        """Raise ``LlmcError`` if a request could never run, even alone."""
+        # The last generated token is never fed back, so it needs no KV slot.
+        tokens = prompt_len + params.max_tokens - 1
+        need = self.blocks_needed(tokens)
+        if need > self.blocks.num_blocks:
+            raise LlmcError(
+                f"{label}: {prompt_len} prompt + {params.max_tokens} new tokens need {need} KV blocks of "
+                f"{self.block_size} tokens but the pool has {self.blocks.num_blocks}; raise kv_cache_tokens "
+                "or lower max_tokens"
+            )
+        if not self.config.enable_chunked_prefill and tokens > self.config.max_num_tokens:
+            raise LlmcError(
+                f"{label}: {prompt_len} prompt + {params.max_tokens} new tokens can need {tokens} tokens in one "
+                f"step (recompute after preemption) but max_num_tokens is {self.config.max_num_tokens} and chunked "
+                "prefill is off; enable chunked prefill or raise max_num_tokens"
+            )
+
+    def add(self, request: Request) -> None:
+        """Queue a new request (FCFS). Raises ``LlmcError`` when it can never fit or the queue is full."""
+        if request.request_id in self.requests:
+            raise LlmcError(f"request id {request.request_id!r} is already in use; pick another")
+        self.check_fits(request.prompt_len, request.params, f"request {request.request_id}")
+        if len(self.waiting) >= self.config.max_waiting:
+            raise LlmcError(
+                f"request {request.request_id}: the waiting queue is full ({len(self.waiting)} requests, "
+                f"max_waiting={self.config.max_waiting}); retry when requests finish, or raise max_waiting"
+            )
+        request.status = RequestStatus.WAITING
+        self.waiting.append(request)
+        self.requests[request.request_id] = request
+
+    def finish(self, request: Request, reason: str) -> None:
+        """End ``request`` (stop, length, cancelled) and return its blocks to the pool at once."""
+        if request.finished:
+            return
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        if self.blocks.has_sequence(request.seq_id):
+            self.blocks.free_sequence(request.seq_id)
+        self._forget_inflight(request)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        del self.requests[request.request_id]
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- one step --------------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's chunks, reserving their KV slots (preempting when blocks run out)."""
+        cfg = self.config
+        out = SchedulerOutput()
+        budget = cfg.max_num_tokens
+        scheduled: dict[int, ScheduledChunk] = {}  # by id(request), in scheduling order
+
+        decoding = [r for r in self.running if r.num_remaining == 1]
+        prefilling = [r for r in self.running if r.num_remaining > 1]
+        for r in decoding + prefilling:
+            if budget == 0:
+                break
+            if r.status is not RequestStatus.RUNNING:  # preempted earlier in this loop
+                continue
+            n = min(r.num_remaining, budget)
+            if n < r.num_remaining and not cfg.enable_chunked_prefill:
+                continue
+            while (copies := self.blocks.append_slots(r.seq_id, n)) is None:
+                victim = self.running[-1]
+                self._preempt(victim, out)
+                chunk = scheduled.pop(id(victim), None)
+                if chunk is not None:
+                    budget += chunk.num_tokens
+                if victim is r:
+                    break
+            if copies is None:
+                continue
+            out.copies += copies
+            scheduled[id(r)] = ScheduledChunk(r, r.num_computed, n)
+            budget -= n
+
+        if not out.preempted:
+            self._admit(out, scheduled, budget)
+        out.chunks = list(scheduled.values())
+        return out
+
+    def _admit(self, out: SchedulerOutput, scheduled: dict[int, ScheduledChunk], budget: int) -> None:
+        cfg = self.config
+        watermark = int(cfg.admission_watermark * self.blocks.num_blocks)
+        while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
+            r = self.waiting[0]
+            cached = self.blocks.cached_prefix_tokens(r.tokens)
+            remaining = len(r.tokens) - cached
+            n = min(remaining, budget)
+            if n < remaining and not cfg.enable_chunked_prefill:
+                break  # FCFS: nobody overtakes the head of the queue
+            if self._prefix_in_flight(r, cached):
+                break  # the block is computed in this step; reuse it next step
+            if self.running:
+                new_blocks = self.blocks_needed(cached + n) - cached // self.block_size
+                if self.blocks.num_free_blocks - new_blocks < watermark:
+                    break
+            if self.blocks.add_sequence(r.seq_id, r.tokens, n) < 0:
+                break
+            self.waiting.popleft()
+            r.status = RequestStatus.RUNNING
+            r.num_computed = cached
+            self.running.append(r)
+            if r.num_preemptions == 0:
+                self.counters.admitted_prompt_tokens += r.prompt_len
+                self.counters.cached_prompt_tokens += min(cached, r.prompt_len)
+                r.num_cached_tokens = cached
+            out.admitted.append(r)
+            scheduled[id(r)] = ScheduledChunk(r, cached, n)
+            budget -= n
+            if self.blocks.enable_prefix_caching:
+                for h in self._block_hashes(r)[cached // self.block_size :]:
+                    self._inflight.setdefault(h, r)
+
+    def _block_hashes(self, r: Request) -> list[int]:
+        """Chained hashes of the blocks of ``r`` the prefix cache can serve (full, before the last token)."""
+        if r._hashes is None or r._hashes[0] != len(r.tokens):
+            bs, hashes, parent = self.block_size, [], 0
+            for i in range((len(r.tokens) - 1) // bs):
+                parent = hash_block(parent, r.tokens[i * bs : (i + 1) * bs])
+                hashes.append(parent)
+            r._hashes = (len(r.tokens), hashes)
+        return r._hashes[1]
+
+    def _prefix_in_flight(self, r: Request, cached: int) -> bool:
+        if not self._inflight:
+            return False
+        hashes = self._block_hashes(r)
+        k = cached // self.block_size
+        owner = self._inflight.get(hashes[k]) if k < len(hashes) else None
+        return owner is not None and owner is not r
+
+    def _forget_inflight(self, r: Request) -> None:
+        if self._inflight:
+            for h in [h for h, owner in self._inflight.items() if owner is r]:
+                del self._inflight[h]
+
+    def _preempt(self, r: Request, out: SchedulerOutput) -> None:
+        self.running.remove(r)
+        self.blocks.free_sequence(r.seq_id)
+        r.num_computed = 0
+        r.num_preemptions += 1
+        r.status = RequestStatus.WAITING
+        self._forget_inflight(r)
+        self.waiting.appendleft(r)  # it arrived before everything still waiting
+        self.counters.num_preemptions += 1
+        out.preempted.append(r)
+
+    def complete(self, out: SchedulerOutput) -> None:
+        """The step ran: its chunks' KV is in the cache."""
+        c = self.counters
+        c.num_steps += 1
+        for chunk in out.chunks:
+            r, start, n = chunk.request, chunk.start, chunk.num_tokens
+            if r.finished:  # cancelled while the step ran
+                continue
+            self.blocks.mark_computed(r.seq_id, n)
+            r.num_computed = start + n
+            if self._inflight:  # blocks this chunk completed are in the prefix cache now
+                for h in self._block_hashes(r)[start // self.block_size : r.num_computed // self.block_size]:
+                    if self._inflight.get(h) is r:
+                        del self._inflight[h]
+            prompt = max(0, min(start + n, r.prompt_len) - start)
+            # The last known token, once it is an output token, is the decode token of this step;
+            # output tokens before it are being recomputed after a preemption.
+            decode = int(chunk.samples and len(r.tokens) > r.prompt_len)
+            c.prompt_tokens_computed += prompt
+            c.decode_tokens += decode
+            c.recomputed_tokens += n - prompt - decode
+
+    def append_token(self, r: Request, token: int) -> None:
+        r.tokens.append(token)
+        self.blocks.append_token(r.seq_id, token)
