@@ -1,0 +1,63 @@
+"""FP8 E4M3 with scales: ``x ≈ decode(code) * scale``, per tensor or per channel.
+
+The scale maps the tensor's (or channel's) largest magnitude onto 448, E4M3's largest finite
+value, so nothing saturates for the calibrated range; values beyond it (activations outside
+the calibration range) saturate rather than overflow.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from llmc.quant.minifloat import E4M3
+
+FP8_MAX = E4M3.max_finite
+
+
+@dataclass
+class Fp8Tensor:
+    """``codes`` uint8 E4M3 codes, the shape of the original; ``scale`` float32, a scalar (per tensor)
+    or a vector along ``axis`` (per channel)."""
+
+    codes: np.ndarray
+    scale: np.ndarray
+    axis: int | None
+
+    def dequantize(self) -> np.ndarray:
+        """float32 values, the shape of ``codes``."""
+        return E4M3.decode(self.codes) * _broadcast(self.scale, self.axis, self.codes.ndim)
+
+
+def _broadcast(scale: np.ndarray, axis: int | None, ndim: int) -> np.ndarray:
+    if axis is None:
+        return scale
+    shape = [1] * ndim
+    shape[axis] = -1
+    return scale.reshape(shape)
+
+
+def scale_for(amax: np.ndarray | float) -> np.ndarray:
+    """float32 scale(s) that map ``amax`` onto E4M3's largest finite value (1 where ``amax`` is 0)."""
+    amax = np.asarray(amax, dtype=np.float64)
+    return np.where(amax > 0, amax / FP8_MAX, 1.0).astype(np.float32)
+
+
+def quantize(x: np.ndarray, axis: int | None = None) -> Fp8Tensor:
+    """Quantize ``x`` to E4M3, one scale per tensor (``axis=None``) or per index along ``axis``."""
+    x = np.asarray(x, dtype=np.float32)
+    if axis is None:
+        amax = np.abs(x).max() if x.size else 0.0
+    else:
+        axis = axis % x.ndim
+        amax = np.abs(x).max(axis=tuple(d for d in range(x.ndim) if d != axis))
+    scale = scale_for(amax)
+    # Divide in float32, as ONNX QuantizeLinear does, so the CPU graph and this codec agree bit for bit.
+    codes = E4M3.encode(x / _broadcast(scale, axis, x.ndim))
+    return Fp8Tensor(codes, scale, axis)
+
+
+def quantize_with_scale(x: np.ndarray, scale: float) -> np.ndarray:
+    """E4M3 codes of ``x / scale`` (a static, calibrated per-tensor scale), saturating."""
+    return E4M3.encode(np.asarray(x, np.float32) / np.float32(scale))
