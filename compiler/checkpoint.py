@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,8 +17,11 @@ import numpy as np
 
 from llmc.errors import LlmcError, UnsupportedError
 
-# Architectures whose engines are tested against transformers end to end.
-SUPPORTED_MODEL_TYPES = ("llama",)
+# Architectures whose engines are tested against transformers end to end (tests/test_architectures.py).
+SUPPORTED_MODEL_TYPES = (
+    "llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "gpt2", "gpt_neox", "mixtral",
+    "qwen3_moe",
+)
 
 _ST_DTYPES = {
     "F32": "float32",
@@ -75,6 +79,18 @@ class Checkpoint:
         return "sha256:" + h.hexdigest()
 
 
+def _is_causal_lm(model_type: str) -> bool:
+    """Whether transformers has a causal-LM class for ``model_type`` (the generic path may trace it)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+
+def is_tested(model_type: str) -> bool:
+    """Whether engines of ``model_type`` are tested against transformers in llmc's suite."""
+    return model_type in SUPPORTED_MODEL_TYPES
+
+
 def _read_safetensors_header(path: Path) -> dict[str, TensorEntry]:
     size = path.stat().st_size
     with open(path, "rb") as fh:
@@ -130,10 +146,17 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
         raise LlmcError(
             f"{cfg_path}: field 'model_type' is missing; add it (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
         )
-    if model_type not in SUPPORTED_MODEL_TYPES:
+    if model_type not in SUPPORTED_MODEL_TYPES and not _is_causal_lm(model_type):
         raise UnsupportedError(
             f"{cfg_path}: model_type {model_type!r} is not supported; supported model types: "
             f"{', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        logging.getLogger("llmc").warning(
+            "%s: model_type %r is untested in llmc; building it through the generic path (compare its output "
+            "with transformers before relying on it). Tested: %s",
+            cfg_path, model_type, ", ".join(SUPPORTED_MODEL_TYPES),
         )
 
     index_path = root / "model.safetensors.index.json"

@@ -94,8 +94,13 @@ def _build_module(checkpoint: Checkpoint, compute_dtype: str):
     config._attn_implementation = ATTN_IMPLEMENTATION
     with no_init_weights(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
+        extra = {}
+        if any(getattr(config, k, None) for k in ("num_experts", "num_local_experts", "n_routed_experts")):
+            # Gather-then-batched-matmul experts trace into plain ONNX ops (the default grouped_mm
+            # path is a transformers custom op no exporter knows).
+            extra["experts_implementation"] = "batched_mm"
         hf = AutoModelForCausalLM.from_config(
-            config, dtype=getattr(torch, compute_dtype), attn_implementation=ATTN_IMPLEMENTATION
+            config, dtype=getattr(torch, compute_dtype), attn_implementation=ATTN_IMPLEMENTATION, **extra
         )
     hf.eval()
 
@@ -135,10 +140,11 @@ def _param_name(graph_name: str) -> str:
     return graph_name[len(WRAPPER_PREFIX):] if graph_name.startswith(WRAPPER_PREFIX) else graph_name
 
 
-def _check_shapes(checkpoint: Checkpoint, module) -> None:
+def _check_shapes(checkpoint: Checkpoint, module, hf) -> None:
     """Every checkpoint tensor the model uses must have the shape the config implies."""
+    tensors, _ = _model_keys(checkpoint, hf)
     for name, param in module.state_dict().items():
-        entry = checkpoint.tensors.get(_param_name(name))
+        entry = tensors.get(_param_name(name))
         if entry is not None and tuple(entry.shape) != tuple(param.shape):
             raise LlmcError(
                 f"{entry.file}: tensor {name!r} has shape {list(entry.shape)} but config.json implies "
@@ -147,14 +153,37 @@ def _check_shapes(checkpoint: Checkpoint, module) -> None:
             )
 
 
-def _source_entry(checkpoint: Checkpoint, name: str, hf) -> TensorEntry | None:
-    entry = checkpoint.tensors.get(name)
+def _model_keys(checkpoint: Checkpoint, hf) -> tuple[dict[str, TensorEntry], bool]:
+    """Map model parameter names to checkpoint tensors through transformers' own key renamings.
+
+    Returns the map and whether some tensor needs one of transformers' weight *converters*
+    (e.g. per-expert MoE weights merged into one tensor), which llmc does not stream.
+    """
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+
+    transforms = get_model_conversion_mapping(hf)
+    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    meta = dict.fromkeys(hf.state_dict())
+    out, needs_converter = {}, False
+    for key, entry in checkpoint.tensors.items():
+        renamed, converter = rename_source_key(key, renamings, converters, hf.base_model_prefix, meta)
+        if converter is not None:  # one of several source tensors of a merged weight
+            needs_converter = True
+            continue
+        out[renamed] = entry
+    return out, needs_converter
+
+
+def _source_entry(tensors: dict[str, TensorEntry], name: str, hf) -> TensorEntry | None:
+    entry = tensors.get(name)
     if entry is None and getattr(hf.config, "tie_word_embeddings", False):
         # A tied output embedding is stored once, under the input embedding's key.
         out_emb, in_emb = hf.get_output_embeddings(), hf.get_input_embeddings()
         names = {id(p): n for n, p in hf.named_parameters(remove_duplicate=False)}
         if out_emb is not None and names.get(id(out_emb.weight)) == name:
-            entry = checkpoint.tensors.get(next(n for n, p in hf.named_parameters() if p is in_emb.weight))
+            entry = tensors.get(next(n for n, p in hf.named_parameters() if p is in_emb.weight))
     return entry
 
 
@@ -170,7 +199,7 @@ def trace(checkpoint: Checkpoint, compute_dtype: str = "float32") -> TracedModel
 
     onnx_schema.register()
     config, hf, module = _build_module(checkpoint, compute_dtype)
-    _check_shapes(checkpoint, module)
+    _check_shapes(checkpoint, module, hf)
 
     # Small, pairwise distinct sizes so that torch.export keeps every dimension symbolic.
     tokens, seqs, max_blocks = 11, 3, 5
@@ -212,9 +241,16 @@ def trace(checkpoint: Checkpoint, compute_dtype: str = "float32") -> TracedModel
         )
     model = program.model
     buffers = {name: buf for name, buf in module.named_buffers()}
+    tensors, needs_converter = _model_keys(checkpoint, hf)
+    loaded = _load_converted(checkpoint, compute_dtype) if needs_converter else None
     for name, value in list(model.graph.initializers.items()):
-        entry = _source_entry(checkpoint, _param_name(name), hf)
-        if entry is not None:
+        entry = _source_entry(tensors, _param_name(name), hf)
+        if loaded is not None and _param_name(name) in loaded:
+            del model.graph.initializers[name]
+            value.name = _param_name(name)
+            model.graph.register_initializer(value)
+            value.const_value = ir.tensor(loaded[value.name].numpy(), name=value.name)
+        elif entry is not None:
             # Initializers are named by their checkpoint key, as in the Hugging Face model.
             del model.graph.initializers[name]
             value.name = _param_name(name)
@@ -239,6 +275,24 @@ def trace(checkpoint: Checkpoint, compute_dtype: str = "float32") -> TracedModel
         vocab_size=text_cfg.vocab_size,
         compute_dtype=compute_dtype,
     )
+
+
+def _load_converted(checkpoint: Checkpoint, dtype: str) -> dict:
+    """State dict of the model loaded by transformers, for checkpoints whose tensors need merging.
+
+    Such checkpoints (per-expert MoE weights, for one) are read whole into RAM once instead of streamed.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    logging.getLogger(__name__).warning(
+        "%s: checkpoint tensors need transformers' weight conversion; loading them into RAM instead of streaming",
+        checkpoint.path,
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        hf = AutoModelForCausalLM.from_pretrained(checkpoint.path, dtype=getattr(torch, dtype))
+    return {k: v.detach() for k, v in hf.state_dict().items()}
 
 
 def _lazy_tensor(entry: TensorEntry, dtype: str, name: str) -> ir.LazyTensor:

@@ -50,10 +50,10 @@ def test_no_config_json(tmp_path, tiny_llama):
 def test_unsupported_model_type_lists_supported(tmp_path, tiny_llama):
     ckpt = _copy(tiny_llama, tmp_path / "ckpt")
     cfg = json.loads((ckpt / "config.json").read_text())
-    cfg["model_type"] = "bert"
+    cfg["model_type"] = "not-a-transformers-model"
     (ckpt / "config.json").write_text(json.dumps(cfg))
     code, err = _llmc("build", str(ckpt), "-o", str(tmp_path / "out"))
-    _assert_clean_failure(code, err, tmp_path / "out", "model_type", "'bert'", "llama")
+    _assert_clean_failure(code, err, tmp_path / "out", "model_type", "'not-a-transformers-model'", "llama", "gpt2")
     assert code == 3
 
 
