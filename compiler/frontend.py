@@ -241,6 +241,7 @@ def trace(checkpoint: Checkpoint, compute_dtype: str = "float32") -> TracedModel
         )
     model = program.model
     buffers = {name: buf for name, buf in module.named_buffers()}
+    parameters = {name for name, _ in module.named_parameters(remove_duplicate=False)}
     tensors, needs_converter = _model_keys(checkpoint, hf)
     loaded = _load_converted(checkpoint, compute_dtype) if needs_converter else None
     for name, value in list(model.graph.initializers.items()):
@@ -258,6 +259,8 @@ def trace(checkpoint: Checkpoint, compute_dtype: str = "float32") -> TracedModel
             value.const_value = _lazy_tensor(entry, compute_dtype, value.name)
         elif name in buffers:  # computed buffers such as rotary inv_freq are not in the checkpoint
             value.const_value = ir.tensor(buffers[name].detach().cpu().numpy(), name=name)
+        elif name not in parameters and value.const_value is not None:
+            pass  # a constant the forward creates (e.g. longrope factors), captured by torch.export
         else:
             raise LlmcError(
                 f"{checkpoint.path}: the model needs tensor {name!r} but no safetensors file holds it; "

@@ -77,3 +77,16 @@ def tiny_engine_bf16(tmp_path_factory, tiny_llama_bf16) -> Path:
 @pytest.fixture(scope="session")
 def default_engine(tmp_path_factory) -> Path:
     return _engine(tmp_path_factory, "engine-default", DEFAULT_MODEL)
+
+
+@pytest.fixture(scope="session")
+def family_build(tmp_path_factory):
+    """``family_build(model_type) -> (checkpoint, engine)``: a tiny random checkpoint of that family and
+    its CPU engine, built once per test session."""
+    from llmc.testing.checkpoints import write_tiny_model
+
+    def get(model_type: str) -> tuple[Path, Path]:
+        ckpt = _once(tmp_path_factory, f"family-{model_type}", lambda p: write_tiny_model(model_type, p, seed=3))
+        return ckpt, _engine(tmp_path_factory, f"engine-family-{model_type}", ckpt)
+
+    return get
