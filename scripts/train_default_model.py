@@ -1,0 +1,345 @@
+"""Train llmc's bundled default model: a small Llama on the text of ``pydoc_data.topics``.
+
+The result is a Hugging Face checkpoint directory (config, safetensors weights, generation
+config, tokenizer with chat template) plus a ``TRAINING.md`` model card.  Everything is
+seeded and the corpus ships with CPython, so the run needs no network.  The default step
+count finishes in about 20 minutes on a 2-core CPU.
+
+    python scripts/train_default_model.py                  # writes assets/default-model/
+    python scripts/train_default_model.py --steps 50 --out /tmp/m   # quick smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import platform
+import shlex
+import sys
+import time
+from pathlib import Path
+from types import ModuleType
+
+import torch
+import torch.nn.functional as F
+import transformers
+from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_OUT = REPO_ROOT / "assets" / "default-model"
+SAMPLE_PROMPT = "The for statement"
+SAMPLE_TOKENS = 60
+# Above this size the weights are stored as bfloat16 to keep the git asset small.
+FLOAT32_LIMIT_BYTES = 17_000_000
+
+
+def load_corpus_module() -> ModuleType:
+    """Load ``testing/corpus.py`` by path, so the script runs before llmc is installed."""
+    path = REPO_ROOT / "testing" / "corpus.py"
+    spec = importlib.util.spec_from_file_location("llmc_testing_corpus", path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot load {path}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Parse the command line; the defaults produce the committed default model."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="checkpoint directory")
+    p.add_argument("--steps", type=int, default=800, help="optimizer steps")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--seq-len", type=int, default=256, help="training context length")
+    p.add_argument("--lr", type=float, default=2e-3, help="peak learning rate")
+    p.add_argument("--min-lr-ratio", type=float, default=0.1, help="final lr / peak lr")
+    p.add_argument("--warmup", type=int, default=40, help="linear warmup steps")
+    p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--vocab-size", type=int, default=4096)
+    p.add_argument("--hidden-size", type=int, default=256)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--kv-heads", type=int, default=4)
+    p.add_argument("--intermediate-size", type=int, default=704)
+    p.add_argument("--max-position-embeddings", type=int, default=1024)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--eval-every", type=int, default=100, help="heldout eval period (0: end only)")
+    return p.parse_args(argv)
+
+
+def token_stream(texts: list[str], tokenizer: transformers.PreTrainedTokenizerBase) -> torch.Tensor:
+    """Concatenate documents as ``<bos> doc <eos>`` into one flat tensor of token ids.
+
+    Both markers are kept so the model learns where documents begin and end; random
+    windows still start mid-document most of the time, so prompts without a BOS work too.
+    """
+    ids: list[int] = []
+    for text in texts:
+        ids.append(tokenizer.bos_token_id)
+        # The backend call skips transformers' over-long-sequence warning; ids are identical.
+        ids.extend(tokenizer.backend_tokenizer.encode(text, add_special_tokens=False).ids)
+        ids.append(tokenizer.eos_token_id)
+    return torch.tensor(ids, dtype=torch.long)
+
+
+def lr_at(step: int, args: argparse.Namespace) -> float:
+    """Linear warmup, then cosine decay to ``min_lr_ratio * lr`` at the last step."""
+    if step < args.warmup:
+        return args.lr * (step + 1) / args.warmup
+    progress = (step - args.warmup) / max(1, args.steps - args.warmup)
+    cosine = 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+    return args.lr * (args.min_lr_ratio + (1.0 - args.min_lr_ratio) * cosine)
+
+
+@torch.no_grad()
+def heldout_nll(model: LlamaForCausalLM, stream: torch.Tensor, seq_len: int) -> tuple[float, int]:
+    """Mean next-token NLL over ``stream`` in non-overlapping ``seq_len`` windows."""
+    model.eval()
+    total, count = 0.0, 0
+    for start in range(0, stream.numel() - 1, seq_len):
+        window = stream[start : start + seq_len + 1].unsqueeze(0)
+        logits = model(input_ids=window[:, :-1]).logits
+        total += F.cross_entropy(logits[0].float(), window[0, 1:], reduction="sum").item()
+        count += window.shape[1] - 1
+    model.train()
+    return total / count, count
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """Decay matrices only; norms' gains are left alone, as is standard for transformers."""
+    decay, no_decay = [], []
+    for param in model.parameters():
+        (decay if param.ndim >= 2 else no_decay).append(param)
+    return [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+
+
+def save_model(model: LlamaForCausalLM, out: Path) -> str:
+    """Save the weights as float32 when small enough, else as bfloat16; return the dtype."""
+    model.save_pretrained(out)
+    dtype = "float32"
+    if (out / "model.safetensors").stat().st_size >= FLOAT32_LIMIT_BYTES:
+        model.to(torch.bfloat16).save_pretrained(out)
+        model.to(torch.float32)
+        dtype = "bfloat16"
+    # transformers 5 writes rope_theta only inside rope_parameters; readers written against
+    # 4.x checkpoints (Llama 3.x on the Hub) look for the top-level key.
+    config_path = out / "config.json"
+    config = json.loads(config_path.read_text(encoding="utf-8"))
+    config.setdefault("rope_theta", config["rope_parameters"]["rope_theta"])
+    config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    return dtype
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Train, evaluate, sample and write the checkpoint plus its model card."""
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    corpus = load_corpus_module()
+
+    tokenizer = corpus.train_bpe_tokenizer(args.vocab_size, model_max_length=args.max_position_embeddings)
+    train = token_stream(corpus.pydoc_texts("train"), tokenizer)
+    heldout = token_stream(corpus.pydoc_texts("heldout"), tokenizer)
+    print(f"tokens: train {train.numel()}, heldout {heldout.numel()}", flush=True)
+
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=args.hidden_size,
+        intermediate_size=args.intermediate_size,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads,
+        max_position_embeddings=args.max_position_embeddings,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    model = LlamaForCausalLM(config)
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"model: {n_params:,} parameters", flush=True)
+
+    optimizer = torch.optim.AdamW(
+        param_groups(model, args.weight_decay), lr=args.lr, betas=(0.9, 0.95), eps=1e-8
+    )
+    # A separate generator keeps batch order independent of model-init draws.
+    data_gen = torch.Generator().manual_seed(args.seed + 1)
+    tokens_per_step = args.batch_size * args.seq_len
+    max_start = train.numel() - args.seq_len - 1
+    evals: list[tuple[int, float, float]] = []
+    window_loss, window_steps, loss = 0.0, 0, float("nan")
+    started = last_log = time.perf_counter()
+    model.train()
+    for step in range(args.steps):
+        starts = torch.randint(0, max_start + 1, (args.batch_size,), generator=data_gen)
+        batch = torch.stack([train[s : s + args.seq_len + 1] for s in starts.tolist()])
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step, args)
+        logits = model(input_ids=batch[:, :-1]).logits
+        loss_t = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
+        optimizer.zero_grad(set_to_none=True)
+        loss_t.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        window_loss += loss_t.item()
+        window_steps += 1
+
+        done = step + 1
+        if done % args.log_every == 0 or done == args.steps:
+            now = time.perf_counter()
+            loss = window_loss / window_steps
+            rate = window_steps * tokens_per_step / (now - last_log)
+            print(
+                f"step {done:5d}/{args.steps}  loss {loss:.4f}  lr {lr_at(step, args):.2e}  "
+                f"{rate:,.0f} tok/s  {now - started:,.0f}s",
+                flush=True,
+            )
+            window_loss, window_steps, last_log = 0.0, 0, now
+        if args.eval_every and done % args.eval_every == 0 and done != args.steps:
+            nll, _ = heldout_nll(model, heldout, args.seq_len)
+            evals.append((done, loss, math.exp(nll)))
+            print(f"  heldout ppl {math.exp(nll):.2f} at step {done}", flush=True)
+            last_log = time.perf_counter()  # eval time would skew the next tok/s figure
+    train_seconds = time.perf_counter() - started
+
+    nll, n_eval = heldout_nll(model, heldout, args.seq_len)
+    ppl = math.exp(nll)
+    evals.append((args.steps, loss, ppl))
+    print(f"heldout: {n_eval} tokens, nll {nll:.4f}, perplexity {ppl:.2f}", flush=True)
+
+    model.eval()
+    generation_config = GenerationConfig(
+        do_sample=False,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    model.generation_config = generation_config
+    prompt_ids = [tokenizer.bos_token_id, *tokenizer.encode(SAMPLE_PROMPT)]
+    with torch.no_grad():
+        generated = model.generate(
+            torch.tensor([prompt_ids]),
+            attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+            max_new_tokens=SAMPLE_TOKENS,
+        )
+    sample = tokenizer.decode(generated[0, 1:].tolist(), skip_special_tokens=False)
+    print(f"sample ({SAMPLE_TOKENS} greedy tokens after BOS + {SAMPLE_PROMPT!r}):\n{sample}")
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    dtype = save_model(model, args.out)
+    corpus.save_tokenizer(tokenizer, args.out)
+    write_model_card(
+        args,
+        argv,
+        config=config,
+        n_params=n_params,
+        dtype=dtype,
+        train_tokens=train.numel(),
+        heldout_tokens=n_eval,
+        train_docs=len(corpus.pydoc_texts("train")),
+        heldout_docs=len(corpus.pydoc_texts("heldout")),
+        train_seconds=train_seconds,
+        evals=evals,
+        prompt_ids=prompt_ids,
+        sample=sample,
+    )
+    sizes = {p.name: p.stat().st_size for p in sorted(args.out.iterdir()) if p.is_file()}
+    print(json.dumps({"out": str(args.out), "dtype": dtype, "sizes": sizes}, indent=2))
+    return 0
+
+
+def write_model_card(
+    args: argparse.Namespace,
+    argv: list[str] | None,
+    *,
+    config: LlamaConfig,
+    n_params: int,
+    dtype: str,
+    train_tokens: int,
+    heldout_tokens: int,
+    train_docs: int,
+    heldout_docs: int,
+    train_seconds: float,
+    evals: list[tuple[int, float, float]],
+    prompt_ids: list[int],
+    sample: str,
+) -> None:
+    """Write ``TRAINING.md``: how the checkpoint was made and how good it is."""
+    try:
+        script = Path(__file__).resolve().relative_to(Path.cwd())
+    except ValueError:
+        script = Path(__file__).resolve()
+    command = shlex.join(["python", str(script), *(sys.argv[1:] if argv is None else argv)])
+    steps_tokens = args.steps * args.batch_size * args.seq_len
+    rows = "\n".join(f"| {s} | {loss:.4f} | {p:.2f} |" for s, loss, p in evals)
+    quoted = "\n".join("    " + line for line in sample.splitlines())
+    card = f"""# llmc default model
+
+A tiny Llama trained from scratch by `scripts/train_default_model.py` on the English
+text of CPython's `pydoc_data.topics.topics` (Python {platform.python_version()}). It
+exists so that llmc's tests, examples and demos have a real, offline checkpoint whose
+output reads like Python documentation. It is not useful for anything else.
+
+## Shape
+
+| field | value |
+|---|---|
+| architecture | LlamaForCausalLM |
+| parameters | {n_params:,} (embeddings tied with the LM head) |
+| vocab | {config.vocab_size} (byte-level BPE, `testing/corpus.py`) |
+| hidden / intermediate | {config.hidden_size} / {config.intermediate_size} |
+| layers | {config.num_hidden_layers} |
+| attention heads / KV heads | {config.num_attention_heads} / {config.num_key_value_heads} (GQA) |
+| head dim | {config.hidden_size // config.num_attention_heads} |
+| max positions / rope theta | {config.max_position_embeddings} / {config.rope_parameters["rope_theta"]} |
+| rms_norm_eps | {config.rms_norm_eps} |
+| weights dtype | {dtype} |
+
+Special tokens: `<|endoftext|>` = {config.eos_token_id} (eos and pad),
+`<|begin_of_text|>` = {config.bos_token_id} (bos), `<|user|>` = 2, `<|assistant|>` = 3.
+The tokenizer adds no special tokens on `encode`; prepend the BOS yourself (the chat
+template does). Training documents were packed as `<bos> text <eos>`.
+
+## Training
+
+- data: {train_tokens:,} train tokens ({train_docs} topics); heldout: every 10th topic
+  by sorted key ({heldout_docs} topics, {heldout_tokens:,} tokens)
+- optimizer: AdamW (betas 0.9/0.95, weight decay {args.weight_decay}), peak lr {args.lr},
+  {args.warmup} warmup steps, cosine to {args.min_lr_ratio} x peak, grad clip 1.0
+- steps: {args.steps} x batch {args.batch_size} x {args.seq_len} tokens
+  ({steps_tokens:,} tokens in all), documents packed as `<bos> text <eos>`
+- seed {args.seed}, {args.threads} CPU threads, torch {torch.__version__},
+  transformers {transformers.__version__}
+- wall clock: {train_seconds:,.0f} s of training
+
+| step | train loss | heldout perplexity |
+|---|---|---|
+{rows}
+
+Final train loss (mean of the last {args.log_every} steps): {evals[-1][1]:.4f}.
+Heldout perplexity (non-overlapping {args.seq_len}-token windows): {evals[-1][2]:.2f}.
+
+## Sample
+
+Greedy, {SAMPLE_TOKENS} new tokens after BOS + `{SAMPLE_PROMPT}` (prompt ids {prompt_ids}):
+
+{quoted}
+
+## Reproduce
+
+    {command}
+"""
+    (args.out / "TRAINING.md").write_text(card, encoding="utf-8")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
