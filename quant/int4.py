@@ -70,7 +70,7 @@ class Int4Weights:
         return self.q.astype(np.int8) - 8
 
 
-def _padded_groups(w: np.ndarray, group_size: int) -> np.ndarray:
+def padded_groups(w: np.ndarray, group_size: int) -> np.ndarray:
     n, k = w.shape
     n_groups = -(-k // group_size)
     if n_groups * group_size != k:
@@ -83,16 +83,22 @@ def check_group_size(group_size: int) -> None:
         raise ValueError(f"INT4 group size {group_size}: choose one of {', '.join(map(str, GROUP_SIZES))}")
 
 
-def group_params(groups: np.ndarray, symmetric: bool) -> tuple[np.ndarray, np.ndarray | None]:
-    """Scale (float32) and zero point (uint8, or None if symmetric) of each group along the last axis."""
+def group_params(groups: np.ndarray, symmetric: bool,
+                 clip: np.ndarray | float = 1.0) -> tuple[np.ndarray, np.ndarray | None]:
+    """Scale (float32) and zero point (uint8, or None if symmetric) of each group along the last axis.
+
+    ``clip`` (scalar or per group, in (0, 1]) shrinks the range first: values outside are clipped,
+    which AWQ's clipping search trades against finer steps for the rest.
+    """
     groups = np.asarray(groups, np.float32)
+    clip = np.asarray(clip, np.float32)
     if symmetric:
         idx = np.abs(groups).argmax(axis=-1)[..., None]
-        peak = np.take_along_axis(groups, idx, axis=-1)[..., 0]
+        peak = np.take_along_axis(groups, idx, axis=-1)[..., 0] * clip
         scale = np.where(peak != 0, peak / np.float32(-8.0), np.float32(1.0)).astype(np.float32)
         return scale, None
-    lo = np.minimum(groups.min(axis=-1), 0.0)
-    hi = np.maximum(groups.max(axis=-1), 0.0)
+    lo = np.minimum(groups.min(axis=-1), 0.0) * clip
+    hi = np.maximum(groups.max(axis=-1), 0.0) * clip
     scale = ((hi - lo) / np.float32(QMAX)).astype(np.float32)
     scale = np.where(scale > 0, scale, np.float32(1.0)).astype(np.float32)
     zp = np.clip(np.rint(-lo / scale), 0, QMAX).astype(np.uint8)
@@ -106,14 +112,15 @@ def quantize_groups(groups: np.ndarray, scale: np.ndarray, zp: np.ndarray | None
     return np.clip(q, 0, QMAX).astype(np.uint8)
 
 
-def quantize_rtn(w: np.ndarray, group_size: int = 128, symmetric: bool = False) -> Int4Weights:
-    """Round-to-nearest group-wise INT4 of ``w [N, K]`` (float)."""
+def quantize_rtn(w: np.ndarray, group_size: int = 128, symmetric: bool = False,
+                 clip: np.ndarray | float = 1.0) -> Int4Weights:
+    """Round-to-nearest group-wise INT4 of ``w [N, K]`` (float); ``clip`` as in :func:`group_params`."""
     check_group_size(group_size)
     w = np.asarray(w, np.float32)
     if w.ndim != 2:
         raise ValueError(f"INT4 weights must be 2-D [N, K], got shape {list(w.shape)}")
-    groups = _padded_groups(w, group_size)
-    scale, zp = group_params(groups, symmetric)
+    groups = padded_groups(w, group_size)
+    scale, zp = group_params(groups, symmetric, clip)
     q = quantize_groups(groups, scale, zp)
     return Int4Weights(q.reshape(w.shape[0], -1), scale, zp, group_size, w.shape[1])
 

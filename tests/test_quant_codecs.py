@@ -146,9 +146,9 @@ def test_int4_rtn_error_bound_and_codes(group, symmetric):
     if symmetric:
         assert q.zero_points is None
         # Each group's largest magnitude is exact (it defines the scale).
-        groups = int4._padded_groups(w, group)
+        groups = int4.padded_groups(w, group)
         peak = np.take_along_axis(groups, np.abs(groups).argmax(-1)[..., None], -1)[..., 0]
-        deq = int4._padded_groups(q.dequantize(), group)
+        deq = int4.padded_groups(q.dequantize(), group)
         np.testing.assert_array_equal(np.take_along_axis(deq, np.abs(groups).argmax(-1)[..., None], -1)[..., 0], peak)
     else:
         assert q.zero_points.shape == (40, 4) and q.zero_points.max() <= 15

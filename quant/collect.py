@@ -1,0 +1,132 @@
+"""Calibrate and, for AWQ/GPTQ, quantize every linear layer, one decoder layer at a time.
+
+The result holds what the graph pass needs and nothing of full precision: INT4 weights (AWQ,
+GPTQ), AWQ input scales and where they fold, activation and KV ranges (FP8, NVFP4).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from llmc.quant import awq, gptq, int4
+from llmc.quant.calibration import LayerStats, LayerwiseCalibration
+from llmc.quant.recipe import QuantRecipe
+
+# AutoAWQ leaves Q and K unclipped: their errors pass through the softmax, where the linear output
+# error is a poor proxy. We follow it.
+_NO_CLIP = ("q_proj", "k_proj")
+
+
+@dataclass
+class LinearQuant:
+    """One linear layer, by its parameter name. ``weights`` are its INT4 weights ``[N, K]``;
+    ``input_scale`` (AWQ) divides its input, done by the op named in ``fold``: a norm weight's
+    parameter name, ``"previous-linear"`` (already folded into the producing linear's weights), or
+    None (an explicit ``Mul`` in the graph)."""
+
+    weights: int4.Int4Weights | None = None
+    input_scale: np.ndarray | None = None
+    fold: str | None = None
+
+
+@dataclass
+class CalibrationResult:
+    """``linears`` by parameter name; ``input_amax`` the largest input magnitude of each linear (by
+    parameter name); ``kv_amax`` ``layer -> (key, value)`` largest magnitudes; ``decisions`` the
+    per-layer report rows."""
+
+    linears: dict[str, LinearQuant] = field(default_factory=dict)
+    input_amax: dict[str, float] = field(default_factory=dict)
+    kv_amax: dict[int, tuple[float, float]] = field(default_factory=dict)
+    decisions: list[dict] = field(default_factory=list)
+    num_tokens: int = 0
+
+
+def _stack(stats: LayerStats, group: tuple[str, ...]) -> np.ndarray:
+    return np.concatenate([stats.weight(name) for name in group])
+
+
+def _up_of(group: tuple[str, ...], stats: LayerStats) -> str | None:
+    """The up projection whose output rows feed ``group``'s input, for a gated MLP's down projection."""
+    if len(group) != 1 or ".down_proj." not in group[0]:
+        return None
+    up = group[0].replace(".down_proj.", ".up_proj.")
+    return up if up in stats.linears else None
+
+
+def _awq_layer(stats: LayerStats, recipe: QuantRecipe, result: CalibrationResult) -> None:
+    gs, sym = recipe.group_size, recipe.symmetric
+    searches = {}
+    for group in stats.groups:
+        s = stats.inputs[group]
+        searches[group] = awq.search_scales(_stack(stats, group), s.abs_mean, s.hessian, gs, sym)
+    row_divisors: dict[str, np.ndarray] = {}
+    folds: dict[tuple[str, ...], str | None] = {}
+    for group, search in searches.items():
+        norm = stats.producers.get(group)
+        up = _up_of(group, stats)
+        if norm is not None:
+            folds[group] = norm
+        elif up is not None:
+            row_divisors[up] = search.scales
+            folds[group] = "previous-linear"
+        else:
+            folds[group] = None
+    for group, search in searches.items():
+        s = stats.inputs[group]
+        for name in group:
+            w = stats.weight(name)
+            if name in row_divisors:  # this layer's output feeds a scaled input: divide its rows
+                w = w / row_divisors[name][:, None]
+            clip = not any(t in name for t in _NO_CLIP)
+            q = awq.quantize(w, search.scales, s.hessian, gs, sym, clip=clip)
+            result.linears[name] = LinearQuant(q, search.scales, folds[group])
+        result.decisions.append({"linears": list(group), "algorithm": "awq", "alpha": search.alpha,
+                                 "fold": folds[group] or "mul", "output_mse_rtn": search.loss_rtn,
+                                 "output_mse_scaled": search.loss})
+
+
+def _gptq_layer(stats: LayerStats, recipe: QuantRecipe, result: CalibrationResult) -> None:
+    for group in stats.groups:
+        h = stats.inputs[group].hessian
+        for name in group:
+            w = stats.weight(name)
+            q = gptq.quantize(w, h, recipe.group_size, recipe.symmetric)
+            rtn = int4.quantize_rtn(w, recipe.group_size, recipe.symmetric).dequantize()
+            deq = q.dequantize()
+            result.linears[name] = LinearQuant(q)
+            result.decisions.append({"linears": [name], "algorithm": "gptq",
+                                     "output_mse_rtn": awq.output_error(w, rtn, h),
+                                     "output_mse": awq.output_error(w, deq, h)})
+            # Later layers calibrate on this layer's quantized output, as in the GPTQ paper.
+            stats.set_weight(name, deq)
+
+
+def collect(config, param_reader: Callable[[object], Callable[[str], np.ndarray]], samples: np.ndarray,
+            recipe: QuantRecipe, progress: Callable[[str], None] | None = None) -> CalibrationResult:
+    """Run calibration over ``samples [n, seq_len]`` and apply the recipe's algorithm layer by layer
+    (``param_reader`` as in :class:`~llmc.quant.calibration.LayerwiseCalibration`)."""
+    say = progress or (lambda msg: None)
+    algorithm = recipe.format.algorithm if recipe.format is not None and recipe.format.family == "int4" else None
+    result = CalibrationResult(num_tokens=int(samples.size))
+    run = LayerwiseCalibration(config, param_reader, samples)
+
+    def consume(stats: LayerStats) -> None:
+        for group in stats.groups:
+            for name in group:
+                result.input_amax[name] = stats.inputs[group].amax
+        if stats.kv_amax is not None:
+            result.kv_amax[stats.index] = stats.kv_amax
+        if algorithm == "awq":
+            _awq_layer(stats, recipe, result)
+        elif algorithm == "gptq":
+            _gptq_layer(stats, recipe, result)
+
+    for stats in run.layers():
+        say(f"      calibrate layer {stats.index} ({algorithm or 'ranges'})")
+        consume(stats)
+    consume(run.head())
+    return result

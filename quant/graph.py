@@ -1,0 +1,403 @@
+"""The quantization graph pass: rewrite linear layers (and the KV cache's inputs) of an ``onnx_ir.Model``.
+
+CPU forms, by format:
+
+- ``int4*``: ``MatMul(x, W)`` → ``com.microsoft.MatMulNBits(x, B, scales[, zero_points])``, ONNX
+  Runtime's native 4-bit kernel. AWQ input scales fold into the RMSNorm weight in front, into the
+  previous linear layer (already in its weights), or become an explicit ``Mul``.
+- ``fp8``: weights stored E4M3 with per-output-channel scales behind ``DequantizeLinear``; the
+  activation goes through ``QuantizeLinear``/``DequantizeLinear`` with its static calibrated scale.
+  This is also the explicit Q/DQ form that TensorRT's strongly typed networks fuse into FP8 GEMMs.
+- ``nvfp4``: weights stored as 4-bit E2M1 codes, E4M3 block scales and an FP32 global scale, decoded
+  by a small constant subgraph (ONNX Runtime's CPU kernels do not read FLOAT4E2M1); activations are
+  quantized dynamically per block of 16 by ordinary ops (:func:`nvfp4_qdq`).
+- ``--kv-cache-dtype fp8``: K and V pass through FP8 Q/DQ with per-layer scales before
+  ``PagedAttention`` writes them, so attention sees exactly what an FP8 cache would hold.
+
+Weights are produced lazily (:mod:`llmc.quant.streaming`) unless calibration already computed
+them (AWQ, GPTQ), so the build keeps streaming.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import ml_dtypes
+import numpy as np
+import onnx_ir as ir
+
+from llmc.passes.base import replace_value
+from llmc.passes.lazy import constant_of, derived
+from llmc.quant import fp8, int4, int8, nvfp4
+from llmc.quant.collect import CalibrationResult
+from llmc.quant.minifloat import E2M1
+from llmc.quant.recipe import QuantRecipe
+from llmc.quant.streaming import Spec, shared_derived
+
+MS_DOMAIN = "com.microsoft"
+_PACKED = re.compile(r"^packed\[(.*)\]$")
+_F8 = ir.DataType.FLOAT8E4M3FN
+
+
+@dataclass
+class LinearSite:
+    """A ``MatMul(x, W)`` with a constant 2-D weight. ``weight`` is the constant as stored: ``[K, N]``,
+    or ``[N, K]`` behind a ``Transpose`` (``transpose`` is that node). ``members`` are the parameter
+    names the weight packs, in order along N."""
+
+    node: ir.Node
+    x: ir.Value
+    weight_value: ir.Value
+    transpose: ir.Node | None
+    k: int
+    n: int
+    members: list[str]
+
+    @property
+    def tensor(self) -> ir.TensorProtocol:
+        return self.weight_value.const_value
+
+    def nk(self) -> Callable[[np.ndarray], np.ndarray]:
+        """Maps the stored array to ``[N, K]`` float32."""
+        if self.transpose is not None:
+            return lambda a: np.asarray(a, np.float32)
+        return lambda a: np.ascontiguousarray(np.asarray(a, np.float32).T)
+
+
+def members_of(name: str) -> list[str]:
+    """Parameter names behind a weight value's name: ``W.T`` → ``[W]``; ``packed[A.T+B.T]`` → ``[A, B]``."""
+    m = _PACKED.match(name)
+    parts = m.group(1).split("+") if m else [name]
+    return [p[:-2] if p.endswith(".T") else p for p in parts]
+
+
+def find_linears(model: ir.Model) -> list[LinearSite]:
+    """Every MatMul whose second input is a 2-D constant (directly, or through a 2-D Transpose)."""
+    sites = []
+    for node in model.graph:
+        if node.op_type != "MatMul" or node.domain != "" or len(node.inputs) != 2:
+            continue
+        w = node.inputs[1]
+        transpose = None
+        producer = w.producer() if w is not None else None
+        if producer is not None and producer.op_type == "Transpose" and producer.domain == "":
+            perm = producer.attributes.get("perm")
+            if perm is not None and list(perm.value) != [1, 0]:
+                continue
+            transpose, w = producer, producer.inputs[0]
+        tensor = constant_of(w)
+        if tensor is None or len(tensor.shape) != 2 or tensor.dtype != ir.DataType.FLOAT:
+            continue
+        rows, cols = (int(d) for d in tensor.shape)
+        k, n = (cols, rows) if transpose is not None else (rows, cols)
+        sites.append(LinearSite(node, node.inputs[0], w, transpose, k, n, members_of(w.name)))
+    return sites
+
+
+@dataclass
+class _Builder:
+    graph: ir.Graph
+    stats: dict = field(default_factory=lambda: {"matches": 0})
+
+    def const(self, name: str, array: np.ndarray | ir.TensorProtocol, dtype=None, shape=None) -> ir.Value:
+        tensor = array if isinstance(array, ir.TensorProtocol) else ir.tensor(np.ascontiguousarray(array), name=name)
+        value = ir.Value(name=name, shape=ir.Shape(list(tensor.shape)), type=ir.TensorType(tensor.dtype))
+        value.const_value = tensor
+        self.graph.register_initializer(value)
+        return value
+
+    def lazy(self, sources, fn, specs: list[Spec]) -> list[ir.Value]:
+        return [self.const(s.name, t) for s, t in zip(specs, shared_derived(sources, fn, specs), strict=True)]
+
+
+def _replace_matmul(b: _Builder, site: LinearSite, new_nodes: list[ir.Node], output: ir.Value) -> None:
+    b.graph.insert_before(site.node, new_nodes)
+    replace_value(site.node.outputs[0], output)
+    b.graph.remove(site.node, safe=True)
+    if site.transpose is not None and not site.transpose.outputs[0].uses():
+        b.graph.remove(site.transpose, safe=True)
+    w = site.weight_value
+    if not w.uses() and w.name in b.graph.initializers:
+        del b.graph.initializers[w.name]
+
+
+# -- INT4 ---------------------------------------------------------------------------------------------
+
+def _int4_lazy(b: _Builder, site: LinearSite, recipe: QuantRecipe) -> list[ir.Value]:
+    gs, sym = recipe.group_size, recipe.symmetric
+    ng = -(-site.k // gs)
+    to_nk = site.nk()
+
+    def compute(a):
+        q = int4.quantize_rtn(to_nk(a), gs, sym)
+        out = [q.matmulnbits_b(), q.scales]
+        return out if sym else [*out, q.matmulnbits_zero_points()]
+
+    base = site.weight_value.name
+    specs = [Spec(f"{base}.int4", ir.DataType.UINT8, (site.n, ng, gs // 2)),
+             Spec(f"{base}.int4_scales", ir.DataType.FLOAT, (site.n, ng))]
+    if not sym:
+        specs.append(Spec(f"{base}.int4_zero_points", ir.DataType.UINT8, (site.n, -(-ng // 2))))
+    return b.lazy([site.tensor], compute, specs)
+
+
+def _int4_eager(b: _Builder, site: LinearSite, q: int4.Int4Weights) -> list[ir.Value]:
+    base = site.weight_value.name
+    values = [b.const(f"{base}.int4", q.matmulnbits_b()), b.const(f"{base}.int4_scales", q.scales)]
+    zp = q.matmulnbits_zero_points()
+    if zp is not None:
+        values.append(b.const(f"{base}.int4_zero_points", zp))
+    return values
+
+
+def _int4_site(b: _Builder, site: LinearSite, recipe: QuantRecipe, calib: CalibrationResult | None,
+               accuracy_level: int) -> None:
+    found = [calib.linears.get(m) for m in site.members] if calib is not None else []
+    x = site.x
+    nodes: list[ir.Node] = []
+    if found and all(f is not None and f.weights is not None for f in found):
+        q = int4.concat([f.weights for f in found])
+        if q.n != site.n or q.k != site.k:
+            raise RuntimeError(f"calibrated INT4 weights of {site.members} are [{q.n}, {q.k}], the graph's "
+                               f"weight {site.weight_value.name} is [{site.n}, {site.k}]")
+        inputs = _int4_eager(b, site, q)
+        b.stats["calibrated"] = b.stats.get("calibrated", 0) + 1
+        scale, fold = found[0].input_scale, found[0].fold
+        if scale is not None and not (fold == "previous-linear" or (fold and _fold_into_norm(b, fold, scale))):
+            inv = b.const(f"{site.weight_value.name}.awq_input_scale", (1.0 / scale).astype(np.float32))
+            mul = ir.node("Mul", [x, inv])
+            nodes.append(mul)
+            x = mul.outputs[0]
+            b.stats["awq_mul"] = b.stats.get("awq_mul", 0) + 1
+    else:
+        inputs = _int4_lazy(b, site, recipe)
+        b.stats["rtn"] = b.stats.get("rtn", 0) + 1
+    node = ir.node("MatMulNBits", [x, *inputs], domain=MS_DOMAIN,
+                   attributes={"K": site.k, "N": site.n, "bits": 4, "block_size": recipe.group_size,
+                               "accuracy_level": accuracy_level})
+    nodes.append(node)
+    _replace_matmul(b, site, nodes, node.outputs[0])
+
+
+def _fold_into_norm(b: _Builder, norm_name: str, scale: np.ndarray) -> bool:
+    """Divide the norm weight ``norm_name`` by ``scale`` (once); False if the graph has no such lone weight."""
+    folded = b.stats.setdefault("_folded", {})
+    if norm_name in folded:
+        return np.array_equal(folded[norm_name], scale)
+    value = b.graph.initializers.get(norm_name)
+    tensor = constant_of(value)
+    if tensor is None or len(tensor.shape) != 1 or int(tensor.shape[0]) != scale.shape[0]:
+        return False
+    if not all(user.op_type in ("RMSNormalization", "SkipRMSNormalization", "SimplifiedLayerNormalization",
+                                "SkipSimplifiedLayerNormalization") for user, _ in value.uses()):
+        return False
+    value.const_value = derived([tensor], lambda w, s=scale: (np.asarray(w, np.float32) / s).astype(np.float32),
+                                tensor.dtype, list(tensor.shape), f"{norm_name}.awq")
+    folded[norm_name] = scale
+    b.stats["awq_folded_norms"] = b.stats.get("awq_folded_norms", 0) + 1
+    return True
+
+
+def _quantize_embedding(b: _Builder, node: ir.Node, recipe: QuantRecipe) -> bool:
+    """``Gather(table, ids)`` of a 2-D constant table → ``com.microsoft.GatherBlockQuantized`` with the
+    table in ``recipe.embeddings`` (8 or 4 bits, groups along the hidden dimension), dequantized row
+    by row as it is gathered."""
+    table = constant_of(node.inputs[0])
+    axis = node.attributes.get("axis")
+    gs = recipe.group_size
+    if (table is None or len(table.shape) != 2 or table.dtype != ir.DataType.FLOAT
+            or (axis is not None and axis.value != 0) or int(table.shape[1]) % gs):
+        return False
+    rows, k = (int(d) for d in table.shape)
+    sym = recipe.symmetric
+    base = node.inputs[0].name
+    bits = 8 if recipe.embeddings == "int8" else 4
+    if bits == 8:
+        def compute8(a):
+            return int8.quantize(a, gs)
+
+        inputs = b.lazy([table], compute8, [Spec(f"{base}.int8", ir.DataType.UINT8, (rows, k)),
+                                           Spec(f"{base}.int8_scales", ir.DataType.FLOAT, (rows, k // gs)),
+                                           Spec(f"{base}.int8_zero_points", ir.DataType.UINT8, (rows, k // gs))])
+        return _replace_gather(b, node, inputs, gs, bits)
+
+    def compute(a):
+        q = int4.quantize_rtn(np.asarray(a, np.float32), gs, sym)
+        if sym:
+            return [q.signed_codes().astype(ml_dtypes.int4), q.scales]
+        return [q.q.astype(ml_dtypes.uint4), q.scales, q.zero_points.astype(ml_dtypes.uint4)]
+
+    specs = [Spec(f"{base}.int4", ir.DataType.INT4 if sym else ir.DataType.UINT4, (rows, k)),
+             Spec(f"{base}.int4_scales", ir.DataType.FLOAT, (rows, k // gs))]
+    if not sym:
+        specs.append(Spec(f"{base}.int4_zero_points", ir.DataType.UINT4, (rows, k // gs)))
+    return _replace_gather(b, node, b.lazy([table], compute, specs), gs, bits)
+
+
+def _replace_gather(b: _Builder, node: ir.Node, inputs: list[ir.Value], gs: int, bits: int) -> bool:
+    new = ir.node("GatherBlockQuantized", [inputs[0], node.inputs[1], *inputs[1:]], domain=MS_DOMAIN,
+                  attributes={"gather_axis": 0, "quantize_axis": 1, "block_size": gs, "bits": bits})
+    old_table = node.inputs[0]
+    b.graph.insert_before(node, [new])
+    replace_value(node.outputs[0], new.outputs[0])
+    b.graph.remove(node, safe=True)
+    if not old_table.uses() and old_table.name in b.graph.initializers:
+        del b.graph.initializers[old_table.name]
+    return True
+
+
+# -- FP8 ----------------------------------------------------------------------------------------------
+
+def _fp8_zero(b: _Builder, name: str) -> ir.Value:
+    return b.const(name, np.zeros((), ml_dtypes.float8_e4m3fn))
+
+
+def fp8_qdq(b: _Builder, x: ir.Value, scale: float, name: str) -> tuple[list[ir.Node], ir.Value]:
+    """``DequantizeLinear(QuantizeLinear(x))`` to E4M3 with a static per-tensor ``scale`` (saturating)."""
+    s = b.const(f"{name}.fp8_scale", np.asarray(scale, np.float32))
+    zp = _fp8_zero(b, f"{name}.fp8_zero")
+    q = ir.node("QuantizeLinear", [x, s, zp], attributes={"saturate": 1})
+    dq = ir.node("DequantizeLinear", [q.outputs[0], s, zp])
+    return [q, dq], dq.outputs[0]
+
+
+def _fp8_site(b: _Builder, site: LinearSite, calib: CalibrationResult | None) -> None:
+    base = site.weight_value.name
+    to_nk = site.nk()
+
+    def compute(a):
+        q = fp8.quantize(to_nk(a).T, axis=1)  # [K, N], one scale per output channel
+        return [q.codes.view(ml_dtypes.float8_e4m3fn), q.scale]
+
+    w8, ws = b.lazy([site.tensor], compute, [Spec(f"{base}.fp8", _F8, (site.k, site.n)),
+                                              Spec(f"{base}.fp8_scales", ir.DataType.FLOAT, (site.n,))])
+    nodes: list[ir.Node] = []
+    x = site.x
+    amax = calib.input_amax.get(site.members[0]) if calib is not None else None
+    if amax is not None:
+        nodes, x = fp8_qdq(b, x, float(fp8.scale_for(amax)), f"{base}.input")
+        b.stats["fp8_activations"] = b.stats.get("fp8_activations", 0) + 1
+    dq = ir.node("DequantizeLinear", [w8, ws], attributes={"axis": 1})
+    mm = ir.node("MatMul", [x, dq.outputs[0]])
+    _replace_matmul(b, site, [*nodes, dq, mm], mm.outputs[0])
+
+
+# -- NVFP4 --------------------------------------------------------------------------------------------
+
+def nvfp4_qdq(b: _Builder, x: ir.Value, k: int, global_scale: float, name: str) -> tuple[list[ir.Node], ir.Value]:
+    """Dynamic NVFP4 quantize-dequantize of ``x [..., K]`` in plain ONNX ops: per block of 16, scale =
+    E4M3(amax / 6 / g) * g with the static global scale ``g``; values rounded to E2M1 (nearest even,
+    saturating at 6) by steps of 0.5 below 2, 1 below 4, 2 above, which is exactly E2M1's grid."""
+    c = {key: b.const(f"{name}.nvfp4_{key}", np.asarray(v, dt)) for key, v, dt in [
+        ("blocks", [-1, k // nvfp4.BLOCK, nvfp4.BLOCK], np.int64), ("six", 6.0, np.float32),
+        ("g", global_scale, np.float32), ("one", 1.0, np.float32), ("zero", 0.0, np.float32),
+        ("two", 2.0, np.float32), ("four", 4.0, np.float32), ("half", 0.5, np.float32), ("axes", [-1], np.int64)]}
+    zp = _fp8_zero(b, f"{name}.nvfp4_fp8_zero")
+    nodes: list[ir.Node] = []
+
+    def op(op_type, *inputs, **attrs):
+        node = ir.node(op_type, list(inputs), attributes=attrs)
+        nodes.append(node)
+        return node.outputs[0]
+
+    shape = op("Shape", x)
+    xb = op("Reshape", x, c["blocks"])
+    amax = op("ReduceMax", op("Abs", xb), c["axes"], keepdims=1)
+    raw = op("Div", op("Div", amax, c["six"]), c["g"])
+    scale8 = op("DequantizeLinear", op("QuantizeLinear", raw, c["one"], zp, saturate=1), c["one"], zp)
+    scale = op("Mul", scale8, c["g"])
+    safe = op("Where", op("Greater", scale, c["zero"]), scale, c["one"])
+    y = op("Div", xb, safe)
+    a = op("Min", op("Abs", y), c["six"])
+    step = op("Where", op("Less", a, c["two"]), c["half"], op("Where", op("Less", a, c["four"]), c["one"], c["two"]))
+    r = op("Mul", op("Round", op("Div", a, step)), step)
+    out = op("Reshape", op("Mul", op("Mul", op("Sign", y), r), safe), shape)
+    return nodes, out
+
+
+def _nvfp4_site(b: _Builder, site: LinearSite, calib: CalibrationResult | None) -> bool:
+    if site.k % nvfp4.BLOCK:
+        return False
+    base = site.weight_value.name
+    to_nk = site.nk()
+    nb = site.k // nvfp4.BLOCK
+
+    def compute(a):
+        t = nvfp4.quantize(to_nk(a))
+        return [t.codes.astype(ml_dtypes.uint4), t.block_scales.view(ml_dtypes.float8_e4m3fn),
+                np.asarray(t.global_scale, np.float32)]
+
+    codes, bscales, gscale = b.lazy([site.tensor], compute, [
+        Spec(f"{base}.nvfp4", ir.DataType.UINT4, (site.n, site.k)),
+        Spec(f"{base}.nvfp4_block_scales", _F8, (site.n, nb)),
+        Spec(f"{base}.nvfp4_global_scale", ir.DataType.FLOAT, ())])
+    lut = b.const(f"{base}.e2m1_values", E2M1.table)
+    shape3 = b.const(f"{base}.nvfp4_shape3", np.asarray([site.n, nb, nvfp4.BLOCK], np.int64))
+    shape2 = b.const(f"{base}.nvfp4_shape2", np.asarray([site.n, site.k], np.int64))
+    axes = b.const(f"{base}.nvfp4_axes", np.asarray([-1], np.int64))
+    # Weight decode: every input is constant, so ONNX Runtime folds it once at session start.
+    idx = ir.node("Cast", [codes], attributes={"to": ir.DataType.INT32})
+    vals = ir.node("Gather", [lut, idx.outputs[0]])
+    bs = ir.node("DequantizeLinear", [bscales, gscale])
+    bs3 = ir.node("Unsqueeze", [bs.outputs[0], axes])
+    v3 = ir.node("Reshape", [vals.outputs[0], shape3])
+    w3 = ir.node("Mul", [v3.outputs[0], bs3.outputs[0]])
+    w2 = ir.node("Reshape", [w3.outputs[0], shape2])
+    wt = ir.node("Transpose", [w2.outputs[0]], attributes={"perm": [1, 0]})
+    nodes = [idx, vals, bs, bs3, v3, w3, w2, wt]
+    x = site.x
+    amax = calib.input_amax.get(site.members[0]) if calib is not None else None
+    if amax is not None:
+        act_nodes, x = nvfp4_qdq(b, x, site.k, float(nvfp4.global_scale_for(amax)), f"{base}.input")
+        nodes = act_nodes + nodes
+        b.stats["nvfp4_activations"] = b.stats.get("nvfp4_activations", 0) + 1
+    mm = ir.node("MatMul", [x, wt.outputs[0]])
+    _replace_matmul(b, site, [*nodes, mm], mm.outputs[0])
+    return True
+
+
+# -- KV cache -----------------------------------------------------------------------------------------
+
+def _kv_fp8(b: _Builder, calib: CalibrationResult) -> None:
+    for node in list(b.graph):
+        if node.op_type != "PagedAttention":
+            continue
+        layer = node.attributes["layer_idx"].value
+        amax = calib.kv_amax.get(layer)
+        if amax is None:
+            raise RuntimeError(f"no calibrated K/V range for attention layer {layer}")
+        for slot, which, a in ((1, "key", amax[0]), (2, "value", amax[1])):
+            nodes, out = fp8_qdq(b, node.inputs[slot], float(fp8.scale_for(a)), f"layers.{layer}.kv_{which}")
+            b.graph.insert_before(node, nodes)
+            node.replace_input_with(slot, out)
+        b.stats["kv_fp8_layers"] = b.stats.get("kv_fp8_layers", 0) + 1
+
+
+def quantize_model(model: ir.Model, recipe: QuantRecipe, calib: CalibrationResult | None,
+                   accuracy_level: int = 0) -> dict:
+    """Rewrite ``model`` in place for ``recipe`` (CPU forms). Returns statistics (``matches`` = linears rewritten)."""
+    b = _Builder(model.graph)
+    fmt = recipe.format
+    if fmt is not None:
+        for site in find_linears(model):
+            if fmt.family == "int4":
+                _int4_site(b, site, recipe, calib, accuracy_level)
+            elif fmt.family == "fp8":
+                _fp8_site(b, site, calib)
+            elif fmt.family == "nvfp4":
+                if not _nvfp4_site(b, site, calib):
+                    b.stats["skipped"] = b.stats.get("skipped", 0) + 1
+                    continue
+            b.stats["matches"] += 1
+        if fmt.family == "int4":
+            if recipe.embeddings != "none":
+                for node in list(model.graph):
+                    if node.op_type == "Gather" and node.domain == "" and _quantize_embedding(b, node, recipe):
+                        b.stats["embeddings"] = b.stats.get("embeddings", 0) + 1
+            model.opset_imports[MS_DOMAIN] = 1
+    if recipe.kv_cache_dtype == "fp8":
+        _kv_fp8(b, calib)
+    b.stats.pop("_folded", None)
+    return b.stats
