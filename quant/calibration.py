@@ -253,6 +253,7 @@ class LayerwiseCalibration:
         self.batch_size = batch_size
         self._names = {id(p): n for n, p in self.model.named_parameters(remove_duplicate=False)}
         self._base_prefix = next(n for n, m in self.model.named_modules() if m is base) + "."
+        self._release(self.model)  # nothing is resident until its layer is loaded
 
     def _load(self, module) -> None:
         import torch

@@ -1,0 +1,135 @@
+"""Quantized builds end to end: flags, refusals before any work, the accuracy report and gate, and
+deterministic calibration."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from click.testing import CliRunner
+
+from llmc.cli.main import cli
+from llmc.quant.recipe import QuantRecipe
+
+CALIB = ("--calib-samples", "8", "--calib-seq-len", "64")
+
+
+def _llmc(*args: str):
+    result = CliRunner().invoke(cli, [str(a) for a in args])
+    return result.exit_code, result.stdout, result.stderr
+
+
+def _refused(tmp_path, code, err, expect_code, *needles):
+    assert code == expect_code, err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("error: ") and "Traceback" not in err
+    for needle in needles:
+        assert needle in last, (needle, last)
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.tmp-*"))
+    assert "[2/5]" not in err  # refused before tracing
+
+
+@pytest.mark.parametrize("args,code,needles", [
+    (("--quant", "int3"), 2, ("--quant 'int3'", "fp8, int4, int4-awq, int4-gptq, nvfp4")),
+    (("--quant", "nvfp4", "--target", "h100"), 3, ("10.0", "sm_90", "--quant fp8", "--target b200")),
+    (("--quant", "fp8", "--target", "a100"), 3, ("8.9", "sm_80", "--quant int4", "--target h100")),
+    (("--kv-cache-dtype", "fp8", "--target", "a100"), 3, ("--kv-cache-dtype fp8", "8.9", "no --kv-cache-dtype")),
+    (("--kv-cache-dtype", "int2"), 2, ("--kv-cache-dtype 'int2'", "fp8")),
+    (("--quant", "int4", "--group-size", "100"), 2, ("--group-size 100", "32, 64, 128")),
+    (("--max-ppl-increase", "1"), 2, ("--max-ppl-increase", "--quant")),
+    (("--quant", "int4-awq", "--calib-data", "nope.jsonl"), 2, ("--calib-data nope.jsonl", "no such file")),
+])
+def test_bad_quant_requests_are_refused_before_any_work(tmp_path, tiny_llama, args, code, needles):
+    rc, _, err = _llmc("build", tiny_llama, "-o", tmp_path / "out", "--cache-dir", tmp_path / "cache", *args)
+    _refused(tmp_path, rc, err, code, *needles)
+
+
+def test_quantized_build_reports_accuracy_and_gates_it(tmp_path, tiny_llama):
+    calib = tmp_path / "calib.jsonl"
+    from llmc.testing.corpus import pydoc_texts
+
+    calib.write_text("".join(json.dumps({"text": t}) + "\n" for t in pydoc_texts("train")[:40]))
+    out = tmp_path / "awq"
+    rc, stdout, err = _llmc("build", tiny_llama, "-o", out, "--cache-dir", tmp_path / "cache", "--json",
+                            "--quant", "int4-awq", "--group-size", "64", "--calib-data", calib, *CALIB)
+    assert rc == 0, err
+    result = json.loads(stdout)
+    acc = result["accuracy"]
+    assert set(acc) >= {"ppl", "ppl_reference", "ppl_increase_pct", "kl_mean", "top1_agreement", "tokens"}
+    assert acc["tokens"] > 1000 and 0 < acc["kl_mean"] < 1 and 0 < acc["top1_agreement"] <= 1
+    assert acc["ppl_increase_pct"] == pytest.approx(100 * (acc["ppl"] / acc["ppl_reference"] - 1), abs=1e-3)
+    report = json.loads((out / "report.json").read_text())
+    assert report["accuracy"] == acc
+    q = report["quantization"]
+    assert q["format"] == "int4-awq" and q["group_size"] == 64 and q["calibration"]["samples"] == 8
+    assert len(q["layers"]) == 2 * 4 + 1 and all(r["algorithm"] == "awq" for r in q["layers"])
+    assert any(p["pass"] == "quantize" for p in report["passes"])
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["recipe"]["quant"]["quant"] == "int4-awq"
+    assert manifest["recipe"]["quant"]["calib_data"].startswith("sha256:")
+    ops = [n.op_type for n in onnx.load(out / "model.onnx", load_external_data=False).graph.node]
+    assert ops.count("MatMulNBits") == 2 * 4 + 1 and "MatMul" not in ops and "GatherBlockQuantized" in ops
+    rc, text, err = _llmc("inspect", out)
+    assert rc == 0 and "accuracy    perplexity" in text and "int4-awq" in text, err
+    assert _llmc("verify", out)[0] == 0
+
+    from llmc.runtime import Engine, SamplingParams
+
+    gen = Engine.load(out).generate(["The for statement"], SamplingParams(max_tokens=8, ignore_eos=True))
+    assert len(gen[0].token_ids) == 8
+
+    # The gate: RTN on this model raises perplexity by a little more than 0%, so a 0% limit fails the build.
+    rc, stdout, err = _llmc("build", tiny_llama, "-o", tmp_path / "gated", "--cache-dir", tmp_path / "cache",
+                            "--quant", "int4", "--max-ppl-increase", "0", "--json")
+    assert rc == 4, err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("error: --max-ppl-increase 0%") and "perplexity" in last and "top-1" in last
+    assert json.loads(stdout)["exit_code"] == 4
+    assert not (tmp_path / "gated").exists() and not list(tmp_path.glob(".gated.tmp-*"))
+
+
+@pytest.mark.parametrize("quant", ["int4-awq", "int4-gptq"])
+def test_same_seed_calibration_gives_byte_identical_weights(tiny_llama, quant):
+    from llmc.compiler.checkpoint import load_checkpoint
+    from llmc.quant.stage import QuantStage
+
+    ckpt = load_checkpoint(tiny_llama)
+
+    def weights(seed):
+        stage = QuantStage(ckpt, QuantRecipe(quant=quant, group_size=32, calib_samples=6, calib_seq_len=48, seed=seed))
+        result = stage._calibrate()
+        return {name: (lq.weights.matmulnbits_b().tobytes(), lq.weights.scales.tobytes(),
+                       None if lq.input_scale is None else lq.input_scale.tobytes())
+                for name, lq in sorted(result.linears.items())}
+
+    first, again, other = weights(1), weights(1), weights(2)
+    assert len(first) == 2 * 7 + 1
+    assert first == again
+    assert first != other  # the seed really chooses the calibration data
+
+
+def test_calibration_is_memory_bounded_layer_by_layer(tiny_llama):
+    """Only the layer being calibrated holds weights; the others stay empty."""
+    from llmc.compiler.checkpoint import load_checkpoint
+    from llmc.quant.calibration import LayerwiseCalibration
+    from llmc.quant.stage import _param_reader
+
+    ckpt = load_checkpoint(tiny_llama)
+    from transformers import AutoConfig
+
+    run = LayerwiseCalibration(AutoConfig.from_pretrained(Path(tiny_llama)), _param_reader(ckpt),
+                               np.random.default_rng(0).integers(0, 500, (4, 32)))
+    for stats in run.layers():
+        loaded = [i for i, layer in enumerate(run.base.layers) if next(layer.parameters()).numel() > 0]
+        assert loaded == [stats.index]
+        assert {len(g) for g in stats.groups} == {3, 2, 1}  # q/k/v, gate/up, o and down
+        for g in stats.groups:
+            s = stats.inputs[g]
+            assert s.rows == 4 * 32 and np.allclose(s.gram, s.gram.T) and s.amax > 0
+        assert stats.producers[stats.groups[0]].endswith("input_layernorm.weight")
+        assert stats.kv_amax is not None and min(stats.kv_amax) > 0
+    head = run.head()
+    assert head.groups == [("lm_head.weight",)] and head.producers[head.groups[0]] == "model.norm.weight"
