@@ -49,7 +49,9 @@ def cli() -> None:
     \b
       llmc build ./ckpt --target cpu -o engines/m     # checkpoint -> engine artifact
       llmc run engines/m --prompt "Hello"             # generate
-      llmc verify engines/m                           # integrity check
+      llmc verify engines/m                           # integrity + "can this machine load it?"
+      llmc pack engines/m -o m.tar; llmc unpack m.tar -o engines/m2
+      llmc cache ls                                   # the build cache
       llmc inspect engines/m                          # manifest and report
       llmc targets                                    # what can be built
     """
@@ -66,6 +68,39 @@ def _print_passes(ctx: click.Context, _param, value: bool) -> None:
     ctx.exit(0)
 
 
+def _quant_options(f):
+    """``llmc build``'s quantization flags (llmc.quant.recipe.QuantRecipe), passed on as ``quant_*`` kwargs."""
+    options = [
+        click.option("--quant", "quant_quant", default="none", show_default=True, metavar="FORMAT",
+                     help="Quantize: fp8 | int4 | int4-awq | int4-gptq | nvfp4 (CPU: int4 runs on ONNX Runtime's "
+                          "4-bit kernels, fp8/nvfp4 are emulated).  The build reports accuracy against the "
+                          "unquantized model in report.json."),
+        click.option("--group-size", "quant_group_size", default=128, show_default=True,
+                     help="INT4 group size along the input dimension: 32, 64 or 128."),
+        click.option("--symmetric", "quant_symmetric", is_flag=True,
+                     help="INT4 without zero points (symmetric groups)."),
+        click.option("--int4-accuracy-level", "quant_int4_accuracy_level", default=4, show_default=True,
+                     help="INT4 CPU compute (ONNX Runtime MatMulNBits): 4 = int8 activations (fastest), "
+                          "1 = fp32."),
+        click.option("--kv-cache-dtype", "quant_kv_cache_dtype", default=None, metavar="DTYPE",
+                     help="KV cache format: fp8 (per-layer scales from calibration; emulated on the CPU)."),
+        click.option("--calib-data", "quant_calib_data", default=None, type=click.Path(path_type=Path),
+                     help="Calibration text: a plain-text file, or JSONL with a \"text\" field per line "
+                          "[default: built-in pydoc text]."),
+        click.option("--calib-samples", "quant_calib_samples", default=64, show_default=True,
+                     help="Calibration sequences."),
+        click.option("--calib-seq-len", "quant_calib_seq_len", default=256, show_default=True,
+                     help="Tokens per calibration sequence."),
+        click.option("--calib-seed", "quant_seed", default=0, show_default=True,
+                     help="Seed choosing the calibration sequences (same seed, same quantized weights)."),
+        click.option("--max-ppl-increase", "max_ppl_increase", default=None, type=float, metavar="PCT",
+                     help="Fail the build (exit 4) if held-out perplexity rises by more than PCT percent."),
+    ]
+    for option in reversed(options):
+        f = option(f)
+    return f
+
+
 @cli.command()
 @click.argument("checkpoint", type=click.Path(path_type=Path))
 @click.option("-o", "--output", "output", type=click.Path(path_type=Path), required=True,
@@ -80,13 +115,22 @@ def _print_passes(ctx: click.Context, _param, value: bool) -> None:
 @click.option("--target", default="cpu", show_default=True, help="Target to build for (see `llmc targets`).")
 @click.option("--block-size", default=16, show_default=True, help="KV-cache block size in tokens (power of two).")
 @click.option("--force", is_flag=True, help="Replace the output directory if it exists (only once the build succeeds).")
+@click.option("--cache-dir", type=click.Path(path_type=Path), default=None,
+              help="Build cache directory [default: $LLMC_CACHE_DIR, else $XDG_CACHE_HOME/llmc or ~/.cache/llmc].")
+@click.option("--no-cache", is_flag=True, help="Rebuild even on a cache hit, and replace the cache entry.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object with the result instead of text.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress output.")
+@_quant_options
 def build(checkpoint: Path, output: Path, disabled_passes: tuple[str, ...], verify_passes: bool, target: str,
-          block_size: int, force: bool, as_json: bool, quiet: bool) -> None:
-    """Build an engine from a Hugging Face CHECKPOINT directory."""
-    from llmc.compiler.build import BuildOptions
-    from llmc.compiler.build import build as run_build
+          block_size: int, force: bool, cache_dir: Path | None, no_cache: bool, as_json: bool, quiet: bool,
+          max_ppl_increase: float | None, **quant_args) -> None:
+    """Build an engine from a Hugging Face CHECKPOINT directory.
+
+    Builds go through the build cache: an identical earlier build (same checkpoint bytes, recipe,
+    target, toolchain and llmc) is copied to -o instead of rebuilt. See `llmc cache --help`.
+    """
+    from llmc.compiler.build import BuildOptions, build_cached
+    from llmc.quant.recipe import QuantRecipe
 
     start = time.perf_counter()
 
@@ -94,21 +138,41 @@ def build(checkpoint: Path, output: Path, disabled_passes: tuple[str, ...], veri
         if not quiet:
             click.echo(f"{msg} (+{time.perf_counter() - start:.1f}s)", err=True)
 
+    quant = {k.removeprefix("quant_"): v for k, v in quant_args.items()}
+    if quant["calib_data"] is not None:
+        quant["calib_data"] = str(quant["calib_data"])
     options = BuildOptions(target=target, block_size=block_size, force=force, disabled_passes=disabled_passes,
-                           verify_passes=verify_passes)
-    result = run_build(checkpoint, output, options, progress=progress)
+                           verify_passes=verify_passes, quant=QuantRecipe(**quant), max_ppl_increase=max_ppl_increase)
+    try:
+        result = build_cached(checkpoint, output, options, progress=progress, cache_dir=cache_dir,
+                              refresh=no_cache)
+    except LlmcError as exc:
+        if as_json:  # CI reads stdout: one object on failure too; the error line still goes to stderr
+            click.echo(json.dumps({"status": "error", "exit_code": exc.exit_code, "error": str(exc)}))
+        raise
     if as_json:
-        click.echo(json.dumps({
-            "status": "ok",
-            "artifact": str(result.out_dir),
-            "target": target,
-            "timings_s": result.report["timings_s"],
-            "graph": result.report["graph"],
-            "passes": result.report["passes"],
-        }))
+        click.echo(json.dumps(_build_json(result, target)))
     elif not quiet:
         size = sum(f.stat().st_size for f in result.out_dir.rglob("*") if f.is_file())
-        click.echo(f"built {result.out_dir} ({size / 2**20:.1f} MiB) in {result.timings['total']:.1f}s")
+        how = f"cache hit {result.key[:16]}" if result.cache_hit else f"built, cached as {result.key[:16]}"
+        click.echo(f"{result.out_dir} ({size / 2**20:.1f} MiB): {how} in {result.timings['total']:.1f}s")
+
+
+def _build_json(result, target: str) -> dict:
+    """The `llmc build --json` object: what a CI step needs to branch on and to record."""
+    return {
+        "status": "ok",
+        "cache_hit": result.cache_hit,
+        "key": result.key,
+        "artifact": str(result.out_dir),
+        "artifact_digest": result.artifact_digest,
+        "target": target,
+        "timings_s": {k: round(v, 3) for k, v in result.timings.items()},
+        "build_timings_s": result.build_info.get("timings_s", {}),
+        "accuracy": result.report.get("accuracy"),
+        "graph": result.report.get("graph"),
+        "passes": result.report.get("passes"),
+    }
 
 
 @cli.command()
@@ -157,19 +221,23 @@ def run(engine: Path, prompts: tuple[str, ...], max_new_tokens: int, temperature
 @cli.command()
 @click.argument("engine", type=click.Path(path_type=Path))
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
-def verify(engine: Path, as_json: bool) -> None:
-    """Check an ENGINE's files against its manifest (exit 1 if any is missing or modified)."""
+@click.option("--integrity-only", is_flag=True,
+              help="Check files and schema only, not whether this machine can load the engine.")
+def verify(engine: Path, as_json: bool, integrity_only: bool) -> None:
+    """Check an ENGINE: every file's sha256, the schema version, and whether this machine can load it
+    (backend libraries, kernels, GPU). Exit 1 with the reasons if anything fails."""
     from llmc.runtime import artifact
 
-    problems = artifact.verify(engine)
+    result = artifact.check(engine, loadable=not integrity_only)
     if as_json:
-        click.echo(json.dumps({"ok": not problems, "problems": [str(p) for p in problems]}))
+        click.echo(json.dumps(result.to_json()))
     else:
-        for p in problems:
+        for p in [*result.problems, *result.load_problems]:
             click.echo(f"{engine / p.file}: {p.message}", err=True)
-        if not problems:
-            click.echo(f"{engine}: ok")
-    sys.exit(1 if problems else 0)
+        if result.ok:
+            what = "files intact" if integrity_only else "files intact, loadable here"
+            click.echo(f"{engine}: ok ({what}; {result.artifact_digest})")
+    sys.exit(0 if result.ok else 1)
 
 
 @cli.command()
@@ -197,7 +265,18 @@ def inspect(engine: Path, as_json: bool) -> None:
     for p in report.get("passes", []):
         stats = ", ".join(f"{k}={v}" for k, v in p.items() if k != "pass")
         click.echo(f"  pass      {p['pass']}: {stats}")
-    click.echo(f"timings     {json.dumps(report.get('timings_s', {}))}")
+    q, acc = report.get("quantization"), report.get("accuracy")
+    if q:
+        emulated = " (emulated on the CPU)" if q.get("emulated_on_cpu") else ""
+        click.echo(f"quant       {q['format']} {q.get('algorithm') or ''} group={q.get('group_size')} "
+                   f"kv={q.get('kv_cache_dtype') or 'model dtype'}{emulated}")
+    if acc:
+        click.echo(f"accuracy    perplexity {acc['ppl']:.4f} vs {acc['ppl_reference']:.4f} unquantized "
+                   f"({acc['ppl_increase_pct']:+.2f}%), mean KL {acc['kl_mean']:.4g}, top-1 agreement "
+                   f"{100 * acc['top1_agreement']:.2f}% ({acc['tokens']} held-out tokens)")
+    info_path = engine / artifact.BUILD_INFO
+    info = json.loads(info_path.read_text()) if info_path.is_file() else {}
+    click.echo(f"timings     {json.dumps(info.get('timings_s', report.get('timings_s', {})))}")
 
 
 @cli.command()
@@ -216,6 +295,130 @@ def targets(as_json: bool) -> None:
         mem = f"{t.memory_gib}G" if t.memory_gib else "-"
         status = "available" if t.available else "planned"
         click.echo(f"{t.name:9} {t.backend:13} {t.sm or '-':5} {mem:>5}  {','.join(t.native_formats):28} {status}")
+
+
+_CACHE_DIR_OPTION = click.option(
+    "--cache-dir", type=click.Path(path_type=Path), default=None,
+    help="Build cache directory [default: $LLMC_CACHE_DIR, else $XDG_CACHE_HOME/llmc or ~/.cache/llmc].")
+
+
+@cli.group()
+def cache() -> None:
+    """The build cache: list, prune and remove cached engines.
+
+    \b
+      llmc cache ls [--json]
+      llmc cache prune --max-size 2G      # drop least-recently-used entries
+      llmc cache rm KEY                   # a key prefix of at least 4 hex digits
+    """
+
+
+def _entry_json(e) -> dict:
+    return {"key": e.key, "model": e.meta.get("model", {}), "target": e.meta.get("target"),
+            "recipe": e.meta.get("key_inputs", {}).get("recipe"), "recipe_summary": e.meta.get("recipe_summary"),
+            "size_bytes": e.size_bytes, "last_used": e.last_used, "created": e.meta.get("created"),
+            "artifact_digest": e.meta.get("artifact_digest"), "path": str(e.artifact)}
+
+
+@cache.command("ls")
+@_CACHE_DIR_OPTION
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object: the store and its entries.")
+def cache_ls(cache_dir: Path | None, as_json: bool) -> None:
+    """List cached engines, most recently used first."""
+    from llmc.build_cache import Store, format_size
+
+    store = Store(cache_dir)
+    entries = store.list()
+    stale = store.stale()
+    if as_json:
+        click.echo(json.dumps({"cache_dir": str(store.root), "entries": [_entry_json(e) for e in entries],
+                               "total_bytes": sum(e.size_bytes for e in entries),
+                               "stale_tmp": [str(p) for p in stale]}))
+        return
+    click.echo(f"{'key':16}  {'model':24} {'target':7} {'size':>7}  {'last used':19}  recipe")
+    for e in entries:
+        model = e.meta.get("model", {})
+        name = f"{model.get('name', '?')} ({model.get('model_type', '?')})"
+        used = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(e.last_used))
+        click.echo(f"{e.key[:16]}  {name[:24]:24} {str(e.meta.get('target')):7} {format_size(e.size_bytes):>7}  "
+                   f"{used:19}  {e.meta.get('recipe_summary', '')}")
+    total = format_size(sum(e.size_bytes for e in entries))
+    click.echo(f"{len(entries)} entries, {total} in {store.root}"
+               + (f"; {len(stale)} leftovers of killed builds (removed by `llmc cache prune`)" if stale else ""),
+               err=True)
+
+
+@cache.command("prune")
+@_CACHE_DIR_OPTION
+@click.option("--max-size", required=True, metavar="SIZE",
+              help="Keep at most this much (e.g. 500M, 2G; binary units), dropping least-recently-used entries.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object: what was removed.")
+def cache_prune(cache_dir: Path | None, max_size: str, as_json: bool) -> None:
+    """Remove least-recently-used entries until the cache fits in --max-size (and leftovers of killed builds)."""
+    from llmc.build_cache import Store, format_size, parse_size
+
+    limit = parse_size(max_size)
+    store = Store(cache_dir)
+    removed = store.prune(limit)
+    kept = store.list()
+    if as_json:
+        click.echo(json.dumps({"removed": [_entry_json(e) for e in removed],
+                               "freed_bytes": sum(e.size_bytes for e in removed),
+                               "total_bytes": sum(e.size_bytes for e in kept), "max_bytes": limit}))
+        return
+    for e in removed:
+        click.echo(f"removed {e.key[:16]} ({format_size(e.size_bytes)})")
+    click.echo(f"{len(kept)} entries, {format_size(sum(e.size_bytes for e in kept))} kept "
+               f"(limit {format_size(limit)})")
+
+
+@cache.command("rm")
+@click.argument("key")
+@_CACHE_DIR_OPTION
+def cache_rm(key: str, cache_dir: Path | None) -> None:
+    """Remove the entry whose key starts with KEY."""
+    from llmc.build_cache import Store, format_size
+
+    store = Store(cache_dir)
+    entry = store.remove(store.resolve(key))
+    click.echo(f"removed {entry.key[:16]} ({format_size(entry.size_bytes)})")
+
+
+@cli.command()
+@click.argument("engine", type=click.Path(path_type=Path))
+@click.option("-o", "--output", "output", type=click.Path(path_type=Path), required=True,
+              help="Archive to write: *.tar or *.tar.gz.")
+@click.option("--force", is_flag=True, help="Replace the archive if it exists.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object with the result.")
+def pack(engine: Path, output: Path, force: bool, as_json: bool) -> None:
+    """Write a verified ENGINE directory into one reproducible tar archive."""
+    from llmc.build_cache.archive import pack as pack_engine
+
+    result = pack_engine(engine, output, force=force)
+    if as_json:
+        click.echo(json.dumps({"status": "ok", "archive": str(result.archive), "size_bytes": result.size_bytes,
+                               "members": result.members, "artifact_digest": result.artifact_digest}))
+    else:
+        click.echo(f"packed {engine} -> {result.archive} ({result.size_bytes / 2**20:.1f} MiB, "
+                   f"{len(result.members)} files)")
+
+
+@cli.command()
+@click.argument("archive", type=click.Path(path_type=Path))
+@click.option("-o", "--output", "output", type=click.Path(path_type=Path), required=True,
+              help="Engine directory to create (must not exist unless --force).")
+@click.option("--force", is_flag=True, help="Replace the directory if it exists (only once the archive verifies).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object with the result.")
+def unpack(archive: Path, output: Path, force: bool, as_json: bool) -> None:
+    """Extract an ARCHIVE written by `llmc pack` and verify it. Refuses absolute paths, '..', links and
+    device files in the archive."""
+    from llmc.build_cache.archive import unpack as unpack_engine
+
+    result = unpack_engine(archive, output, force=force)
+    if as_json:
+        click.echo(json.dumps({"status": "ok", **result.to_json()}))
+    else:
+        click.echo(f"unpacked {archive} -> {output}: ok ({result.artifact_digest})")
 
 
 def main() -> None:

@@ -1,29 +1,48 @@
 """``llmc build``: checkpoint → traced graph → passes → backend → sealed artifact.
 
-The artifact is written into a temporary sibling directory and renamed into place only when
-complete, so a failed or interrupted build never leaves a partial output directory.
+:func:`build` always compiles. :func:`build_cached` (what the CLI runs) first looks the build up
+in the content-addressed store (:mod:`llmc.build_cache`) and compiles only on a miss.
+
+Output directories are written into a temporary sibling directory and renamed into place only
+when complete, so a failed or interrupted build never leaves a partial output directory.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import signal
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import llmc
+from llmc.build_cache import KeyInputs, Store, sources_digest
 from llmc.compiler import artifact
-from llmc.compiler.backends import onnxruntime as ort_backend
-from llmc.compiler.checkpoint import load_checkpoint
-from llmc.compiler.frontend import GRAPH_INPUTS, GRAPH_OUTPUTS, trace
-from llmc.compiler.pipeline import passes_for, run_pipeline
-from llmc.compiler.targets import get_target
+from llmc.compiler.checkpoint import Checkpoint, load_checkpoint
+from llmc.compiler.targets import TARGETS, Target, get_target
 from llmc.errors import LlmcError
 from llmc.plugins.paged_attention import KV_LAYOUT
+from llmc.quant import recipe as quant_recipe
+from llmc.quant.recipe import QuantRecipe
+from llmc.runtime import artifact as runtime_artifact
+
+# The tracing, pass and backend modules import torch / onnx / onnx_ir (seconds of start-up), so
+# they are imported only when something is compiled: a cache hit never needs them.
 
 Progress = Callable[[str], None]
+
+COMPUTE_DTYPE = "float32"
+# BuildOptions fields that do not change the artifact, so they stay out of the canonical recipe
+# (the cache key). ``disabled_passes`` enters as a sorted set (flag order and repeats do not
+# matter; resolving it to the pass list would import the pass modules on every cache hit).
+# Any other field, including ones added later, is part of the recipe: a spurious miss is safe,
+# a wrong hit is not.
+_NOT_IN_RECIPE = frozenset({"force", "extra_passes"})
+_PACKAGE_ROOT = Path(llmc.__file__).resolve().parent
 
 
 @dataclass
@@ -35,16 +54,34 @@ class BuildOptions:
     force: bool = False
     disabled_passes: tuple[str, ...] = ()
     verify_passes: bool = False
+    # Quantization (llmc.quant): format, algorithm, calibration; the build fails (exit 4) when the
+    # quantized engine's held-out perplexity exceeds the unquantized one's by more than this percent.
+    quant: QuantRecipe = field(default_factory=QuantRecipe)
+    max_ppl_increase: float | None = None
     # Python API only: passes appended to the pipeline (tests use this to plant a broken pass).
     extra_passes: tuple = ()
 
 
 @dataclass
 class BuildResult:
+    """``timings`` are this call's stages in seconds; on a cache hit ``build_info`` still holds the
+    original build's timings. ``key`` is None for uncached builds."""
+
     out_dir: Path
     manifest: dict
     report: dict
     timings: dict[str, float] = field(default_factory=dict)
+    build_info: dict = field(default_factory=dict)
+    cache_hit: bool = False
+    key: str | None = None
+    artifact_digest: str | None = None
+
+
+@dataclass
+class _Plan:
+    out: Path
+    options: BuildOptions
+    target: Target
 
 
 def _validate(options: BuildOptions) -> None:
@@ -52,39 +89,81 @@ def _validate(options: BuildOptions) -> None:
         raise LlmcError(f"--block-size {options.block_size}: must be a power of two from 1 to 1024 (default 16)")
 
 
-def build(checkpoint_dir: str | Path, out_dir: str | Path, options: BuildOptions | None = None,
-          progress: Progress | None = None) -> BuildResult:
-    """Build an engine for ``options.target`` from the checkpoint into ``out_dir``.
-
-    Raises :class:`LlmcError` for bad input before any output exists.
-    """
-    options = options or BuildOptions()
-    say = progress or (lambda msg: None)
+def _plan(out_dir: str | Path, options: BuildOptions) -> _Plan:
+    """Every check on options and output that needs no checkpoint, before any work."""
     out = Path(out_dir)
     _validate(options)
+    quant_recipe.validate(options.quant)
+    if options.max_ppl_increase is not None and (not options.quant.enabled or options.max_ppl_increase < 0):
+        raise LlmcError(f"--max-ppl-increase {options.max_ppl_increase:g}: needs a quantized build (--quant or "
+                        "--kv-cache-dtype) and a limit of 0 or more percent")
+    quant_recipe.check_target(options.quant, options.target, TARGETS)  # before get_target: name the constraint
     target = get_target(options.target)
-    passes = passes_for(target.name, options.disabled_passes, options.extra_passes)
     if out.exists() and not options.force:
         raise LlmcError(f"{out}: output directory already exists; pass --force to replace it or choose another -o")
     if out.exists() and not out.is_dir():
         raise LlmcError(f"{out}: exists and is not a directory; choose another -o")
+    return _Plan(out, options, target)
 
-    timings: dict[str, float] = {}
-    t0 = time.perf_counter()
+
+def _kill_point(name: str) -> None:
+    # Fault injection for tests: LLMC_TEST_KILL_AT=<name>[:<SIGNAL>] sends this process SIGKILL (or
+    # the named signal, e.g. INT) here, to prove that a build dying at any point leaves the cache
+    # and the output consistent.
+    point, _, sig = os.environ.get("LLMC_TEST_KILL_AT", "").partition(":")
+    if point == name:
+        os.kill(os.getpid(), getattr(signal, f"SIG{sig or 'KILL'}"))
+
+
+def canonical_recipe(options: BuildOptions) -> dict:
+    """The build options that change the artifact, in a canonical form (see ``_NOT_IN_RECIPE``)."""
+    recipe = {k: v for k, v in asdict(options).items() if k not in _NOT_IN_RECIPE}
+    recipe.update(quant=quant_recipe.canonical(options.quant), compute_dtype=COMPUTE_DTYPE,
+                  disabled_passes=sorted(set(options.disabled_passes)))
+    return recipe
+
+
+def _recipe_summary(recipe: dict) -> str:
+    parts = [f"quant={quant_recipe.summary(recipe['quant'])}", f"block={recipe['block_size']}"]
+    if recipe["disabled_passes"]:
+        parts.append("no:" + ",".join(recipe["disabled_passes"]))
+    if recipe.get("verify_passes"):
+        parts.append("verify-passes")
+    return " ".join(parts)
+
+
+def _compile(ckpt: Checkpoint, digest: str, plan: _Plan, dest: Path, say: Progress, timings: dict[str, float],
+             t0: float, info: dict | None = None) -> tuple[dict, dict]:
+    """Stages 2-5: trace, optimise, emit and seal an artifact into the existing empty ``dest``.
+
+    Returns (manifest, report). ``timings`` (seconds) is filled in; they, and ``info``, go to
+    the unsealed build_info.json so that the sealed files depend on the inputs only.
+    """
+    from llmc.compiler.backends import onnxruntime as ort_backend
+    from llmc.compiler.frontend import GRAPH_INPUTS, GRAPH_OUTPUTS, trace
+    from llmc.compiler.pipeline import passes_for, run_pipeline
+
+    options, target = plan.options, plan.target
+    qstage = None
+    if options.quant.enabled:
+        from llmc.quant.stage import QuantStage
+
+        qstage = QuantStage(ckpt, options.quant, say)
+        for warning in quant_recipe.check_target(options.quant, target.name, TARGETS):
+            say(f"      warning: {warning}")
+    # The quantize pass runs after the fusions, before the final dead-code elimination.
+    passes = passes_for(target.name, options.disabled_passes,
+                        (*options.extra_passes, qstage.graph_pass) if qstage else options.extra_passes)
 
     def stage(name: str, n: int) -> None:
         say(f"[{n}/5] {name}")
 
-    stage("load checkpoint", 1)
-    ckpt = load_checkpoint(checkpoint_dir)
-    digest = ckpt.digest()
-    timings["load"] = time.perf_counter() - t0
-
     stage("trace with torch.export", 2)
     t = time.perf_counter()
-    traced = trace(ckpt, compute_dtype="float32")
+    traced = trace(ckpt, compute_dtype=COMPUTE_DTYPE)
     timings["trace"] = time.perf_counter() - t
     nodes_traced = sum(1 for _ in traced.model.graph)
+    _kill_point("after-trace")
 
     stage(f"optimise graph ({len(passes)} passes{', verified' if options.verify_passes else ''})", 3)
     t = time.perf_counter()
@@ -92,65 +171,235 @@ def build(checkpoint_dir: str | Path, out_dir: str | Path, options: BuildOptions
     if options.verify_passes:
         from llmc.compiler.verify import KVShape, PassVerifier
 
+        # Random inputs drawn from a seed derived from the checkpoint digest: fresh per model, yet the
+        # same for two builds of the same inputs, so the errors in report.json are reproducible.
         verifier = PassVerifier(traced.model, traced.vocab_size,
                                 KVShape(traced.num_layers, traced.num_kv_heads, traced.head_size,
-                                        options.block_size))
+                                        options.block_size),
+                                seed=int(digest.removeprefix("sha256:")[:16], 16))
     pass_stats = run_pipeline(traced.model, passes, verify=verifier, progress=lambda name: say(f"      {name}"))
     if verifier is not None:
         for entry in pass_stats:
             entry["verified_rel_error"] = verifier.errors.get(entry["pass"])
     timings["passes"] = time.perf_counter() - t
 
+    stage(f"emit {target.backend} engine (streaming weights)", 4)
+    t = time.perf_counter()
+    files = ort_backend.emit(traced.model, dest)
+    timings["emit"] = time.perf_counter() - t
+    _kill_point("after-emit")
+
+    stage("write artifact", 5)
+    artifact.copy_tokenizer(ckpt.path, dest)
+    report = {
+        "passes": pass_stats,
+        "graph": {"nodes_traced": nodes_traced, "nodes_final": sum(1 for _ in traced.model.graph)},
+    }
+    if qstage is not None:
+        report.update(qstage.report())
+    artifact.write_json(dest / "report.json", report)
+    fields = {
+        "source": {"model_type": ckpt.model_type, "digest": digest, "dtype": ckpt.dtype},
+        "recipe": {"quant": quant_recipe.canonical(options.quant), "compute_dtype": traced.compute_dtype,
+                   "passes": [p.name for p in passes]},
+        "target": {"name": target.name, "backend": target.backend},
+        "toolchain": artifact.toolchain_versions(),
+        "engine": {
+            "backend": target.backend,
+            "model_file": files.model,
+            "weights_file": files.weights,
+            "inputs": list(GRAPH_INPUTS),
+            "outputs": list(GRAPH_OUTPUTS),
+            "vocab_size": traced.vocab_size,
+        },
+        "kv_cache": {
+            "layout": KV_LAYOUT,
+            "block_size": options.block_size,
+            "dtype": traced.compute_dtype,
+            "num_layers": traced.num_layers,
+            "num_kv_heads": traced.num_kv_heads,
+            "head_size": traced.head_size,
+            "num_heads": traced.num_heads,
+        },
+    }
+    manifest = artifact.seal(dest, fields)
+    if qstage is not None:  # score the sealed engine against the unquantized graph, then re-seal with the figures
+        def emit_reference(model, where: Path) -> None:
+            ort_backend.emit(model, where)
+            artifact.seal(where, fields)
+
+        accuracy = qstage.evaluate(dest, emit_reference)
+        report.update(qstage.report())
+        artifact.write_json(dest / "report.json", report)
+        manifest = artifact.seal(dest, fields)
+        timings.update({f"quant_{k}": v for k, v in qstage.timings.items()})
+        from llmc.quant.evaluate import check_gate
+
+        check_gate(accuracy, options.max_ppl_increase, qstage.name)
+    timings["total"] = time.perf_counter() - t0
+    build_info = {"timings_s": {k: round(v, 3) for k, v in timings.items()}, **(info or {})}
+    artifact.write_build_info(dest, build_info)
+    os.chmod(dest, 0o755)
+    return manifest, report
+
+
+def build(checkpoint_dir: str | Path, out_dir: str | Path, options: BuildOptions | None = None,
+          progress: Progress | None = None) -> BuildResult:
+    """Build an engine for ``options.target`` from the checkpoint into ``out_dir`` (no build cache).
+
+    Raises :class:`LlmcError` for bad input before any output exists.
+    """
+    options = options or BuildOptions()
+    say = progress or (lambda msg: None)
+    plan = _plan(out_dir, options)
+    out = plan.out
+    from llmc.compiler.pipeline import passes_for
+
+    passes_for(plan.target.name, options.disabled_passes, options.extra_passes)  # bad pass names: fail now
+    timings: dict[str, float] = {}
+    t0 = time.perf_counter()
+    say("[1/5] load checkpoint")
+    ckpt = load_checkpoint(checkpoint_dir)
+    digest = ckpt.digest()
+    timings["load"] = time.perf_counter() - t0
+
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
-        stage(f"emit {target.backend} engine (streaming weights)", 4)
-        t = time.perf_counter()
-        files = ort_backend.emit(traced.model, tmp)
-        timings["emit"] = time.perf_counter() - t
+        manifest, report = _compile(ckpt, digest, plan, tmp, say, timings, t0)
+        build_info = json.loads((tmp / runtime_artifact.BUILD_INFO).read_text())
+        digest_out = runtime_artifact.artifact_digest(tmp)
+        _publish(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return BuildResult(out_dir=out, manifest=manifest, report=report, timings=timings, build_info=build_info,
+                       artifact_digest=digest_out)
 
-        stage("write artifact", 5)
-        artifact.copy_tokenizer(ckpt.path, tmp)
-        timings["total"] = time.perf_counter() - t0
-        report = {
-            "passes": pass_stats,
-            "graph": {"nodes_traced": nodes_traced, "nodes_final": sum(1 for _ in traced.model.graph)},
-            "timings_s": {k: round(v, 3) for k, v in timings.items()},
-        }
-        artifact.write_json(tmp / "report.json", report)
-        manifest = artifact.seal(
-            tmp,
-            {
-                "source": {"model_type": ckpt.model_type, "digest": digest, "dtype": ckpt.dtype},
-                "recipe": {"quant": "none", "compute_dtype": traced.compute_dtype,
-                           "passes": [p.name for p in passes]},
-                "target": {"name": target.name, "backend": target.backend},
-                "toolchain": artifact.toolchain_versions(),
-                "engine": {
-                    "backend": target.backend,
-                    "model_file": files.model,
-                    "weights_file": files.weights,
-                    "inputs": list(GRAPH_INPUTS),
-                    "outputs": list(GRAPH_OUTPUTS),
-                    "vocab_size": traced.vocab_size,
-                },
-                "kv_cache": {
-                    "layout": KV_LAYOUT,
-                    "block_size": options.block_size,
-                    "dtype": traced.compute_dtype,
-                    "num_layers": traced.num_layers,
-                    "num_kv_heads": traced.num_kv_heads,
-                    "head_size": traced.head_size,
-                    "num_heads": traced.num_heads,
-                },
-            },
-        )
+
+def cache_key_inputs(ckpt_digest: str, plan: _Plan) -> KeyInputs:
+    """What the cache key of building a checkpoint with content digest ``ckpt_digest`` by ``plan`` covers."""
+    return KeyInputs(
+        checkpoint_digest=ckpt_digest,
+        recipe=canonical_recipe(plan.options),
+        target={"name": plan.target.name, "backend": plan.target.backend, "sm": plan.target.sm},
+        toolchain=artifact.toolchain_versions(),
+        llmc_version=llmc.__version__,
+        sources_digest=sources_digest(_PACKAGE_ROOT),
+    )
+
+
+class _CorruptEntry(Exception):
+    pass
+
+
+def build_cached(checkpoint_dir: str | Path, out_dir: str | Path, options: BuildOptions | None = None,
+                 progress: Progress | None = None, *, cache_dir: str | Path | None = None,
+                 refresh: bool = False) -> BuildResult:
+    """:func:`build` through the build cache at ``cache_dir`` (default: see :func:`llmc.build_cache.default_root`).
+
+    On a hit the stored artifact is copied to ``out_dir`` (and checked against its manifest on
+    the way; a damaged entry is evicted and rebuilt). On a miss, or with ``refresh``
+    (``--no-cache``), the engine is compiled into the store, published atomically, then copied.
+    Concurrent calls for one key compile once: the others wait for the first and reuse its entry.
+
+    The key needs the checkpoint's content digest, so every call reads the checkpoint files once
+    (a miss reads the weights a second time while emitting, mostly from the page cache).
+    Builds with ``extra_passes`` (Python objects the key cannot capture) bypass the cache.
+    """
+    options = options or BuildOptions()
+    if options.extra_passes:
+        return build(checkpoint_dir, out_dir, options, progress)
+    say = progress or (lambda msg: None)
+    plan = _plan(out_dir, options)
+    timings: dict[str, float] = {}
+    t0 = time.perf_counter()
+    say("[1/5] load checkpoint")
+    ckpt = load_checkpoint(checkpoint_dir)
+    digest = ckpt.digest()
+    timings["load"] = time.perf_counter() - t0
+
+    t = time.perf_counter()
+    inputs = cache_key_inputs(digest, plan)
+    key = inputs.key()
+    store = Store(cache_dir)
+    try:
+        store.locks_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise LlmcError(f"{store.root}: build cache directory is not writable ({exc.strerror}); pass --cache-dir "
+                        "or set LLMC_CACHE_DIR to a writable directory") from None
+    timings["key"] = time.perf_counter() - t
+
+    with store.lock(key, on_wait=lambda: say(f"      waiting for another llmc build of {key[:16]} to finish")):
+        entry = None if refresh else store.get(key)
+        if entry is not None:
+            t = time.perf_counter()
+            try:
+                _export(entry.artifact, plan.out)
+            except _CorruptEntry as exc:
+                say(f"      cache entry {key[:16]} is damaged ({exc}); evicting it and rebuilding")
+                store.remove_locked(key)
+                entry = None
+            else:
+                store.touch(entry)
+                timings["copy"] = time.perf_counter() - t
+                say(f"      cache hit {key[:16]}: copied {entry.artifact} -> {plan.out}")
+        hit = entry is not None
+        if entry is None:
+            say(f"      cache {'refresh' if refresh else 'miss'} {key[:16]}: building")
+            with store.staging(key) as staged:
+                dest = staged / "artifact"
+                dest.mkdir()
+                _compile(ckpt, digest, plan, dest, say, timings, t0, info={"cache_key": key})
+                _kill_point("before-publish")
+                meta = {
+                    "key_inputs": asdict(inputs),
+                    "model": {"model_type": ckpt.model_type, "name": ckpt.path.resolve().name, "dtype": ckpt.dtype},
+                    "target": plan.target.name,
+                    "recipe_summary": _recipe_summary(inputs.recipe),
+                    "artifact_digest": runtime_artifact.artifact_digest(dest),
+                }
+                entry = store.publish(key, staged, meta)
+            _kill_point("after-publish")
+            t = time.perf_counter()
+            try:
+                _export(entry.artifact, plan.out)
+            except _CorruptEntry as exc:  # we just built and sealed it: a bug, not bad input
+                raise RuntimeError(f"freshly built cache entry {key} fails verification: {exc}") from None
+            timings["copy"] = time.perf_counter() - t
+    timings["total"] = time.perf_counter() - t0
+    out = plan.out
+    return BuildResult(
+        out_dir=out,
+        manifest=runtime_artifact.read_manifest(out),
+        report=json.loads((out / "report.json").read_text()),
+        timings=timings,
+        build_info=json.loads((out / runtime_artifact.BUILD_INFO).read_text()),
+        cache_hit=hit,
+        key=key,
+        artifact_digest=runtime_artifact.artifact_digest(out),
+    )
+
+
+def _export(artifact_dir: Path, out: Path) -> None:
+    """Copy a cached artifact to ``out`` (through a temporary sibling and a rename), checking every
+    file against the manifest; raises :class:`_CorruptEntry` if the cached copy is damaged."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        # copyfile, not copy2: the output gets ordinary writable files, not the store's read-only ones.
+        shutil.copytree(artifact_dir, tmp, dirs_exist_ok=True, copy_function=shutil.copyfile)
+        try:
+            problems = runtime_artifact.verify(tmp)
+        except LlmcError as exc:
+            raise _CorruptEntry(str(exc)) from None
+        if problems:
+            raise _CorruptEntry(str(problems[0]))
         os.chmod(tmp, 0o755)
         _publish(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return BuildResult(out_dir=out, manifest=manifest, report=report, timings=timings)
 
 
 def _publish(tmp: Path, out: Path) -> None:
