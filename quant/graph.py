@@ -125,44 +125,43 @@ def _replace_matmul(b: _Builder, site: LinearSite, new_nodes: list[ir.Node], out
 
 # -- INT4 ---------------------------------------------------------------------------------------------
 
-def _int4_lazy(b: _Builder, site: LinearSite, recipe: QuantRecipe) -> list[ir.Value]:
-    gs, sym = recipe.group_size, recipe.symmetric
-    ng = -(-site.k // gs)
-    to_nk = site.nk()
-
-    def compute(a):
-        q = int4.quantize_rtn(to_nk(a), gs, sym)
-        out = [q.matmulnbits_b(), q.scales]
-        return out if sym else [*out, q.matmulnbits_zero_points()]
-
-    base = site.weight_value.name
-    specs = [Spec(f"{base}.int4", ir.DataType.UINT8, (site.n, ng, gs // 2)),
-             Spec(f"{base}.int4_scales", ir.DataType.FLOAT, (site.n, ng))]
-    if not sym:
-        specs.append(Spec(f"{base}.int4_zero_points", ir.DataType.UINT8, (site.n, -(-ng // 2))))
-    return b.lazy([site.tensor], compute, specs)
+def _int4_specs(base: str, site: LinearSite, recipe: QuantRecipe, form: str) -> list[Spec]:
+    gs, ng, n, k = recipe.group_size, -(-site.k // recipe.group_size), site.n, site.k
+    if form == "qdq":  # [K, N] codes, [K / g, N] scales and zero points: DequantizeLinear(axis=0, block_size=g)
+        specs = [Spec(f"{base}.int4", ir.DataType.INT4 if recipe.symmetric else ir.DataType.UINT4, (k, n)),
+                 Spec(f"{base}.int4_scales", ir.DataType.FLOAT, (ng, n))]
+        return specs if recipe.symmetric else [*specs, Spec(f"{base}.int4_zero_points", ir.DataType.UINT4, (ng, n))]
+    specs = [Spec(f"{base}.int4", ir.DataType.UINT8, (n, ng, gs // 2)),
+             Spec(f"{base}.int4_scales", ir.DataType.FLOAT, (n, ng))]
+    zp = Spec(f"{base}.int4_zero_points", ir.DataType.UINT8, (n, -(-ng // 2)))
+    return specs if recipe.symmetric else [*specs, zp]
 
 
-def _int4_eager(b: _Builder, site: LinearSite, q: int4.Int4Weights) -> list[ir.Value]:
-    base = site.weight_value.name
-    values = [b.const(f"{base}.int4", q.matmulnbits_b()), b.const(f"{base}.int4_scales", q.scales)]
-    zp = q.matmulnbits_zero_points()
-    if zp is not None:
-        values.append(b.const(f"{base}.int4_zero_points", zp))
-    return values
+def _int4_arrays(q: int4.Int4Weights, form: str) -> list[np.ndarray]:
+    """The initializers of one INT4 linear: ``MatMulNBits`` packing (``cpu``) or block-wise Q/DQ (``qdq``)."""
+    if form == "qdq":
+        if q.zero_points is None:
+            out = [np.ascontiguousarray(q.signed_codes()[:, : q.k].T).astype(ml_dtypes.int4)]
+        else:
+            out = [np.ascontiguousarray(q.q[:, : q.k].T).astype(ml_dtypes.uint4)]
+        out.append(np.ascontiguousarray(q.scales.T))
+        return out if q.zero_points is None else [*out, np.ascontiguousarray(q.zero_points.T).astype(ml_dtypes.uint4)]
+    out = [q.matmulnbits_b(), q.scales]
+    return out if q.zero_points is None else [*out, q.matmulnbits_zero_points()]
 
 
 def _int4_site(b: _Builder, site: LinearSite, recipe: QuantRecipe, calib: CalibrationResult | None,
-               accuracy_level: int) -> None:
+               accuracy_level: int, form: str = "cpu") -> None:
     found = [calib.linears.get(m) for m in site.members] if calib is not None else []
     x = site.x
     nodes: list[ir.Node] = []
+    specs = _int4_specs(site.weight_value.name, site, recipe, form)
     if found and all(f is not None and f.weights is not None for f in found):
         q = int4.concat([f.weights for f in found])
         if q.n != site.n or q.k != site.k:
             raise RuntimeError(f"calibrated INT4 weights of {site.members} are [{q.n}, {q.k}], the graph's "
                                f"weight {site.weight_value.name} is [{site.n}, {site.k}]")
-        inputs = _int4_eager(b, site, q)
+        inputs = [b.const(spec.name, array) for spec, array in zip(specs, _int4_arrays(q, form), strict=True)]
         b.stats["calibrated"] = b.stats.get("calibrated", 0) + 1
         scale, fold = found[0].input_scale, found[0].fold
         if scale is not None and not (fold == "previous-linear" or (fold and _fold_into_norm(b, fold, scale))):
@@ -172,12 +171,18 @@ def _int4_site(b: _Builder, site: LinearSite, recipe: QuantRecipe, calib: Calibr
             x = mul.outputs[0]
             b.stats["awq_mul"] = b.stats.get("awq_mul", 0) + 1
     else:
-        inputs = _int4_lazy(b, site, recipe)
+        to_nk, gs, sym = site.nk(), recipe.group_size, recipe.symmetric
+        inputs = b.lazy([site.tensor], lambda a: _int4_arrays(int4.quantize_rtn(to_nk(a), gs, sym), form), specs)
         b.stats["rtn"] = b.stats.get("rtn", 0) + 1
-    node = ir.node("MatMulNBits", [x, *inputs], domain=MS_DOMAIN,
-                   attributes={"K": site.k, "N": site.n, "bits": 4, "block_size": recipe.group_size,
-                               "accuracy_level": accuracy_level})
-    nodes.append(node)
+    if form == "qdq":
+        dq = ir.node("DequantizeLinear", inputs, attributes={"axis": 0, "block_size": recipe.group_size})
+        node = ir.node("MatMul", [x, dq.outputs[0]])
+        nodes += [dq, node]
+    else:
+        node = ir.node("MatMulNBits", [x, *inputs], domain=MS_DOMAIN,
+                       attributes={"K": site.k, "N": site.n, "bits": 4, "block_size": recipe.group_size,
+                                   "accuracy_level": accuracy_level})
+        nodes.append(node)
     _replace_matmul(b, site, nodes, node.outputs[0])
 
 
@@ -376,14 +381,23 @@ def _kv_fp8(b: _Builder, calib: CalibrationResult) -> None:
 
 
 def quantize_model(model: ir.Model, recipe: QuantRecipe, calib: CalibrationResult | None,
-                   accuracy_level: int = 0) -> dict:
-    """Rewrite ``model`` in place for ``recipe`` (CPU forms). Returns statistics (``matches`` = linears rewritten)."""
+                   accuracy_level: int = 0, form: str = "cpu") -> dict:
+    """Rewrite ``model`` in place for ``recipe``. Returns statistics (``matches`` = linears rewritten).
+
+    ``form="cpu"`` emits what ONNX Runtime's CPU kernels run (INT4 on ``MatMulNBits``);
+    ``form="qdq"`` emits INT4 weights as block-wise ``DequantizeLinear`` (axis 0, ``block_size`` =
+    group) + ``MatMul``, the explicit form TensorRT's strongly typed networks fuse into INT4 GEMMs
+    (FP8 and the KV cache are Q/DQ in both forms). The TensorRT backend is not built yet; ONNX
+    Runtime runs both forms, and the tests check they compute the same values.
+    """
+    if form not in ("cpu", "qdq"):
+        raise ValueError(f"form {form!r}: 'cpu' or 'qdq'")
     b = _Builder(model.graph)
     fmt = recipe.format
     if fmt is not None:
         for site in find_linears(model):
             if fmt.family == "int4":
-                _int4_site(b, site, recipe, calib, accuracy_level)
+                _int4_site(b, site, recipe, calib, accuracy_level, form)
             elif fmt.family == "fp8":
                 _fp8_site(b, site, calib)
             elif fmt.family == "nvfp4":

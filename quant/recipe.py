@@ -48,12 +48,15 @@ class QuantRecipe:
     ``"fp8"`` or None. Calibration: ``calib_data`` a file (None: the built-in pydoc text),
     ``calib_samples`` sequences of ``calib_seq_len`` tokens drawn with ``seed``. ``embeddings``: how INT4
     formats store the token-embedding table (``int8``, ``int4``: ONNX Runtime's ``GatherBlockQuantized``;
-    ``none``: the compute dtype)."""
+    ``none``: the compute dtype). ``int4_accuracy_level`` is ``MatMulNBits``' compute mode on the
+    CPU: 4 quantizes each activation block to int8 and uses integer dot products (ONNX Runtime's
+    fastest CPU path, the default), 1 computes in fp32 (0: ONNX Runtime's default, fp32)."""
 
     quant: str = "none"
     group_size: int = 128
     symmetric: bool = False
     embeddings: str = "int8"
+    int4_accuracy_level: int = 4
     kv_cache_dtype: str | None = None
     calib_data: str | None = None
     calib_samples: int = 64
@@ -85,6 +88,9 @@ def validate(recipe: QuantRecipe) -> None:
         raise LlmcError(f"--group-size {recipe.group_size}: choose one of {', '.join(map(str, GROUP_SIZES))}")
     if recipe.embeddings not in EMBEDDING_FORMATS:
         raise LlmcError(f"embeddings {recipe.embeddings!r}: choose one of {', '.join(EMBEDDING_FORMATS)}")
+    if recipe.int4_accuracy_level not in (0, 1, 2, 3, 4):
+        raise LlmcError(f"--int4-accuracy-level {recipe.int4_accuracy_level}: choose 0-4 (1: fp32 compute, "
+                        "4: int8 compute)")
     if recipe.calib_data is not None and not Path(recipe.calib_data).is_file():
         raise LlmcError(f"--calib-data {recipe.calib_data}: no such file; pass a plain-text or JSONL file (or omit "
                         "it for the built-in calibration text)")

@@ -55,12 +55,10 @@ def _param_reader(checkpoint):
 class QuantStage:
     """One build's quantization. ``warnings`` are shown to the user (CPU emulation)."""
 
-    def __init__(self, checkpoint, recipe: QuantRecipe, progress: Callable[[str], None] | None = None,
-                 accuracy_level: int = 0) -> None:
+    def __init__(self, checkpoint, recipe: QuantRecipe, progress: Callable[[str], None] | None = None) -> None:
         self.checkpoint = checkpoint
         self.recipe = recipe
         self.say = progress or (lambda msg: None)
-        self.accuracy_level = accuracy_level
         self.reference: ir.Model | None = None
         self.calibration = None
         self.stats: dict = {}
@@ -103,7 +101,7 @@ class QuantStage:
         if self.recipe.needs_calibration():
             self.calibration = self._calibrate()
         self.timings["calibrate"] = time.perf_counter() - t
-        self.stats = quantize_model(model, self.recipe, self.calibration, self.accuracy_level)
+        self.stats = quantize_model(model, self.recipe, self.calibration, self.recipe.int4_accuracy_level)
         return {k: v for k, v in self.stats.items() if isinstance(v, int)}
 
     def evaluate(self, engine_dir: Path, emit_reference: Callable[[ir.Model, Path], None]) -> evaluate.Accuracy:
@@ -131,7 +129,8 @@ class QuantStage:
         r = self.recipe
         out: dict = {"quantization": {
             "format": r.quant, "group_size": r.group_size if r.format and r.format.family == "int4" else None,
-            "symmetric": r.symmetric, "kv_cache_dtype": r.kv_cache_dtype,
+            "symmetric": r.symmetric, "kv_cache_dtype": r.kv_cache_dtype, "embeddings": r.embeddings,
+            "int4_accuracy_level": r.int4_accuracy_level,
             "algorithm": r.format.algorithm if r.format else None,
             "emulated_on_cpu": bool((r.format and not r.format.cpu_native) or r.kv_cache_dtype),
             "graph": {k: v for k, v in self.stats.items() if isinstance(v, int)},

@@ -71,6 +71,22 @@ def test_int4_graph_matches_numpy_dequantized_weights(traced, group, symmetric, 
     assert _rel(out, run_graph(model, feeds, pool)) > 1e-4  # and it did quantize
 
 
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_int4_qdq_form_computes_what_the_cpu_form_computes(traced, symmetric):
+    """The explicit block-wise Q/DQ form (for TensorRT) and MatMulNBits (CPU) run the same weights."""
+    model, feeds, pool = traced
+    recipe = QuantRecipe(quant="int4", group_size=32, symmetric=symmetric, embeddings="none")
+    cpu, qdq = model.clone(), model.clone()
+    graph.quantize_model(cpu, recipe, None)
+    stats = graph.quantize_model(qdq, recipe, None, form="qdq")
+    ops = _ops(qdq)
+    assert "MatMulNBits" not in ops and ops.count("DequantizeLinear") == stats["matches"] > 0
+    dq = next(n for n in qdq.graph if n.op_type == "DequantizeLinear")
+    assert dq.inputs[0].const_value.dtype == (ir.DataType.INT4 if symmetric else ir.DataType.UINT4)
+    assert dq.attributes["block_size"].value == 32 and dq.attributes["axis"].value == 0
+    assert _rel(run_graph(qdq, feeds, pool), run_graph(cpu, feeds, pool)) < 2e-5
+
+
 def test_fp8_and_nvfp4_weight_graphs_match_numpy_dequantized_weights(traced):
     model, feeds, pool = traced
     for quant, deq in [("fp8", lambda s, w: fp8.quantize(w, axis=0).dequantize()),
