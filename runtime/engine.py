@@ -123,13 +123,15 @@ class Engine:
         self.config = config
         self.max_num_tokens = config.max_num_tokens
         self.block_size = pool.block_size
-        self.max_model_len = int(manifest.get("engine", {}).get("max_position_embeddings", 0)) or None
+        self.max_model_len = _max_model_len(path, manifest)
         self.vocab_size = int(manifest["engine"]["vocab_size"])
         self.scheduler = Scheduler(config, blocks)
         self.last_schedule: SchedulerOutput | None = None  # the latest step's decisions, for inspection
         self._lock = threading.RLock()
         self._ids = itertools.count()
         self._pending: list[RequestOutput] = []  # cancellations to report with the next step
+        self._retain: set[str] = set()  # ids from submit(): kept when finished until result() reads them
+        self._done: dict[str, Request] = {}
         self._busy = 0.0
         self._generated = 0
         self._driver: asyncio.Task | None = None
@@ -171,10 +173,15 @@ class Engine:
     def submit(self, prompt: Prompt, params: SamplingParams | None = None, *, request_id: str | None = None) -> str:
         """Queue one request (text or token ids); returns its id. It runs as :meth:`step` is called.
 
-        Raises ``LlmcError`` for a bad prompt, a request that could never fit in the KV pool (the
-        message says how many blocks it needs), or a full waiting queue.
+        Its tokens come back in the outputs of :meth:`step`; :meth:`result` returns its output so far,
+        and, once it finished, returns it one last time. Raises ``LlmcError`` for a bad prompt, a
+        request that could never fit in the KV pool (the message says how many blocks it needs), or
+        a full waiting queue.
         """
-        return self._submit(prompt, params, request_id, "prompt").request_id
+        with self._lock:
+            rid = self._submit(prompt, params, request_id, "prompt").request_id
+            self._retain.add(rid)
+            return rid
 
     def _submit(self, prompt: Prompt, params: SamplingParams | None, request_id: str | None,
                 label: str) -> Request:
@@ -224,8 +231,7 @@ class Engine:
             req = self.scheduler.requests.get(request_id)
             if req is None:
                 return False
-            self.scheduler.finish(req, "cancelled")
-            req.finish_time = time.perf_counter()
+            self._finish(req, "cancelled", time.perf_counter())
             self._pending.append(RequestOutput(request_id, [], [] if req.logprobs is not None else None, True,
                                                "cancelled"))
             return True
@@ -282,9 +288,15 @@ class Engine:
         elif len(r.tokens) - r.prompt_len >= p.max_tokens:
             reason = "length"
         if reason is not None:
-            self.scheduler.finish(r, reason)
-            r.finish_time = now
+            self._finish(r, reason, now)
         return RequestOutput(r.request_id, [token], [lp] if lp is not None else None, reason is not None, reason)
+
+    def _finish(self, r: Request, reason: str, now: float) -> None:
+        self.scheduler.finish(r, reason)
+        r.finish_time = now
+        if r.request_id in self._retain:
+            self._retain.discard(r.request_id)
+            self._done[r.request_id] = r
 
     def _hit_stop_string(self, r: Request) -> bool:
         text = self.tokenizer.decode(r.output_token_ids)
@@ -343,9 +355,12 @@ class Engine:
         )
 
     def result(self, request_id: str) -> GenerationOutput | None:
-        """The output so far of an in-flight request (None when unknown or already finished)."""
+        """The output so far of an in-flight request, or the final output of one from :meth:`submit`.
+
+        A finished request's output is returned once and then forgotten; None for unknown ids.
+        """
         with self._lock:
-            r = self.scheduler.requests.get(request_id)
+            r = self.scheduler.requests.get(request_id) or self._done.pop(request_id, None)
             return self._output(r) if r is not None else None
 
     # -- streaming --------------------------------------------------------------------------------
@@ -500,6 +515,14 @@ class _TextDeltas:
                 self._shown[i] = full
         lp = o.new_logprobs[0] if o.new_logprobs else None
         yield StreamEvent(i, o.request_id, o.new_token_ids[0], text, lp, o.finished, o.finish_reason)
+
+
+def _max_model_len(root: Path, manifest: dict) -> int | None:
+    """The longest sequence (prompt + output tokens) the model supports: its max_position_embeddings."""
+    n = manifest.get("engine", {}).get("max_position_embeddings")
+    if not n and (root / "hf_config.json").is_file():
+        n = json.loads((root / "hf_config.json").read_text()).get("max_position_embeddings")
+    return int(n) if n else None
 
 
 def _eos_ids(root: Path) -> list[int]:
