@@ -1,6 +1,8 @@
 """The runtime: load an engine artifact and serve generation. Imports no torch and no transformers."""
 
-from llmc.runtime.engine import Engine, GenerationOutput
+from llmc.runtime.engine import Engine, EngineStats, GenerationOutput, RequestOutput, StreamEvent
 from llmc.runtime.sampler import SamplingParams
+from llmc.runtime.scheduler import SchedulerConfig
 
-__all__ = ["Engine", "GenerationOutput", "SamplingParams"]
+__all__ = ["Engine", "EngineStats", "GenerationOutput", "RequestOutput", "SamplingParams", "SchedulerConfig",
+           "StreamEvent"]
