@@ -12,6 +12,12 @@ REPO = Path(__file__).resolve().parent.parent
 DEFAULT_MODEL = REPO / "assets" / "default-model"
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _private_build_cache(tmp_path_factory):
+    """Builds through the CLI cache into a per-run directory, never the user's ~/.cache/llmc."""
+    os.environ["LLMC_CACHE_DIR"] = str(tmp_path_factory.mktemp("llmc-cache"))
+
+
 def _shared_dir(tmp_path_factory) -> Path:
     # With xdist every worker has its own basetemp; their parent is common to the run.
     base = tmp_path_factory.getbasetemp()
