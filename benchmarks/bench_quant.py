@@ -1,0 +1,176 @@
+"""Quantization formats on one model: engine size, accuracy against the unquantized engine, CPU decode speed.
+
+Every quantized build evaluates itself against the unquantized graph on held-out pydoc text
+(report.json "accuracy": perplexity, mean next-token KL, top-1 agreement); this script builds each
+format, collects those figures, and measures decode tokens/s of every engine in one run,
+round-robin, so ratios hold while this shared machine's speed drifts (decode rate = B * (N - 1) /
+(t_N - t_1) for B 128-token prompts decoding N = 128 tokens together, median over repeats). It
+also measures the greedy agreement of the int4-awq engine with the fp32 engine (8 held-out
+prompts x 32 tokens; every other format too, as context), and that calibrating twice with the
+same seed gives byte-identical weights.
+
+    python benchmarks/bench_quant.py [--model assets/default-model] [--repeats 5] [--threads 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from llmc.compiler.build import BuildOptions, build
+from llmc.quant.recipe import QuantRecipe
+from llmc.runtime import Engine, SamplingParams
+
+REPO = Path(__file__).resolve().parent.parent
+ROWS = [  # label, recipe
+    ("fp32", QuantRecipe()),
+    ("fp8 (emulated)", QuantRecipe(quant="fp8")),
+    ("int4 RTN g128", QuantRecipe(quant="int4")),
+    ("int4-awq g128", QuantRecipe(quant="int4-awq")),
+    ("int4-gptq g128", QuantRecipe(quant="int4-gptq")),
+    ("nvfp4 (emulated)", QuantRecipe(quant="nvfp4")),
+    ("fp8 KV cache (emulated)", QuantRecipe(kv_cache_dtype="fp8")),
+]
+
+
+def decode_rate(engine: Engine, prompts: list[list[int]], n: int) -> float:
+    outs = engine.generate(prompts, SamplingParams(max_tokens=n, ignore_eos=True))
+    t_first = max(o.ttft for o in outs)
+    t_end = max(o.latency for o in outs)
+    return len(prompts) * (n - 1) / (t_end - t_first)
+
+
+def engine_bytes(path: Path) -> int:
+    return sum((path / name).stat().st_size for name in ("model.onnx", "model.onnx.data"))
+
+
+def weights_digest(path: Path) -> str:
+    return hashlib.sha256((path / "model.onnx.data").read_bytes()).hexdigest()
+
+
+def greedy_agreement(reference: Engine, other: Engine, prompts: list[list[int]], n: int) -> dict:
+    """Position-wise agreement of greedy continuations, and how many tokens match before the first difference."""
+    params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+    a = [o.token_ids for o in reference.generate(prompts, params)]
+    b = [o.token_ids for o in other.generate(prompts, params)]
+    same = sum(int(x == y) for ra, rb in zip(a, b, strict=True) for x, y in zip(ra, rb, strict=True))
+    prefix = 0
+    for ra, rb in zip(a, b, strict=True):
+        k = next((i for i, (x, y) in enumerate(zip(ra, rb, strict=True)) if x != y), len(ra))
+        prefix += k
+    total = len(prompts) * n
+    return {"tokens": total, "agreement": same / total, "before_first_divergence": prefix / total}
+
+
+def heldout_prompts(tokenizer_file: Path, count: int, length: int) -> list[list[int]]:
+    from tokenizers import Tokenizer
+
+    from llmc.testing.corpus import pydoc_texts
+
+    tok = Tokenizer.from_file(str(tokenizer_file))
+    docs = [tok.encode(t, add_special_tokens=False).ids for t in pydoc_texts("heldout")]
+    return [d[:length] for d in docs if len(d) >= length][:count]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", type=Path, default=REPO / "assets" / "default-model")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    args = ap.parse_args()
+
+    with tempfile.TemporaryDirectory(prefix="bench-quant-") as tmp:
+        root = Path(tmp)
+        built: dict[str, dict] = {}
+        for i, (label, recipe) in enumerate(ROWS):
+            t = time.perf_counter()
+            result = build(args.model, root / f"e{i}", BuildOptions(quant=recipe))
+            built[label] = {"dir": root / f"e{i}", "report": result.report, "build_s": time.perf_counter() - t,
+                            "bytes": engine_bytes(root / f"e{i}")}
+            print(f"built {label} in {built[label]['build_s']:.0f}s", flush=True)
+
+        # Same seed, same bytes: rebuild the calibrated INT4 engines and compare their weights.
+        determinism = {}
+        for label in ("int4-awq g128", "int4-gptq g128"):
+            recipe = dict(ROWS)[label]
+            again = build(args.model, root / f"again-{label.split()[0]}", BuildOptions(quant=recipe)).out_dir
+            determinism[label] = weights_digest(built[label]["dir"]) == weights_digest(again)
+
+        vocab = int(json.loads((args.model / "config.json").read_text())["vocab_size"])
+        rng = np.random.default_rng(0)
+        prompts8 = [rng.integers(4, vocab, 128).tolist() for _ in range(8)]
+        engines = {label: Engine.load(b["dir"], num_threads=args.threads, kv_cache_tokens=8 * 512)
+                   for label, b in built.items()}
+        for engine in engines.values():
+            engine.generate([[5, 6, 7]], SamplingParams(max_tokens=4))  # warm-up
+        rates: dict[str, dict[str, list[float]]] = {k: {"b1": [], "b8": []} for k in engines}
+        for _ in range(args.repeats):
+            for label, engine in engines.items():
+                rates[label]["b1"].append(decode_rate(engine, prompts8[:1], args.new_tokens))
+                rates[label]["b8"].append(decode_rate(engine, prompts8, args.new_tokens))
+        prompts = heldout_prompts(args.model / "tokenizer.json", 8, 16)
+        greedy_all = {label: greedy_agreement(engines["fp32"], engine, prompts, 32)
+                      for label, engine in engines.items() if label != "fp32"}
+        greedy = greedy_all["int4-awq g128"]
+
+    rows = []
+    ref_acc = built["int4 RTN g128"]["report"]["accuracy"]
+    for label, b in built.items():
+        acc = b["report"].get("accuracy") or {"ppl": ref_acc["ppl_reference"], "ppl_increase_pct": 0.0,
+                                             "kl_mean": 0.0, "top1_agreement": 1.0}
+        rows.append({"format": label, "size_MiB": round(b["bytes"] / 2**20, 3),
+                     "size_vs_fp32": None, "ppl": round(acc["ppl"], 3),
+                     "ppl_increase_pct": round(acc["ppl_increase_pct"], 3), "kl_mean": round(acc["kl_mean"], 5),
+                     "top1_agreement": round(acc["top1_agreement"], 4),
+                     "decode_b1_tok_s": round(statistics.median(rates[label]["b1"]), 1),
+                     "decode_b8_tok_s": round(statistics.median(rates[label]["b8"]), 1),
+                     "greedy_agree": round(greedy_all[label]["agreement"], 4) if label in greedy_all else 1.0,
+                     "build_s": round(b["build_s"], 1)})
+    fp32 = rows[0]
+    for r in rows:
+        r["size_vs_fp32"] = round(r["size_MiB"] / fp32["size_MiB"], 3)
+    by = {r["format"]: r for r in rows}
+    int4 = by["int4 RTN g128"]
+    speed_b1 = int4["decode_b1_tok_s"] / fp32["decode_b1_tok_s"]
+    goals = {
+        "fp8 ppl increase <= 1%": by["fp8 (emulated)"]["ppl_increase_pct"] <= 1.0,
+        "int4-awq better than int4 RTN (ppl and KL)": (by["int4-awq g128"]["ppl"] < int4["ppl"]
+                                                       and by["int4-awq g128"]["kl_mean"] < int4["kl_mean"]),
+        "int4-gptq better than int4 RTN (ppl and KL)": (by["int4-gptq g128"]["ppl"] < int4["ppl"]
+                                                        and by["int4-gptq g128"]["kl_mean"] < int4["kl_mean"]),
+        "int4 size <= 0.3x fp32": int4["size_vs_fp32"] <= 0.3,
+        "int4 decode b1 >= 2x fp32": speed_b1 >= 2.0,
+        "int4-awq greedy agreement >= 90% of 256 tokens": greedy["agreement"] >= 0.9,
+        "same-seed calibration byte-identical (awq, gptq)": all(determinism.values()),
+    }
+
+    cols = ["format", "size_MiB", "size_vs_fp32", "ppl", "ppl_increase_pct", "kl_mean", "top1_agreement",
+            "decode_b1_tok_s", "decode_b8_tok_s", "greedy_agree"]
+    print("\n" + " | ".join(f"{c:>14}" if c != "format" else f"{c:24}" for c in cols))
+    for r in rows:
+        print(" | ".join(f"{r[c]!s:>14}" if c != "format" else f"{r[c]:24}" for c in cols))
+    print(f"\nint4 / fp32 decode b1: {speed_b1:.2f}x; int4-awq greedy agreement with fp32: "
+          f"{100 * greedy['agreement']:.1f}% of {greedy['tokens']} tokens "
+          f"({100 * greedy['before_first_divergence']:.1f}% before the first divergence)")
+    for goal, ok in goals.items():
+        print(f"  [{'met' if ok else 'MISSED'}] {goal}")
+    out = REPO / "benchmarks" / "results" / "bench_quant.json"
+    out.write_text(json.dumps({"model": str(args.model), "threads": args.threads, "repeats": args.repeats,
+                               "new_tokens": args.new_tokens, "rows": rows,
+                               "int4_vs_fp32_decode_b1": round(speed_b1, 3),
+                               "greedy_int4_awq_vs_fp32": greedy, "greedy_vs_fp32": greedy_all,
+                               "same_seed_identical_weights": determinism,
+                               "goals": goals}, indent=2) + "\n")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
