@@ -54,7 +54,8 @@ def test_quantized_build_reports_accuracy_and_gates_it(tmp_path, tiny_llama):
     calib.write_text("".join(json.dumps({"text": t}) + "\n" for t in pydoc_texts("train")[:40]))
     out = tmp_path / "awq"
     rc, stdout, err = _llmc("build", tiny_llama, "-o", out, "--cache-dir", tmp_path / "cache", "--json",
-                            "--quant", "int4-awq", "--group-size", "64", "--calib-data", calib, *CALIB)
+                            "--quant", "int4-awq", "--group-size", "64", "--calib-data", calib, *CALIB,
+                            "--verify-passes")
     assert rc == 0, err
     result = json.loads(stdout)
     acc = result["accuracy"]
@@ -67,6 +68,9 @@ def test_quantized_build_reports_accuracy_and_gates_it(tmp_path, tiny_llama):
     assert q["format"] == "int4-awq" and q["group_size"] == 64 and q["calibration"]["samples"] == 8
     assert len(q["layers"]) == 2 * 4 + 1 and all(r["algorithm"] == "awq" for r in q["layers"])
     assert any(p["pass"] == "quantize" for p in report["passes"])
+    # --verify-passes records the quantize pass's logit change without failing on it, and keeps checking after it.
+    errors = {p["pass"]: p["verified_rel_error"] for p in report["passes"]}
+    assert errors["quantize"] > 1e-4 and errors["dead-code-elimination"] < 1e-5
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["recipe"]["quant"]["quant"] == "int4-awq"
     assert manifest["recipe"]["quant"]["calib_data"].startswith("sha256:")
