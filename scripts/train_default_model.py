@@ -168,9 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     n_params = sum(p.numel() for p in model.parameters())
     print(f"model: {n_params:,} parameters", flush=True)
 
-    optimizer = torch.optim.AdamW(
-        param_groups(model, args.weight_decay), lr=args.lr, betas=(0.9, 0.95), eps=1e-8
-    )
+    optimizer = torch.optim.AdamW(param_groups(model, args.weight_decay), lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
     # A separate generator keeps batch order independent of model-init draws.
     data_gen = torch.Generator().manual_seed(args.seed + 1)
     tokens_per_step = args.batch_size * args.seq_len

@@ -75,9 +75,7 @@ def pydoc_texts(split: Split = "train") -> list[str]:
     return texts
 
 
-def train_bpe_tokenizer(
-    vocab_size: int = 4096, model_max_length: int = 1024
-) -> PreTrainedTokenizerFast:
+def train_bpe_tokenizer(vocab_size: int = 4096, model_max_length: int = 1024) -> PreTrainedTokenizerFast:
     """Train a byte-level BPE tokenizer on the training split of :func:`pydoc_texts`.
 
     The vocabulary holds the four special tokens (ids 0-3: ``<|endoftext|>``,
@@ -97,9 +95,7 @@ def train_bpe_tokenizer(
     under a second for small vocabularies, so test fixtures can call it freely.
     """
     if vocab_size < len(SPECIAL_TOKENS) + 256:
-        raise ValueError(
-            f"vocab_size must be at least {len(SPECIAL_TOKENS) + 256}, got {vocab_size}"
-        )
+        raise ValueError(f"vocab_size must be at least {len(SPECIAL_TOKENS) + 256}, got {vocab_size}")
 
     tokenizer = Tokenizer(models.BPE())
     # No prefix space: a leading space would change the tokens of the first word and break
@@ -129,9 +125,7 @@ def train_bpe_tokenizer(
     )
 
 
-def save_tokenizer(
-    tokenizer: PreTrainedTokenizerFast, directory: str | Path
-) -> list[str]:
+def save_tokenizer(tokenizer: PreTrainedTokenizerFast, directory: str | Path) -> list[str]:
     """Write ``tokenizer.json`` and ``tokenizer_config.json`` (chat template inline).
 
     Unlike a bare ``save_pretrained``, the chat template goes into ``tokenizer_config.json``
@@ -142,16 +136,12 @@ def save_tokenizer(
     paths.
     """
     directory = Path(directory)
-    written = [
-        str(p) for p in tokenizer.save_pretrained(directory, save_jinja_files=False)
-    ]
+    written = [str(p) for p in tokenizer.save_pretrained(directory, save_jinja_files=False)]
     config_path = directory / "tokenizer_config.json"
     config = json.loads(config_path.read_text(encoding="utf-8"))
     config["tokenizer_class"] = "PreTrainedTokenizerFast"
     # 5.x reads the older key too, while 4.x wants a dict under the newer one.
     if isinstance(config.get("extra_special_tokens"), list):
         config["additional_special_tokens"] = config.pop("extra_special_tokens")
-    config_path.write_text(
-        json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8"
-    )
+    config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     return written
