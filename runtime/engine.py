@@ -140,13 +140,16 @@ class Engine:
     @classmethod
     def load(cls, path: str | Path, *, kv_cache_tokens: int = 16384, max_num_tokens: int = 2048,
              max_num_seqs: int = 256, max_waiting: int = 1024, enable_chunked_prefill: bool = True,
-             enable_prefix_caching: bool = True, num_threads: int | None = None, attention_threads: int | None = 1,
+             max_prefill_tokens_with_decodes: int | None = None, enable_prefix_caching: bool = True,
+             num_threads: int | None = None, attention_threads: int | None = 1,
              verify: bool = True) -> Engine:
         """Load the artifact at ``path``.
 
         ``kv_cache_tokens`` sizes the KV pool (tokens across all sequences, rounded up to whole
         blocks); ``max_num_tokens`` is the token budget of one step; ``max_num_seqs`` bounds the
-        running requests and ``max_waiting`` the waiting queue. ``num_threads`` sizes ONNX Runtime's
+        running requests and ``max_waiting`` the waiting queue. ``max_prefill_tokens_with_decodes``
+        caps the prompt tokens computed in a step that also decodes (bounds inter-token latency while
+        long prompts arrive; None: the whole budget). ``num_threads`` sizes ONNX Runtime's
         thread pool (default: all cores); ``attention_threads`` sets the OpenMP threads of the CPU
         PagedAttention kernel, process-wide (``None`` leaves them alone). The default of 1 is measured:
         the kernel runs inside an ONNX Runtime op while ORT's own workers hold the cores, and with
@@ -164,6 +167,7 @@ class Engine:
             )
         config = SchedulerConfig(max_num_tokens=max_num_tokens, max_num_seqs=max_num_seqs, max_waiting=max_waiting,
                                  enable_chunked_prefill=enable_chunked_prefill,
+                                 max_prefill_tokens_with_decodes=max_prefill_tokens_with_decodes,
                                  enable_prefix_caching=enable_prefix_caching)
         session = OrtSession(root / engine_info["model_file"], num_threads=num_threads or os.cpu_count())
         if attention_threads is not None:

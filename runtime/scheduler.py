@@ -6,7 +6,10 @@ Policy (continuous batching with chunked prefill, as in vLLM's scheduler):
   decoding (one token to compute) before those still prefilling, each group in admission order,
   so a long prompt never takes the budget away from running decodes. Prefills take what is left
   of the budget, in chunks (``enable_chunked_prefill``); with chunking off, a prompt is computed
-  in one step or waits.
+  in one step or waits. ``max_prefill_tokens_with_decodes`` optionally caps the prefill tokens of
+  a step that also carries decodes, so a long prompt cannot stretch the running requests'
+  inter-token latency (a 2k-token prompt chunked into 2k-token steps stalls every decode by a
+  whole prefill); steps without decodes still use the whole budget.
 - Waiting requests are admitted first-come-first-served between steps while budget, sequence
   slots (``max_num_seqs``) and KV blocks allow; finished and cancelled requests leave at once.
   The waiting queue is bounded (``max_waiting``): a full queue rejects new requests with an
@@ -45,6 +48,8 @@ class SchedulerConfig:
     max_num_seqs: int = 256  # running requests at most
     max_waiting: int = 1024  # waiting requests at most (back-pressure); preempted requests always requeue
     enable_chunked_prefill: bool = True
+    # Prefill tokens allowed in a step that also decodes (None: the whole budget). Needs chunking.
+    max_prefill_tokens_with_decodes: int | None = None
     enable_prefix_caching: bool = True  # the block manager's setting; kept here for reporting
     # Blocks kept free when admitting a request while others run, so running decodes do not have to
     # preempt the newcomer at once (a fraction of the pool).
@@ -54,6 +59,12 @@ class SchedulerConfig:
         for name in ("max_num_tokens", "max_num_seqs", "max_waiting"):
             if getattr(self, name) < 1:
                 raise LlmcError(f"SchedulerConfig.{name}={getattr(self, name)}: must be at least 1")
+        cap = self.max_prefill_tokens_with_decodes
+        if cap is not None and (cap < 1 or not self.enable_chunked_prefill):
+            raise LlmcError(
+                f"SchedulerConfig.max_prefill_tokens_with_decodes={cap}: must be at least 1 and needs "
+                "enable_chunked_prefill=True (or pass None to let prefills use the whole step budget)"
+            )
 
 
 class RequestStatus(enum.Enum):
@@ -225,7 +236,11 @@ class Scheduler:
 
         decoding = [r for r in self.running if r.num_remaining == 1]
         prefilling = [r for r in self.running if r.num_remaining > 1]
+        prefill_cap: int | None = None  # set once the decodes are in
         for r in decoding + prefilling:
+            if prefill_cap is None and r.num_remaining > 1:
+                prefill_cap = self._prefill_cap(len(scheduled), budget)
+                budget = min(budget, prefill_cap)
             if budget == 0:
                 break
             if r.status is not RequestStatus.RUNNING:  # preempted earlier in this loop
@@ -247,10 +262,16 @@ class Scheduler:
             scheduled[id(r)] = ScheduledChunk(r, r.num_computed, n)
             budget -= n
 
+        if prefill_cap is None:
+            budget = min(budget, self._prefill_cap(len(scheduled), budget))
         if not out.preempted:
             self._admit(out, scheduled, budget)
         out.chunks = list(scheduled.values())
         return out
+
+    def _prefill_cap(self, decodes_scheduled: int, budget: int) -> int:
+        cap = self.config.max_prefill_tokens_with_decodes
+        return budget if cap is None or decodes_scheduled == 0 else min(budget, cap)
 
     def _admit(self, out: SchedulerOutput, scheduled: dict[int, ScheduledChunk], budget: int) -> None:
         cfg = self.config

@@ -82,6 +82,24 @@ def test_decodes_stay_in_every_step_while_a_long_prompt_prefills(budget):
     assert len(steps) == -(-2000 // (budget - 8))
 
 
+def test_prefill_cap_applies_only_to_steps_with_decodes():
+    rng = np.random.default_rng()
+    d = Driver(num_blocks=400, max_num_tokens=2048, max_prefill_tokens_with_decodes=24)
+    # Alone, a prompt takes the whole budget: the cap is for steps that carry decodes.
+    first = d.add(_prompt(rng, 1500), max_tokens=300)
+    assert [c.num_tokens for c in d.step().chunks] == [1500]
+    long = d.add(_prompt(rng, 1000), max_tokens=4)
+    while long.num_computed < long.prompt_len:
+        out = d.step()
+        by_req = {id(c.request): c.num_tokens for c in out.chunks}
+        assert by_req[id(first)] == 1
+        assert by_req[id(long)] == min(24, 1000 - (long.num_computed - by_req[id(long)]))
+    with pytest.raises(LlmcError, match="max_prefill_tokens_with_decodes"):
+        SchedulerConfig(max_prefill_tokens_with_decodes=8, enable_chunked_prefill=False)
+    with pytest.raises(LlmcError, match="at least 1"):
+        SchedulerConfig(max_prefill_tokens_with_decodes=0)
+
+
 def test_chunked_prefill_off_computes_a_prompt_in_one_step():
     rng = np.random.default_rng()
     d = Driver(num_blocks=400, max_num_tokens=4096, enable_chunked_prefill=False)
