@@ -8,6 +8,11 @@ from pathlib import Path
 import pytest
 from filelock import FileLock
 
+# Triton kernels run in the interpreter on this CPU-only suite. Triton fixes the mode of its own
+# library functions when it is first imported, so this must precede any import of triton (a
+# GPU check runs in its own process: scripts/gpu_check.py).
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_MODEL = REPO / "assets" / "default-model"
 
