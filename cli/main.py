@@ -49,6 +49,7 @@ def cli() -> None:
     \b
       llmc build ./ckpt --target cpu -o engines/m     # checkpoint -> engine artifact
       llmc run engines/m --prompt "Hello"             # generate
+      llmc bench engines/m --batch 1,8                # tok/s, TTFT, memory-bandwidth fraction
       llmc verify engines/m                           # integrity + "can this machine load it?"
       llmc pack engines/m -o m.tar; llmc unpack m.tar -o engines/m2
       llmc cache ls                                   # the build cache
@@ -419,6 +420,11 @@ def unpack(archive: Path, output: Path, force: bool, as_json: bool) -> None:
         click.echo(json.dumps({"status": "ok", **result.to_json()}))
     else:
         click.echo(f"unpacked {archive} -> {output}: ok ({result.artifact_digest})")
+
+
+from llmc.cli.bench_cmd import bench as _bench  # noqa: E402 - `llmc bench` lives in its own module
+
+cli.add_command(_bench)
 
 
 def main() -> None:
