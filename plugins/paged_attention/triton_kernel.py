@@ -82,7 +82,8 @@ def _fp8_decode(code, NATIVE: tl.constexpr):
         c = code.to(tl.uint16)
         # Place sign, exponent and mantissa in float16's fields; 2^8 rebiases 7 -> 15 (subnormals included).
         bits = ((c & 0x80) << 8) | ((c & 0x7F) << 7)
-        return bits.to(tl.float16, bitcast=True) * 256.0
+        value = bits.to(tl.float16, bitcast=True) * 256.0
+        return tl.where((c & 0x7F) == 0x7F, float("nan"), value).to(tl.float16)
 
 
 @triton.jit
@@ -466,7 +467,7 @@ def paged_attention(query, key, value, slot_mapping, block_tables, context_lens,
         num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=head_size, block_size=block_size,
         scale=scale, act_dtype=_TORCH_TO_TL[str(query.dtype).split(".")[-1]],
         cache_dtype=_TORCH_TO_TL[str(k_cache.dtype).split(".")[-1]], sliding_window=sliding_window,
-        softcap=softcap, block_m=block_m or (16 if decode_only or interpret else 64),
+        softcap=softcap, block_m=block_m or (16 if decode_only else 64),
         block_n=block_n or (32 if interpret else 64), num_splits=num_splits, num_warps=num_warps,
         interpret=interpret, fp8_native=fp8_native,
     )
