@@ -1,0 +1,84 @@
+"""Ahead-of-time PTX for the Triton PagedAttention kernel, on a machine with no GPU; the TensorRT plugin definition.
+
+The PTX is checked for what TensorRT's AOT plugin launch needs: the entry Triton reports, the SM
+asked for (``.target sm_XX``, ``a`` suffix on Hopper/Blackwell), exactly the documented parameters
+(Triton's two hidden scratch pointers removed) with the int32 scalars where the contract puts them,
+and that ``ptxas`` accepts the edited PTX for that SM.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+
+import pytest
+
+pytest.importorskip("triton", reason="triton is not installed: pip install '.[test]' (Linux wheels)")
+
+from llmc.plugins.paged_attention import aot  # noqa: E402
+from llmc.plugins.paged_attention.triton_kernel import KernelConfig  # noqa: E402
+
+EXPECTED_TARGET = {80: "sm_80", 89: "sm_89", 90: "sm_90a", 100: "sm_100a"}
+
+
+def _entry_params(ptx: str, name: str) -> list[str]:
+    m = re.search(rf"\.entry\s+{name}\s*\((.*?)\)", ptx, re.S)
+    assert m, f"no .entry {name}"
+    return [p.split()[1] for p in m.group(1).split(",") if p.strip()]  # .u64 / .u32
+
+
+def _check(kernel, sm):
+    assert kernel.sm == sm
+    assert re.search(rf"^\.target\s+{EXPECTED_TARGET[sm]}\s*$", kernel.ptx, re.M), kernel.ptx[:400]
+    assert kernel.target == EXPECTED_TARGET[sm]
+    kinds = _entry_params(kernel.ptx, kernel.name)
+    assert len(kinds) == len(aot.PARAMS) == 15
+    scalars = [i for i, k in enumerate(kinds) if k == ".u32"]
+    assert scalars == [aot.PARAMS.index("num_seqs"), aot.PARAMS.index("max_blocks")]
+    assert kernel.num_warps == 4 and 0 < kernel.shared_mem <= 48 * 1024  # no opt-in to >48 KiB needed
+    assert len(aot.assemble(kernel.ptx, sm)) > 1000
+
+
+def test_ptx_for_every_sm_without_a_gpu():
+    cfg = KernelConfig(num_heads=32, num_kv_heads=8, head_size=128, block_size=16, scale=128**-0.5,
+                       act_dtype="fp16", cache_dtype="fp16")
+    kernels = aot.compile_ptx(cfg, (80, 89, 90, 100))
+    for kernel, sm in zip(kernels, (80, 89, 90, 100), strict=True):
+        _check(kernel, sm)
+        assert kernel.grid(num_tokens=10, num_seqs=3) == (10 // cfg.block_q + 1 + 3, 8, 1)
+
+
+def test_fp8_bf16_kernel_uses_hardware_conversion():
+    cfg = KernelConfig(num_heads=8, num_kv_heads=2, head_size=64, block_size=32, scale=0.125, act_dtype="bf16",
+                       cache_dtype="u8", sliding_window=128, softcap=30.0)
+    (kernel,) = aot.compile_ptx(cfg, (90,))
+    _check(kernel, 90)
+    assert kernel.config["fp8_native"] and "cvt.rn.f16x2.e4m3x2" in kernel.ptx
+
+
+def test_refusals():
+    cfg = KernelConfig(num_heads=8, num_kv_heads=2, head_size=64, block_size=16, scale=0.125)
+    with pytest.raises(ValueError, match="sm_70"):
+        aot.compile_ptx(cfg, (70,))
+    with pytest.raises(ValueError, match="num_splits"):
+        aot.compile_ptx(KernelConfig(num_heads=8, num_kv_heads=2, head_size=64, block_size=16, scale=0.1,
+                                     num_splits=2), (90,))
+
+
+def test_strip_refuses_used_hidden_params():
+    ptx = ".entry k(\n\t.param .u64 k_param_0,\n\t.param .u64 k_param_1\n)\n{\n\tld.param.b64 %rd1, [k_param_1];\n}\n"
+    with pytest.raises(RuntimeError, match="is used"):
+        aot.strip_hidden_params(ptx, "k", 1)
+    assert "k_param_1" not in aot.strip_hidden_params(ptx.replace("[k_param_1]", "[k_param_0]"), "k", 1)
+
+
+TRT_PLUGIN_MISSING = importlib.util.find_spec("tensorrt") is None or importlib.util.find_spec("tensorrt.plugin") is None
+
+
+@pytest.mark.skipif(TRT_PLUGIN_MISSING, reason="tensorrt.plugin is not importable: the TensorRT Python package "
+                    "(pip install 'tensorrt>=10.8', Linux with an NVIDIA driver) is not installed here")
+def test_trt_plugin_registers_and_returns_ptx():
+    from llmc.plugins.paged_attention import trt_plugin
+
+    trt_plugin.register(sm=90)
+    assert trt_plugin.PLUGIN_ID == "llmc::paged_attention"
