@@ -19,7 +19,7 @@ from llmc.errors import LlmcError, UnsupportedError
 
 # Architectures whose engines are tested against transformers end to end (tests/test_architectures.py).
 SUPPORTED_MODEL_TYPES = (
-    "llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "gpt2", "gpt_neox", "mixtral",
+    "llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "gpt2", "gpt_neox", "mixtral",
     "qwen3_moe",
 )
 

@@ -18,7 +18,7 @@ import numpy as np
 import onnx_ir as ir
 
 from llmc.compiler.checkpoint import Checkpoint, TensorEntry, read_tensor
-from llmc.errors import LlmcError
+from llmc.errors import LlmcError, UnsupportedError
 from llmc.plugins.paged_attention import INPUT_NAMES
 
 ATTN_IMPLEMENTATION = "llmc_paged"
@@ -28,6 +28,10 @@ ATTN_IMPLEMENTATION = "llmc_paged"
 GRAPH_INPUTS = ("input_ids", "positions", *INPUT_NAMES[3:], "logits_indices")
 GRAPH_OUTPUTS = ("logits",)
 OPSET = 23
+# Extra input of engines whose rotary factors depend on the sequence length (``longrope``): for every
+# token, the total length of its sequence in this step, which is what transformers compares with
+# ``original_max_position_embeddings`` to pick the short or the long factors.
+ROPE_LENGTHS = "rope_lengths"
 
 
 @dataclass
@@ -41,6 +45,10 @@ class TracedModel:
     head_size: int
     vocab_size: int
     compute_dtype: str
+    inputs: tuple[str, ...] = GRAPH_INPUTS
+    # longrope: the sequence length above which the long factors apply; a sequence that grows past it
+    # has its KV recomputed with them (transformers drops the cache there), so the runtime must know it.
+    rope_recompute_at: int | None = None
 
 
 def _attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -103,6 +111,7 @@ def _build_module(checkpoint: Checkpoint, compute_dtype: str):
             config, dtype=getattr(torch, compute_dtype), attn_implementation=ATTN_IMPLEMENTATION, **extra
         )
     hf.eval()
+    rope = _select_longrope(hf, config)
 
     class PackedCausalLM(torch.nn.Module):
         """Packed-token step: all new tokens through the model, logits only for ``logits_indices``.
@@ -116,7 +125,9 @@ def _build_module(checkpoint: Checkpoint, compute_dtype: str):
             self.inner = inner
 
         def forward(self, input_ids, positions, slot_mapping, block_tables, context_lens, query_start_loc,
-                    logits_indices):
+                    logits_indices, rope_lengths=None):
+            if rope is not None:
+                rope.lengths = rope_lengths
             out = self.inner(
                 input_ids=input_ids[None],
                 position_ids=positions[None],
@@ -129,7 +140,62 @@ def _build_module(checkpoint: Checkpoint, compute_dtype: str):
             )
             return out.logits[0].float()
 
-    return config, hf, PackedCausalLM(hf).eval()
+    return config, hf, PackedCausalLM(hf).eval(), rope
+
+
+@dataclass
+class _LongRope:
+    """The rotary modules switched to per-token factor selection, and the step's ``rope_lengths``."""
+
+    threshold: int
+    lengths: object = None  # the traced [T] int64 tensor, set by the wrapper's forward
+
+
+def _select_longrope(hf, config) -> _LongRope | None:
+    """Make ``longrope`` rotary embeddings pick short or long factors per token, not per batch.
+
+    transformers' ``dynamic_rope_update`` picks the long factors for the whole forward when
+    ``max(position_ids) + 1 > original_max_position_embeddings``. On packed tokens that would let
+    one long sequence switch every other sequence of the step, and a prefill chunk would see only
+    its own positions; so the rotary forward is replaced by one that selects per token on the
+    ``rope_lengths`` input (each token's sequence length, as transformers would compute it when
+    running that sequence alone). Both factor sets are graph constants. The arithmetic is
+    transformers' own (positions × inv_freq in float32, cos/sin × attention scaling), so the
+    cos/sin tables are bit-identical to the eager model's.
+    """
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    modules = [m for m in hf.modules() if hasattr(m, "original_inv_freq") and hasattr(m, "rope_type")]
+    kinds = [m.rope_type if isinstance(m.rope_type, str) else sorted(set(m.rope_type.values())) for m in modules]
+    if not any("longrope" in (k if isinstance(k, list) else [k]) for k in kinds):
+        return None
+    if any(not isinstance(m.rope_type, str) for m in modules):
+        raise UnsupportedError(
+            f"{config.model_type}: per-layer-type longrope rotary embeddings are not supported yet "
+            "(rope_parameters per layer type with rope_type 'longrope')")
+    threshold = int(config.rope_parameters["original_max_position_embeddings"])
+    state = _LongRope(threshold)
+    for m in modules:
+        if m.rope_type != "longrope":
+            continue
+        long_inv_freq, _ = ROPE_INIT_FUNCTIONS["longrope"](getattr(m, "config", config), None, seq_len=threshold + 1)
+        m.register_buffer("long_inv_freq", long_inv_freq.float(), persistent=False)
+        m.forward = _longrope_forward.__get__(m)
+        m.llmc_rope = state
+    return state
+
+
+def _longrope_forward(self, x, position_ids, layer_type=None):
+    """``(cos, sin)`` ``[1, T, rotary_dim]`` with each token's factors chosen by its ``rope_lengths``."""
+    import torch
+
+    positions = position_ids[..., None].float()  # [1, T, 1]
+    long = (self.llmc_rope.lengths > self.llmc_rope.threshold)[None, :, None]
+    freqs = torch.where(long, positions * self.long_inv_freq.float(), positions * self.original_inv_freq.float())
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos = emb.cos() * self.attention_scaling
+    sin = emb.sin() * self.attention_scaling
+    return cos.to(dtype=x.dtype), sin.to(dtype=x.dtype)
 
 
 WRAPPER_PREFIX = "inner."
@@ -198,7 +264,7 @@ def trace(checkpoint: Checkpoint, compute_dtype: str = "float32") -> TracedModel
     from llmc.plugins.paged_attention import onnx_schema, torch_op
 
     onnx_schema.register()
-    config, hf, module = _build_module(checkpoint, compute_dtype)
+    config, hf, module, rope = _build_module(checkpoint, compute_dtype)
     _check_shapes(checkpoint, module, hf)
 
     # Small, pairwise distinct sizes so that torch.export keeps every dimension symbolic.
@@ -222,13 +288,18 @@ def trace(checkpoint: Checkpoint, compute_dtype: str = "float32") -> TracedModel
         "query_start_loc": {0: s + 1},
         "logits_indices": {0: n},
     }
+    inputs = GRAPH_INPUTS
+    if rope is not None:
+        example += (torch.tensor([4] * 4 + [3] * 3 + [10] * 4),)
+        dynamic[ROPE_LENGTHS] = {0: t}
+        inputs = (*GRAPH_INPUTS, ROPE_LENGTHS)
     logging.getLogger("torch.onnx").setLevel(logging.ERROR)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         program = torch.onnx.export(
             module,
             example,
-            input_names=list(GRAPH_INPUTS),
+            input_names=list(inputs),
             output_names=list(GRAPH_OUTPUTS),
             dynamo=True,
             # Opset 23 has RMSNormalization and RotaryEmbedding, which ORT and TensorRT both run natively.
@@ -277,6 +348,8 @@ def trace(checkpoint: Checkpoint, compute_dtype: str = "float32") -> TracedModel
         head_size=getattr(text_cfg, "head_dim", None) or text_cfg.hidden_size // num_heads,
         vocab_size=text_cfg.vocab_size,
         compute_dtype=compute_dtype,
+        inputs=inputs,
+        rope_recompute_at=rope.threshold if rope is not None else None,
     )
 
 

@@ -49,6 +49,9 @@ def random_step(rng: np.random.Generator, vocab: int, kv: KVShape, num_blocks: i
         "context_lens": np.asarray(ctx, np.int64),
         "query_start_loc": np.asarray(qsl, np.int64),
         "logits_indices": np.asarray([qsl[1] - 1, 2, qsl[2] - 1, qsl[3] - 1], np.int64),
+        # Graphs with length-dependent rotary factors (longrope): the first sequence short, the others
+        # far past any threshold, so both factor sets are exercised. Other graphs do not take it.
+        "rope_lengths": np.repeat(np.asarray([ctx[0], 1 << 30, 1 << 30], np.int64), [n for _, n in plan]),
     }
     shape = (num_blocks, kv.num_kv_heads, bs, kv.head_size)
     pool = [(rng.standard_normal(shape, dtype=np.float32), rng.standard_normal(shape, dtype=np.float32))
@@ -58,22 +61,17 @@ def random_step(rng: np.random.Generator, vocab: int, kv: KVShape, num_blocks: i
 
 def run_graph(model: ir.Model, feeds: dict[str, np.ndarray], pool) -> np.ndarray:
     """Execute ``model`` (llmc ops lowered on a copy) in ONNX Runtime on a copy of ``pool``."""
-    import onnxruntime as ort
-
-    from llmc.plugins.paged_attention import kv_binding, ort_op
+    from llmc.runtime.session import OrtSession
 
     copy = ir.serde.deserialize_model(ir.serde.serialize_model(model))
-    ort_backend.lower(copy)
-    so = ort.SessionOptions()
-    so.register_custom_ops_library(ort_op.library_path())
+    custom_ops = ort_backend.CUSTOM_OPS["native"]
+    ort_backend.lower(copy, "native")
     # Run the graph as written: ORT's own rewrites would blur which pass changed what.
-    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    so.log_severity_level = 3
-    session = ort.InferenceSession(ir.serde.serialize_model(copy).SerializeToString(), so,
-                                   providers=["CPUExecutionProvider"])
+    session = OrtSession(ir.serde.serialize_model(copy).SerializeToString(), custom_ops=custom_ops,
+                         optimize=False)
     layers = [(k.copy(), v.copy()) for k, v in pool]
-    with kv_binding.bound_pool(layers):
-        return session.run(["logits"], feeds)[0]
+    names = set(session.input_names)
+    return session.run({k: v for k, v in feeds.items() if k in names}, layers)
 
 
 # Passes that change the numerics on purpose (llmc.quant.stage's quantization pass): their logit

@@ -30,7 +30,7 @@ from llmc.runtime import artifact
 from llmc.runtime.kv_cache import BlockManager, KVPool
 from llmc.runtime.sampler import SamplingParams, sample, token_logprobs
 from llmc.runtime.scheduler import Request, Scheduler, SchedulerConfig, SchedulerOutput
-from llmc.runtime.session import OrtSession
+from llmc.runtime.session import OrtSession, custom_ops_of
 from llmc.runtime.tokenizer import Tokenizer
 
 Prompt = str | Sequence[int]
@@ -125,6 +125,8 @@ class Engine:
         self.block_size = pool.block_size
         self.max_model_len = _max_model_len(path, manifest)
         self.vocab_size = int(manifest["engine"]["vocab_size"])
+        # longrope engines take each token's sequence length, which selects its rotary factors.
+        self._rope_lengths = "rope_lengths" in manifest["engine"].get("inputs", ())
         self.scheduler = Scheduler(config, blocks)
         self.last_schedule: SchedulerOutput | None = None  # the latest step's decisions, for inspection
         self._lock = threading.RLock()
@@ -156,6 +158,8 @@ class Engine:
         2 kernel threads on 2 cores a step of 8 decodes plus an 8-token prefill chunk at 2k context
         took 46 ms instead of 3.8 ms (benchmarks/bench_serving.py). With ``verify`` (default) every
         file's sha256 is checked first and a modified or missing file is refused, naming it.
+        Engines with length-dependent rotary factors (``longrope``; manifest ``engine.rope_recompute_at``)
+        run without prefix caching, whose blocks are keyed by tokens alone.
         """
         root = Path(path)
         manifest = artifact.require_valid(root) if verify else artifact.read_manifest(root)
@@ -165,15 +169,16 @@ class Engine:
                 f"{root / artifact.MANIFEST}: engine backend {engine_info.get('backend')!r} cannot run on this "
                 "machine (this runtime runs 'onnxruntime' CPU engines); build with --target cpu"
             )
+        rope_at = engine_info.get("rope_recompute_at")
+        enable_prefix_caching = enable_prefix_caching and rope_at is None
         config = SchedulerConfig(max_num_tokens=max_num_tokens, max_num_seqs=max_num_seqs, max_waiting=max_waiting,
                                  enable_chunked_prefill=enable_chunked_prefill,
                                  max_prefill_tokens_with_decodes=max_prefill_tokens_with_decodes,
-                                 enable_prefix_caching=enable_prefix_caching)
-        session = OrtSession(root / engine_info["model_file"], num_threads=num_threads or os.cpu_count())
+                                 enable_prefix_caching=enable_prefix_caching, rope_recompute_at=rope_at)
+        session = OrtSession(root / engine_info["model_file"], num_threads=num_threads or os.cpu_count(),
+                             custom_ops=custom_ops_of(manifest))
         if attention_threads is not None:
-            from llmc.plugins.paged_attention.cpu import load_kernel
-
-            load_kernel().set_num_threads(int(attention_threads))
+            session.set_attention_threads(int(attention_threads))
         block_size = int(kv["block_size"])
         num_blocks = max(1, -(-kv_cache_tokens // block_size))
         pool = KVPool.allocate(kv["num_layers"], num_blocks, kv["num_kv_heads"], block_size, kv["head_size"],
@@ -279,6 +284,9 @@ class Engine:
             rows = np.asarray([qsl[i + 1] - 1 for i, c in enumerate(chunks) if c.samples], np.int64)
             feeds = {"input_ids": ids, "positions": pos, "slot_mapping": slots, "block_tables": tables,
                      "context_lens": ctx, "query_start_loc": qsl, "logits_indices": rows}
+            if self._rope_lengths:
+                feeds["rope_lengths"] = np.repeat(np.asarray([len(c.request.tokens) for c in chunks], np.int64),
+                                                  [c.num_tokens for c in chunks])
             logits = self._session.run(feeds, self._pool)
             self.scheduler.complete(sched)
             now = time.perf_counter()
@@ -499,6 +507,8 @@ class Engine:
                     "query_start_loc": np.asarray([0, n], np.int64),
                     "logits_indices": p,
                 }
+                if self._rope_lengths:
+                    feeds["rope_lengths"] = np.full(n, n, np.int64)
                 return self._session.run(feeds, self._pool)
             finally:
                 self._blocks.free(blocks)

@@ -25,6 +25,11 @@ Policy (continuous batching with chunked prefill, as in vLLM's scheduler):
   younger one, so it always progresses. Nothing is admitted in a step that preempted.
 - A request that cannot fit even alone in the pool is rejected when submitted, saying how many
   blocks it needs.
+- Rotary recompute (``rope_recompute_at``, engines with ``longrope`` rotary factors): a sequence's
+  factors depend on its length, short up to ``rope_recompute_at`` tokens and long beyond. When a
+  running request whose KV was computed with the short factors grows past it, its blocks are freed
+  and it goes back to the front of the waiting queue, to be recomputed with the long factors, as
+  transformers drops the cache at that point. This is not a preemption: it does not block admission.
 """
 
 from __future__ import annotations
@@ -54,6 +59,9 @@ class SchedulerConfig:
     # Blocks kept free when admitting a request while others run, so running decodes do not have to
     # preempt the newcomer at once (a fraction of the pool).
     admission_watermark: float = 0.01
+    # Engines with length-dependent rotary factors (manifest engine.rope_recompute_at): recompute a
+    # sequence's KV when it grows past this many tokens. None: never.
+    rope_recompute_at: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_num_tokens", "max_num_seqs", "max_waiting"):
@@ -89,6 +97,7 @@ class Request:
     finish_reason: str | None = None
     num_preemptions: int = 0
     num_cached_tokens: int = 0  # prefix-cache hits at the first admission
+    admitted_len: int = 0  # len(tokens) at the latest admission: its KV's rotary factors follow from it
     first_token_time: float | None = None
     finish_time: float | None = None
     token_times: list[float] = field(default_factory=list)
@@ -149,7 +158,8 @@ class SchedulerCounters:
     num_preemptions: int = 0
     num_steps: int = 0
     prompt_tokens_computed: int = 0  # prompt positions computed (not served by the prefix cache)
-    recomputed_tokens: int = 0  # output positions computed again after a preemption
+    recomputed_tokens: int = 0  # output positions computed again after a preemption or a rotary recompute
+    rope_recomputes: int = 0  # requests whose KV was recomputed on crossing rope_recompute_at
     decode_tokens: int = 0
     admitted_prompt_tokens: int = 0  # prompt tokens of first admissions
     cached_prompt_tokens: int = 0  # of which served by the prefix cache
@@ -159,6 +169,10 @@ class Scheduler:
     """Decides each step's chunks; owns the waiting queue and the running list."""
 
     def __init__(self, config: SchedulerConfig, blocks: BlockManager) -> None:
+        if config.rope_recompute_at is not None and blocks.enable_prefix_caching:
+            # Cached blocks are keyed by tokens alone, but their K depends on the rotary factors in use.
+            raise LlmcError("SchedulerConfig.rope_recompute_at needs a block manager without prefix caching: "
+                            "a cached block's keys depend on whether its sequence used short or long rotary factors")
         self.config = config
         self.blocks = blocks
         self.block_size = blocks.block_size
@@ -233,6 +247,11 @@ class Scheduler:
         out = SchedulerOutput()
         budget = cfg.max_num_tokens
         scheduled: dict[int, ScheduledChunk] = {}  # by id(request), in scheduling order
+        at = cfg.rope_recompute_at
+        if at is not None:
+            for r in reversed([r for r in self.running if r.admitted_len <= at < len(r.tokens)]):
+                self._requeue(r)
+                self.counters.rope_recomputes += 1
 
         decoding = [r for r in self.running if r.num_remaining == 1]
         prefilling = [r for r in self.running if r.num_remaining > 1]
@@ -294,6 +313,7 @@ class Scheduler:
             self.waiting.popleft()
             r.status = RequestStatus.RUNNING
             r.num_computed = cached
+            r.admitted_len = len(r.tokens)
             self.running.append(r)
             if r.num_preemptions == 0:
                 self.counters.admitted_prompt_tokens += r.prompt_len
@@ -330,15 +350,19 @@ class Scheduler:
                 del self._inflight[h]
 
     def _preempt(self, r: Request, out: SchedulerOutput) -> None:
+        self._requeue(r)
+        r.num_preemptions += 1
+        self.counters.num_preemptions += 1
+        out.preempted.append(r)
+
+    def _requeue(self, r: Request) -> None:
+        """Free the blocks of running ``r`` and put it at the front of the queue, to be computed again."""
         self.running.remove(r)
         self.blocks.free_sequence(r.seq_id)
         r.num_computed = 0
-        r.num_preemptions += 1
         r.status = RequestStatus.WAITING
         self._forget_inflight(r)
         self.waiting.appendleft(r)  # it arrived before everything still waiting
-        self.counters.num_preemptions += 1
-        out.preempted.append(r)
 
     def complete(self, out: SchedulerOutput) -> None:
         """The step ran: its chunks' KV is in the cache."""
