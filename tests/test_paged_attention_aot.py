@@ -73,12 +73,36 @@ def test_strip_refuses_used_hidden_params():
 
 
 TRT_PLUGIN_MISSING = importlib.util.find_spec("tensorrt") is None or importlib.util.find_spec("tensorrt.plugin") is None
+NO_TRT_REASON = ("tensorrt.plugin is not importable: the TensorRT Python package (pip install 'tensorrt>=10.8', "
+                 "with an NVIDIA driver) is not installed here")
 
 
-@pytest.mark.skipif(TRT_PLUGIN_MISSING, reason="tensorrt.plugin is not importable: the TensorRT Python package "
-                    "(pip install 'tensorrt>=10.8', Linux with an NVIDIA driver) is not installed here")
-def test_trt_plugin_registers_and_returns_ptx():
+def test_trt_plugin_module_imports_tensorrt_lazily():
+    import sys
+
+    from llmc.plugins.paged_attention import trt_plugin
+
+    assert trt_plugin.PLUGIN_ID == "llmc::paged_attention"
+    assert len(trt_plugin.INPUTS) == 10 and trt_plugin.INPUTS == aot.PARAMS[:10]
+    assert trt_plugin.OUTPUTS == ("out", "k_cache_out", "v_cache_out") == aot.PARAMS[12:]
+    if TRT_PLUGIN_MISSING:
+        assert "tensorrt" not in sys.modules
+        with pytest.raises(ImportError, match=r"pip install 'tensorrt>=10.8'"):
+            trt_plugin.register(sm=90)
+
+
+@pytest.mark.skipif(TRT_PLUGIN_MISSING, reason=NO_TRT_REASON)
+def test_trt_plugin_registers_with_tensorrt():
+    import tensorrt as trt
+    import tensorrt.plugin as trtp
+
     from llmc.plugins.paged_attention import trt_plugin
 
     trt_plugin.register(sm=90)
-    assert trt_plugin.PLUGIN_ID == "llmc::paged_attention"
+    trt_plugin.register(sm=90)  # idempotent
+    assert hasattr(trtp.op.llmc, "paged_attention")
+    cfg = trt_plugin.kernel_config(trt.float16, trt.uint8, (100, 8, 16, 128), num_heads=32, num_kv_heads=8,
+                                   head_size=128, scale=0.088, sliding_window=0, softcap=0.0)
+    assert cfg.fp8 and cfg.block_size == 16 and cfg.act_dtype == "fp16"
+    with pytest.raises(RuntimeError, match="sm_90"):
+        trt_plugin.register(sm=100)
