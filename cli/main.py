@@ -114,6 +114,16 @@ def _quant_options(f):
               help="Run the graph before and after every pass on random inputs; fail naming the first pass "
                    "that changes the logits beyond 1e-5 relative error.")
 @click.option("--target", default="cpu", show_default=True, help="Target to build for (see `llmc targets`).")
+@click.option("--gpu", default=None, metavar="NAME",
+              help="GPU to build a TensorRT engine for: a100, l40s, h100, h200, b200, gb200, rtx4090, rtx5090, or "
+                   "auto (the local GPU). RTX targets build here with no GPU (TensorRT for RTX).")
+@click.option("--max-batch-size", default=None, type=int, metavar="N",
+              help="GPU engines: most sequences per step (KV slots)  [default: 16]")
+@click.option("--max-num-tokens", default=None, type=int, metavar="N",
+              help="GPU engines: most new tokens per step (prefill chunk + decodes)  [default: 2048]")
+@click.option("--max-seq-len", default=None, type=int, metavar="N",
+              help="GPU engines: longest sequence (prompt + output), the KV slots' length  [default: the model's "
+                   "context, at most 8192]")
 @click.option("--block-size", default=16, show_default=True, help="KV-cache block size in tokens (power of two).")
 @click.option("--force", is_flag=True, help="Replace the output directory if it exists (only once the build succeeds).")
 @click.option("--cache-dir", type=click.Path(path_type=Path), default=None,
@@ -123,6 +133,7 @@ def _quant_options(f):
 @click.option("-q", "--quiet", is_flag=True, help="No progress output.")
 @_quant_options
 def build(checkpoint: Path, output: Path, disabled_passes: tuple[str, ...], verify_passes: bool, target: str,
+          gpu: str | None, max_batch_size: int | None, max_num_tokens: int | None, max_seq_len: int | None,
           block_size: int, force: bool, cache_dir: Path | None, no_cache: bool, as_json: bool, quiet: bool,
           max_ppl_increase: float | None, **quant_args) -> None:
     """Build an engine from a Hugging Face CHECKPOINT directory.
@@ -142,8 +153,10 @@ def build(checkpoint: Path, output: Path, disabled_passes: tuple[str, ...], veri
     quant = {k.removeprefix("quant_"): v for k, v in quant_args.items()}
     if quant["calib_data"] is not None:
         quant["calib_data"] = str(quant["calib_data"])
+    target = _gpu_target(gpu, target)
     options = BuildOptions(target=target, block_size=block_size, force=force, disabled_passes=disabled_passes,
-                           verify_passes=verify_passes, quant=QuantRecipe(**quant), max_ppl_increase=max_ppl_increase)
+                           verify_passes=verify_passes, quant=QuantRecipe(**quant), max_ppl_increase=max_ppl_increase,
+                           max_batch_size=max_batch_size, max_num_tokens=max_num_tokens, max_seq_len=max_seq_len)
     try:
         result = build_cached(checkpoint, output, options, progress=progress, cache_dir=cache_dir,
                               refresh=no_cache)
@@ -157,6 +170,22 @@ def build(checkpoint: Path, output: Path, disabled_passes: tuple[str, ...], veri
         size = sum(f.stat().st_size for f in result.out_dir.rglob("*") if f.is_file())
         how = f"cache hit {result.key[:16]}" if result.cache_hit else f"built, cached as {result.key[:16]}"
         click.echo(f"{result.out_dir} ({size / 2**20:.1f} MiB): {how} in {result.timings['total']:.1f}s")
+
+
+def _gpu_target(gpu: str | None, target: str) -> str:
+    """The target named by ``--gpu`` (``auto``: the local GPU), checked against ``--target``."""
+    if gpu is None:
+        return target
+    from llmc.compiler.targets import TARGETS, detect_gpu
+
+    if target != "cpu":
+        raise LlmcError(f"--gpu {gpu} and --target {target}: name the target once (--gpu for GPUs)")
+    if gpu == "auto":
+        return detect_gpu().name
+    if gpu not in TARGETS or TARGETS[gpu].sm is None:
+        gpus = ", ".join(n for n, t in TARGETS.items() if t.sm is not None)
+        raise LlmcError(f"--gpu {gpu!r}: unknown GPU; choose one of: {gpus}, auto (see `llmc targets`)")
+    return gpu
 
 
 def _build_json(result, target: str) -> dict:
@@ -283,19 +312,32 @@ def inspect(engine: Path, as_json: bool) -> None:
 @cli.command()
 @click.option("--json", "as_json", is_flag=True, help="Print the table as JSON.")
 def targets(as_json: bool) -> None:
-    """List the targets llmc knows, their compute capability and formats."""
+    """List the targets llmc knows: compute capability, memory, native formats, builder, and whether this
+    machine can build for each (RTX targets build without a GPU; TensorRT builds on the GPU it targets)."""
+    import importlib.util
     from dataclasses import asdict
 
     from llmc.compiler.targets import TARGETS
 
+    def status(t) -> str:
+        if t.backend == "onnxruntime":
+            return "builds here"
+        from llmc.compiler.backends.tensorrt import BUILDERS
+
+        b = BUILDERS[t.backend]
+        if importlib.util.find_spec(b.module) is None:
+            return f"needs {b.distribution}" + (" and the GPU" if b.needs_gpu else "")
+        return "builds on the GPU itself" if b.needs_gpu else "builds here"
+
+    rows = [{**asdict(t), "builder": t.backend, "status": status(t)} for t in TARGETS.values()]
     if as_json:
-        click.echo(json.dumps([asdict(t) for t in TARGETS.values()]))
+        click.echo(json.dumps(rows))
         return
-    click.echo(f"{'name':9} {'backend':13} {'sm':5} {'mem':>5}  {'formats':28} status")
-    for t in TARGETS.values():
-        mem = f"{t.memory_gib}G" if t.memory_gib else "-"
-        status = "available" if t.available else "planned"
-        click.echo(f"{t.name:9} {t.backend:13} {t.sm or '-':5} {mem:>5}  {','.join(t.native_formats):28} {status}")
+    click.echo(f"{'name':8} {'builder':13} {'sm':5} {'mem':>5}  {'native formats':25} status")
+    for r in rows:
+        mem = f"{r['memory_gib']}G" if r["memory_gib"] else "-"
+        click.echo(f"{r['name']:8} {r['builder']:13} {r['sm'] or '-':5} {mem:>5}  "
+                   f"{','.join(r['native_formats']):25} {r['status']}")
 
 
 _CACHE_DIR_OPTION = click.option(

@@ -148,10 +148,10 @@ def check_target(recipe: QuantRecipe, target_name: str, targets: dict) -> list[s
             fixes.append("no --kv-cache-dtype (KV cache in the model dtype) on this target")
         able = [n for n in _SUGGEST.get("nvfp4" if family == "nvfp4" else "fp8", ())
                 if n in targets and _sm(targets[n].sm) >= _sm(need)]
-        if able:
-            fixes.append(f"a {_sm_name(need)}+ target such as --target {able[0]}")
+        if able:  # GPU targets are named with --gpu
+            fixes.append(f"a {_sm_name(need)}+ target such as --gpu {' / '.join(able)}")
         raise UnsupportedError(
-            f"{flag} needs compute capability {need} ({_sm_name(need)}) or newer, but --target {target_name} "
+            f"{flag} needs compute capability {need} ({_sm_name(need)}) or newer, but --gpu {target_name} "
             f"({getattr(target, 'description', target_name)}) is {_sm_name(target.sm)}; use {' or '.join(fixes)}")
     return []
 

@@ -55,9 +55,11 @@ def _param_reader(checkpoint):
 class QuantStage:
     """One build's quantization. ``warnings`` are shown to the user (CPU emulation)."""
 
-    def __init__(self, checkpoint, recipe: QuantRecipe, progress: Callable[[str], None] | None = None) -> None:
+    def __init__(self, checkpoint, recipe: QuantRecipe, progress: Callable[[str], None] | None = None,
+                 form: str = "cpu") -> None:
         self.checkpoint = checkpoint
         self.recipe = recipe
+        self.form = form  # quantize_model's form: "cpu" (ONNX Runtime kernels) or "qdq" (TensorRT)
         self.say = progress or (lambda msg: None)
         self.reference: ir.Model | None = None
         self.calibration = None
@@ -101,7 +103,8 @@ class QuantStage:
         if self.recipe.needs_calibration():
             self.calibration = self._calibrate()
         self.timings["calibrate"] = time.perf_counter() - t
-        self.stats = quantize_model(model, self.recipe, self.calibration, self.recipe.int4_accuracy_level)
+        self.stats = quantize_model(model, self.recipe, self.calibration, self.recipe.int4_accuracy_level,
+                                    form=self.form)
         return {k: v for k, v in self.stats.items() if isinstance(v, int)}
 
     def evaluate(self, engine_dir: Path, emit_reference: Callable[[ir.Model, Path], None]) -> evaluate.Accuracy:

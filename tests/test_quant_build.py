@@ -34,8 +34,8 @@ def _refused(tmp_path, code, err, expect_code, *needles):
 
 @pytest.mark.parametrize("args,code,needles", [
     (("--quant", "int3"), 2, ("--quant 'int3'", "fp8, int4, int4-awq, int4-gptq, nvfp4")),
-    (("--quant", "nvfp4", "--target", "h100"), 3, ("10.0", "sm_90", "--quant fp8", "--target b200")),
-    (("--quant", "fp8", "--target", "a100"), 3, ("8.9", "sm_80", "--quant int4", "--target h100")),
+    (("--quant", "nvfp4", "--target", "h100"), 3, ("10.0", "sm_90", "--quant fp8", "--gpu b200 / rtx5090")),
+    (("--quant", "fp8", "--target", "a100"), 3, ("8.9", "sm_80", "--quant int4", "--gpu h100 / l40s")),
     (("--kv-cache-dtype", "fp8", "--target", "a100"), 3, ("--kv-cache-dtype fp8", "8.9", "no --kv-cache-dtype")),
     (("--kv-cache-dtype", "int2"), 2, ("--kv-cache-dtype 'int2'", "fp8")),
     (("--quant", "int4", "--group-size", "100"), 2, ("--group-size 100", "32, 64, 128")),
