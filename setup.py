@@ -1,17 +1,33 @@
-"""Builds the C++ core (CPU paged-attention kernel, KV block manager) as part of `pip install`.
+"""Builds the C++ core (CPU paged-attention kernel and its ONNX Runtime custom-op library, KV block
+manager) as part of `pip install`.
 
 Metadata lives in pyproject.toml; only the extension needs code.
 """
 
 from pybind11.setup_helpers import Pybind11Extension
-from setuptools import setup
+from setuptools import Extension, setup
+
+_PA = "plugins/paged_attention/csrc"
 
 ext_modules = [
     Pybind11Extension(
         "llmc.plugins.paged_attention._cpu",
-        ["plugins/paged_attention/csrc/paged_attention_cpu.cpp"],
+        [f"{_PA}/paged_attention_cpu.cpp"],
+        depends=[f"{_PA}/paged_attention_core.h"],
         cxx_std=17,
         extra_compile_args=["-O3", "-fopenmp", "-march=x86-64-v2"],
+        extra_link_args=["-fopenmp"],
+    ),
+    # Not a Python module: a plain shared library that ONNX Runtime loads as a custom-op library
+    # (SessionOptions.register_custom_ops_library) and the runtime binds the KV pool of through ctypes
+    # (llmc.plugins.paged_attention.ort_native). It uses only ONNX Runtime's C ABI (csrc/ort_abi.h),
+    # found at run time through the OrtApiBase the runtime passes in: nothing to link against.
+    Extension(
+        "llmc.plugins.paged_attention._ort_ops",
+        [f"{_PA}/ort_paged_attention.cpp"],
+        depends=[f"{_PA}/paged_attention_core.h", f"{_PA}/ort_abi.h"],
+        language="c++",
+        extra_compile_args=["-std=c++17", "-O3", "-fopenmp", "-march=x86-64-v2", "-fvisibility=hidden"],
         extra_link_args=["-fopenmp"],
     ),
     Pybind11Extension(

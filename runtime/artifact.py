@@ -29,10 +29,21 @@ BUILD_INFO = "build_info.json"
 _BACKEND_MODULES = {
     "onnxruntime": (
         ("onnxruntime", "ONNX Runtime", "pip install onnxruntime"),
-        ("onnxruntime_extensions", "onnxruntime-extensions (hosts the PagedAttention bridge)",
+    ),
+}
+_REINSTALL = "reinstall llmc with a C++ compiler present (pip install --force-reinstall llmc)"
+# ... and for each custom-op library an ONNX Runtime engine's graph may need (engine.custom_ops;
+# engines that predate the field use the Python op). A "module:function" entry is called instead
+# of imported: the native library is a plain shared object, found but never imported.
+_CUSTOM_OPS_MODULES = {
+    "llmc_ort_ops": (
+        ("llmc.plugins.paged_attention.ort_native:library_path", "llmc's native PagedAttention custom-op library",
+         _REINSTALL),
+    ),
+    "onnxruntime_extensions": (
+        ("onnxruntime_extensions", "onnxruntime-extensions (hosts the PagedAttention Python op)",
          "pip install onnxruntime-extensions"),
-        ("llmc.plugins.paged_attention._cpu", "llmc's C++ PagedAttention kernel",
-         "reinstall llmc with a C++ compiler present (pip install --force-reinstall llmc)"),
+        ("llmc.plugins.paged_attention._cpu", "llmc's C++ PagedAttention kernel", _REINSTALL),
     ),
 }
 # Engines for these backends run on an NVIDIA GPU under TensorRT, which this runtime cannot do yet.
@@ -158,11 +169,18 @@ def load_problems(manifest: dict) -> list[Problem]:
         return [Problem(MANIFEST, f"engine backend {backend!r} is unknown to llmc {__version__}; upgrade llmc or "
                                   "rebuild the engine with --target cpu")]
     problems = []
-    for module, what, fix in _BACKEND_MODULES[backend]:
+    custom_ops = engine.get("custom_ops", "onnxruntime_extensions")
+    if custom_ops not in _CUSTOM_OPS_MODULES:
+        return [Problem(MANIFEST, f"engine.custom_ops {custom_ops!r} is unknown to llmc {__version__}; upgrade llmc "
+                                  "or rebuild the engine")]
+    for module, what, fix in (*_BACKEND_MODULES[backend], *_CUSTOM_OPS_MODULES[custom_ops]):
+        name, _, function = module.partition(":")
         try:
-            importlib.import_module(module)
+            loaded = importlib.import_module(name)
+            if function:
+                getattr(loaded, function)()
         except Exception as exc:  # noqa: BLE001 - any failure to import means it cannot load
-            problems.append(Problem(MANIFEST, f"needs {what} ({module}), which does not import here "
+            problems.append(Problem(MANIFEST, f"needs {what} ({name}), which does not load here "
                                               f"({type(exc).__name__}: {exc}); fix: {fix}"))
     layout = manifest.get("kv_cache", {}).get("layout")
     if layout != KV_LAYOUT:

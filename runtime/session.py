@@ -2,31 +2,79 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 
+from llmc.errors import LlmcError
 from llmc.runtime.kv_cache import KVPool
+
+# engine.custom_ops values (see llmc.compiler.backends.onnxruntime.CUSTOM_OPS): which custom-op
+# library hosts the graph's PagedAttention.
+NATIVE = "llmc_ort_ops"  # llmc's native library, domain "llmc": no Python per call
+PYOP = "onnxruntime_extensions"  # onnxruntime-extensions' Python op, domain "ai.onnx.contrib"
+CUSTOM_OPS = (NATIVE, PYOP)
+
+
+def custom_ops_of(manifest: dict) -> str:
+    """The custom-op library an engine's graph needs. Engines built before llmc recorded it use the Python op."""
+    return manifest.get("engine", {}).get("custom_ops", PYOP)
 
 
 class OrtSession:
-    """ONNX Runtime CPU session with llmc's PagedAttention kernel registered."""
+    """ONNX Runtime CPU session with llmc's PagedAttention kernel registered.
 
-    def __init__(self, model_path: Path, num_threads: int | None = None) -> None:
+    ``model`` is an ONNX file (its external weights beside it) or serialized ONNX bytes;
+    ``custom_ops`` names the library its PagedAttention nodes need (:data:`NATIVE` or :data:`PYOP`).
+    ``optimize=False`` runs the graph as written (no ORT graph rewrites).
+    """
+
+    def __init__(self, model: Path | bytes, num_threads: int | None = None, custom_ops: str = NATIVE,
+                 optimize: bool = True) -> None:
         import onnxruntime as ort
 
-        from llmc.plugins.paged_attention import kv_binding, ort_op
+        if custom_ops == NATIVE:
+            from llmc.plugins.paged_attention import ort_native
 
-        self._bind = kv_binding.bound_pool
+            self._binding = ort_native.bound_pool
+            library = ort_native.library_path()
+        elif custom_ops == PYOP:
+            # Importing ort_op registers the Python op with onnxruntime-extensions.
+            from llmc.plugins.paged_attention import kv_binding, ort_op
+
+            self._binding = kv_binding.bound_pool
+            library = ort_op.library_path()
+        else:
+            raise LlmcError(f"engine.custom_ops {custom_ops!r} is unknown to this runtime (it runs "
+                            f"{', '.join(CUSTOM_OPS)}); rebuild the engine with this llmc")
+        self.custom_ops = custom_ops
         so = ort.SessionOptions()
-        so.register_custom_ops_library(ort_op.library_path())
-        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        so.register_custom_ops_library(library)
+        so.graph_optimization_level = (ort.GraphOptimizationLevel.ORT_ENABLE_ALL if optimize
+                                       else ort.GraphOptimizationLevel.ORT_DISABLE_ALL)
         if num_threads:
             so.intra_op_num_threads = num_threads
         so.log_severity_level = 3
-        self._session = ort.InferenceSession(str(model_path), so, providers=["CPUExecutionProvider"])
+        source = model if isinstance(model, bytes) else str(model)
+        self._session = ort.InferenceSession(source, so, providers=["CPUExecutionProvider"])
+        self.input_names = tuple(i.name for i in self._session.get_inputs())
 
-    def run(self, feeds: dict[str, np.ndarray], pool: KVPool) -> np.ndarray:
-        """Run one step; returns logits ``[n_logits, vocab]``. Writes the step's K/V into ``pool``."""
-        with self._bind(pool.layers):
+    def run(self, feeds: dict[str, np.ndarray], pool: KVPool | Sequence[tuple[np.ndarray, np.ndarray]]) -> np.ndarray:
+        """Run one step; returns logits ``[n_logits, vocab]``. Writes the step's K/V into ``pool``
+        (a :class:`KVPool` or its per-layer ``(k_cache, v_cache)`` list)."""
+        layers = pool.layers if isinstance(pool, KVPool) else pool
+        with self._binding(layers):
             return self._session.run(["logits"], feeds)[0]
+
+    def set_attention_threads(self, n: int) -> None:
+        """OpenMP threads of the PagedAttention kernel this session calls, process-wide (0: OpenMP's default)."""
+        if self.custom_ops == NATIVE:
+            from llmc.plugins.paged_attention import ort_native
+
+            ort_native.set_num_threads(n)
+        else:
+            from llmc.plugins.paged_attention.cpu import load_kernel
+
+            load_kernel().set_num_threads(int(n))
+

@@ -125,13 +125,13 @@ def test_verify_says_what_a_gpu_engine_needs(tiny_engine, tmp_path):
 
 
 def test_verify_names_a_missing_runtime_library(tiny_engine, tmp_path):
-    """A real process in which onnxruntime-extensions fails to import (shadowed on PYTHONPATH)."""
+    """A real process in which ONNX Runtime fails to import (shadowed on PYTHONPATH)."""
     shadow = tmp_path / "shadow"
     shadow.mkdir()
-    (shadow / "onnxruntime_extensions.py").write_text("raise ImportError('simulated: not installed')\n")
+    (shadow / "onnxruntime.py").write_text("raise ImportError('simulated: not installed')\n")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(shadow), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run([LLMC, "verify", str(tiny_engine)], capture_output=True, text=True, env=env)
-    assert proc.returncode == 1 and "onnxruntime_extensions" in proc.stderr and "pip install" in proc.stderr
+    assert proc.returncode == 1 and "onnxruntime" in proc.stderr and "pip install" in proc.stderr
     proc = subprocess.run([LLMC, "verify", str(tiny_engine), "--integrity-only"], capture_output=True, env=env)
     assert proc.returncode == 0
 

@@ -1,9 +1,17 @@
 """ONNX Runtime (CPU) backend: lower llmc ops to what ORT can run and write the engine files.
 
-``PagedAttention`` becomes a node in onnxruntime-extensions' ``ai.onnx.contrib`` domain, whose
-Python-registered kernel (llmc.plugins.paged_attention.ort_op) calls llmc's C++ kernel on the
-runtime-owned KV pool. ORT's C/C++ custom-op headers ship in no package reachable here, so a
-native custom-op library cannot be built; the bridge costs one Python call per layer per step.
+``PagedAttention`` has two routes into llmc's C++ kernel on the runtime-owned KV pool:
+
+- ``"native"`` (the default): the node stays in the ``llmc`` domain, which llmc's own custom-op
+  library registers (llmc.plugins.paged_attention.ort_native; a shared object built with llmc,
+  written against ORT's C ABI). No Python runs per call.
+- ``"pyop"``: the node moves to onnxruntime-extensions' ``ai.onnx.contrib`` domain, whose
+  Python-registered kernel (llmc.plugins.paged_attention.ort_op) is called once per layer per
+  step (about 40 µs each). Kept for debugging (it can run the numpy reference) and as a
+  differential reference for the native library.
+
+The engine's manifest names the library its graph needs (``engine.custom_ops``, see
+:data:`CUSTOM_OPS`), and the runtime loads exactly that one.
 """
 
 from __future__ import annotations
@@ -14,18 +22,22 @@ from pathlib import Path
 import onnx_ir as ir
 
 from llmc.passes.base import replace_value
-from llmc.plugins.paged_attention import DOMAIN, OP_TYPE
+from llmc.plugins.paged_attention import DOMAIN, OP_TYPE, OPSET_VERSION
 
 ORT_CONTRIB_DOMAIN = "ai.onnx.contrib"
 MS_DOMAIN = "com.microsoft"
 MODEL_FILE = "model.onnx"
 WEIGHTS_FILE = "model.onnx.data"
+ATTENTION_ROUTES = ("native", "pyop")
+# What engine.custom_ops in the manifest says for each route (the runtime's names for the libraries).
+CUSTOM_OPS = {"native": "llmc_ort_ops", "pyop": "onnxruntime_extensions"}
 
 
 @dataclass
 class EngineFiles:
     model: str
     weights: str
+    custom_ops: str  # the custom-op library the graph needs (a value of CUSTOM_OPS)
 
 
 def _lower_skip_rms_norm(graph: ir.Graph, node: ir.Node) -> None:
@@ -49,19 +61,27 @@ def _lower_swiglu(graph: ir.Graph, node: ir.Node) -> None:
     graph.remove(node, safe=True)
 
 
-def lower(model: ir.Model) -> int:
+def _check_route(attention: str) -> None:
+    if attention not in ATTENTION_ROUTES:
+        raise ValueError(f"attention route {attention!r}: expected one of {', '.join(ATTENTION_ROUTES)}")
+
+
+def lower(model: ir.Model, attention: str = "native") -> int:
     """Rewrite llmc-domain ops into ops ONNX Runtime executes. Returns the number of nodes lowered.
 
-    PagedAttention moves to onnxruntime-extensions' domain (llmc's kernel behind it);
-    SkipRMSNormalization and SwiGLU become ORT contrib ops.
+    PagedAttention stays in the ``llmc`` domain (``attention="native"``: llmc's custom-op library) or
+    moves to onnxruntime-extensions' domain (``"pyop"``: a Python op); SkipRMSNormalization and SwiGLU
+    become ORT contrib ops.
     """
+    _check_route(attention)
     count = 0
     graph = model.graph
     for node in list(graph):
         if node.domain != DOMAIN:
             continue
         if node.op_type == OP_TYPE:
-            node.domain = ORT_CONTRIB_DOMAIN
+            if attention == "pyop":
+                node.domain = ORT_CONTRIB_DOMAIN
         elif node.op_type == "SkipRMSNormalization":
             _lower_skip_rms_norm(graph, node)
         elif node.op_type == "SwiGLU":
@@ -69,14 +89,21 @@ def lower(model: ir.Model) -> int:
         else:
             raise NotImplementedError(f"the ONNX Runtime backend cannot lower llmc.{node.op_type}")
         count += 1
-    model.opset_imports.pop(DOMAIN, None)
-    model.opset_imports[ORT_CONTRIB_DOMAIN] = 1
+    if attention == "pyop":
+        model.opset_imports.pop(DOMAIN, None)
+        model.opset_imports[ORT_CONTRIB_DOMAIN] = 1
+    elif any(node.domain == DOMAIN for node in graph):
+        model.opset_imports[DOMAIN] = OPSET_VERSION
     model.opset_imports[MS_DOMAIN] = 1
     return count
 
 
-def emit(model: ir.Model, out_dir: Path) -> EngineFiles:
-    """Lower and write ``model.onnx`` with its weights in ``model.onnx.data`` (streamed, one tensor at a time)."""
-    lower(model)
+def emit(model: ir.Model, out_dir: Path, attention: str = "native") -> EngineFiles:
+    """Lower and write ``model.onnx`` with its weights in ``model.onnx.data`` (streamed, one tensor at a time).
+
+    ``attention`` picks PagedAttention's route (see the module docstring); the returned
+    :class:`EngineFiles` names the custom-op library the engine needs.
+    """
+    lower(model, attention)
     ir.save(model, out_dir / MODEL_FILE, external_data=WEIGHTS_FILE)
-    return EngineFiles(model=MODEL_FILE, weights=WEIGHTS_FILE)
+    return EngineFiles(model=MODEL_FILE, weights=WEIGHTS_FILE, custom_ops=CUSTOM_OPS[attention])

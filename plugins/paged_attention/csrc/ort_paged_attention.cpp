@@ -1,0 +1,371 @@
+// llmc's native ONNX Runtime custom-op library: llmc::PagedAttention on the CPU, with no Python in
+// the call (llmc.plugins.paged_attention._ort_ops; Python side: llmc.plugins.paged_attention.ort_native).
+//
+// A session loads it with SessionOptions.register_custom_ops_library(path); ONNX Runtime then
+// calls RegisterCustomOps, which adds the domain "llmc" with the op PagedAttention. Its kernel is
+// llmc_pa::run (paged_attention_core.h), the same code as the pybind11 module's.
+//
+// The KV cache is runtime state, not graph data: the runtime binds its pool (one K and one V
+// array per layer) with llmc_bind_kv_pool, called through ctypes on the same file. dlopen of one
+// path returns one handle, so ONNX Runtime's copy of this library and the runtime's are the same
+// and share the binding. Each node reads its layer's caches (attribute layer_idx) from the pool
+// bound when it runs. The runtime serialises binding and running with a lock (one pool at a time
+// per process).
+//
+// Errors (bad shapes or indices, no pool bound) are thrown as llmc_pa::Error out of KernelCompute;
+// ONNX Runtime catches std::exception around every kernel and fails the run with the message.
+//
+// Only the C ABI of ONNX Runtime is used, through llmc's own declarations in ort_abi.h.
+
+#include <atomic>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "ort_abi.h"
+#include "paged_attention_core.h"
+
+#define LLMC_EXPORT extern "C" __attribute__((visibility("default")))
+
+namespace {
+
+using llmc_pa::Error;
+
+// ---------------------------------------------------------------------------------------------
+// The OrtApi table, called by position (see ort_abi.h).
+
+const void* const* g_api = nullptr;
+
+template <typename Fn>
+Fn api_fn(size_t index) {
+    return reinterpret_cast<Fn>(const_cast<void*>(g_api[index]));
+}
+
+// Throw the message of a failed API call (and release its status).
+void check(OrtStatus* status, const char* what) {
+    if (status == nullptr) return;
+    const std::string msg = api_fn<const char* (*)(const OrtStatus*)>(kGetErrorMessage)(status);
+    api_fn<void (*)(OrtStatus*)>(kReleaseStatus)(status);
+    throw Error(std::string(what) + ": " + msg);
+}
+
+OrtStatus* make_status(int code, const std::string& msg) {
+    return api_fn<OrtStatus* (*)(int, const char*)>(kCreateStatus)(code, msg.c_str());
+}
+
+// ---------------------------------------------------------------------------------------------
+// Library state: the bound KV pool, thread count, ISA, a call counter.
+
+struct Pool {
+    std::vector<void*> k, v;  // per layer, [num_blocks, num_kv_heads, block_size, head_size]
+    int64_t num_blocks = 0, num_kv_heads = 0, block_size = 0, head_size = 0;
+    bool half = false;
+};
+
+std::mutex g_pool_mutex;
+Pool g_pool;  // num_layers() == 0: nothing bound
+std::atomic<int> g_num_threads{0};  // 0: OpenMP's default
+std::atomic<bool> g_use_avx2{llmc_pa::cpu_has_avx2_fma()};
+std::atomic<int64_t> g_calls{0};
+
+int effective_threads() {
+    const int n = g_num_threads.load();
+    return n > 0 ? n : omp_get_max_threads();
+}
+
+// ---------------------------------------------------------------------------------------------
+// The kernel: one per graph node, holding the node's attributes.
+
+struct Kernel {
+    int64_t layer_idx = 0, num_heads = 0, num_kv_heads = 0, head_size = 0, sliding_window = 0;
+    float scale = 0.0f, softcap = 0.0f;
+};
+
+int64_t int_attr(const OrtKernelInfo* info, const char* name, bool required, int64_t fallback) {
+    int64_t v = 0;
+    OrtStatus* st = api_fn<OrtStatus* (*)(const OrtKernelInfo*, const char*, int64_t*)>(
+        kKernelInfoGetAttribute_int64)(info, name, &v);
+    if (st == nullptr) return v;
+    if (required) check(st, (std::string("attribute ") + name).c_str());
+    api_fn<void (*)(OrtStatus*)>(kReleaseStatus)(st);
+    return fallback;
+}
+
+float float_attr(const OrtKernelInfo* info, const char* name, float fallback) {
+    float v = 0.0f;
+    OrtStatus* st = api_fn<OrtStatus* (*)(const OrtKernelInfo*, const char*, float*)>(
+        kKernelInfoGetAttribute_float)(info, name, &v);
+    if (st == nullptr) return v;
+    api_fn<void (*)(OrtStatus*)>(kReleaseStatus)(st);
+    return fallback;
+}
+
+void* create_kernel(const OrtCustomOpV13*, const OrtApi*, const OrtKernelInfo* info) {
+    auto* k = new Kernel();
+    try {
+        k->layer_idx = int_attr(info, "layer_idx", true, 0);
+        k->num_heads = int_attr(info, "num_heads", true, 0);
+        k->num_kv_heads = int_attr(info, "num_kv_heads", true, 0);
+        k->head_size = int_attr(info, "head_size", true, 0);
+        k->sliding_window = int_attr(info, "sliding_window", false, 0);
+        k->softcap = float_attr(info, "softcap", 0.0f);
+        // The traced graphs always carry `scale`; the default is attention's usual 1/sqrt(head_size).
+        k->scale = float_attr(info, "scale", k->head_size > 0 ? 1.0f / std::sqrt(float(k->head_size)) : 1.0f);
+        llmc_pa::check_heads(k->num_heads, k->num_kv_heads);
+        if (k->head_size <= 0) throw Error("head_size must be positive, got " + std::to_string(k->head_size));
+        if (k->layer_idx < 0) throw Error("layer_idx must be >= 0, got " + std::to_string(k->layer_idx));
+    } catch (...) {
+        delete k;
+        throw;
+    }
+    return k;
+}
+
+void destroy_kernel(void* kernel) { delete static_cast<Kernel*>(kernel); }
+
+struct Tensor {
+    void* data = nullptr;
+    std::vector<int64_t> dims;
+};
+
+Tensor input(OrtKernelContext* ctx, size_t i, const char* name) {
+    const OrtValue* value = nullptr;
+    check(api_fn<OrtStatus* (*)(const OrtKernelContext*, size_t, const OrtValue**)>(kKernelContext_GetInput)(
+              ctx, i, &value),
+          name);
+    if (value == nullptr) throw Error(std::string(name) + " is missing");
+    OrtTensorTypeAndShapeInfo* info = nullptr;
+    check(api_fn<OrtStatus* (*)(const OrtValue*, OrtTensorTypeAndShapeInfo**)>(kGetTensorTypeAndShape)(value, &info),
+          name);
+    Tensor t;
+    size_t n = 0;
+    OrtStatus* st = api_fn<OrtStatus* (*)(const OrtTensorTypeAndShapeInfo*, size_t*)>(kGetDimensionsCount)(info, &n);
+    if (st == nullptr) {
+        t.dims.resize(n);
+        st = api_fn<OrtStatus* (*)(const OrtTensorTypeAndShapeInfo*, int64_t*, size_t)>(kGetDimensions)(
+            info, t.dims.data(), n);
+    }
+    api_fn<void (*)(OrtTensorTypeAndShapeInfo*)>(kReleaseTensorTypeAndShapeInfo)(info);
+    check(st, name);
+    // ORT's own API takes a non-const value here; inputs are only read.
+    check(api_fn<OrtStatus* (*)(OrtValue*, void**)>(kGetTensorMutableData)(const_cast<OrtValue*>(value), &t.data),
+          name);
+    return t;
+}
+
+std::string dims_str(const std::vector<int64_t>& d) {
+    std::string s = "(";
+    for (size_t i = 0; i < d.size(); ++i) s += (i ? ", " : "") + std::to_string(d[i]);
+    return s + (d.size() == 1 ? ",)" : ")");
+}
+
+void require_rank(const Tensor& t, size_t rank, const char* name) {
+    if (t.dims.size() != rank) {
+        throw Error(std::string(name) + " must be " + std::to_string(rank) + "-D, got shape " + dims_str(t.dims));
+    }
+}
+
+void compute(void* kernel, OrtKernelContext* ctx) {
+    const Kernel& k = *static_cast<const Kernel*>(kernel);
+    const Tensor q = input(ctx, 0, "query"), key = input(ctx, 1, "key"), value = input(ctx, 2, "value");
+    const Tensor slots = input(ctx, 3, "slot_mapping"), tables = input(ctx, 4, "block_tables");
+    const Tensor ctx_lens = input(ctx, 5, "context_lens"), qsl = input(ctx, 6, "query_start_loc");
+    require_rank(q, 2, "query");
+    require_rank(key, 2, "key");
+    require_rank(value, 2, "value");
+    require_rank(slots, 1, "slot_mapping");
+    require_rank(tables, 2, "block_tables");
+    require_rank(ctx_lens, 1, "context_lens");
+    require_rank(qsl, 1, "query_start_loc");
+
+    llmc_pa::Args a{};
+    {
+        std::lock_guard<std::mutex> lock(g_pool_mutex);
+        const int64_t layers = static_cast<int64_t>(g_pool.k.size());
+        if (layers == 0) {
+            throw Error("no KV pool is bound: run the engine through llmc.runtime (it calls llmc_bind_kv_pool)");
+        }
+        if (k.layer_idx >= layers) {
+            throw Error("layer_idx " + std::to_string(k.layer_idx) + " but the bound KV pool has " +
+                        std::to_string(layers) + " layers");
+        }
+        if (g_pool.num_kv_heads != k.num_kv_heads || g_pool.head_size != k.head_size) {
+            throw Error("the bound KV pool has " + std::to_string(g_pool.num_kv_heads) + " KV heads of size " +
+                        std::to_string(g_pool.head_size) + " but this node (layer " + std::to_string(k.layer_idx) +
+                        ") has num_kv_heads=" + std::to_string(k.num_kv_heads) +
+                        ", head_size=" + std::to_string(k.head_size));
+        }
+        a.k_cache = g_pool.k[k.layer_idx];
+        a.v_cache = g_pool.v[k.layer_idx];
+        a.half = g_pool.half;
+        a.num_blocks = g_pool.num_blocks;
+        a.block_size = g_pool.block_size;
+    }
+    const int64_t T = q.dims[0], D = k.head_size, S = ctx_lens.dims[0];
+    if (q.dims[1] != k.num_heads * D) {
+        throw Error("query must have num_heads * head_size = " + std::to_string(k.num_heads * D) +
+                    " columns, got shape " + dims_str(q.dims));
+    }
+    for (const Tensor* t : {&key, &value}) {
+        if (t->dims[0] != T || t->dims[1] != k.num_kv_heads * D) {
+            throw Error(std::string(t == &key ? "key" : "value") + " must have shape (" + std::to_string(T) + ", " +
+                        std::to_string(k.num_kv_heads * D) + ") = (T, num_kv_heads * head_size), got " +
+                        dims_str(t->dims));
+        }
+    }
+    if (slots.dims[0] != T) {
+        throw Error("slot_mapping must have one entry per row of query (" + std::to_string(T) + "), got shape " +
+                    dims_str(slots.dims));
+    }
+    if (qsl.dims[0] != S + 1) {
+        throw Error("query_start_loc must have len(context_lens) + 1 = " + std::to_string(S + 1) +
+                    " entries, got shape " + dims_str(qsl.dims));
+    }
+    if (tables.dims[0] < S) {
+        throw Error("block_tables must have a row per sequence (" + std::to_string(S) + "), got shape " +
+                    dims_str(tables.dims));
+    }
+
+    const int64_t out_dims[2] = {T, k.num_heads * D};
+    OrtValue* out = nullptr;
+    check(api_fn<OrtStatus* (*)(OrtKernelContext*, size_t, const int64_t*, size_t, OrtValue**)>(
+              kKernelContext_GetOutput)(ctx, 0, out_dims, 2, &out),
+          "output");
+    void* out_data = nullptr;
+    check(api_fn<OrtStatus* (*)(OrtValue*, void**)>(kGetTensorMutableData)(out, &out_data), "output");
+
+    a.query = static_cast<const float*>(q.data);
+    a.key = static_cast<const float*>(key.data);
+    a.value = static_cast<const float*>(value.data);
+    a.q_row = q.dims[1];
+    a.k_row = key.dims[1];
+    a.v_row = value.dims[1];
+    a.T = T;
+    a.slot_mapping = static_cast<const int64_t*>(slots.data);
+    a.block_tables = static_cast<const int64_t*>(tables.data);
+    a.bt_rows = tables.dims[0];
+    a.bt_cols = tables.dims[1];
+    a.context_lens = static_cast<const int64_t*>(ctx_lens.data);
+    a.query_start_loc = static_cast<const int64_t*>(qsl.data);
+    a.S = S;
+    a.head_size = D;
+    a.out = static_cast<float*>(out_data);
+    a.num_heads = k.num_heads;
+    a.num_kv_heads = k.num_kv_heads;
+    a.scale = k.scale;
+    a.sliding_window = k.sliding_window;
+    a.softcap = k.softcap;
+    llmc_pa::run(a, effective_threads(), g_use_avx2.load());
+    g_calls.fetch_add(1, std::memory_order_relaxed);
+}
+
+// ---------------------------------------------------------------------------------------------
+// The op's schema: 3 float inputs, 4 int64 inputs, 1 float output, all required, on the CPU.
+
+const char* op_name(const OrtCustomOpV13*) { return "PagedAttention"; }
+const char* op_provider(const OrtCustomOpV13*) { return nullptr; }
+int32_t op_input_type(const OrtCustomOpV13*, size_t i) { return i < 3 ? kOrtFloat : kOrtInt64; }
+size_t op_input_count(const OrtCustomOpV13*) { return 7; }
+int32_t op_output_type(const OrtCustomOpV13*, size_t) { return kOrtFloat; }
+size_t op_output_count(const OrtCustomOpV13*) { return 1; }
+int32_t op_required(const OrtCustomOpV13*, size_t) { return 0; }
+int32_t op_default_memory(const OrtCustomOpV13*, size_t) { return 0; }
+
+OrtCustomOpV13 make_op() {
+    OrtCustomOpV13 op{};
+    op.version = kOrtApiVersion;
+    op.CreateKernel = create_kernel;
+    op.GetName = op_name;
+    op.GetExecutionProviderType = op_provider;
+    op.GetInputType = op_input_type;
+    op.GetInputTypeCount = op_input_count;
+    op.GetOutputType = op_output_type;
+    op.GetOutputTypeCount = op_output_count;
+    op.KernelCompute = compute;
+    op.KernelDestroy = destroy_kernel;
+    op.GetInputCharacteristic = op_required;
+    op.GetOutputCharacteristic = op_required;
+    op.GetInputMemoryType = op_default_memory;
+    return op;
+}
+
+const OrtCustomOpV13 g_op = make_op();
+std::mutex g_domain_mutex;
+OrtCustomOpDomain* g_domain = nullptr;  // one domain object for every session; lives as long as the process
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// Entry points.
+
+// Called by ONNX Runtime when a session registers this library.
+LLMC_EXPORT OrtStatus* RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* base) {
+    const OrtApi* api = base->GetApi(kOrtApiVersion);
+    if (api == nullptr) return nullptr;  // cannot happen on ONNX Runtime >= 1.13; nothing to report it with
+    g_api = reinterpret_cast<const void* const*>(api);
+    try {
+        std::lock_guard<std::mutex> lock(g_domain_mutex);
+        if (g_domain == nullptr) {
+            OrtCustomOpDomain* domain = nullptr;
+            check(api_fn<OrtStatus* (*)(const char*, OrtCustomOpDomain**)>(kCreateCustomOpDomain)("llmc", &domain),
+                  "CreateCustomOpDomain");
+            check(api_fn<OrtStatus* (*)(OrtCustomOpDomain*, const void*)>(kCustomOpDomain_Add)(domain, &g_op),
+                  "CustomOpDomain_Add");
+            g_domain = domain;
+        }
+        check(api_fn<OrtStatus* (*)(OrtSessionOptions*, OrtCustomOpDomain*)>(kAddCustomOpDomain)(options, g_domain),
+              "AddCustomOpDomain");
+    } catch (const std::exception& e) {
+        return make_status(kOrtFail, e.what());
+    }
+    return nullptr;
+}
+
+// Bind the KV pool every PagedAttention node of this process reads: `num_layers` K and V arrays,
+// each [num_blocks, num_kv_heads, block_size, head_size] and C-contiguous, of float32
+// (`dtype` 1) or float16 (`dtype` 10). The arrays are referenced, not copied: the caller keeps
+// them alive while they are bound. Returns 0, or -1 for an invalid argument (nothing bound then).
+LLMC_EXPORT int llmc_bind_kv_pool(int64_t num_layers, void* const* k, void* const* v, int64_t num_blocks,
+                                  int64_t num_kv_heads, int64_t block_size, int64_t head_size, int32_t dtype) {
+    if (num_layers <= 0 || num_blocks <= 0 || num_kv_heads <= 0 || block_size <= 0 || head_size <= 0) return -1;
+    if (dtype != kOrtFloat && dtype != kOrtFloat16) return -1;
+    Pool pool;
+    for (int64_t i = 0; i < num_layers; ++i) {
+        if (k[i] == nullptr || v[i] == nullptr) return -1;
+        pool.k.push_back(k[i]);
+        pool.v.push_back(v[i]);
+    }
+    pool.num_blocks = num_blocks;
+    pool.num_kv_heads = num_kv_heads;
+    pool.block_size = block_size;
+    pool.head_size = head_size;
+    pool.half = dtype == kOrtFloat16;
+    std::lock_guard<std::mutex> lock(g_pool_mutex);
+    g_pool = std::move(pool);
+    return 0;
+}
+
+// Forget the bound pool (a node that runs afterwards fails with "no KV pool is bound").
+LLMC_EXPORT void llmc_unbind_kv_pool() {
+    std::lock_guard<std::mutex> lock(g_pool_mutex);
+    g_pool = Pool();
+}
+
+// Threads the kernel uses (0: the OpenMP default, OMP_NUM_THREADS or every core). Returns -1 for n < 0.
+LLMC_EXPORT int llmc_set_num_threads(int n) {
+    if (n < 0) return -1;
+    g_num_threads = n;
+    return 0;
+}
+
+LLMC_EXPORT int llmc_get_num_threads() { return effective_threads(); }
+
+// PagedAttention kernel calls completed by this library since it was loaded (tests use it to see
+// which route a session took).
+LLMC_EXPORT int64_t llmc_paged_attention_calls() { return g_calls.load(); }
+
+// 1: the attention loop uses AVX2+FMA; 0: the x86-64-v2 baseline.
+LLMC_EXPORT int llmc_uses_avx2() { return g_use_avx2.load() ? 1 : 0; }
+
+// The ONNX Runtime C API version this library requests.
+LLMC_EXPORT uint32_t llmc_ort_api_version() { return kOrtApiVersion; }

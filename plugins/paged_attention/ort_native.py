@@ -1,0 +1,144 @@
+"""PagedAttention for ONNX Runtime on the CPU as a native custom-op library (no Python per call).
+
+The library ``llmc.plugins.paged_attention._ort_ops`` (csrc/ort_paged_attention.cpp, built by
+setup.py) registers the op ``PagedAttention`` in the domain ``llmc``; its kernel is the same C++
+code as :mod:`.cpu`'s. Sessions load it with ``SessionOptions.register_custom_ops_library(library_path())``.
+
+The KV pool is bound through a small C ABI of the same library, called here with ctypes: dlopen of
+one path returns one handle, so the library ONNX Runtime loaded and the one ctypes loaded are the
+same, and the binding made here is what the kernels read. Binding is cheap (pointers only, the
+arrays are never copied) and is redone only when the pool changes; :func:`bound_pool` holds a
+process-wide lock so that two pools never interleave.
+
+This module imports neither onnxruntime-extensions nor anything that calls back into Python.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import os
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+
+import numpy as np
+
+from llmc.plugins.paged_attention import DOMAIN
+
+LIBRARY_MODULE = "llmc.plugins.paged_attention._ort_ops"
+# What an engine's manifest names (engine.custom_ops) when its graph needs this library.
+CUSTOM_OPS = "llmc_ort_ops"
+ORT_DOMAIN = DOMAIN
+
+_F32, _F16 = 1, 10  # ONNX element types of the caches
+_lib: ctypes.CDLL | None = None
+_path: str | None = None
+_lock = threading.RLock()
+_bound: Sequence[tuple[np.ndarray, np.ndarray]] | None = None  # kept alive while bound
+
+
+def library_path() -> str:
+    """Path of the compiled custom-op library; raises ``ImportError`` saying how to build it."""
+    global _path
+    if _path is None:
+        spec = importlib.util.find_spec(LIBRARY_MODULE)
+        if spec is None or not spec.origin or not os.path.isfile(spec.origin):
+            raise ImportError(
+                f"llmc's ONNX Runtime custom-op library ({LIBRARY_MODULE}) is not built. It is compiled when "
+                "llmc is installed: reinstall with `pip install .` (or `pip install -e . --no-build-isolation` "
+                "for a development checkout; needs a C++17 compiler with OpenMP)."
+            )
+        _path = spec.origin
+    return _path
+
+
+def load() -> ctypes.CDLL:
+    """The library, loaded through ctypes (cached); the same loaded object ONNX Runtime uses."""
+    global _lib
+    if _lib is None:
+        # See cpu.py: OpenMP threads that spin between calls wreck latency on shared cores. libgomp
+        # reads this when it is first loaded, which may be right here.
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+        lib = ctypes.CDLL(library_path())
+        i64, vpp = ctypes.c_int64, ctypes.POINTER(ctypes.c_void_p)
+        lib.llmc_bind_kv_pool.argtypes = [i64, vpp, vpp, i64, i64, i64, i64, ctypes.c_int32]
+        lib.llmc_bind_kv_pool.restype = ctypes.c_int
+        lib.llmc_unbind_kv_pool.argtypes = []
+        lib.llmc_unbind_kv_pool.restype = None
+        lib.llmc_set_num_threads.argtypes = [ctypes.c_int]
+        lib.llmc_set_num_threads.restype = ctypes.c_int
+        lib.llmc_get_num_threads.restype = ctypes.c_int
+        lib.llmc_paged_attention_calls.restype = ctypes.c_int64
+        lib.llmc_uses_avx2.restype = ctypes.c_int
+        lib.llmc_ort_api_version.restype = ctypes.c_uint32
+        _lib = lib
+    return _lib
+
+
+def bind(layers: Sequence[tuple[np.ndarray, np.ndarray]]) -> None:
+    """Make ``layers`` (per layer ``(k_cache, v_cache)``, ``[blocks, kv_heads, block_size, head_size]``)
+    the pool every PagedAttention kernel of this process reads and writes. No-op if already bound.
+
+    The caches are used in place: they must be C-contiguous, writeable, float32 or float16, all of
+    one shape and dtype (``ValueError`` otherwise). Call it with :data:`lock` held when other
+    threads may run sessions.
+    """
+    global _bound
+    if layers is _bound:
+        return
+    if not layers:
+        raise ValueError("KV pool has no layers")
+    k0 = layers[0][0]
+    if k0.ndim != 4:
+        raise ValueError(f"KV cache must be 4-D [num_blocks, num_kv_heads, block_size, head_size], got {k0.shape}")
+    if k0.dtype not in (np.float32, np.float16):
+        raise ValueError(f"KV cache dtype must be float32 or float16, got {k0.dtype}")
+    for i, pair in enumerate(layers):
+        for name, a in zip(("k_cache", "v_cache"), pair, strict=True):
+            if a.shape != k0.shape or a.dtype != k0.dtype or not a.flags.c_contiguous or not a.flags.writeable:
+                raise ValueError(
+                    f"layer {i} {name}: every cache must be a C-contiguous, writeable {k0.dtype} array of shape "
+                    f"{k0.shape} (it is written in place), got {a.dtype} {a.shape} "
+                    f"contiguous={a.flags.c_contiguous} writeable={a.flags.writeable}")
+    n = len(layers)
+    ks = (ctypes.c_void_p * n)(*[k.ctypes.data for k, _ in layers])
+    vs = (ctypes.c_void_p * n)(*[v.ctypes.data for _, v in layers])
+    rc = load().llmc_bind_kv_pool(n, ks, vs, *k0.shape, _F16 if k0.dtype == np.float16 else _F32)
+    if rc != 0:
+        raise ValueError(f"llmc_bind_kv_pool refused a pool of {n} layers of shape {k0.shape}")
+    _bound = layers
+
+
+def unbind() -> None:
+    """Forget the bound pool (kernels that run afterwards fail, naming the cause)."""
+    global _bound
+    load().llmc_unbind_kv_pool()
+    _bound = None
+
+
+lock = _lock
+"""Serialises binding and running across threads: hold it from :func:`bind` to the end of the run."""
+
+
+@contextmanager
+def bound_pool(layers: Sequence[tuple[np.ndarray, np.ndarray]]) -> Iterator[None]:
+    """Bind ``layers`` for the duration of one or more runs, under :data:`lock`."""
+    with _lock:
+        bind(layers)
+        yield
+
+
+def set_num_threads(n: int) -> None:
+    """Threads the kernel uses (0: the OpenMP default, i.e. ``OMP_NUM_THREADS`` or every core)."""
+    if load().llmc_set_num_threads(int(n)) != 0:
+        raise ValueError(f"set_num_threads: n must be >= 1 (or 0 for the OpenMP default), got {n}")
+
+
+def get_num_threads() -> int:
+    return int(load().llmc_get_num_threads())
+
+
+def call_count() -> int:
+    """PagedAttention kernel calls this library has completed in this process."""
+    return int(load().llmc_paged_attention_calls())
