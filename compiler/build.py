@@ -23,8 +23,8 @@ import llmc
 from llmc.build_cache import KeyInputs, Store, sources_digest
 from llmc.compiler import artifact
 from llmc.compiler.checkpoint import Checkpoint, load_checkpoint
-from llmc.compiler.targets import TARGETS, Target, get_target
-from llmc.errors import LlmcError
+from llmc.compiler.targets import GPU_BACKENDS, TARGETS, Target, get_target
+from llmc.errors import LlmcError, UnsupportedError
 from llmc.plugins.paged_attention import KV_LAYOUT
 from llmc.quant import recipe as quant_recipe
 from llmc.quant.recipe import QuantRecipe
@@ -58,8 +58,16 @@ class BuildOptions:
     # quantized engine's held-out perplexity exceeds the unquantized one's by more than this percent.
     quant: QuantRecipe = field(default_factory=QuantRecipe)
     max_ppl_increase: float | None = None
+    # GPU targets: the engine's shape limits (None: the defaults of backends.tensorrt.default_profile).
+    max_batch_size: int | None = None
+    max_num_tokens: int | None = None
+    max_seq_len: int | None = None
     # Python API only: passes appended to the pipeline (tests use this to plant a broken pass).
     extra_passes: tuple = ()
+    # PagedAttention's route into the kernel: "native" (llmc's custom-op library) or "pyop" (the
+    # onnxruntime-extensions Python op, one Python call per layer per step; for debugging/comparison).
+    # The CLI takes it from $LLMC_ATTENTION_ROUTE. Part of the recipe, hence of the cache key.
+    attention: str = field(default_factory=lambda: os.environ.get("LLMC_ATTENTION_ROUTE", "native"))
 
 
 @dataclass
@@ -82,11 +90,27 @@ class _Plan:
     out: Path
     options: BuildOptions
     target: Target
+    # Where GPU builders keep their timing caches (the build cache's root; see build_cached).
+    cache_root: Path | None = None
 
 
 def _validate(options: BuildOptions) -> None:
     if options.block_size < 1 or options.block_size > 1024 or options.block_size & (options.block_size - 1):
         raise LlmcError(f"--block-size {options.block_size}: must be a power of two from 1 to 1024 (default 16)")
+    if options.attention not in ("native", "pyop"):
+        raise LlmcError(f"attention route {options.attention!r}: must be 'native' (default) or 'pyop'")
+
+
+def _check_gpu_request(options: BuildOptions, target: Target) -> None:
+    """GPU requests the target or this machine cannot honour, refused before any work."""
+    from llmc.compiler.backends import tensorrt as trt_backend
+
+    trt_backend.default_profile(options.max_batch_size, options.max_num_tokens, options.max_seq_len, None)
+    if options.quant.kv_cache_dtype is not None and target.backend == "tensorrt_rtx":
+        raise UnsupportedError(f"--kv-cache-dtype {options.quant.kv_cache_dtype}: {target.flag} builds with TensorRT "
+                               "for RTX, whose KV-cache update layer stores float16/bfloat16/float32 caches only; "
+                               "leave --kv-cache-dtype out (KV cache in float16)")
+    trt_backend.check_can_build(target, target.flag)
 
 
 def _plan(out_dir: str | Path, options: BuildOptions) -> _Plan:
@@ -99,6 +123,8 @@ def _plan(out_dir: str | Path, options: BuildOptions) -> _Plan:
                         "--kv-cache-dtype) and a limit of 0 or more percent")
     quant_recipe.check_target(options.quant, options.target, TARGETS)  # before get_target: name the constraint
     target = get_target(options.target)
+    if target.backend in GPU_BACKENDS:
+        _check_gpu_request(options, target)
     if out.exists() and not options.force:
         raise LlmcError(f"{out}: output directory already exists; pass --force to replace it or choose another -o")
     if out.exists() and not out.is_dir():
@@ -132,6 +158,16 @@ def _recipe_summary(recipe: dict) -> str:
     return " ".join(parts)
 
 
+class _NoOnnxFiles:
+    """GPU builds write no ONNX files into the artifact (their CPU twin for the accuracy check is temporary)."""
+
+    model = weights = custom_ops = None
+
+
+# EngineFiles attribute -> manifest engine field
+_ONNX_FILE_FIELDS = {"model": "model_file", "weights": "weights_file"}
+
+
 def _compile(ckpt: Checkpoint, digest: str, plan: _Plan, dest: Path, say: Progress, timings: dict[str, float],
              t0: float, info: dict | None = None) -> tuple[dict, dict]:
     """Stages 2-5: trace, optimise, emit and seal an artifact into the existing empty ``dest``.
@@ -144,11 +180,13 @@ def _compile(ckpt: Checkpoint, digest: str, plan: _Plan, dest: Path, say: Progre
     from llmc.compiler.pipeline import passes_for, run_pipeline
 
     options, target = plan.options, plan.target
+    gpu = target.backend in GPU_BACKENDS
     qstage = None
     if options.quant.enabled:
         from llmc.quant.stage import QuantStage
 
-        qstage = QuantStage(ckpt, options.quant, say)
+        # GPU engines take INT4 as block-wise DequantizeLinear (TensorRT's INT4 GEMM form), not MatMulNBits.
+        qstage = QuantStage(ckpt, options.quant, say, form="qdq" if gpu else "cpu")
         for warning in quant_recipe.check_target(options.quant, target.name, TARGETS):
             say(f"      warning: {warning}")
     # The quantize pass runs after the fusions, before the final dead-code elimination.
@@ -185,7 +223,19 @@ def _compile(ckpt: Checkpoint, digest: str, plan: _Plan, dest: Path, say: Progre
 
     stage(f"emit {target.backend} engine (streaming weights)", 4)
     t = time.perf_counter()
-    files = ort_backend.emit(traced.model, dest)
+    if gpu:
+        from llmc.compiler.backends import tensorrt as trt_backend
+
+        # The accuracy check runs the quantized graph (before TensorRT lowering) on the CPU.
+        cpu_graph = traced.model.clone() if qstage is not None else None
+        profile = trt_backend.default_profile(options.max_batch_size, options.max_num_tokens, options.max_seq_len,
+                                              ckpt.config.get("max_position_embeddings"))
+        timing_dir = (plan.cache_root or Store(None).root) / "trt-timing"
+        gpu_engine, gpu_kv, gpu_details = trt_backend.emit(traced.model, dest, target, profile, timing_dir, say)
+        info = {**(info or {}), "engine_build": gpu_details}
+        files = _NoOnnxFiles()
+    else:
+        files = ort_backend.emit(traced.model, dest, options.attention)
     timings["emit"] = time.perf_counter() - t
     _kill_point("after-emit")
 
@@ -211,6 +261,7 @@ def _compile(ckpt: Checkpoint, digest: str, plan: _Plan, dest: Path, say: Progre
             "inputs": list(traced.inputs),
             "outputs": list(GRAPH_OUTPUTS),
             "vocab_size": traced.vocab_size,
+            "custom_ops": files.custom_ops,
             # longrope: sequences growing past this length recompute their KV with the long factors.
             **({"rope_recompute_at": traced.rope_recompute_at} if traced.rope_recompute_at else {}),
         },
@@ -224,13 +275,26 @@ def _compile(ckpt: Checkpoint, digest: str, plan: _Plan, dest: Path, say: Progre
             "num_heads": traced.num_heads,
         },
     }
+    cpu_fields = fields
+    if gpu:  # the CPU form of the same graph (for the accuracy check) keeps the ONNX Runtime fields
+        cpu_fields = {**fields, "engine": {**fields["engine"], "backend": "onnxruntime"},
+                      "target": {"name": "cpu", "backend": "onnxruntime"}, "toolchain": dict(fields["toolchain"])}
+        fields["engine"] = {**gpu_engine, "vocab_size": traced.vocab_size}
+        fields["kv_cache"] = gpu_kv
+        fields["target"]["sm"] = target.sm
+        fields["toolchain"] = {**fields["toolchain"], **trt_backend.toolchain(target.backend)}
     manifest = artifact.seal(dest, fields)
     if qstage is not None:  # score the sealed engine against the unquantized graph, then re-seal with the figures
         def emit_reference(model, where: Path) -> None:
-            ort_backend.emit(model, where)
-            artifact.seal(where, fields)
+            ort_backend.emit(model, where, options.attention)
+            artifact.seal(where, cpu_fields)
 
-        accuracy = qstage.evaluate(dest, emit_reference)
+        with tempfile.TemporaryDirectory(prefix="llmc-quantized-cpu-") as cpu_dir:
+            if gpu:  # a GPU engine cannot run here: score the same quantized graph on the CPU
+                cpu_files = asdict(ort_backend.emit(cpu_graph, Path(cpu_dir), options.attention))
+                cpu_fields["engine"].update({_ONNX_FILE_FIELDS.get(k, k): v for k, v in cpu_files.items()})
+                artifact.seal(Path(cpu_dir), cpu_fields)
+            accuracy = qstage.evaluate(Path(cpu_dir) if gpu else dest, emit_reference)
         report.update(qstage.report())
         artifact.write_json(dest / "report.json", report)
         manifest = artifact.seal(dest, fields)
@@ -279,13 +343,21 @@ def build(checkpoint_dir: str | Path, out_dir: str | Path, options: BuildOptions
                        artifact_digest=digest_out)
 
 
+def _builder_toolchain(target: Target) -> dict[str, str]:
+    if target.backend not in GPU_BACKENDS:
+        return {}
+    from llmc.compiler.backends import tensorrt as trt_backend
+
+    return trt_backend.toolchain(target.backend)
+
+
 def cache_key_inputs(ckpt_digest: str, plan: _Plan) -> KeyInputs:
     """What the cache key of building a checkpoint with content digest ``ckpt_digest`` by ``plan`` covers."""
     return KeyInputs(
         checkpoint_digest=ckpt_digest,
         recipe=canonical_recipe(plan.options),
         target={"name": plan.target.name, "backend": plan.target.backend, "sm": plan.target.sm},
-        toolchain=artifact.toolchain_versions(),
+        toolchain={**artifact.toolchain_versions(), **_builder_toolchain(plan.target)},
         llmc_version=llmc.__version__,
         sources_digest=sources_digest(_PACKAGE_ROOT),
     )
@@ -325,6 +397,7 @@ def build_cached(checkpoint_dir: str | Path, out_dir: str | Path, options: Build
     inputs = cache_key_inputs(digest, plan)
     key = inputs.key()
     store = Store(cache_dir)
+    plan.cache_root = store.root
     try:
         store.locks_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:

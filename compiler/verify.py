@@ -61,23 +61,17 @@ def random_step(rng: np.random.Generator, vocab: int, kv: KVShape, num_blocks: i
 
 def run_graph(model: ir.Model, feeds: dict[str, np.ndarray], pool) -> np.ndarray:
     """Execute ``model`` (llmc ops lowered on a copy) in ONNX Runtime on a copy of ``pool``."""
-    import onnxruntime as ort
-
-    from llmc.plugins.paged_attention import kv_binding, ort_op
+    from llmc.runtime.session import OrtSession
 
     copy = ir.serde.deserialize_model(ir.serde.serialize_model(model))
-    ort_backend.lower(copy)
-    so = ort.SessionOptions()
-    so.register_custom_ops_library(ort_op.library_path())
+    custom_ops = ort_backend.CUSTOM_OPS["native"]
+    ort_backend.lower(copy, "native")
     # Run the graph as written: ORT's own rewrites would blur which pass changed what.
-    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    so.log_severity_level = 3
-    session = ort.InferenceSession(ir.serde.serialize_model(copy).SerializeToString(), so,
-                                   providers=["CPUExecutionProvider"])
+    session = OrtSession(ir.serde.serialize_model(copy).SerializeToString(), custom_ops=custom_ops,
+                         optimize=False)
     layers = [(k.copy(), v.copy()) for k, v in pool]
-    names = {i.name for i in session.get_inputs()}
-    with kv_binding.bound_pool(layers):
-        return session.run(["logits"], {k: v for k, v in feeds.items() if k in names})[0]
+    names = set(session.input_names)
+    return session.run({k: v for k, v in feeds.items() if k in names}, layers)
 
 
 # Passes that change the numerics on purpose (llmc.quant.stage's quantization pass): their logit

@@ -30,7 +30,7 @@ from llmc.runtime import artifact
 from llmc.runtime.kv_cache import BlockManager, KVPool
 from llmc.runtime.sampler import SamplingParams, sample, token_logprobs
 from llmc.runtime.scheduler import Request, Scheduler, SchedulerConfig, SchedulerOutput
-from llmc.runtime.session import OrtSession
+from llmc.runtime.session import OrtSession, custom_ops_of
 from llmc.runtime.tokenizer import Tokenizer
 
 Prompt = str | Sequence[int]
@@ -175,11 +175,10 @@ class Engine:
                                  enable_chunked_prefill=enable_chunked_prefill,
                                  max_prefill_tokens_with_decodes=max_prefill_tokens_with_decodes,
                                  enable_prefix_caching=enable_prefix_caching, rope_recompute_at=rope_at)
-        session = OrtSession(root / engine_info["model_file"], num_threads=num_threads or os.cpu_count())
+        session = OrtSession(root / engine_info["model_file"], num_threads=num_threads or os.cpu_count(),
+                             custom_ops=custom_ops_of(manifest))
         if attention_threads is not None:
-            from llmc.plugins.paged_attention.cpu import load_kernel
-
-            load_kernel().set_num_threads(int(attention_threads))
+            session.set_attention_threads(int(attention_threads))
         block_size = int(kv["block_size"])
         num_blocks = max(1, -(-kv_cache_tokens // block_size))
         pool = KVPool.allocate(kv["num_layers"], num_blocks, kv["num_kv_heads"], block_size, kv["head_size"],
