@@ -169,11 +169,12 @@ def throughput(name: str, ckpt: Path, engine_dir: Path) -> list[dict]:
 # -- inter-token latency ---------------------------------------------------------------------------
 
 
-def itl_run(engine_dir: Path, budget: int, chunked: bool, vocab: int) -> dict:
+def itl_run(engine_dir: Path, budget: int, chunked: bool, vocab: int, cap: int | None = None) -> dict:
     from llmc.runtime import Engine, SamplingParams
 
     engine = Engine.load(engine_dir, num_threads=ARGS.threads, max_num_tokens=budget,
-                         enable_chunked_prefill=chunked, kv_cache_tokens=4096, attention_threads=ARGS.attention_threads)
+                         enable_chunked_prefill=chunked, max_prefill_tokens_with_decodes=cap,
+                         kv_cache_tokens=4096, attention_threads=ARGS.attention_threads)
     rng = np.random.default_rng(0)
     engine.generate([rng.integers(4, vocab, 64).tolist()], SamplingParams(max_tokens=4, ignore_eos=True))  # warm
     params = SamplingParams(max_tokens=64, ignore_eos=True)
@@ -198,7 +199,8 @@ def itl_run(engine_dir: Path, budget: int, chunked: bool, vocab: int) -> dict:
             long_submit = time.perf_counter()
     gaps = np.concatenate([np.diff(t) for t in times.values()]) * 1e3
     med, p99 = float(np.median(gaps)), float(np.percentile(gaps, 99))
-    return {"chunked_prefill": chunked, "max_num_tokens": budget, "itl_median_ms": round(med, 2),
+    return {"chunked_prefill": chunked, "max_num_tokens": budget, "prefill_cap_with_decodes": cap,
+            "itl_median_ms": round(med, 2),
             "itl_p99_ms": round(p99, 2), "itl_max_ms": round(float(gaps.max()), 2),
             "p99_over_median": round(p99 / med, 2),
             "long_prompt_ttft_ms": round((long_first - long_submit) * 1e3, 1), "long_prefill_steps": prefill_steps}
@@ -206,15 +208,17 @@ def itl_run(engine_dir: Path, budget: int, chunked: bool, vocab: int) -> dict:
 
 def itl(name: str, engine_dir: Path, vocab: int) -> list[dict]:
     rows = []
-    configs = [(b, True) for b in ARGS.itl_budgets] + [(2048 + 64, False)]
-    for budget, chunked in configs:
+    configs = ([(b, True, None) for b in ARGS.itl_budgets] + [(2048, True, c) for c in ARGS.itl_caps]
+               + [(2048 + 64, False, None)])
+    for budget, chunked, cap in configs:
         # One slow step (the OS, other processes) lands in all 8 requests' gaps at once, so single
         # runs are noisy: every figure is the median over --itl-repeats runs.
-        runs = [itl_run(engine_dir, budget, chunked, vocab) for _ in range(ARGS.itl_repeats)]
+        runs = [itl_run(engine_dir, budget, chunked, vocab, cap) for _ in range(ARGS.itl_repeats)]
         row = {"model": name, **{k: (statistics.median(r[k] for r in runs) if isinstance(runs[0][k], float) else
                                      runs[0][k]) for k in runs[0]}, "repeats": len(runs)}
         rows.append(row)
-        print(f"{name:14} chunked={str(chunked):5} budget={budget:<5} ITL median {row['itl_median_ms']:>7} ms "
+        print(f"{name:14} chunked={str(chunked):5} budget={budget:<5} cap={cap!s:<5} "
+              f"ITL median {row['itl_median_ms']:>7} ms "
               f"p99 {row['itl_p99_ms']:>8} ms max {row['itl_max_ms']:>8} ms p99/median {row['p99_over_median']:>6} | "
               f"long TTFT {row['long_prompt_ttft_ms']:>8} ms in {row['long_prefill_steps']} steps", flush=True)
     return rows
@@ -253,11 +257,13 @@ def main() -> None:
         print(f"| {r['model']} | {r['concurrency']} | {r['requests']} | {r['llmc_continuous_tok_s']} | "
               f"{r['llmc_static_tok_s']} | {r['transformers_tok_s']} | {r['continuous_over_static']} | "
               f"{r['continuous_over_transformers']} |")
-    print("\n| model | chunked prefill | budget | ITL median ms | p99 ms | max ms | p99/median | long TTFT ms "
+    print("\n| model | chunked prefill | budget | prefill cap with decodes | ITL median ms | p99 ms | max ms "
+          "| p99/median | long TTFT ms "
           "| steps |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in results["itl"]:
-        print(f"| {r['model']} | {r['chunked_prefill']} | {r['max_num_tokens']} | {r['itl_median_ms']} | "
+        print(f"| {r['model']} | {r['chunked_prefill']} | {r['max_num_tokens']} | {r['prefill_cap_with_decodes']} | "
+              f"{r['itl_median_ms']} | "
               f"{r['itl_p99_ms']} | {r['itl_max_ms']} | {r['p99_over_median']} | {r['long_prompt_ttft_ms']} | "
               f"{r['long_prefill_steps']} |")
     out = REPO / "benchmarks" / "results" / ("bench_serving_itl.json" if ARGS.only_itl else "bench_serving.json")
@@ -274,6 +280,8 @@ if __name__ == "__main__":
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--itl-budgets", type=int, nargs="+", default=[16, 32, 64, 256])
     parser.add_argument("--repeats", type=int, default=2, help="throughput runs per system (best is kept)")
+    parser.add_argument("--itl-caps", type=int, nargs="*", default=[32, 64],
+                        help="max_prefill_tokens_with_decodes values to measure with a 2048-token budget")
     parser.add_argument("--itl-repeats", type=int, default=3)
     parser.add_argument("--itl-models", nargs="*", default=[], help="also measure ITL on these (e.g. llama-100m)")
     parser.add_argument("--attention-threads", type=int, default=1,
