@@ -17,7 +17,6 @@ produces differences of order 1e-1.
 
 from __future__ import annotations
 
-import math
 import os
 
 import numpy as np
@@ -27,16 +26,15 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported (tes
 pytest.importorskip("triton", reason="triton is not installed: pip install '.[test]' (Linux wheels)")
 torch = pytest.importorskip("torch")
 
-from llmc.plugins.paged_attention import reference  # noqa: E402
 from llmc.plugins.paged_attention import triton_kernel as tk  # noqa: E402
 from llmc.quant.minifloat import E4M3  # noqa: E402
+from llmc.testing.paged_attention import check_case, make_case  # noqa: E402
 
 if not tk.interpreted():
     pytest.skip("triton was imported before TRITON_INTERPRET=1 was set in this process; the kernels would be "
                 "compiled for a GPU (run this file on its own or through tests/conftest.py)", allow_module_level=True)
 
-ATOL = {"fp32": 2e-5, "fp16": 2e-3, "bf16": 1.6e-2}
-TORCH_DTYPE = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+ATOL = {"fp32": 2e-5, "fp16": 2e-3, "bf16": 1.6e-2}  # see the module docstring
 
 MIXED = [(150, 1), (37, 37), (260, 7), (1, 1), (64, 1), (90, 12)]  # decode / whole prefill / chunks
 DECODE = [(300, 1), (17, 1), (129, 1), (64, 1), (5, 1)]
@@ -47,106 +45,6 @@ def fresh_rng():
     return np.random.default_rng(seed), seed
 
 
-def make_case(rng, *, hq, hkv, d, bs, seqs, spare_blocks=3, pad_rows=0, q_scale=1.0):
-    """float32 numpy inputs for sequences given as (context length after this step, new tokens).
-
-    Mirrors tests/test_paged_attention_kernel.py: non-contiguous, unordered block ids; unused
-    block-table columns -1; this step's slots hold garbage before the call; ``pad_rows`` trailing
-    rows belong to no sequence (slot -1).
-    """
-    nblocks = [-(-ctx // bs) for ctx, _ in seqs]
-    num_blocks = sum(nblocks) + spare_blocks
-    perm = rng.permutation(num_blocks)
-    block_tables = np.full((len(seqs), max(nblocks) + 2), -1, dtype=np.int64)
-    used = 0
-    for s, nb in enumerate(nblocks):
-        block_tables[s, :nb] = perm[used : used + nb]
-        used += nb
-    slots, qsl = [], [0]
-    for s, (ctx, n_new) in enumerate(seqs):
-        slots += [block_tables[s, p // bs] * bs + p % bs for p in range(ctx - n_new, ctx)]
-        qsl.append(qsl[-1] + n_new)
-    slots += [-1] * pad_rows
-    t = len(slots)
-    inputs = dict(
-        query=(q_scale * rng.standard_normal((t, hq * d))).astype(np.float32),
-        key=rng.standard_normal((t, hkv * d)).astype(np.float32),
-        value=rng.standard_normal((t, hkv * d)).astype(np.float32),
-        slot_mapping=np.array(slots, dtype=np.int64),
-        block_tables=block_tables,
-        context_lens=np.array([ctx for ctx, _ in seqs], dtype=np.int64),
-        query_start_loc=np.array(qsl, dtype=np.int64),
-    )
-    shape = (num_blocks, hkv, bs, d)
-    caches = rng.standard_normal(shape).astype(np.float32), rng.standard_normal(shape).astype(np.float32)
-    return inputs, caches, dict(num_heads=hq, num_kv_heads=hkv, scale=1.0 / math.sqrt(d))
-
-
-def run_case(inputs, caches, attrs, *, act="fp32", cache="fp32", seed=None, fp8_scales=None, **kernel_kw):
-    """Run reference and kernel on the same (rounded) values; check caches exactly and outputs closely."""
-    info = f"seed={seed} act={act} cache={cache} {kernel_kw}"
-    tin = {k: torch.from_numpy(v) for k, v in inputs.items()}
-    for name in ("query", "key", "value"):
-        tin[name] = tin[name].to(TORCH_DTYPE[act])
-    k0, v0 = (torch.from_numpy(c) for c in caches)
-    ref_in = {k: (v.float().numpy() if v.is_floating_point() else v.numpy()) for k, v in tin.items()}
-    rounded = dict(ref_in)  # the K/V values the kernel receives (before any FP8 round trip)
-    if fp8_scales is not None:
-        # FP8: the caches hold E4M3 codes; the reference sees their values, and new K/V after the Q/DQ
-        # round trip the CPU graph applies (quant/graph.py: QuantizeLinear/DequantizeLinear, saturating).
-        ks, vs = fp8_scales
-        codes = [torch.from_numpy(E4M3.encode(c.numpy() * 0.5)) for c in (k0, v0)]  # any valid codes
-        k_ker, v_ker = codes[0].clone(), codes[1].clone()
-        k_ref = E4M3.decode(codes[0].numpy()) * ks
-        v_ref = E4M3.decode(codes[1].numpy()) * vs
-        for name, sc in (("key", ks), ("value", vs)):
-            ref_in[name] = E4M3.decode(E4M3.encode(ref_in[name] / np.float32(sc))) * np.float32(sc)
-        kernel_kw["kv_scales"] = torch.tensor([ks, vs], dtype=torch.float32)
-    else:
-        k_ker, v_ker = k0.to(TORCH_DTYPE[cache]), v0.to(TORCH_DTYPE[cache])
-        # float16 caches stay float16 in the reference (it rounds written rows as the kernel must);
-        # bfloat16 ones hold bfloat16 values in float32 (numpy has no bfloat16; rows written are bf16 already).
-        np_cache = np.float16 if cache == "fp16" else np.float32
-        k_ref, v_ref = k_ker.float().numpy().astype(np_cache), v_ker.float().numpy().astype(np_cache)
-    k_before, v_before = k_ker.clone(), v_ker.clone()
-
-    expected = reference.paged_attention(**ref_in, k_cache=k_ref, v_cache=v_ref, **attrs)
-    got = tk.paged_attention(**tin, k_cache=k_ker, v_cache=v_ker, **attrs, **kernel_kw)
-
-    assert got.dtype == TORCH_DTYPE[act] and tuple(got.shape) == expected.shape, info
-    written = torch.zeros(k_ker.shape[0] * k_ker.shape[2], dtype=torch.bool)
-    slots = inputs["slot_mapping"]
-    written[torch.from_numpy(slots[slots >= 0])] = True
-    written = written.reshape(k_ker.shape[0], 1, k_ker.shape[2], 1).expand(k_ker.shape)
-    for name, ker, ref, before in (("k_cache", k_ker, k_ref, k_before), ("v_cache", v_ker, v_ref, v_before)):
-        assert torch.equal(ker[~written], before[~written]), f"{name}: a slot outside slot_mapping changed; {info}"
-        if fp8_scales is not None:
-            sc = fp8_scales[0] if name == "k_cache" else fp8_scales[1]
-            want = E4M3.encode(rounded["key" if name == "k_cache" else "value"] / np.float32(sc))
-            new = ker.numpy()[written.numpy()]
-            expect_codes = _codes_at_slots(want, slots, ker.shape)
-            np.testing.assert_array_equal(new, expect_codes, err_msg=f"{name} FP8 codes; {info}")
-        else:
-            np.testing.assert_array_equal(ker.float().numpy()[written.numpy()], ref.astype(np.float32)[written.numpy()],
-                                          err_msg=f"{name} new rows; {info}")
-    got_np = got.float().numpy()
-    assert np.isfinite(got_np).all(), info
-    np.testing.assert_allclose(got_np, expected.astype(np.float32), rtol=0, atol=ATOL[act], err_msg=info)
-    return got_np, expected
-
-
-def _codes_at_slots(codes_tokens, slots, cache_shape):
-    """The cache after writing ``codes_tokens [T, Hkv*D]`` into ``slots``, read back at the written positions."""
-    nb, hkv, bs, d = cache_shape
-    cache = np.zeros(cache_shape, dtype=np.uint8)
-    mask = np.zeros(cache_shape, dtype=bool)
-    for t, slot in enumerate(slots):
-        if slot >= 0:
-            cache[slot // bs, :, slot % bs, :] = codes_tokens[t].reshape(hkv, d)
-            mask[slot // bs, :, slot % bs, :] = True
-    return cache[mask]
-
-
 # -------------------------------------------------------------------------------------------
 # Shapes: every GQA ratio meets both head sizes and both block sizes across the two tests.
 
@@ -155,26 +53,26 @@ def _codes_at_slots(codes_tokens, slots, cache_shape):
                          ids=["gqa1-d64-bs16", "gqa2-d128-bs32", "gqa4-d64-bs32", "gqa8-d128-bs16"])
 def test_mixed_prefill_and_decode(hq, hkv, d, bs):
     rng, seed = fresh_rng()
-    run_case(*make_case(rng, hq=hq, hkv=hkv, d=d, bs=bs, seqs=MIXED), seed=seed)
+    check_case(*make_case(rng, hq=hq, hkv=hkv, d=d, bs=bs, seqs=MIXED), seed=seed, atol=ATOL)
 
 
 @pytest.mark.parametrize("hq,hkv,d,bs", [(2, 2, 128, 32), (4, 2, 64, 16), (8, 2, 128, 16), (8, 1, 64, 32)],
                          ids=["gqa1-d128-bs32", "gqa2-d64-bs16", "gqa4-d128-bs16", "gqa8-d64-bs32"])
 def test_decode_batch(hq, hkv, d, bs):
     rng, seed = fresh_rng()
-    run_case(*make_case(rng, hq=hq, hkv=hkv, d=d, bs=bs, seqs=DECODE), seed=seed)
+    check_case(*make_case(rng, hq=hq, hkv=hkv, d=d, bs=bs, seqs=DECODE), seed=seed, atol=ATOL)
 
 
 @pytest.mark.parametrize("act,cache", [("fp16", "fp16"), ("bf16", "bf16"), ("fp32", "fp16")])
 def test_activation_and_cache_dtypes(act, cache):
     rng, seed = fresh_rng()
-    run_case(*make_case(rng, hq=8, hkv=2, d=64, bs=16, seqs=MIXED), act=act, cache=cache, seed=seed)
+    check_case(*make_case(rng, hq=8, hkv=2, d=64, bs=16, seqs=MIXED), act=act, cache=cache, seed=seed, atol=ATOL)
 
 
 def test_odd_group_and_head_size():
     """A GQA group of 3 (rows of a tile do not fill BLOCK_M) and a head size that is not a power of two."""
     rng, seed = fresh_rng()
-    run_case(*make_case(rng, hq=6, hkv=2, d=80, bs=16, seqs=[(45, 3), (19, 1), (70, 30)]), seed=seed)
+    check_case(*make_case(rng, hq=6, hkv=2, d=80, bs=16, seqs=[(45, 3), (19, 1), (70, 30)]), seed=seed, atol=ATOL)
 
 
 @pytest.mark.parametrize("act", ["fp16", "bf16"])
@@ -182,14 +80,14 @@ def test_fp8_kv_cache(act):
     rng, seed = fresh_rng()
     case = make_case(rng, hq=8, hkv=2, d=64, bs=16, seqs=MIXED)
     # Scales that put the new K/V (|x| up to ~4.5) near the top of the E4M3 range, some beyond it (saturating).
-    run_case(*case, act=act, fp8_scales=(0.009, 0.011), seed=seed)
+    check_case(*case, act=act, fp8_scales=(0.009, 0.011), seed=seed, atol=ATOL)
 
 
 def test_sliding_window_and_softcap():
     rng, seed = fresh_rng()
     case = make_case(rng, hq=8, hkv=4, d=64, bs=16, seqs=MIXED, q_scale=6.0)
     case[2].update(sliding_window=40, softcap=5.0)
-    run_case(*case, seed=seed)
+    check_case(*case, seed=seed, atol=ATOL)
 
 
 @pytest.mark.parametrize("seqs", [DECODE, MIXED], ids=["decode", "mixed"])
@@ -198,14 +96,14 @@ def test_split_kv(seqs):
     rng, seed = fresh_rng()
     case = make_case(rng, hq=8, hkv=2, d=64, bs=16, seqs=seqs)
     case[2].update(sliding_window=100)
-    run_case(*case, seed=seed, num_splits=4, block_n=32)
+    check_case(*case, seed=seed, atol=ATOL, num_splits=4, block_n=32)
 
 
 def test_padding_rows_and_tile_sizes():
     """Trailing rows with slot -1 get zeros and write nothing; bigger query tiles than the block size."""
     rng, seed = fresh_rng()
     inputs, caches, attrs = make_case(rng, hq=4, hkv=2, d=64, bs=16, seqs=MIXED, pad_rows=3)
-    got, _ = run_case(inputs, caches, attrs, seed=seed, block_m=32, block_n=64)
+    got, _ = check_case(inputs, caches, attrs, seed=seed, atol=ATOL, block_m=32, block_n=64)
     assert (got[-3:] == 0).all()
 
 
@@ -214,7 +112,7 @@ def test_int32_metadata():
     inputs, caches, attrs = make_case(rng, hq=4, hkv=2, d=64, bs=16, seqs=[(33, 2), (9, 1)])
     for name in ("slot_mapping", "block_tables", "context_lens", "query_start_loc"):
         inputs[name] = inputs[name].astype(np.int32)
-    run_case(inputs, caches, attrs, seed=seed)
+    check_case(inputs, caches, attrs, seed=seed, atol=ATOL)
 
 
 # -------------------------------------------------------------------------------------------

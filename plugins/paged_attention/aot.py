@@ -37,6 +37,7 @@ INDEX_TYPE = "i64"  # slot_mapping, block_tables, context_lens, query_start_loc 
 PARAMS = ("query", "key", "value", "slot_mapping", "block_tables", "context_lens", "query_start_loc",
           "k_cache", "v_cache", "kv_scales", "num_seqs", "max_blocks", "out", "k_cache_out", "v_cache_out")
 GRID_RULE = "(cdiv(num_tokens, block_q) + num_seqs, num_kv_heads, 1)"
+SHARED_MEM_LIMIT = 48 * 1024  # bytes a launch may use without cuFuncSetAttribute
 
 
 @dataclass
@@ -101,6 +102,17 @@ def strip_hidden_params(ptx: str, name: str, visible: int) -> str:
     return ptx[: m.start(2)] + "\n\t" + kept + "\n" + ptx[m.end(2):]
 
 
+def _triton_compile(fn, cfg, target):
+    import triton
+
+    signature, constexprs = _signature(cfg)
+    # Every pointer is 16-byte aligned (TensorRT and torch allocations are 256-byte aligned, and
+    # rows are whole heads): lets Triton vectorise loads, as its JIT does after checking.
+    attrs = {(i,): [["tt.divisibility", 16]] for i, v in enumerate(signature.values()) if v.startswith("*")}
+    src = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
+    return triton.compile(src, target=target, options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+
+
 def _compile_here(cfg, sm: int) -> AotKernel:
     import triton
     from triton.backends.compiler import GPUTarget
@@ -110,14 +122,15 @@ def _compile_here(cfg, sm: int) -> AotKernel:
     if tk.interpreted():
         raise RuntimeError("this process runs the Triton interpreter; use compile_ptx(), which compiles in a child")
     cfg = dataclasses.replace(cfg, interpret=False, fp8_native=cfg.fp8 and sm >= 89)
-    signature, constexprs = _signature(cfg)
-    # Every pointer is 16-byte aligned (TensorRT and torch allocations are 256-byte aligned, and
-    # rows are whole heads): lets Triton vectorise loads, as its JIT does after checking.
-    attrs = {(i,): [["tt.divisibility", 16]] for i, v in enumerate(signature.values()) if v.startswith("*")}
-    src = triton.compiler.ASTSource(fn=tk.paged_attention_kernel, signature=signature, constexprs=constexprs,
-                                    attrs=attrs)
-    target = GPUTarget("cuda", sm, 32)
-    compiled = triton.compile(src, target=target, options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+    # A launch may use 48 KiB of dynamic shared memory without the per-function opt-in attribute,
+    # which TensorRT's AOT launch is not documented to set: fall back to fewer pipeline stages,
+    # then narrower KV tiles, until the kernel fits.
+    for attempt in (cfg, dataclasses.replace(cfg, num_stages=1),
+                    dataclasses.replace(cfg, num_stages=1, block_n=max(16, cfg.block_n // 2))):
+        compiled = _triton_compile(tk.paged_attention_kernel, attempt, GPUTarget("cuda", sm, 32))
+        cfg = attempt
+        if compiled.metadata.shared <= SHARED_MEM_LIMIT:
+            break
     md = compiled.metadata
     if getattr(md, "global_scratch_size", 0) or getattr(md, "profile_scratch_size", 0):
         raise RuntimeError(f"the kernel needs scratch memory (global {md.global_scratch_size} B, profile "

@@ -1,0 +1,407 @@
+#!/usr/bin/env python
+"""One GPU check for llmc: everything GPU-side in one run, with only torch, Triton and CUDA needed.
+
+Sections (each records its results; a failure in one does not stop the others):
+
+1. ``correctness``: the Triton PagedAttention kernel against the numpy reference on random
+   decode and mixed prefill+decode batches (GQA 1/4/8, head sizes 64/128, blocks 16/32,
+   float16/bfloat16/float32, FP8 KV with bit-exact codes, sliding window + softcap, split-KV),
+   and the kernel's FP8 codec against the project's E4M3 codec over every code.
+2. ``aot``: the ahead-of-time PTX for this GPU's SM (what a TensorRT engine embeds), assembled with
+   ptxas and launched through the CUDA driver exactly as TensorRT's AOT plugin launches it
+   (inputs, int32 scalars, outputs; no Triton launcher), compared with the JIT kernel.
+3. ``bandwidth``: decode at batch 1/8/64 x context 512/4k/32k (Llama-3-8B attention: 32 query
+   heads, 8 KV heads, head size 128, float16, blocks of 16 scattered over the pool): achieved KV
+   read bandwidth as a fraction of this device's measured copy bandwidth, side by side with
+   ``torch.nn.functional.scaled_dot_product_attention`` on the same shapes (contiguous K/V,
+   ``enable_gqa``), and the largest difference between the two outputs.
+4. ``tensorrt``: where the ``tensorrt`` module imports, build an engine from a tiny Llama with
+   ``llmc build --gpu auto`` and compare its greedy tokens with transformers'.
+
+Prints a table per section and writes everything to ``--out`` (JSON). Exit status 0 when every
+check that ran passed, 1 otherwise. ``--cpu-smoke`` runs sections 1-2 on tiny shapes under the
+Triton interpreter (PTX compiled, not launched) and skips 3-4: what CI can run without a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+import traceback
+
+CASES = [
+    # name, heads, kv heads, head size, block, sequences (context after step, new tokens), extras
+    ("decode gqa4 d128 bs16", 32, 8, 128, 16, [(1500, 1), (700, 1), (33, 1), (2047, 1)], {}),
+    ("mixed gqa1 d64 bs32", 8, 8, 64, 32, [(600, 1), (300, 300), (900, 64), (5, 1)], {}),
+    ("mixed gqa8 d128 bs16", 64, 8, 128, 16, [(800, 1), (257, 257), (1200, 100)], {}),
+    ("decode gqa8 d64 split-kv", 16, 2, 64, 32, [(3000, 1), (900, 1)], {"num_splits": 8}),
+    ("mixed window+softcap", 16, 4, 64, 16, [(1000, 1), (400, 130)], {"window": 256, "softcap": 30.0}),
+]
+DTYPES = [("fp16", "fp16"), ("bf16", "bf16"), ("fp32", "fp32"), ("fp16", "fp8"), ("bf16", "fp8")]
+SMOKE_CASES = [
+    ("smoke decode gqa4", 8, 2, 64, 16, [(70, 1), (20, 1)], {}),
+    ("smoke mixed gqa1", 4, 4, 64, 16, [(40, 1), (24, 24), (50, 7)], {"window": 30}),
+]
+# GPU tolerances: scores are exact-product float32 sums; the softmax weights are rounded to the
+# activation dtype before P @ V (tensor cores), adding ~2^-11 (fp16) / 2^-8 (bf16) relative error.
+GPU_ATOL = {"fp32": 1e-4, "fp16": 1e-2, "bf16": 4e-2}
+SMOKE_ATOL = {"fp32": 2e-5, "fp16": 2e-3, "bf16": 1.6e-2}
+BW_SHAPES = [(b, c) for b in (1, 8, 64) for c in (512, 4096, 32768)]
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", default="gpu_check.json", help="JSON report path (default: gpu_check.json)")
+    p.add_argument("--cpu-smoke", action="store_true", help="interpreter, tiny shapes, no launch: for CI")
+    p.add_argument("--budget-s", type=float, default=420.0,
+                   help="stop starting new bandwidth rows after this many seconds (default 420: under 8 min)")
+    p.add_argument("--iters", type=int, default=20, help="timed iterations per bandwidth measurement")
+    p.add_argument("--skip", action="append", default=[], choices=["correctness", "aot", "bandwidth", "tensorrt"])
+    return p.parse_args(argv)
+
+
+def section(name, report, fn):
+    t0 = time.time()
+    try:
+        report[name] = fn()
+    except Exception as exc:  # a crashed section is a failed check, reported with its traceback
+        report[name] = {"ok": False, "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
+    report[name]["seconds"] = round(time.time() - t0, 1)
+
+
+def table(title, header, rows):
+    print(f"\n== {title}")
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows, strict=True)]
+    for row in [header, ["-" * w for w in widths], *rows]:
+        print("  ".join(str(x).ljust(w) for x, w in zip(row, widths, strict=True)))
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def run_correctness(smoke: bool, device: str):
+    import numpy as np
+    import torch
+
+    from llmc.plugins.paged_attention import triton_kernel as tk
+    from llmc.quant.minifloat import E4M3
+    from llmc.testing.paged_attention import check_case, make_case
+
+    rows = []
+    cases = SMOKE_CASES if smoke else CASES
+    dtypes = DTYPES[:1] + DTYPES[3:4] if smoke else DTYPES
+    atol = SMOKE_ATOL if smoke else GPU_ATOL
+    for name, hq, hkv, d, bs, seqs, extra in cases:
+        for act, cache in dtypes:
+            seed = int(np.random.SeedSequence().entropy % 2**32)
+            rng = np.random.default_rng(seed)
+            inputs, caches, attrs = make_case(rng, hq=hq, hkv=hkv, d=d, bs=bs, seqs=seqs,
+                                              q_scale=4.0 if extra.get("softcap") else 1.0)
+            attrs.update(sliding_window=extra.get("window", 0), softcap=extra.get("softcap", 0.0))
+            kw = {"num_splits": extra["num_splits"]} if "num_splits" in extra else {}
+            row = {"case": name, "act": act, "cache": cache, "seed": seed}
+            try:
+                got, want = check_case(inputs, caches, attrs, atol=atol, act=act,
+                                       cache=act if cache == "fp8" else cache,
+                                       fp8_scales=(0.009, 0.011) if cache == "fp8" else None, device=device, **kw)
+                row.update(ok=True, max_abs_diff=float(np.abs(got - want).max()))
+            except AssertionError as exc:
+                row.update(ok=False, error=str(exc)[:2000])
+            rows.append(row)
+    # FP8 codec over every code and a spread of values (bit-exact against quant.minifloat.E4M3).
+    x = np.concatenate([E4M3.table[np.isfinite(E4M3.table)], np.random.default_rng().standard_normal(100_000) * 100])
+    x = x.astype(np.float32)
+    codes_in = np.resize(np.arange(256, dtype=np.uint8), x.shape)
+    codes, decoded = tk.fp8_codec(torch.from_numpy(x).to(device), torch.from_numpy(codes_in).to(device), 0.5)
+    finite = np.isfinite(E4M3.decode(codes_in))
+    codec_ok = bool((codes.cpu().numpy() == E4M3.encode(x / np.float32(0.5))).all()
+                    and (decoded.float().cpu().numpy()[finite] == E4M3.decode(codes_in)[finite]).all())
+    rows.append({"case": "fp8 codec (encode + decode, all codes)", "act": "-", "cache": "fp8", "ok": codec_ok})
+    table("correctness: Triton kernel vs numpy reference", ["case", "act", "cache", "ok", "max |diff|"],
+          [[r["case"], r["act"], r["cache"], "ok" if r["ok"] else "FAIL", f"{r.get('max_abs_diff', 0):.2e}"]
+           for r in rows])
+    return {"ok": all(r["ok"] for r in rows), "cases": rows}
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def _cuda_launch(kernel, args, grid, sm):
+    """Launch the AOT PTX through the CUDA driver with TensorRT's argument layout (no Triton launcher)."""
+    import ctypes
+
+    import torch
+
+    from llmc.plugins.paged_attention import aot
+
+    cubin = aot.assemble(kernel.ptx, sm)
+    cuda = ctypes.CDLL("libcuda.so.1")
+
+    def check(rc, what):
+        if rc != 0:
+            raise RuntimeError(f"{what} failed with CUresult {rc}")
+
+    module, fn = ctypes.c_void_p(), ctypes.c_void_p()
+    check(cuda.cuModuleLoadData(ctypes.byref(module), ctypes.c_char_p(cubin)), "cuModuleLoadData")
+    check(cuda.cuModuleGetFunction(ctypes.byref(fn), module, kernel.name.encode()), "cuModuleGetFunction")
+    if kernel.shared_mem > 48 * 1024:  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+        check(cuda.cuFuncSetAttribute(fn, 8, ctypes.c_int(kernel.shared_mem)), "cuFuncSetAttribute")
+    holders = [ctypes.c_int32(a) if isinstance(a, int) else ctypes.c_uint64(a.data_ptr()) for a in args]
+    params = (ctypes.c_void_p * len(holders))(*[ctypes.cast(ctypes.byref(h), ctypes.c_void_p) for h in holders])
+    stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
+    check(cuda.cuLaunchKernel(fn, *grid, kernel.threads, 1, 1, kernel.shared_mem, stream, params, None),
+          "cuLaunchKernel")
+    torch.cuda.synchronize()
+    cuda.cuModuleUnload(module)
+
+
+def run_aot(smoke: bool, device: str):
+    import numpy as np
+    import torch
+
+    from llmc.plugins.paged_attention import aot
+    from llmc.plugins.paged_attention import triton_kernel as tk
+    from llmc.testing.paged_attention import make_case
+
+    sm = 90 if smoke else (lambda c: c[0] * 10 + c[1])(torch.cuda.get_device_capability())
+    rows = []
+    for act, cache in (("fp16", "fp16"), ("bf16", "u8")):
+        cfg = tk.KernelConfig(num_heads=32, num_kv_heads=8, head_size=128, block_size=16, scale=128**-0.5,
+                              act_dtype=act, cache_dtype=cache)
+        t0 = time.time()
+        (kernel,) = aot.compile_ptx(cfg, (sm,))
+        row = {"sm": sm, "target": kernel.target, "act": act, "cache": cache, "name": kernel.name,
+               "shared_mem": kernel.shared_mem, "num_warps": kernel.num_warps, "ptx_bytes": len(kernel.ptx),
+               "compile_s": round(time.time() - t0, 1), "cubin_bytes": len(aot.assemble(kernel.ptx, sm))}
+        if not smoke:
+            dt = {"fp16": torch.float16, "bf16": torch.bfloat16}[act]
+            rng = np.random.default_rng()
+            inputs, (kc, vc), attrs = make_case(rng, hq=32, hkv=8, d=128, bs=16, seqs=[(900, 1), (300, 120), (64, 1)])
+            t = {k: torch.from_numpy(v).cuda() for k, v in inputs.items()}
+            for name in ("query", "key", "value"):
+                t[name] = t[name].to(dt)
+            if cache == "u8":
+                caches = [torch.randint(0, 0x7E, kc.shape, dtype=torch.uint8, device="cuda") for _ in range(2)]
+                scales = torch.tensor([0.02, 0.03], device="cuda")
+            else:
+                caches = [torch.from_numpy(c).to(dt).cuda() for c in (kc, vc)]
+                scales = torch.ones(2, device="cuda")
+            jit_caches = [c.clone() for c in caches]
+            want = tk.paged_attention(**t, k_cache=jit_caches[0], v_cache=jit_caches[1], **attrs,
+                                      kv_scales=scales if cache == "u8" else None, block_m=kernel.config["block_m"],
+                                      block_n=kernel.config["block_n"])
+            out = torch.zeros_like(want)
+            args = [t["query"], t["key"], t["value"], t["slot_mapping"], t["block_tables"], t["context_lens"],
+                    t["query_start_loc"], caches[0], caches[1], scales, len(inputs["context_lens"]),
+                    inputs["block_tables"].shape[1], out, caches[0], caches[1]]
+            _cuda_launch(kernel, args, kernel.grid(inputs["query"].shape[0], len(inputs["context_lens"])), sm)
+            row["max_abs_diff_vs_jit"] = float((out.float() - want.float()).abs().max())
+            row["caches_equal_jit"] = all(torch.equal(a, b) for a, b in zip(caches, jit_caches, strict=True))
+            # Same tiles, same math: expect equality up to instruction scheduling (ordering of float sums).
+            row["ok"] = row["max_abs_diff_vs_jit"] <= GPU_ATOL[act] / 10 and row["caches_equal_jit"]
+        else:
+            row["ok"] = True
+        row["ok"] = row["ok"] and kernel.target.startswith(f"sm_{sm}") and kernel.shared_mem <= aot.SHARED_MEM_LIMIT
+        rows.append(row)
+    table(f"aot: PTX for sm_{sm}" + (" (compiled, not launched)" if smoke else ", launched like TensorRT"),
+          ["target", "act", "cache", "shared B", "warps", "PTX B", "compile s", "vs JIT", "ok"],
+          [[r["target"], r["act"], r["cache"], r["shared_mem"], r["num_warps"], r["ptx_bytes"], r["compile_s"],
+            r.get("max_abs_diff_vs_jit", "-"), "ok" if r["ok"] else "FAIL"] for r in rows])
+    return {"ok": all(r["ok"] for r in rows), "kernels": rows}
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def _time_cuda(fn, iters):
+    import torch
+
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    times.sort()
+    return times[len(times) // 2]
+
+
+def run_bandwidth(args, t_start):
+    import torch
+    import torch.nn.functional as F
+
+    from llmc.plugins.paged_attention import triton_kernel as tk
+
+    dev = torch.cuda.current_device()
+    props = torch.cuda.get_device_properties(dev)
+    n = 1 << 31  # 2 GiB copied: read + write
+    buffers = [torch.empty(n, dtype=torch.uint8, device="cuda") for _ in range(2)]
+    copy_bw = 2 * n / _time_cuda(lambda: buffers[1].copy_(buffers[0]), args.iters)
+    buffers.clear()
+    hq, hkv, d, bs = 32, 8, 128, 16
+    rows = []
+    for b, ctx in BW_SHAPES:
+        if time.time() - t_start > args.budget_s:
+            rows.append({"batch": b, "context": ctx, "skipped": "time budget"})
+            continue
+        torch.cuda.empty_cache()
+        g = torch.Generator(device="cuda").manual_seed(b * 100003 + ctx)
+        q = torch.randn(b, hq, 1, d, device="cuda", dtype=torch.float16, generator=g)
+        k = torch.randn(b, hkv, ctx, d, device="cuda", dtype=torch.float16, generator=g)
+        v = torch.randn(b, hkv, ctx, d, device="cuda", dtype=torch.float16, generator=g)
+        nblk = ctx // bs
+        # The paged pool holds the same K/V in blocks scattered by a random permutation.
+        perm = torch.randperm(b * nblk, device="cuda", generator=g)
+        pool_k = torch.empty(b * nblk, hkv, bs, d, device="cuda", dtype=torch.float16)
+        pool_v = torch.empty_like(pool_k)
+        pool_k[perm] = k.view(b, hkv, nblk, bs, d).permute(0, 2, 1, 3, 4).reshape(b * nblk, hkv, bs, d)
+        pool_v[perm] = v.view(b, hkv, nblk, bs, d).permute(0, 2, 1, 3, 4).reshape(b * nblk, hkv, bs, d)
+        block_tables = perm.view(b, nblk).to(torch.int64)
+        last = ctx - 1
+        step = dict(
+            query=q.reshape(b, hq * d), key=k[:, :, last].reshape(b, hkv * d).contiguous(),
+            value=v[:, :, last].reshape(b, hkv * d).contiguous(),
+            slot_mapping=block_tables[:, last // bs] * bs + last % bs, block_tables=block_tables,
+            context_lens=torch.full((b,), ctx, dtype=torch.int64, device="cuda"),
+            query_start_loc=torch.arange(b + 1, dtype=torch.int64, device="cuda"),
+        )
+        splits = tk.choose_num_splits(b, hkv, ctx, props.multi_processor_count)
+        out = torch.empty(b, hq * d, device="cuda", dtype=torch.float16)
+
+        def ours(splits=splits, out=out, step=step, pool_k=pool_k, pool_v=pool_v):
+            tk.paged_attention(**step, k_cache=pool_k, v_cache=pool_v, num_heads=hq, num_kv_heads=hkv,
+                               scale=d**-0.5, num_splits=splits, out=out)
+
+        def sdpa(q=q, k=k, v=v):
+            return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+
+        t_ours = _time_cuda(ours, args.iters)
+        t_sdpa = _time_cuda(sdpa, args.iters)
+        ref = sdpa().reshape(b, hq * d)
+        kv_bytes = 2 * b * ctx * hkv * d * 2
+        row = {"batch": b, "context": ctx, "splits": splits, "kv_bytes": kv_bytes,
+               "max_abs_diff_vs_sdpa": float((out.float() - ref.float()).abs().max())}
+        for who, sec in (("ours", t_ours), ("sdpa", t_sdpa)):
+            row.update({f"{who}_us": sec * 1e6, f"{who}_gbs": kv_bytes / sec / 1e9,
+                        f"{who}_frac": kv_bytes / sec / copy_bw})
+        rows.append(row)
+        del q, k, v, pool_k, pool_v, step, out, ref
+    ok = all(r.get("max_abs_diff_vs_sdpa", 0.0) < 1e-2 for r in rows)
+    table(f"bandwidth: decode, {hq}/{hkv} heads, D {d}, fp16, block {bs}; copy bandwidth {copy_bw / 1e9:.0f} GB/s",
+          ["batch", "context", "splits", "ours us", "ours GB/s", "ours frac", "sdpa us", "sdpa GB/s", "sdpa frac",
+           "|ours-sdpa|"],
+          [[r["batch"], r["context"], "-", "skipped: " + r["skipped"], "", "", "", "", "", ""] if "skipped" in r else
+           [r["batch"], r["context"], r["splits"], f"{r['ours_us']:.1f}", f"{r['ours_gbs']:.0f}",
+            f"{r['ours_frac']:.2f}", f"{r['sdpa_us']:.1f}", f"{r['sdpa_gbs']:.0f}", f"{r['sdpa_frac']:.2f}",
+            f"{r['max_abs_diff_vs_sdpa']:.1e}"] for r in rows])
+    return {"ok": ok, "copy_bandwidth_gbs": copy_bw / 1e9, "device": props.name, "sms": props.multi_processor_count,
+            "shape": {"num_heads": hq, "num_kv_heads": hkv, "head_size": d, "block_size": bs, "dtype": "fp16"},
+            "rows": rows, "note": "bytes = K and V of every cached position read once; medians of CUDA-event timings"}
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def run_tensorrt():
+    import importlib.util
+    import subprocess
+    import tempfile
+
+    if importlib.util.find_spec("tensorrt") is None:
+        return {"ok": True, "skipped": "tensorrt is not importable here (pip install tensorrt-cu13 to run this part)"}
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from llmc.testing.checkpoints import write_tiny_llama
+
+    with tempfile.TemporaryDirectory() as tmp:
+        ckpt = write_tiny_llama(os.path.join(tmp, "ckpt"))
+        out = os.path.join(tmp, "engine")
+        t0 = time.time()
+        proc = subprocess.run([sys.executable, "-m", "llmc.cli.main", "build", str(ckpt), "--gpu", "auto", "-o", out,
+                               "--json", "--no-cache"], capture_output=True, text=True)
+        result = {"build_s": round(time.time() - t0, 1), "build_exit": proc.returncode}
+        if proc.returncode != 0:
+            result.update(ok=False, error=(proc.stdout + proc.stderr)[-3000:])
+            return result
+        prompt = "The for statement"
+        tok = AutoTokenizer.from_pretrained(ckpt)
+        model = AutoModelForCausalLM.from_pretrained(ckpt, torch_dtype=torch.float32)
+        ids = tok(prompt, return_tensors="pt").input_ids
+        want = model.generate(ids, max_new_tokens=16, do_sample=False)[0, ids.shape[1]:].tolist()
+        try:
+            from llmc.runtime import Engine, SamplingParams
+
+            engine = Engine.load(out)
+            got = engine.generate([prompt], SamplingParams(max_tokens=16, temperature=0.0))[0].token_ids
+        except Exception as exc:  # the engine built; this runtime may not execute TensorRT engines yet
+            result.update(ok=True, skipped=f"engine built, but llmc.runtime could not run it: {type(exc).__name__}: "
+                          f"{str(exc)[:500]}")
+            return result
+        agree = sum(1 for a, b in zip(got, want, strict=False) if a == b)
+        result.update(ok=got == want, greedy_tokens_engine=got, greedy_tokens_transformers=want, agree=agree)
+        return result
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    t_start = time.time()
+    if args.cpu_smoke:
+        # The interpreter must be chosen before triton is first imported (it fixes tl's own functions then).
+        os.environ["TRITON_INTERPRET"] = "1"
+    import torch
+    import triton
+
+    device = "cpu" if args.cpu_smoke else "cuda"
+    if not args.cpu_smoke and not torch.cuda.is_available():
+        print("error: no CUDA device visible to torch; use --cpu-smoke on a machine without a GPU", file=sys.stderr)
+        return 2
+    report = {
+        "mode": "cpu-smoke" if args.cpu_smoke else "gpu",
+        "env": {"python": platform.python_version(), "torch": torch.__version__, "triton": triton.__version__,
+                "cuda": torch.version.cuda, "host": platform.node(),
+                "device": torch.cuda.get_device_name() if device == "cuda" else "cpu (Triton interpreter)",
+                "capability": list(torch.cuda.get_device_capability()) if device == "cuda" else None},
+    }
+    print(f"llmc GPU check ({report['mode']}): {report['env']['device']}, torch {torch.__version__}, "
+          f"triton {triton.__version__}")
+    if "correctness" not in args.skip:
+        section("correctness", report, lambda: run_correctness(args.cpu_smoke, device))
+    if "aot" not in args.skip:
+        section("aot", report, lambda: run_aot(args.cpu_smoke, device))
+    if "bandwidth" not in args.skip:
+        if args.cpu_smoke:
+            report["bandwidth"] = {"ok": True, "skipped": "no GPU (--cpu-smoke)"}
+        else:
+            section("bandwidth", report, lambda: run_bandwidth(args, t_start))
+    if "tensorrt" not in args.skip:
+        if args.cpu_smoke:
+            report["tensorrt"] = {"ok": True, "skipped": "no GPU (--cpu-smoke)"}
+        else:
+            section("tensorrt", report, run_tensorrt)
+    for name in ("correctness", "aot", "bandwidth", "tensorrt"):
+        r = report.get(name)
+        if r is not None and ("error" in r or "skipped" in r):
+            print(f"\n{name}: " + (f"ERROR {r['error']}\n{r.get('traceback', '')}" if "error" in r
+                                   else f"skipped: {r['skipped']}"))
+    report["ok"] = all(report[k]["ok"] for k in ("correctness", "aot", "bandwidth", "tensorrt") if k in report)
+    report["seconds"] = round(time.time() - t_start, 1)
+    with open(args.out, "w") as f:
+        json.dump(report, f, indent=1)
+    print(f"\n{'PASS' if report['ok'] else 'FAIL'} in {report['seconds']} s; report: {args.out}")
+    return 0 if report["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
