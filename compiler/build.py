@@ -101,8 +101,12 @@ def _validate(options: BuildOptions) -> None:
         raise LlmcError(f"attention route {options.attention!r}: must be 'native' (default) or 'pyop'")
 
 
-def _check_gpu_request(options: BuildOptions, target: Target) -> None:
-    """GPU requests the target or this machine cannot honour, refused before any work."""
+def _check_gpu_request(options: BuildOptions, target: Target) -> BuildOptions:
+    """GPU requests the target or this machine cannot honour, refused before any work. Returns the
+    options as the GPU build runs them (TensorRT reads no ONNX Runtime block-quantized embeddings, so
+    INT4 builds keep the embedding table in float16; the manifest's recipe says so)."""
+    import dataclasses
+
     from llmc.compiler.backends import tensorrt as trt_backend
 
     trt_backend.default_profile(options.max_batch_size, options.max_num_tokens, options.max_seq_len, None)
@@ -110,7 +114,14 @@ def _check_gpu_request(options: BuildOptions, target: Target) -> None:
         raise UnsupportedError(f"--kv-cache-dtype {options.quant.kv_cache_dtype}: {target.flag} builds with TensorRT "
                                "for RTX, whose KV-cache update layer stores float16/bfloat16/float32 caches only; "
                                "leave --kv-cache-dtype out (KV cache in float16)")
+    fmt = options.quant.format
+    if fmt is not None and fmt.family == "int4" and not options.quant.symmetric:
+        raise UnsupportedError(f"--quant {fmt.name} on {target.flag}: TensorRT's INT4 GEMMs take symmetric groups "
+                               "(no zero points); add --symmetric")
     trt_backend.check_can_build(target, target.flag)
+    if options.quant.embeddings != "none":
+        options = dataclasses.replace(options, quant=dataclasses.replace(options.quant, embeddings="none"))
+    return options
 
 
 def _plan(out_dir: str | Path, options: BuildOptions) -> _Plan:
@@ -124,7 +135,7 @@ def _plan(out_dir: str | Path, options: BuildOptions) -> _Plan:
     quant_recipe.check_target(options.quant, options.target, TARGETS)  # before get_target: name the constraint
     target = get_target(options.target)
     if target.backend in GPU_BACKENDS:
-        _check_gpu_request(options, target)
+        options = _check_gpu_request(options, target)
     if out.exists() and not options.force:
         raise LlmcError(f"{out}: output directory already exists; pass --force to replace it or choose another -o")
     if out.exists() and not out.is_dir():
@@ -292,6 +303,7 @@ def _compile(ckpt: Checkpoint, digest: str, plan: _Plan, dest: Path, say: Progre
         with tempfile.TemporaryDirectory(prefix="llmc-quantized-cpu-") as cpu_dir:
             if gpu:  # a GPU engine cannot run here: score the same quantized graph on the CPU
                 cpu_files = asdict(ort_backend.emit(cpu_graph, Path(cpu_dir), options.attention))
+                artifact.copy_tokenizer(ckpt.path, Path(cpu_dir))
                 cpu_fields["engine"].update({_ONNX_FILE_FIELDS.get(k, k): v for k, v in cpu_files.items()})
                 artifact.seal(Path(cpu_dir), cpu_fields)
             accuracy = qstage.evaluate(Path(cpu_dir) if gpu else dest, emit_reference)

@@ -157,6 +157,10 @@ def _tensor(network, name: str):
     return None
 
 
+def _QUANT_LAYERS(trt) -> tuple:  # noqa: N802 - a constant of the imported module
+    return (trt.LayerType.QUANTIZE, trt.LayerType.DEQUANTIZE, trt.LayerType.DYNAMIC_QUANTIZE)
+
+
 def _finish_network(trt, network) -> dict[str, int]:
     """Network edits the ONNX form cannot express (see trt_lowering):
 
@@ -187,6 +191,12 @@ def _finish_network(trt, network) -> dict[str, int]:
             layer.set_input(1, packed)
             layer.update_lengths = cu
             stats["kv_updates_packed"] += 1
+        elif layer.type in _QUANT_LAYERS(trt):
+            # What precision the strongly typed network runs its quantized GEMMs in: count the
+            # quantize / dequantize layers by their low-precision type.
+            low = layer.get_output(0).dtype if layer.type != trt.LayerType.DEQUANTIZE else layer.get_input(0).dtype
+            key = f"{layer.type.name.lower()}_{low.name.lower()}"
+            stats[key] = stats.get(key, 0) + 1
         elif layer.type == trt.LayerType.ATTENTION_INPUT:
             layer.__class__ = trt.IAttentionInputLayer
             attention = layer.attention
@@ -233,7 +243,7 @@ class EngineBuild:
 
 
 def _timing_cache_file(cache_dir: Path, backend: str, version: str, sm: str) -> Path:
-    return cache_dir / "timing" / f"{backend}-{version}-sm{sm.replace('.', '')}.cache"
+    return cache_dir / f"{backend}-{version}-sm{sm.replace('.', '')}.cache"
 
 
 def build_engine(onnx_path: Path, out_file: Path, target, profile: Profile, timing_dir: Path,

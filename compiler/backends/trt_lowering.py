@@ -426,7 +426,7 @@ def nvfp4_to_trt(model: ir.Model, dtype: ir.DataType = COMPUTE) -> int:
             x = ops("DequantizeLinear", xq, sdq, axis=-1, block_size=16)
         else:
             x = ops("Cast", x, to=dtype)
-        y = ops("MatMul", x, wt)
+        y = _typed(ops("MatMul", x, wt), dtype)  # typed: autocast leaves this MatMul alone
         replace_value(mm.outputs[0], ops("Cast", y, to=_F32))
         graph.remove(mm, safe=True)
         count += 1
@@ -455,11 +455,53 @@ def _prune(graph: ir.Graph) -> None:
         del graph.initializers[name]
 
 
+def whole_blocks(model: ir.Model) -> int:
+    """Pad block-quantized constant weights to whole blocks (TensorRT's DequantizeLinear needs the
+    blocked axis to be a multiple of ``block_size``; ONNX allows a short last block): zero codes are
+    appended along the axis and the dequantized tensor is sliced back. Returns the weights padded."""
+    graph = model.graph
+    count = 0
+    for node in list(graph):
+        if node.op_type != "DequantizeLinear" or node.domain != "" or "block_size" not in node.attributes:
+            continue
+        block = node.attributes["block_size"].value
+        t = constant_of(node.inputs[0])
+        if not block or t is None:
+            continue
+        axis = node.attributes["axis"].value if "axis" in node.attributes else 1
+        axis %= len(t.shape)
+        size = t.shape[axis]
+        if size % block == 0:
+            continue
+        padded = -(-size // block) * block
+        shape = list(t.shape)
+        shape[axis] = padded
+        widths = [(0, 0)] * len(shape)
+        widths[axis] = (0, padded - size)
+
+        def pad(a, widths=widths):
+            return np.pad(np.asarray(a), widths)  # zero codes in the padding
+
+        ops = _Ops(graph, f"{node.name}/whole_blocks")
+        name = f"{node.inputs[0].name}.padded"
+        node.replace_input_with(0, ops.const(name, derived([t], pad, t.dtype, shape, name)))
+        out = node.outputs[0]
+        y = ir.node("Slice", [out, ops.i64("start", [0]), ops.i64(f"end{size}", [size]),
+                              ops.i64(f"axis{axis}", [axis])])
+        graph.insert_after(node, y)
+        for use in list(out.uses()):
+            if use.node is not y:
+                use.node.replace_input_with(use.idx, y.outputs[0])
+        count += 1
+    return count
+
+
 def lower(model: ir.Model, max_seq_len: int, dtype: ir.DataType = COMPUTE) -> Lowered:
     """Everything above, in order; the model then holds only ops TensorRT's parser maps to native layers."""
     info = Lowered()
     info.stats["llmc_ops"] = lower_llmc_ops(model)
     info.stats["nvfp4"] = nvfp4_to_trt(model, dtype)
+    info.stats["padded_blocks"] = whole_blocks(model)
     info.stats.update({f"autocast_{k}": v for k, v in autocast(model, dtype).items()})
     lower_paged_attention(model, max_seq_len, dtype, info)
     model.opset_imports.pop(DOMAIN, None)
