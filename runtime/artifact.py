@@ -146,6 +146,50 @@ def verify(path: str | Path) -> list[Problem]:
     return problems
 
 
+def _local_gpus() -> list[tuple[str, str]]:
+    """``(name, compute capability)`` of each local NVIDIA GPU according to ``nvidia-smi``."""
+    import shutil
+    import subprocess
+
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return []
+    try:
+        out = subprocess.run([exe, "--query-gpu=name,compute_cap", "--format=csv,noheader"], capture_output=True,
+                             text=True, timeout=30, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [tuple(p.strip() for p in line.split(",", 1)) for line in out.splitlines() if "," in line]
+
+
+def _gpu_problem(manifest: dict, backend: str, target: dict) -> str:
+    """Everything this machine lacks to run a TensorRT / TensorRT-for-RTX engine, in one sentence."""
+    engine = manifest.get("engine", {})
+    version = (engine.get("builder", {}).get("version") or manifest.get("toolchain", {}).get(backend)
+               or "the version it was built with")
+    sm = target.get("sm") or engine.get("sm")
+    product = _GPU_BACKENDS[backend]
+    missing = []
+    gpus = _local_gpus()
+    if not gpus:
+        missing.append("no NVIDIA GPU (nvidia-smi finds none)")
+    elif sm and not any(cc == sm for _, cc in gpus):
+        missing.append("GPUs of another compute capability (" + ", ".join(f"{n}: {cc}" for n, cc in gpus) + ")")
+    module = {"tensorrt": "tensorrt", "tensorrt_rtx": "tensorrt_rtx"}[backend]
+    try:
+        found = importlib.import_module(module).__version__
+    except Exception:  # noqa: BLE001 - not importable, whatever the reason
+        missing.append(f"no {product} Python module ({module})")
+    else:
+        if found != version:
+            missing.append(f"{product} {found}, not {version} (engines load only in the version that built them)")
+    lacks = f"this machine has {'; '.join(missing)}; " if missing else ""
+    # The GPU runtime (KV slots in device memory, execute_async_v3) is not part of this llmc yet.
+    return (f"engine backend {backend!r} needs the GPU of target {target.get('name', '?')!r} (compute capability "
+            f"{sm or 'of the target'}) with {product} {version}; {lacks}llmc {__version__}'s runtime executes only "
+            "'onnxruntime' CPU engines so far; build with --target cpu to run here")
+
+
 def load_problems(manifest: dict) -> list[Problem]:
     """Why this machine cannot run the engine described by ``manifest`` (empty: it can).
 
@@ -158,13 +202,7 @@ def load_problems(manifest: dict) -> list[Problem]:
     backend = engine.get("backend")
     target = manifest.get("target", {})
     if backend in _GPU_BACKENDS:
-        toolchain = manifest.get("toolchain", {})
-        trt = toolchain.get("tensorrt", "the version it was built with")
-        sm = target.get("sm")
-        return [Problem(MANIFEST, (
-            f"engine backend {backend!r} needs an NVIDIA {target.get('name', 'GPU')} "
-            f"(compute capability {sm or 'of the target'}) with {_GPU_BACKENDS[backend]} {trt}; this runtime "
-            "executes only 'onnxruntime' CPU engines; build with --target cpu to run here"))]
+        return [Problem(MANIFEST, _gpu_problem(manifest, backend, target))]
     if backend not in _BACKEND_MODULES:
         return [Problem(MANIFEST, f"engine backend {backend!r} is unknown to llmc {__version__}; upgrade llmc or "
                                   "rebuild the engine with --target cpu")]

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from llmc.errors import LlmcError
+from llmc.errors import LlmcError, UnsupportedError
 from llmc.runtime import artifact
 from llmc.runtime.kv_cache import BlockManager, KVPool
 from llmc.runtime.sampler import SamplingParams, sample, token_logprobs
@@ -164,6 +164,9 @@ class Engine:
         root = Path(path)
         manifest = artifact.require_valid(root) if verify else artifact.read_manifest(root)
         engine_info, kv = manifest["engine"], manifest["kv_cache"]
+        if engine_info.get("backend") in ("tensorrt", "tensorrt_rtx"):  # say what this machine lacks
+            problem = artifact.load_problems(manifest)[0]
+            raise UnsupportedError(f"{root / problem.file}: {problem.message}")
         if engine_info.get("backend") != "onnxruntime":
             raise LlmcError(
                 f"{root / artifact.MANIFEST}: engine backend {engine_info.get('backend')!r} cannot run on this "
