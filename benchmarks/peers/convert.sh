@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build one HF checkpoint with every engine: ONNX Runtime GenAI's model builder (fp32, int4), llama.cpp
 # (convert_hf_to_gguf.py from the llama-cpp-python sdist: f32, then llama-quantize: q4_0) and llmc (fp32, int4).
-# usage: convert.sh <small|1b>      (after setup.sh and make_model.py)
+# usage: convert.sh <small|1b>      (after setup.sh; makes the model with make_model.py if it is missing)
 #   small: $PEERS_ROOT/model    -> $PEERS_ROOT/small/{ortgenai-*,gguf,llmc-*}
 #   1b   : $PEERS_ROOT/model-1b -> $PEERS_ROOT/1b/...
 # env: LLMC (the llmc command; default: `python -m llmc.cli.main` of the python that has llmc, $LLMC_PYTHON
@@ -17,6 +17,7 @@ export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 if [ "$TAG" = small ]; then HF=$R/model; else HF=$R/model-$TAG; fi
 O=$R/$TAG
 mkdir -p "$O/gguf" "$R/logs"
+[ -f "$HF/config.json" ] || "$PY" "$HERE/make_model.py" "$TAG"   # tokenizer + random Llama of that shape
 LOG=$R/logs/convert_$TAG.log
 CMDS=$O/commands.txt
 want() { [[ "$1" =~ ${ONLY:-.} ]] && { [ -n "${FORCE:-}" ] || [ ! -e "$2" ]; }; }
