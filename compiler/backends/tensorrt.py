@@ -48,6 +48,10 @@ class Builder:
     distribution: str
     version: str  # the pinned version llmc is tested with
     needs_gpu: bool  # True: builds only on the GPU it targets
+    # TensorRT times tactics on the GPU and keeps the results in a timing cache; TensorRT for RTX picks
+    # kernels without timing (they compile just in time on the device) and its timing-cache calls are
+    # deprecated no-ops since 1.2, so it gets none.
+    timing_cache: bool
 
     @property
     def install(self) -> str:
@@ -55,9 +59,9 @@ class Builder:
 
 
 BUILDERS = {
-    "tensorrt": Builder("tensorrt", "tensorrt", "NVIDIA TensorRT", "tensorrt-cu13", "11.4.0.106", True),
+    "tensorrt": Builder("tensorrt", "tensorrt", "NVIDIA TensorRT", "tensorrt-cu13", "11.4.0.106", True, True),
     "tensorrt_rtx": Builder("tensorrt_rtx", "tensorrt_rtx", "NVIDIA TensorRT for RTX", "tensorrt-rtx-cu13",
-                            "1.7.1.116", False),
+                            "1.7.1.116", False, False),
 }
 
 
@@ -246,6 +250,28 @@ def _timing_cache_file(cache_dir: Path, backend: str, version: str, sm: str) -> 
     return cache_dir / f"{backend}-{version}-sm{sm.replace('.', '')}.cache"
 
 
+def _build_with_timing_cache(builder, network, config, log: _Logger, builder_info: Builder, cache_file: Path):
+    """Build with the timing cache in ``cache_file`` loaded first and saved after (atomically), under
+    a lock so that concurrent builds for the same builder version and SM share it."""
+    cache_file.parent.mkdir(parents=True, exist_ok=True)
+    with open(cache_file.with_suffix(".lock"), "a+") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        loaded = cache_file.read_bytes() if cache_file.is_file() else b""
+        cache = config.create_timing_cache(loaded)
+        config.set_timing_cache(cache, False)
+        t = time.perf_counter()
+        plan = builder.build_serialized_network(network, config)
+        build_s = time.perf_counter() - t
+        if plan is None:
+            raise RuntimeError(f"{builder_info.product} failed to build the engine: " + "; ".join(log.messages))
+        saved = memoryview(cache.serialize())
+        tmp = cache_file.with_name(f".{cache_file.name}.{os.getpid()}")
+        tmp.write_bytes(saved)
+        os.replace(tmp, cache_file)
+    return plan, build_s, {"used": True, "file": str(cache_file), "bytes_before": len(loaded),
+                           "bytes_after": len(saved), "reused": bool(loaded)}
+
+
 def build_engine(onnx_path: Path, out_file: Path, target, profile: Profile, timing_dir: Path,
                  say: Callable[[str], None]) -> EngineBuild:
     """Parse ``onnx_path`` (lowered), build an engine for ``target`` and write it to ``out_file``.
@@ -279,22 +305,17 @@ def build_engine(onnx_path: Path, out_file: Path, target, profile: Profile, timi
         opt_profile.set_shape(name, lo, opt, hi)
     config.add_optimization_profile(opt_profile)
 
-    cache_file = _timing_cache_file(timing_dir, target.backend, trt.__version__, target.sm)
-    cache_file.parent.mkdir(parents=True, exist_ok=True)
-    with open(cache_file.with_suffix(".lock"), "a+") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        loaded = cache_file.read_bytes() if cache_file.is_file() else b""
-        cache = config.create_timing_cache(loaded)
-        config.set_timing_cache(cache, False)
+    if builder_info.timing_cache:
+        plan, build_s, timing = _build_with_timing_cache(builder, network, config, log, builder_info,
+                                                         _timing_cache_file(timing_dir, target.backend,
+                                                                            trt.__version__, target.sm))
+    else:
         t = time.perf_counter()
         plan = builder.build_serialized_network(network, config)
         build_s = time.perf_counter() - t
-        if plan is None:
-            raise RuntimeError(f"{builder_info.product} failed to build the engine: " + "; ".join(log.messages))
-        saved = memoryview(cache.serialize())
-        tmp = cache_file.with_name(f".{cache_file.name}.{os.getpid()}")
-        tmp.write_bytes(saved)
-        os.replace(tmp, cache_file)
+        timing = {"used": False, "reason": f"{builder_info.product} does not time kernels at build time"}
+    if plan is None:
+        raise RuntimeError(f"{builder_info.product} failed to build the engine: " + "; ".join(log.messages))
     data = memoryview(plan)
     out_file.write_bytes(data)
     io = []
@@ -306,8 +327,7 @@ def build_engine(onnx_path: Path, out_file: Path, target, profile: Profile, timi
         io.append({"name": t_.name, "mode": "output", "dtype": t_.dtype.name.lower(), "shape": list(t_.shape)})
     return EngineBuild(
         plan_bytes=len(data), build_s=build_s,
-        timing_cache={"file": str(cache_file), "bytes_before": len(loaded), "bytes_after": len(saved),
-                      "reused": bool(loaded)},
+        timing_cache=timing,
         network=net_stats, io=io,
         profiles=[{name: {"min": list(lo), "opt": list(opt), "max": list(hi)} for name, (lo, opt, hi) in
                    shapes.items()}])
