@@ -288,8 +288,14 @@ def inspect(engine: Path, as_json: bool) -> None:
     click.echo(f"target      {manifest['target']['name']} ({manifest['target']['backend']})")
     click.echo(f"recipe      {json.dumps(manifest['recipe'], sort_keys=True)}")
     kv = manifest["kv_cache"]
-    click.echo(f"kv cache    {kv['layout']} block {kv['block_size']} {kv['dtype']}, {kv['num_layers']} layers × "
+    geometry = (f"block {kv['block_size']}" if kv.get("block_size") else  # slot layouts (GPU engines)
+                f"{kv.get('max_slots')} slots × {kv.get('max_seq_len')} tokens")
+    click.echo(f"kv cache    {kv['layout']} {geometry} {kv['dtype']}, {kv['num_layers']} layers × "
                f"{kv['num_kv_heads']} kv heads × {kv['head_size']}")
+    if manifest["engine"].get("engine_file"):
+        e = manifest["engine"]
+        click.echo(f"engine      {e['engine_file']}: {e['builder']['product']} {e['builder']['version']}, "
+                   f"sm_{e['sm'].replace('.', '')}, limits {json.dumps(e.get('limits', {}))}")
     g = report.get("graph", {})
     click.echo(f"graph       {g.get('nodes_traced')} nodes traced → {g.get('nodes_final')} final")
     for p in report.get("passes", []):
