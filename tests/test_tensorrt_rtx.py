@@ -190,6 +190,8 @@ def _check_engine(out: Path, trt, target: str, sm: str, quant: str | None) -> di
     assert io["past_key.1"]["shape"] == [-1, 2, 128, 16] and io["present_key.1"]["mode"] == "output"
     assert io["logits"]["dtype"] == "float" and engine["aliased_outputs"]["present_value.0"] == "past_value.0"
     assert manifest["recipe"]["quant"] == "none" if quant is None else manifest["recipe"]["quant"]["quant"] == quant
+    rc, text, err = _llmc("inspect", out)
+    assert rc == 0 and "slots_bhsd 4 slots × 128 tokens" in text and f"sm_{sm.replace('.', '')}" in text, err
     # This machine cannot run it, and says why.
     rc, _, err = _llmc("verify", out)
     assert rc == 1 and f"target {target!r}" in err and f"compute capability {sm}" in err, err
