@@ -87,6 +87,8 @@ def test_longrope_recompute_chunked_preempted_and_scored(family_build):
     # Below the threshold (crosses while decoding), at it, just past it, and well past it.
     prompts = [rng.integers(4, 512, n).tolist() for n in (5, threshold, threshold + 1, 40)]
     engine = Engine.load(engine_dir, max_num_tokens=8, kv_cache_tokens=96)
+    # Cached blocks are keyed by tokens alone, but their keys depend on the factors: no prefix caching.
+    assert not engine.scheduler.blocks.enable_prefix_caching
     outs = engine.generate(prompts, SamplingParams(max_tokens=32, ignore_eos=True))
     for p, o in zip(prompts, outs, strict=True):
         assert o.token_ids == _greedy(hf, p, 32), f"seed {seed}, prompt length {len(p)}"
