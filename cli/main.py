@@ -80,6 +80,9 @@ def _quant_options(f):
                      help="INT4 group size along the input dimension: 32, 64 or 128."),
         click.option("--symmetric", "quant_symmetric", is_flag=True,
                      help="INT4 without zero points (symmetric groups)."),
+        click.option("--lm-head", "quant_lm_head", default="int8", show_default=True,
+                     type=click.Choice(["int8", "int4", "none"]),
+                     help="With int4 formats: how the output projection is stored (none = unquantized)."),
         click.option("--int4-accuracy-level", "quant_int4_accuracy_level", default=4, show_default=True,
                      help="INT4 CPU compute (ONNX Runtime MatMulNBits): 4 = int8 activations (fastest), "
                           "1 = fp32."),

@@ -186,6 +186,37 @@ def _int4_site(b: _Builder, site: LinearSite, recipe: QuantRecipe, calib: Calibr
     _replace_matmul(b, site, nodes, node.outputs[0])
 
 
+def lm_head_site(model: ir.Model, sites: list[LinearSite]) -> LinearSite | None:
+    """The output projection: the last linear (graph order) whose N is the logits' width. Matching on
+    the last one matters where an MLP's intermediate size equals the vocabulary size."""
+    logits = next((v for v in model.graph.outputs if v.name == "logits"), None)
+    width = logits.shape[-1] if logits is not None and logits.shape is not None and len(logits.shape) else None
+    if not isinstance(width, int):
+        return None
+    return next((s for s in reversed(sites) if s.n == width), None)
+
+
+def _int8_site(b: _Builder, site: LinearSite, group_size: int, accuracy_level: int) -> None:
+    """``MatMul`` → ``MatMulNBits(bits=8)``: uint8 codes with a zero point per group of ``group_size`` inputs
+    (:mod:`llmc.quant.int8`), round to nearest."""
+    to_nk, base, n, k = site.nk(), site.weight_value.name, site.n, site.k
+    ng = -(-k // group_size)
+
+    def compute(a):
+        w = np.asarray(to_nk(a), np.float32)
+        if k % group_size:  # MatMulNBits reads whole blocks; the padding columns meet no input
+            w = np.pad(w, ((0, 0), (0, ng * group_size - k)))
+        codes, scales, zps = int8.quantize(w, group_size)
+        return [codes.reshape(n, ng, group_size), scales.reshape(-1), zps.reshape(-1)]
+
+    inputs = b.lazy([site.tensor], compute, [Spec(f"{base}.int8", ir.DataType.UINT8, (n, ng, group_size)),
+                                            Spec(f"{base}.int8_scales", ir.DataType.FLOAT, (n * ng,)),
+                                            Spec(f"{base}.int8_zero_points", ir.DataType.UINT8, (n * ng,))])
+    node = ir.node("MatMulNBits", [site.x, *inputs], domain=MS_DOMAIN,
+                   attributes={"K": k, "N": n, "bits": 8, "block_size": group_size, "accuracy_level": accuracy_level})
+    _replace_matmul(b, site, [node], node.outputs[0])
+
+
 def _fold_into_norm(b: _Builder, norm_name: str, scale: np.ndarray) -> bool:
     """Divide the norm weight ``norm_name`` by ``scale`` (once); False if the graph has no such lone weight."""
     folded = b.stats.setdefault("_folded", {})
@@ -395,7 +426,14 @@ def quantize_model(model: ir.Model, recipe: QuantRecipe, calib: CalibrationResul
     b = _Builder(model.graph)
     fmt = recipe.format
     if fmt is not None:
-        for site in find_linears(model):
+        sites = find_linears(model)
+        head = lm_head_site(model, sites) if fmt.family == "int4" and form == "cpu" else None
+        for site in sites:
+            if site is head and recipe.lm_head != "int4":
+                if recipe.lm_head == "int8":
+                    _int8_site(b, site, recipe.group_size, accuracy_level)
+                    b.stats["lm_head_int8"] = 1
+                continue
             if fmt.family == "int4":
                 _int4_site(b, site, recipe, calib, accuracy_level, form)
             elif fmt.family == "fp8":

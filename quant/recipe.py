@@ -36,6 +36,7 @@ FORMATS: dict[str, Format] = {f.name: f for f in [
            "NVFP4 weights and activations (E2M1, blocks of 16, E4M3 block scales, FP32 global scale)"),
 ]}
 EMBEDDING_FORMATS = ("int8", "int4", "none")
+LM_HEAD_FORMATS = ("int8", "int4", "none")
 KV_CACHE_DTYPES = {"fp8": "8.9"}  # KV-cache format -> oldest compute capability that runs it
 
 # Which target to suggest when one cannot run a format, in order of preference.
@@ -48,7 +49,10 @@ class QuantRecipe:
     ``"fp8"`` or None. Calibration: ``calib_data`` a file (None: the built-in pydoc text),
     ``calib_samples`` sequences of ``calib_seq_len`` tokens drawn with ``seed``. ``embeddings``: how INT4
     formats store the token-embedding table (``int8``, ``int4``: ONNX Runtime's ``GatherBlockQuantized``;
-    ``none``: the compute dtype). ``int4_accuracy_level`` is ``MatMulNBits``' compute mode on the
+    ``none``: the compute dtype). ``lm_head``: how INT4 formats store the output projection (``int8``,
+    the default, as llama.cpp and AWQ keep the output layer above 4 bits: it decides every sampled token,
+    and its errors do not average out over layers; ``int4``; ``none``: the compute dtype).
+    ``int4_accuracy_level`` is ``MatMulNBits``' compute mode on the
     CPU: 4 quantizes each activation block to int8 and uses integer dot products (ONNX Runtime's
     fastest CPU path, the default), 1 computes in fp32 (0: ONNX Runtime's default, fp32)."""
 
@@ -56,6 +60,7 @@ class QuantRecipe:
     group_size: int = 128
     symmetric: bool = False
     embeddings: str = "int8"
+    lm_head: str = "int8"
     int4_accuracy_level: int = 4
     kv_cache_dtype: str | None = None
     calib_data: str | None = None
@@ -88,6 +93,8 @@ def validate(recipe: QuantRecipe) -> None:
         raise LlmcError(f"--group-size {recipe.group_size}: choose one of {', '.join(map(str, GROUP_SIZES))}")
     if recipe.embeddings not in EMBEDDING_FORMATS:
         raise LlmcError(f"embeddings {recipe.embeddings!r}: choose one of {', '.join(EMBEDDING_FORMATS)}")
+    if recipe.lm_head not in LM_HEAD_FORMATS:
+        raise LlmcError(f"--lm-head {recipe.lm_head!r}: choose one of {', '.join(LM_HEAD_FORMATS)}")
     if recipe.int4_accuracy_level not in (0, 1, 2, 3, 4):
         raise LlmcError(f"--int4-accuracy-level {recipe.int4_accuracy_level}: choose 0-4 (1: fp32 compute, "
                         "4: int8 compute)")

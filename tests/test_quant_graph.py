@@ -48,17 +48,32 @@ def _ops(model):
     return [n.op_type for n in model.graph]
 
 
-@pytest.mark.parametrize("group,symmetric,embeddings", [(32, False, "int8"), (64, True, "int4"),
-                                                       (128, False, "none")])
-def test_int4_graph_matches_numpy_dequantized_weights(traced, group, symmetric, embeddings):
+def _int8_deq(w: np.ndarray, group: int) -> np.ndarray:
+    k = w.shape[1]
+    padded = np.pad(w, ((0, 0), (0, -k % group)))
+    return int8.dequantize(*int8.quantize(padded, group))[:, :k]
+
+
+@pytest.mark.parametrize("group,symmetric,embeddings,lm_head", [
+    (32, False, "int8", "int8"), (64, True, "int4", "int4"), (128, False, "none", "none"), (128, True, "none", "int8")])
+def test_int4_graph_matches_numpy_dequantized_weights(traced, group, symmetric, embeddings, lm_head):
     model, feeds, pool = traced
     q = model.clone()
-    recipe = QuantRecipe(quant="int4", group_size=group, symmetric=symmetric, embeddings=embeddings)
+    recipe = QuantRecipe(quant="int4", group_size=group, symmetric=symmetric, embeddings=embeddings, lm_head=lm_head)
+    head = graph.lm_head_site(model, graph.find_linears(model)).weight_value.name
     stats = graph.quantize_model(q, recipe, None)
-    assert stats["matches"] == len(graph.find_linears(model)) == stats["rtn"]
-    assert not graph.find_linears(q)  # no float matmul weights left: all on MatMulNBits
-    assert _ops(q).count("MatMulNBits") == stats["matches"]
-    ref = _with_weights(model, lambda site, w: int4.quantize_rtn(w, group, symmetric).dequantize())
+    n_int4 = len(graph.find_linears(model)) - (lm_head != "int4")
+    assert stats["matches"] == n_int4 == stats["rtn"] and stats.get("lm_head_int8", 0) == (lm_head == "int8")
+    # No float matmul weights left but the output projection when it is kept unquantized.
+    assert [s.weight_value.name for s in graph.find_linears(q)] == ([head] if lm_head == "none" else [])
+    assert _ops(q).count("MatMulNBits") == n_int4 + (lm_head == "int8")
+
+    def reference(site, w):
+        if site.weight_value.name == head and lm_head != "int4":
+            return _int8_deq(w, group) if lm_head == "int8" else w
+        return int4.quantize_rtn(w, group, symmetric).dequantize()
+
+    ref = _with_weights(model, reference)
     if embeddings != "none":
         assert _ops(q).count("GatherBlockQuantized") == 1 and stats["embeddings"] == 1
         table = ref.graph.initializers["model.embed_tokens.weight"]
@@ -75,7 +90,7 @@ def test_int4_graph_matches_numpy_dequantized_weights(traced, group, symmetric, 
 def test_int4_qdq_form_computes_what_the_cpu_form_computes(traced, symmetric):
     """The explicit block-wise Q/DQ form (for TensorRT) and MatMulNBits (CPU) run the same weights."""
     model, feeds, pool = traced
-    recipe = QuantRecipe(quant="int4", group_size=32, symmetric=symmetric, embeddings="none")
+    recipe = QuantRecipe(quant="int4", group_size=32, symmetric=symmetric, embeddings="none", lm_head="int4")
     cpu, qdq = model.clone(), model.clone()
     graph.quantize_model(cpu, recipe, None)
     stats = graph.quantize_model(qdq, recipe, None, form="qdq")
@@ -162,7 +177,8 @@ def test_awq_scales_fold_into_norms_or_an_explicit_mul(traced):
         expect_w[site.weight_value.name] = np.concatenate(
             [calib.linears[m].weights.dequantize() for m in site.members]) / (1 if s is None else s)
     q = model.clone()
-    stats = graph.quantize_model(q, QuantRecipe(quant="int4-awq", group_size=64, embeddings="none"), calib)
+    stats = graph.quantize_model(q, QuantRecipe(quant="int4-awq", group_size=64, embeddings="none",
+                                                         lm_head="int4"), calib)
     assert stats["calibrated"] == stats["matches"] and stats.get("rtn", 0) == 0
     assert stats["awq_folded_norms"] == 2 * 2 + 1 and stats["awq_mul"] == 2
     ref = _with_weights(model, lambda site, w: expect_w[site.weight_value.name])
