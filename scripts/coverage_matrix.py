@@ -147,7 +147,10 @@ def run_family(family: str, work: Path, cache_dir: str | None) -> dict:
         accuracy, recipe = report.get("accuracy", {}), report.get("quantization", {})
         # The build's own check: held-out text, the quantized graph against the unquantized one.
         entry["build_report"] = {k: accuracy.get(k) for k in ("top1_agreement", "kl_mean", "ppl_increase_pct")}
-        entry["recipe"] = {k: recipe.get(k) for k in ("algorithm", "group_size", "embeddings", "emulated_on_cpu")}
+        # The recipe as the artifact records it (the manifest's canonical recipe, whatever llmc's defaults are now).
+        manifest_recipe = json.loads((q_dir / "manifest.json").read_text())["recipe"]["quant"]
+        entry["recipe"] = {**manifest_recipe, "algorithm": recipe.get("algorithm"),
+                           "emulated_on_cpu": recipe.get("emulated_on_cpu")}
         q_engine = Engine.load(q_dir)
         agree = total = 0
         for p, s, ref in zip(prompts, sequences, reference_top1, strict=True):
@@ -175,8 +178,12 @@ def _recipe_text(rows: list[dict], quant: str) -> str:
     if len(recipes) != 1:
         return f"`--quant {quant}`"
     r = json.loads(recipes.pop())
-    parts = [r["algorithm"]] + ([f"group {r['group_size']}"] if r["group_size"] else [])
-    parts += [f"{r['embeddings']} embeddings"] if quant.startswith("int4") else []  # only int4 formats use it
+    parts = [r["algorithm"]]
+    if quant.startswith("int4"):  # group size, embeddings and lm_head apply to the int4 formats only
+        parts += [f"group {r['group_size']}", "symmetric" if r["symmetric"] else "asymmetric (zero point)",
+                  f"{r['embeddings']} embeddings", f"{r['lm_head']} lm_head"]
+    if r.get("calib_samples") and quant == "fp8":
+        parts.append(f"calibrated on {r['calib_samples']} x {r['calib_seq_len']} tokens")
     parts += ["emulated on the CPU"] if r["emulated_on_cpu"] else []
     return f"`--quant {quant}` ({', '.join(parts)})"
 
