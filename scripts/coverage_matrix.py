@@ -147,6 +147,8 @@ def run_family(family: str, work: Path, cache_dir: str | None) -> dict:
         accuracy, recipe = report.get("accuracy", {}), report.get("quantization", {})
         # The build's own check: held-out text, the quantized graph against the unquantized one.
         entry["build_report"] = {k: accuracy.get(k) for k in ("top1_agreement", "kl_mean", "ppl_increase_pct")}
+        # What the quantize pass rewrote (matches: weight MatMuls in the format; lm_head_int8 etc.).
+        entry["rewritten"] = recipe.get("graph", {})
         # The recipe as the artifact records it (the manifest's canonical recipe, whatever llmc's defaults are now).
         manifest_recipe = json.loads((q_dir / "manifest.json").read_text())["recipe"]["quant"]
         entry["recipe"] = {**manifest_recipe, "algorithm": recipe.get("algorithm"),
@@ -164,12 +166,13 @@ def run_family(family: str, work: Path, cache_dir: str | None) -> dict:
     return row
 
 
-def _cell_quant(entry: dict | None) -> str:
+def _cell_quant(entry: dict | None, quant: str) -> str:
     if entry is None:
         return "not run"
     if "error" in entry:
         return f"build failed: {entry['error'][:120]}"
-    return f"{entry['top1_agreement']:.3f}"
+    n = entry.get("rewritten", {}).get("matches", 0)
+    return f"{entry['top1_agreement']:.3f} ({n} weight MatMul{'' if n == 1 else 's'} in {quant})"
 
 
 def _recipe_text(rows: list[dict], quant: str) -> str:
@@ -209,7 +212,10 @@ def render_markdown(data: dict) -> str:
         f"on the fp32 engine's own {AGREEMENT_TOKENS} greedy tokens after each prompt "
         f"({len(PROMPT_LENGTHS)} x {AGREEMENT_TOKENS} positions). The fixtures' weights are random, so their "
         "next-token distributions are flat and these figures show quantization noise, not a real model's "
-        "accuracy. `docs/coverage.json` also holds each build's own held-out figures (top-1, KL, perplexity).",
+        "accuracy. In brackets: how many weight MatMuls the quantize pass rewrote into the format (a "
+        "count below the family's linear layers means some stay in fp32; int4 builds keep the lm_head in int8, "
+        "which is not counted; fp8 counts it). "
+        "`docs/coverage.json` also holds each build's own held-out figures (top-1, KL, perplexity).",
         "- **fusions fired**: fusion passes with at least one match in the fp32 build (`report.json`), with counts.",
         "",
         "| model_type | fp32 = transformers | batch = single | int4 top-1 | fp8 (emulated) top-1 | fusions fired |",
@@ -227,7 +233,7 @@ def render_markdown(data: dict) -> str:
             fp32 += f" (longrope: KV recomputed past {row['rope_recompute_at']} tokens)"
         fusions = ", ".join(f"{k} ×{v}" for k, v in row["fusions"].items()) or "none"
         lines.append(f"| {family} | {fp32} | {'yes' if row['batch_equals_single'] else 'NO'} | "
-                     f"{_cell_quant(row.get('int4'))} | {_cell_quant(row.get('fp8'))} | {fusions} |")
+                     f"{_cell_quant(row.get('int4'), 'int4')} | {_cell_quant(row.get('fp8'), 'fp8')} | {fusions} |")
     lines.append("")
     return "\n".join(lines)
 
