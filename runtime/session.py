@@ -15,6 +15,7 @@ from llmc.runtime.kv_cache import KVPool
 NATIVE = "llmc_ort_ops"  # llmc's native library, domain "llmc": no Python per call
 PYOP = "onnxruntime_extensions"  # onnxruntime-extensions' Python op, domain "ai.onnx.contrib"
 CUSTOM_OPS = (NATIVE, PYOP)
+_LOGITS = ["logits"]
 
 
 def custom_ops_of(manifest: dict) -> str:
@@ -37,12 +38,13 @@ class OrtSession:
         if custom_ops == NATIVE:
             from llmc.plugins.paged_attention import ort_native
 
-            self._binding = ort_native.bound_pool
+            self._native = ort_native
             library = ort_native.library_path()
         elif custom_ops == PYOP:
             # Importing ort_op registers the Python op with onnxruntime-extensions.
             from llmc.plugins.paged_attention import kv_binding, ort_op
 
+            self._native = None
             self._binding = kv_binding.bound_pool
             library = ort_op.library_path()
         else:
@@ -64,8 +66,13 @@ class OrtSession:
         """Run one step; returns logits ``[n_logits, vocab]``. Writes the step's K/V into ``pool``
         (a :class:`KVPool` or its per-layer ``(k_cache, v_cache)`` list)."""
         layers = pool.layers if isinstance(pool, KVPool) else pool
+        if self._native is not None:
+            # Hot path: a lock and an identity check per step; pointers are re-sent only when the pool changes.
+            with self._native.lock:
+                self._native.bind(layers)
+                return self._session.run(_LOGITS, feeds)[0]
         with self._binding(layers):
-            return self._session.run(["logits"], feeds)[0]
+            return self._session.run(_LOGITS, feeds)[0]
 
     def set_attention_threads(self, n: int) -> None:
         """OpenMP threads of the PagedAttention kernel this session calls, process-wide (0: OpenMP's default)."""
