@@ -34,5 +34,5 @@ if [ ! -x "$R/llama-build/bin/llama-quantize" ]; then
    && ninja -j"${JOBS:-2}" llama-bench llama-quantize > "$R/logs/llama_tools_build.log")
 fi
 # the read-bandwidth probe (an independent check of llmc bench's bandwidth figure)
-gcc -O3 -march=native -fopenmp "$(dirname "$0")/bw_read.c" -o "$R/bw_read"
+gcc -O3 -march=native -fopenmp "$(cd "$(dirname "$0")" && pwd)/bw_read.c" -o "$R/bw_read"
 echo "peers setup done in $R"
