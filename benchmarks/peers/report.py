@@ -111,8 +111,9 @@ def main() -> None:
     bws = [p["bw_read"]["read_GBps_median"] for p in probes]
     out(f"# llmc vs peers, model `{args.tag}`, one run ({meta.get('start', '?')} .. {meta.get('end', '?')})\n")
     out(f"{meta.get('cpu', '?')}, {meta.get('nproc', '?')} cores, {meta.get('threads', '?')} threads per engine, "
-        f"medians of {meta.get('repeats', '?')} runs after a warm-up; greedy; 128-token prompts, exactly 128 new "
-        "tokens; prefill = one 512-token prompt. Engines ran one after another, each in its own process.\n")
+        f"medians of {meta.get('repeats', '?')} runs after {meta.get('warmup', '?')} warm-up run(s); greedy; "
+        "128-token prompts, exactly 128 new tokens; prefill = one 512-token prompt. Engines ran one after another, "
+        "each in its own process.\n")
     if probes:
         out(f"How busy the machine was: 1/5/15-min load average between engines ranged "
             f"{min(x.split()[0] for x in loads)}–{max(x.split()[0] for x in loads)} (2 cores, shared with other "

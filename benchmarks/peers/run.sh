@@ -46,7 +46,7 @@ bench() {  # name, command...
   echo "   $((SECONDS - t)) s"
 }
 
-echo "{\"tag\": \"$TAG\", \"threads\": $T, \"repeats\": $BENCH_REPEATS, \"batches\": \"$BATCHES\", \"host\": \"$(hostname)\", \
+echo "{\"tag\": \"$TAG\", \"threads\": $T, \"repeats\": $BENCH_REPEATS, \"warmup\": $BENCH_WARMUP, \"batches\": \"$BATCHES\", \"host\": \"$(hostname)\", \
 \"nproc\": $(nproc), \"cpu\": \"$(lscpu | sed -n 's/^Model name: *//p')\", \"start\": \"$(date -Is)\"}" > "$RUN/run.json"
 bench llmc-fp32 $LLMC bench "$O/llmc-fp32" --threads "$T" --repeats "$BENCH_REPEATS" --warmup "$BENCH_WARMUP" \
   --batch "$BATCHES" --workloads "prefill,decode$([ "${STREAM:-1}" = 1 ] && echo ,stream)" --json --out "$RUN/llmc-fp32.json" -q
