@@ -84,7 +84,8 @@ def test_bench_json_end_to_end(bench_json, tiny_engine):
         assert r["achieved_GBps"] == pytest.approx(r["bytes_per_token"] * r["tok_s"] / 1e9, rel=1e-2, abs=2e-3)
         assert r["roofline_fraction"] == pytest.approx(r["achieved_GBps"] / r["machine_read_GBps"], rel=1e-2,
                                                        abs=1e-3)
-        assert r["machine_read_GBps"] == pytest.approx(np.mean(r["machine_read_GBps_before_after"]), rel=1e-3)
+        # machine_read_GBps is rounded to 2 decimals in the JSON.
+        assert r["machine_read_GBps"] == pytest.approx(np.mean(r["machine_read_GBps_before_after"]), abs=0.0051)
     pre = rows[f"prefill_{PREFILL_LEN}"]
     assert pre["tok_s"] == pytest.approx(PREFILL_LEN / (pre["ttft_ms"] / 1000), rel=1e-2)
     assert pre["tokens_generated"] == pre["tokens_requested"] == 1
