@@ -8,6 +8,15 @@ layers, and each linear layer's input statistics are reduced on the fly into a G
 range collector) sees each layer's statistics while that layer's weights are loaded, may replace
 its weights with quantized ones (GPTQ feeds the next layer the quantized layer's output), and
 keeps only what it derives.
+
+Nothing here knows an architecture's names. The decoder layers are the model's ``ModuleList`` of
+``num_hidden_layers`` modules; what each layer is called with (rotary ``position_embeddings`` of
+its layer type, the causal or sliding-window mask, GPT-2's positional cache/mask arguments) is
+recorded by running the model's own forward once per batch with every layer's ``forward``
+replaced by a pass-through, so the embeddings (scaled, plus learned positions, ...) and the
+per-layer arguments come from transformers itself. The LM head's input is reached the same way:
+the model's forward runs again with the last layer returning the calibrated hidden states, so the
+model's own final norm (``norm``, ``ln_f``, ``final_layer_norm``) feeds the head.
 """
 
 from __future__ import annotations
@@ -121,11 +130,14 @@ class InputStats:
 class LayerStats:
     """One decoder layer (or the LM head) during calibration.
 
-    ``linears`` maps each linear layer's parameter name (``model.layers.0.self_attn.q_proj.weight``)
-    to its module; ``groups`` lists linears that read the same input tensor, in module order (Q/K/V;
-    gate/up), and ``inputs`` their shared input statistics by group. ``producers`` names the norm
-    weight whose module output is a group's input, when it is one (what AWQ folds scales into).
-    ``kv_amax`` holds the largest key and value magnitudes (after rotary) if the layer has attention.
+    ``linears`` maps each linear layer's parameter name (``model.layers.0.self_attn.q_proj.weight``,
+    ``transformer.h.0.attn.c_attn.weight``) to its module (``nn.Linear``, or transformers' ``Conv1D``
+    whose weight is stored ``[K, N]``); ``groups`` lists linears that read the same input tensor, in
+    module order (Q/K/V; gate/up), and ``inputs`` their shared input statistics by group.
+    ``producers`` names the norm weight whose module output is a group's input, when it is one (what
+    AWQ folds scales into). ``kv_amax`` holds the largest key and value magnitudes (after rotary) if
+    the layer has attention, and ``attention_layer`` that attention's ``layer_idx`` (the graph's
+    ``PagedAttention`` attribute).
     """
 
     index: int
@@ -136,21 +148,32 @@ class LayerStats:
     inputs: dict[tuple[str, ...], InputStats]
     producers: dict[tuple[str, ...], str] = field(default_factory=dict)
     kv_amax: tuple[float, float] | None = None
+    attention_layer: int | None = None
     weights_changed: bool = False
 
     def weight(self, name: str) -> np.ndarray:
         """float32 ``[N, K]`` weight of a linear layer (a copy)."""
-        return self.linears[name].weight.detach().float().numpy().copy()
+        w = self.linears[name].weight.detach().float().numpy()
+        return np.ascontiguousarray(w.T if _is_conv1d(self.linears[name]) else w).copy()
 
     def set_weight(self, name: str, value: np.ndarray) -> None:
-        """Replace a linear layer's weight for the rest of calibration (the next layer's inputs)."""
+        """Replace a linear layer's weight (``[N, K]``) for the rest of calibration (the next layer's inputs)."""
         import torch
 
-        self.linears[name].weight.data = torch.from_numpy(np.ascontiguousarray(value, np.float32))
+        value = np.asarray(value, np.float32)
+        if _is_conv1d(self.linears[name]):
+            value = value.T
+        self.linears[name].weight.data = torch.from_numpy(np.ascontiguousarray(value))
         self.weights_changed = True
 
     def stats_of(self, name: str) -> InputStats:
         return self.inputs[next(g for g in self.groups if name in g)]
+
+
+def _key(t) -> tuple:
+    """Identity of a tensor's contents: views that read the same memory the same way (``h[:, 0:, :]``
+    handed to the LM head after the final norm made ``h``) are the same input."""
+    return (t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype)
 
 
 @dataclass
@@ -160,32 +183,32 @@ class _Collector:
     names: dict[int, str]
     norm_names: dict[int, str] = field(default_factory=dict)
     pending: list[tuple[str, object]] = field(default_factory=list)
-    norm_outputs: dict[int, str] = field(default_factory=dict)
+    norm_outputs: dict[tuple, str] = field(default_factory=dict)
     inputs: dict[tuple[str, ...], InputStats] = field(default_factory=dict)
     groups: list[tuple[str, ...]] = field(default_factory=list)
     producers: dict[tuple[str, ...], str] = field(default_factory=dict)
     _keep: list = field(default_factory=list)
 
-    def hook(self, module, args, _output) -> None:
+    def hook(self, module, args, _output=None) -> None:
         self.pending.append((self.names[id(module)], args[0]))
 
     def norm_hook(self, module, _args, output) -> None:
-        self.norm_outputs[id(output)] = self.norm_names[id(module)]
-        self._keep.append(output)  # keep it alive so its id stays unique within the batch
+        if hasattr(output, "data_ptr"):
+            self.norm_outputs[_key(output)] = self.norm_names[id(module)]
+            self._keep.append(output)  # keep it alive so its memory is not reused within the batch
 
     def flush(self) -> None:
         """Reduce the batch's recorded inputs into statistics, once per distinct input tensor."""
         import torch
 
-        by_input: dict[int, list[str]] = {}
-        tensors: dict[int, object] = {}
+        by_input: dict[tuple, list[str]] = {}
+        tensors: dict[tuple, object] = {}
         for name, x in self.pending:
-            by_input.setdefault(id(x), []).append(name)
-            tensors[id(x)] = x
+            by_input.setdefault(_key(x), []).append(name)
+            tensors[_key(x)] = x
         self.pending.clear()
-        norm_outputs = self.norm_outputs
         for key, names in by_input.items():
-            group = tuple(names)
+            group = tuple(dict.fromkeys(names))
             if group not in self.inputs:
                 self.groups.append(group)
                 if key in self.norm_outputs:
@@ -199,24 +222,91 @@ class _Collector:
             stats.abs_sum += x.abs().sum(0).numpy()
             stats.amax = max(stats.amax, float(x.abs().max()))
             stats.rows += x.shape[0]
-        norm_outputs.clear()
+        self.norm_outputs.clear()
         self._keep.clear()
 
+
+# -- attention during calibration --------------------------------------------------------------------
 
 _kv_amax: dict[int, list[float]] = {}
 
 
 def _calibration_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """Causal attention that also records each layer's largest key/value magnitudes (after rotary),
-    the values an FP8 KV cache must hold."""
+    """transformers' own attention (SDPA with its causal / sliding-window mask; explicit when the model
+    soft-caps attention logits, which SDPA cannot) that also records each layer's largest key/value
+    magnitudes (after rotary), the values an FP8 KV cache must hold."""
     import torch
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    seen = _kv_amax.setdefault(int(module.layer_idx), [0.0, 0.0])
+    seen = _kv_amax.setdefault(int(getattr(module, "layer_idx", -1) or 0), [0.0, 0.0])
     seen[0] = max(seen[0], float(key.detach().abs().max()))
     seen[1] = max(seen[1], float(value.detach().abs().max()))
-    out = torch.nn.functional.scaled_dot_product_attention(
-        query, key, value, is_causal=True, scale=scaling, enable_gqa=key.shape[1] != query.shape[1])
+    softcap = kwargs.pop("softcap", None)
+    if softcap is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=scaling,
+                                      **kwargs)
+    groups = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
+    scores = (query @ key.transpose(-1, -2)) * (scaling if scaling is not None else query.shape[-1] ** -0.5)
+    scores = torch.tanh(scores / softcap) * softcap
+    t, s = scores.shape[-2:]
+    if attention_mask is None:  # SDPA's mask function leaves a plain causal mask implicit
+        attention_mask = torch.ones(t, s, dtype=torch.bool).tril(s - t)
+    if attention_mask.dtype == torch.bool:
+        scores = scores.masked_fill(~attention_mask[..., :s], float("-inf"))
+    else:
+        scores = scores + attention_mask[..., :s]
+    out = torch.softmax(scores.float(), dim=-1).to(value.dtype) @ value
     return out.transpose(1, 2).contiguous(), None
+
+
+def _register_attention() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+    AttentionInterface.register(CALIB_ATTENTION, _calibration_attention)
+    # Without a registered mask function transformers builds no mask at all for a custom attention,
+    # which would make sliding-window layers attend over the whole sequence.
+    ALL_MASK_ATTENTION_FUNCTIONS.register(CALIB_ATTENTION, sdpa_mask)
+
+
+# -- the layer-by-layer driver -----------------------------------------------------------------------
+
+class _Stop(Exception):
+    """Ends a forward pass of the model once what is needed has been recorded."""
+
+
+def _is_conv1d(module) -> bool:
+    from transformers.pytorch_utils import Conv1D
+
+    return isinstance(module, Conv1D)
+
+
+def _linear_types() -> tuple[type, ...]:
+    import torch
+    from transformers.pytorch_utils import Conv1D
+
+    return (torch.nn.Linear, Conv1D)
+
+
+def _hidden_of(args: tuple, kwargs: dict):
+    return args[0] if args else kwargs["hidden_states"]
+
+
+def decoder_layers(model, config) -> tuple[str, object]:
+    """The model's decoder layers: the ``(name, ModuleList)`` of ``num_hidden_layers`` modules under the
+    base model (``model.layers``, ``transformer.h``, ``gpt_neox.layers``)."""
+    import torch
+
+    count = getattr(config.get_text_config(), "num_hidden_layers", None)
+    found = [(n, m) for n, m in model.named_modules() if isinstance(m, torch.nn.ModuleList) and len(m) == count
+             and n.count(".") <= 1]
+    if len(found) != 1:
+        raise UnsupportedError(
+            f"calibration: {type(model).__name__} has {len(found)} module lists of num_hidden_layers={count} "
+            f"modules ({', '.join(n for n, _ in found) or 'none'}), expected exactly one (its decoder layers); "
+            "build without AWQ/GPTQ/FP8/NVFP4 calibration")
+    return found[0]
 
 
 class LayerwiseCalibration:
@@ -226,15 +316,19 @@ class LayerwiseCalibration:
     in the transformers model) from the checkpoint as a numpy array; ``config`` is the model's
     transformers config. Iterate :meth:`layers` (then :meth:`head`): each yields a
     :class:`LayerStats` whose weights stay loaded until the consumer returns control.
+
+    Resident weights: one decoder layer at a time, plus the modules outside the layers (embeddings,
+    final norm) while the model's own forward computes the first layer's input and the head's input;
+    the output projection only for the head.
     """
 
     def __init__(self, config, param_reader: Callable[[object], Callable[[str], np.ndarray]], samples: np.ndarray,
                  batch_size: int = 8) -> None:
         import torch
-        from transformers import AttentionInterface, AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM
         from transformers.initialization import no_init_weights
 
-        AttentionInterface.register(CALIB_ATTENTION, _calibration_attention)
+        _register_attention()
         config = config.__class__.from_dict(config.to_dict())
         config._attn_implementation = CALIB_ATTENTION
         with no_init_weights(), warnings.catch_warnings():
@@ -242,55 +336,127 @@ class LayerwiseCalibration:
             # Parameters are allocated but never written until a layer is loaded: no RAM is touched.
             self.model = AutoModelForCausalLM.from_config(config, dtype=torch.float32,
                                                           attn_implementation=CALIB_ATTENTION).eval()
-        base = self.model.base_model
-        for attr in ("layers", "norm", "rotary_emb"):
-            if not hasattr(base, attr):
-                raise UnsupportedError(f"calibration needs a decoder-only model with {type(base).__name__}.{attr} "
-                                       "(Llama-style); build without AWQ/GPTQ/FP8/NVFP4 calibration")
-        self.base = base
+        self.base = self.model.base_model
+        layers_name, self.blocks = decoder_layers(self.model, config)
+        self._layers_prefix = layers_name + "."
         self.read_param = param_reader(self.model)
         self.samples = torch.from_numpy(np.asarray(samples, np.int64))
         self.batch_size = batch_size
         self._names = {id(p): n for n, p in self.model.named_parameters(remove_duplicate=False)}
-        self._base_prefix = next(n for n, m in self.model.named_modules() if m is base) + "."
+        in_layers = {id(p) for p in self.blocks.parameters()}
+        self._outside = [p for p in self.model.parameters() if id(p) not in in_layers]
+        head = self.model.get_output_embeddings()
+        embed = self.model.get_input_embeddings()
+        self.head_module = head
+        shared = {id(p) for p in embed.parameters()}
+        head_only = {id(p) for p in head.parameters()} - shared
+        self._before = [p for p in self._outside if id(p) not in head_only]
+        # [batch][layer]: (hidden states passed positionally?, the other positional arguments, keyword arguments)
+        self._layer_calls: list[list[tuple[bool, tuple, dict]]] = []
+        self._tuple_output = False
         self._release(self.model)  # nothing is resident until its layer is loaded
 
-    def _load(self, module) -> None:
+    # -- weights
+
+    def _load_params(self, params) -> None:
         import torch
 
-        for p in module.parameters():
-            p.data = torch.from_numpy(np.array(self.read_param(self._names[id(p)]), np.float32, copy=True))
+        for p in params:
+            if p.numel() == 0:
+                p.data = torch.from_numpy(np.array(self.read_param(self._names[id(p)]), np.float32, copy=True))
+
+    def _load(self, module) -> None:
+        self._load_params(list(module.parameters()))
 
     @staticmethod
-    def _release(module) -> None:
+    def _release_params(params) -> None:
         import torch
 
-        for p in module.parameters():
+        for p in params:
             p.data = torch.empty(0)
+
+    def _release(self, module) -> None:
+        self._release_params(list(module.parameters()))
 
     def _batches(self) -> Iterator[slice]:
         for start in range(0, len(self.samples), self.batch_size):
             yield slice(start, start + self.batch_size)
+
+    # -- the model's own forward, with the decoder layers replaced
+
+    def _model_pass(self, ids, layer_forward) -> None:
+        """Run the model on ``ids`` with every decoder layer's forward replaced by
+        ``layer_forward(index, *args, **kwargs)``, until it raises :class:`_Stop` (or the end)."""
+        import torch
+
+        for i, layer in enumerate(self.blocks):
+            layer.forward = (lambda *a, _i=i, **k: layer_forward(_i, *a, **k))
+        try:
+            with torch.no_grad():
+                self.model(input_ids=ids, use_cache=False)
+        except _Stop:
+            pass
+        finally:
+            for layer in self.blocks:
+                del layer.forward
+
+    def _record_inputs(self):
+        """The first layer's input for every sample, and every layer's other call arguments per batch."""
+        import torch
+
+        last = len(self.blocks) - 1
+        hidden = []
+
+        def record(index, *args, **kwargs):
+            h = _hidden_of(args, kwargs)
+            kept = {k: v for k, v in kwargs.items() if args or k != "hidden_states"}
+            calls.append((bool(args), tuple(args[1:]), kept))
+            if index == 0:
+                hidden.append(h)
+            if index == last:
+                raise _Stop
+            return (h,) if self._tuple_output else h
+
+        self._load_params(self._before)
+        for sl in self._batches():
+            calls: list[tuple[bool, tuple, dict]] = []
+            self._model_pass(self.samples[sl], record)
+            if len(calls) != len(self.blocks) or len(hidden) != len(self._layer_calls) + 1:
+                raise UnsupportedError(f"calibration: {type(self.model).__name__}'s forward called {len(calls)} of "
+                                       f"its {len(self.blocks)} decoder layers; build without calibration")
+            self._layer_calls.append(calls)
+        self._release_params(self._before)
+        return torch.cat(hidden)
 
     def _run(self, fn, hidden, collector: _Collector | None):
         import torch
 
         outs = []
         with torch.no_grad():
-            for sl in self._batches():
-                outs.append(fn(hidden[sl], sl))
+            for b, sl in enumerate(self._batches()):
+                out = fn(hidden[sl], b, sl)
+                if out is not None:
+                    outs.append(out)
                 if collector is not None:
                     collector.flush()
-        return torch.cat(outs)
+        return torch.cat(outs) if outs else None
 
-    def _stats(self, index: int, prefix: str, module, fn, hidden):
-        linears = {self._names[id(m.weight)]: m for m in module.modules() if isinstance(m, _linear_type())}
+    def _stats(self, index: int, prefix: str, module, modules: list, fn, hidden, head=None):
+        linear_types = _linear_types()
+        linears = {self._names[id(m.weight)]: m for m in modules if isinstance(m, linear_types)}
         # Norm-like modules: leaves with a 1-D weight (RMSNorm, LayerNorm) whose output may feed linears.
-        norms = {self._names[id(m.weight)]: m for m in module.modules()
-                 if not list(m.children()) and getattr(m, "weight", None) is not None and m.weight.dim() == 1}
+        norms = {self._names[id(m.weight)]: m for m in modules
+                 if not list(m.children()) and isinstance(getattr(m, "weight", None), _parameter_type())
+                 and m.weight.dim() == 1}
         collector = _Collector({id(m): n for n, m in linears.items()}, {id(m): n for n, m in norms.items()})
-        handles = [m.register_forward_hook(collector.hook) for m in linears.values()]
+        handles = [m.register_forward_hook(collector.hook) for m in linears.values() if m is not head]
         handles += [m.register_forward_hook(collector.norm_hook) for m in norms.values()]
+        if head is not None:  # record the head's input, then stop: the logits themselves are not needed
+            def stop_at_head(m, args):
+                collector.hook(m, args)
+                raise _Stop
+
+            handles.append(head.register_forward_pre_hook(stop_at_head))
         try:
             out = self._run(fn, hidden, collector)
         finally:
@@ -304,57 +470,58 @@ class LayerwiseCalibration:
 
     def layers(self) -> Iterator[LayerStats]:
         """Each decoder layer in order, its weights loaded and its input statistics collected."""
-        import torch
-
-        embed = self.model.get_input_embeddings()
-        self._load(embed)
-        with torch.no_grad():
-            hidden = torch.cat([embed(self.samples[sl]) for sl in self._batches()])
-        self._release(embed)
-        positions = torch.arange(self.samples.shape[1])[None]
-        with torch.no_grad():
-            rope = self.base.rotary_emb(hidden[:1], positions)
-
-        for index, layer in enumerate(self.base.layers):
+        hidden = self._record_inputs()
+        for index, layer in enumerate(self.blocks):
             self._load(layer)
             _kv_amax.clear()
 
-            def forward(h, _sl, layer=layer):
-                n = h.shape[0]
-                out = layer(h, attention_mask=None, position_ids=positions.expand(n, -1),
-                            position_embeddings=tuple(r.expand(n, -1, -1) for r in rope))
-                return out[0] if isinstance(out, tuple) else out
+            def forward(h, b, _sl, layer=layer, index=index):
+                positional, rest, kw = self._layer_calls[b][index]
+                out = layer(h, *rest, **kw) if positional else layer(*rest, **kw, hidden_states=h)
+                if isinstance(out, tuple):
+                    self._tuple_output = True
+                    out = out[0]
+                return out
 
-            stats, out = self._stats(index, f"{self._base_prefix}layers.{index}.", layer, forward, hidden)
-            kv = _kv_amax.get(getattr(layer.self_attn, "layer_idx", index)) if hasattr(layer, "self_attn") else None
-            stats.kv_amax = tuple(kv) if kv else None
+            stats, out = self._stats(index, f"{self._layers_prefix}{index}.", layer, list(layer.modules()), forward,
+                                     hidden)
+            if len(_kv_amax) == 1:
+                (stats.attention_layer, kv), = _kv_amax.items()
+                stats.kv_amax = tuple(kv)
             yield stats
             hidden = self._run(forward, hidden, None) if stats.weights_changed else out
             self._release(layer)
         self._hidden = hidden
+        self._layer_calls = []
 
     def head(self) -> LayerStats:
-        """The final norm and LM head (after :meth:`layers` is exhausted), with the head's input statistics."""
-        norm, head = self.base.norm, self.model.get_output_embeddings()
-        self._load(norm)
-        self._load(head)
-        module = _Pair(norm, head)
-        stats, _ = self._stats(len(self.base.layers), "", module, lambda h, _sl: head(norm(h)), self._hidden)
+        """The LM head (after :meth:`layers` is exhausted), with its input statistics: the model's own
+        forward runs from the calibrated last hidden states through its final norm to the head."""
+        last = len(self.blocks) - 1
+        hidden, batch = self._hidden, {}
+
+        def inject(index, *args, **kwargs):
+            h = hidden[batch["slice"]] if index == last else _hidden_of(args, kwargs)
+            return (h,) if self._tuple_output else h
+
+        def fn(_h, _b, sl):
+            batch["slice"] = sl
+            self._model_pass(self.samples[sl], inject)
+
+        self._load_params(self._outside)
+        in_layers = {id(m) for m in self.blocks.modules()}
+        modules = [m for m in self.model.modules() if id(m) not in in_layers and m is not self.model]
+        linear_types = _linear_types()
+        modules = [m for m in modules if m is self.head_module or not isinstance(m, linear_types)]
+        stats, _ = self._stats(len(self.blocks), "", self.head_module, modules, fn, hidden, head=self.head_module)
         return stats
 
-
-class _Pair:
-    """The final norm and the LM head as one unit for :meth:`LayerwiseCalibration._stats`."""
-
-    def __init__(self, norm, head) -> None:
-        self.norm, self.head = norm, head
-
-    def modules(self):
-        yield from self.norm.modules()
-        yield from self.head.modules()
+    def release_head(self) -> None:
+        """Free the modules outside the decoder layers after :meth:`head`'s consumer is done."""
+        self._release_params(self._outside)
 
 
-def _linear_type():
+def _parameter_type():
     import torch
 
-    return torch.nn.Linear
+    return torch.nn.Parameter

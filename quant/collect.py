@@ -119,7 +119,8 @@ def collect(config, param_reader: Callable[[object], Callable[[str], np.ndarray]
             for name in group:
                 result.input_amax[name] = stats.inputs[group].amax
         if stats.kv_amax is not None:
-            result.kv_amax[stats.index] = stats.kv_amax
+            layer = stats.attention_layer if stats.attention_layer is not None else stats.index
+            result.kv_amax[layer] = stats.kv_amax
         if algorithm == "awq":
             _awq_layer(stats, recipe, result)
         elif algorithm == "gptq":
@@ -129,4 +130,5 @@ def collect(config, param_reader: Callable[[object], Callable[[str], np.ndarray]
         say(f"      calibrate layer {stats.index} ({algorithm or 'ranges'})")
         consume(stats)
     consume(run.head())
+    run.release_head()
     return result

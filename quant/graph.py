@@ -96,6 +96,71 @@ def find_linears(model: ir.Model) -> list[LinearSite]:
     return sites
 
 
+# Ops that read a router's scores: a linear feeding one of them (through shape-only ops) picks experts.
+_ROUTING_OPS = {"Softmax", "TopK", "Sigmoid"}
+_SHAPE_OPS = {"Reshape", "Cast", "Squeeze", "Unsqueeze", "Flatten", "Identity"}
+
+
+def feeds_router(value: ir.Value) -> bool:
+    """Whether ``value`` (a linear's output) reaches a Softmax / TopK / Sigmoid through shape-only ops:
+    a mixture-of-experts router, kept in full precision (its scores choose the experts, and it is a
+    negligible share of the weights), as AutoAWQ, llm-compressor and vLLM do."""
+    for user, _ in value.uses():
+        if user.op_type in _ROUTING_OPS:
+            return True
+        if user.op_type in _SHAPE_OPS and user.outputs and feeds_router(user.outputs[0]):
+            return True
+    return False
+
+
+def gemms_to_matmuls(model: ir.Model) -> int:
+    """Rewrite every ``Gemm(x, W[, c])`` with a constant 2-D float ``W`` (``transA=0``, ``alpha=beta=1``)
+    into ``MatMul(x, W)`` (``MatMul(x, Transpose(W))`` for ``transB=1``) + ``Add(c)``, the form
+    :func:`find_linears` reads. GPT-2's ``Conv1D`` layers and bias-carrying linears on 2-D inputs trace to
+    ``Gemm``. Routers (:func:`feeds_router`) are left alone. Returns how many were rewritten."""
+    count = 0
+    for node in list(model.graph):
+        if node.op_type != "Gemm" or node.domain != "" or len(node.inputs) < 2:
+            continue
+        attrs = {k: a.value for k, a in node.attributes.items()}
+        tensor = constant_of(node.inputs[1])
+        c = node.inputs[2] if len(node.inputs) > 2 else None
+        if (attrs.get("transA", 0) != 0 or attrs.get("alpha", 1.0) != 1.0 or (c is not None and attrs.get("beta", 1.0)
+                != 1.0) or tensor is None or len(tensor.shape) != 2 or tensor.dtype != ir.DataType.FLOAT
+                or feeds_router(node.outputs[0])):
+            continue
+        w = node.inputs[1]
+        nodes = []
+        if attrs.get("transB", 0):
+            t = ir.node("Transpose", [w], attributes={"perm": [1, 0]})
+            nodes.append(t)
+            w = t.outputs[0]
+        mm = ir.node("MatMul", [node.inputs[0], w])
+        nodes.append(mm)
+        out = mm.outputs[0]
+        if c is not None:
+            add = ir.node("Add", [out, c])
+            nodes.append(add)
+            out = add.outputs[0]
+        model.graph.insert_before(node, nodes)
+        replace_value(node.outputs[0], out)
+        model.graph.remove(node, safe=True)
+        count += 1
+    return count
+
+
+def _expert_weights(model: ir.Model) -> int:
+    """Constant 3-D float weights that a Gather / GatherND indexes (a mixture-of-experts layer's batched
+    ``[E, N, K]`` expert weights)."""
+    seen = set()
+    for node in model.graph:
+        if node.op_type in ("Gather", "GatherND") and node.domain == "":
+            t = constant_of(node.inputs[0])
+            if t is not None and len(t.shape) == 3 and t.dtype == ir.DataType.FLOAT:
+                seen.add(node.inputs[0].name)
+    return len(seen)
+
+
 @dataclass
 class _Builder:
     graph: ir.Graph
@@ -426,9 +491,21 @@ def quantize_model(model: ir.Model, recipe: QuantRecipe, calib: CalibrationResul
     b = _Builder(model.graph)
     fmt = recipe.format
     if fmt is not None:
+        gemms = gemms_to_matmuls(model)
+        if gemms:
+            b.stats["gemm_rewritten"] = gemms
         sites = find_linears(model)
+        routers = sum(1 for n in model.graph if n.op_type == "Gemm" and feeds_router(n.outputs[0]))
+        if routers:
+            b.stats["routers_kept"] = routers
+        experts = _expert_weights(model)
+        if experts:  # batched [E, N, K] expert weights: no 2-D MatMul to rewrite; they stay in full precision
+            b.stats["expert_weights_kept"] = experts
         head = lm_head_site(model, sites) if fmt.family == "int4" and form == "cpu" else None
         for site in sites:
+            if feeds_router(site.node.outputs[0]):
+                b.stats["routers_kept"] = b.stats.get("routers_kept", 0) + 1
+                continue
             if site is head and recipe.lm_head != "int4":
                 if recipe.lm_head == "int8":
                     _int8_site(b, site, recipe.group_size, accuracy_level)

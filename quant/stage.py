@@ -32,24 +32,71 @@ EVAL_TOKENS = 16384
 
 def _param_reader(checkpoint):
     """A function of the transformers model giving ``name -> float32 array`` read from ``checkpoint``,
-    with the frontend's own name mapping (renamed keys, tied embeddings)."""
+    with the frontend's own name mapping (renamed keys, tied embeddings). A parameter that transformers
+    builds from several checkpoint tensors (per-expert MoE weights merged into one ``[E, N, K]`` tensor)
+    is assembled on demand by the same weight converter transformers applies when loading, from only
+    that parameter's source tensors: calibration still reads one layer at a time."""
     import numpy as np
 
     from llmc.compiler.checkpoint import read_tensor
     from llmc.compiler.frontend import _model_keys, _source_entry
 
     def for_model(model):
-        tensors, _ = _model_keys(checkpoint, model)
+        tensors, needs_converter = _model_keys(checkpoint, model)
+        merged = _converted_sources(checkpoint, model) if needs_converter else {}
 
         def read(name: str) -> np.ndarray:
             entry = _source_entry(tensors, name, model)
-            if entry is None:
-                raise RuntimeError(f"calibration: no checkpoint tensor for parameter {name!r}")
-            return np.asarray(read_tensor(entry), np.float32)
+            if entry is not None:
+                return np.asarray(read_tensor(entry), np.float32)
+            if name in merged:
+                return _convert(name, *merged[name], model)
+            raise RuntimeError(f"calibration: no checkpoint tensor for parameter {name!r}")
 
         return read
 
     return for_model
+
+
+def _converted_sources(checkpoint, model) -> dict[str, tuple[object, dict[str, list]]]:
+    """``parameter name -> (WeightConverter, {source pattern: [TensorEntry, ...]})`` for the parameters
+    transformers assembles from several checkpoint tensors, the entries in transformers' loading order."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, dot_natural_key, rename_source_key
+
+    transforms = get_model_conversion_mapping(model)
+    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    meta = dict.fromkeys(model.state_dict())
+    out: dict[str, tuple[object, dict[str, list]]] = {}
+    for key in sorted(checkpoint.tensors, key=dot_natural_key):
+        for converter in converters:
+            target, pattern = rename_source_key(key, renamings, [converter], model.base_model_prefix, meta)
+            if pattern is not None:
+                out.setdefault(target, (converter, {}))[1].setdefault(pattern, []).append(checkpoint.tensors[key])
+                break
+    return out
+
+
+def _convert(name: str, converter, sources: dict[str, list], model):
+    """One merged parameter: the converter's operations (e.g. stack the experts, concatenate gate and up)
+    applied to its source tensors, as float32 numpy."""
+    import numpy as np
+    import torch
+
+    from llmc.compiler.checkpoint import read_tensor
+
+    tensors = {pattern: [torch.from_numpy(np.array(read_tensor(e), np.float32, copy=True)) for e in entries]
+               for pattern, entries in sources.items()}
+    for op in converter.operations:
+        tensors = op.convert(tensors, source_patterns=converter.source_patterns,
+                             target_patterns=converter.target_patterns, full_layer_name=name, model=model,
+                             config=model.config, missing_keys=None)
+    if len(tensors) != 1:
+        raise RuntimeError(f"calibration: transformers' converter for {name!r} gives {len(tensors)} tensors "
+                           f"({', '.join(tensors)}); llmc handles converters that give one")
+    (value,) = tensors.values()
+    return value.detach().float().numpy()
 
 
 class QuantStage:
