@@ -91,13 +91,23 @@ def default_engine(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def family_build(tmp_path_factory):
-    """``family_build(model_type) -> (checkpoint, engine)``: a tiny random checkpoint of that family and
-    its CPU engine, built once per test session."""
+def family_checkpoint(tmp_path_factory):
+    """``family_checkpoint(model_type) -> checkpoint``: a tiny random checkpoint of that family, written once."""
     from llmc.testing.checkpoints import write_tiny_model
 
+    def get(model_type: str) -> Path:
+        return _once(tmp_path_factory, f"family-{model_type}", lambda p: write_tiny_model(model_type, p, seed=3))
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def family_build(tmp_path_factory, family_checkpoint):
+    """``family_build(model_type) -> (checkpoint, engine)``: a tiny random checkpoint of that family and
+    its CPU engine, built once per test session."""
+
     def get(model_type: str) -> tuple[Path, Path]:
-        ckpt = _once(tmp_path_factory, f"family-{model_type}", lambda p: write_tiny_model(model_type, p, seed=3))
+        ckpt = family_checkpoint(model_type)
         return ckpt, _engine(tmp_path_factory, f"engine-family-{model_type}", ckpt)
 
     return get
