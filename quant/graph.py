@@ -152,13 +152,7 @@ def gemms_to_matmuls(model: ir.Model) -> int:
 def _expert_weights(model: ir.Model) -> int:
     """Constant 3-D float weights that a Gather / GatherND indexes (a mixture-of-experts layer's batched
     ``[E, N, K]`` expert weights)."""
-    seen = set()
-    for node in model.graph:
-        if node.op_type in ("Gather", "GatherND") and node.domain == "":
-            t = constant_of(node.inputs[0])
-            if t is not None and len(t.shape) == 3 and t.dtype == ir.DataType.FLOAT:
-                seen.add(node.inputs[0].name)
-    return len(seen)
+    return len({node.inputs[0].name for node in model.graph if _expert_gather(node) is not None})
 
 
 @dataclass
@@ -337,6 +331,73 @@ def _quantize_embedding(b: _Builder, node: ir.Node, recipe: QuantRecipe) -> bool
     return _replace_gather(b, node, b.lazy([table], compute, specs), gs, bits)
 
 
+def _expert_gather(node: ir.Node) -> tuple[ir.TensorProtocol, bool] | None:
+    """``(weights [E, N, K], indices need squeezing)`` when ``node`` selects experts' batched weights: a
+    ``Gather(axis=0)`` or a ``GatherND(batch_dims=0)`` with ``[..., 1]`` indices of a constant 3-D float
+    tensor (transformers' ``batched_mm`` experts: ``gate_up_proj[expert_ids]``)."""
+    if node.domain != "" or node.op_type not in ("Gather", "GatherND"):
+        return None
+    t = constant_of(node.inputs[0])
+    if t is None or len(t.shape) != 3 or t.dtype != ir.DataType.FLOAT:
+        return None
+    attrs = {k: a.value for k, a in node.attributes.items()}
+    if node.op_type == "Gather":
+        return (t, False) if attrs.get("axis", 0) == 0 else None
+    idx = node.inputs[1].shape
+    if attrs.get("batch_dims", 0) != 0 or idx is None or len(idx) < 1 or idx[-1] != 1:
+        return None
+    return t, True
+
+
+def _int4_experts(b: _Builder, node: ir.Node, weights: ir.TensorProtocol, squeeze: bool, recipe: QuantRecipe) -> None:
+    """Expert weights ``[E, N, K]`` selected per token → ``com.microsoft.GatherBlockQuantized`` over INT4
+    codes (groups of ``group_size`` along K, round to nearest: no per-expert calibration statistics), which
+    dequantizes only the selected experts' weights. K is zero-padded to whole groups and sliced back."""
+    e, n, k = (int(d) for d in weights.shape)
+    gs, sym = recipe.group_size, recipe.symmetric
+    ng = -(-k // gs)
+    kp = ng * gs
+    base = node.inputs[0].name
+
+    def compute(a):
+        w = np.asarray(a, np.float32).reshape(e * n, k)
+        if kp != k:
+            w = np.pad(w, ((0, 0), (0, kp - k)))
+        q = int4.quantize_rtn(w, gs, sym)
+        if sym:
+            return [q.signed_codes()[:, :kp].reshape(e, n, kp).astype(ml_dtypes.int4), q.scales.reshape(e, n, ng)]
+        return [q.q[:, :kp].reshape(e, n, kp).astype(ml_dtypes.uint4), q.scales.reshape(e, n, ng),
+                q.zero_points.reshape(e, n, ng).astype(ml_dtypes.uint4)]
+
+    specs = [Spec(f"{base}.int4", ir.DataType.INT4 if sym else ir.DataType.UINT4, (e, n, kp)),
+             Spec(f"{base}.int4_scales", ir.DataType.FLOAT, (e, n, ng))]
+    if not sym:
+        specs.append(Spec(f"{base}.int4_zero_points", ir.DataType.UINT4, (e, n, ng)))
+    inputs = b.lazy([weights], compute, specs)
+    nodes: list[ir.Node] = []
+    idx = node.inputs[1]
+    if squeeze:
+        sq = ir.node("Squeeze", [idx, b.const(f"{base}.expert_axes", np.asarray([-1], np.int64))])
+        nodes.append(sq)
+        idx = sq.outputs[0]
+    gather = ir.node("GatherBlockQuantized", [inputs[0], idx, *inputs[1:]], domain=MS_DOMAIN,
+                     attributes={"gather_axis": 0, "quantize_axis": 2, "block_size": gs, "bits": 4})
+    nodes.append(gather)
+    out = gather.outputs[0]
+    if kp != k:
+        sl = ir.node("Slice", [out, b.const(f"{base}.k_start", np.asarray([0], np.int64)),
+                               b.const(f"{base}.k_end", np.asarray([k], np.int64)),
+                               b.const(f"{base}.k_axis", np.asarray([-1], np.int64))])
+        nodes.append(sl)
+        out = sl.outputs[0]
+    old = node.inputs[0]
+    b.graph.insert_before(node, nodes)
+    replace_value(node.outputs[0], out)
+    b.graph.remove(node, safe=True)
+    if not old.uses() and old.name in b.graph.initializers:
+        del b.graph.initializers[old.name]
+
+
 def _replace_gather(b: _Builder, node: ir.Node, inputs: list[ir.Value], gs: int, bits: int) -> bool:
     new = ir.node("GatherBlockQuantized", [inputs[0], node.inputs[1], *inputs[1:]], domain=MS_DOMAIN,
                   attributes={"gather_axis": 0, "quantize_axis": 1, "block_size": gs, "bits": bits})
@@ -498,8 +559,14 @@ def quantize_model(model: ir.Model, recipe: QuantRecipe, calib: CalibrationResul
         routers = sum(1 for n in model.graph if n.op_type == "Gemm" and feeds_router(n.outputs[0]))
         if routers:
             b.stats["routers_kept"] = routers
+        if fmt.family == "int4" and form == "cpu":
+            for node in list(model.graph):
+                found = _expert_gather(node)
+                if found is not None:
+                    _int4_experts(b, node, *found, recipe)
+                    b.stats["expert_weights_int4"] = b.stats.get("expert_weights_int4", 0) + 1
         experts = _expert_weights(model)
-        if experts:  # batched [E, N, K] expert weights: no 2-D MatMul to rewrite; they stay in full precision
+        if experts:  # batched [E, N, K] expert weights this format does not rewrite stay in full precision
             b.stats["expert_weights_kept"] = experts
         head = lm_head_site(model, sites) if fmt.family == "int4" and form == "cpu" else None
         for site in sites:

@@ -3,9 +3,9 @@
 - Calibration drives each family's own transformers modules layer by layer; the input statistics of
   every linear layer must equal those of transformers' full forward pass (eager attention) on the same
   tokens, with only one decoder layer's weights resident at a time.
-- The quantize pass rewrites GPT-2's ``Gemm`` linears (Conv1D) and keeps MoE routers and batched expert
-  weights in fp32; the rewritten graph in ONNX Runtime must compute what the original graph computes
-  with numpy-dequantized weights.
+- The quantize pass rewrites GPT-2's ``Gemm`` linears (Conv1D), stores MoE experts' batched weights in
+  INT4 (fp32 in the other formats) and keeps routers in fp32; the rewritten graph in ONNX Runtime must
+  compute what the original graph computes with numpy-dequantized weights.
 - fp8 (calibrated activations) builds through the CLI for every non-Llama family.
 """
 
@@ -148,23 +148,44 @@ def _rel(a, b):
     return float(np.abs(a - b).max() / np.abs(b).max())
 
 
-@pytest.mark.parametrize("family,linears,routers,experts", [("gpt2", 9, 0, 0), ("mixtral", 5, 2, 4)])
-def test_int4_rewrites_gemm_linears_and_keeps_moe_routers_and_experts(traced_family, family, linears, routers,
-                                                                      experts):
+def _with_expert_weights(model: ir.Model, of) -> ir.Model:
+    """``model`` with every batched ``[E, N, K]`` expert weight replaced by ``of(w)``, in place."""
+    for node in model.graph:
+        if node.op_type in ("Gather", "GatherND"):
+            t = constant_of(node.inputs[0])
+            if t is not None and len(t.shape) == 3:
+                node.inputs[0].const_value = ir.tensor(np.asarray(of(t.numpy()), np.float32), name=node.inputs[0].name)
+    return model
+
+
+def _int4_experts_deq(w: np.ndarray, group: int) -> np.ndarray:
+    e, n, k = w.shape
+    padded = np.pad(w.reshape(e * n, k), ((0, 0), (0, -k % group)))
+    return int4.quantize_rtn(padded, group, False).dequantize()[:, :k].reshape(e, n, k)
+
+
+@pytest.mark.parametrize("family,group,linears,routers,experts", [
+    ("gpt2", 32, 9, 0, 0), ("mixtral", 32, 5, 2, 4), ("qwen3_moe", 128, 5, 2, 4)])
+def test_int4_rewrites_gemm_linears_and_moe_experts_and_keeps_routers(traced_family, family, group, linears,
+                                                                      routers, experts):
     """GPT-2's Conv1D layers trace to Gemm (bias folded in): all 8 plus the LM head go to MatMulNBits.
-    Mixtral: Q/K/V (packed), O and the LM head do; the routers (Gemm → Softmax) and the batched
-    ``[E, N, K]`` expert weights stay fp32."""
+    MoE: Q/K/V (packed), O and the LM head do; the batched ``[E, N, K]`` expert weights become INT4
+    behind GatherBlockQuantized (qwen3_moe with group 128: K = 64 is padded to one group and sliced
+    back); the routers (Gemm → Softmax) stay fp32."""
     _, model, feeds, pool = traced_family(family)
-    recipe = QuantRecipe(quant="int4", group_size=32, embeddings="none", lm_head="int4")
+    recipe = QuantRecipe(quant="int4", group_size=group, embeddings="none", lm_head="int4")
     q = model.clone()
     stats = graph.quantize_model(q, recipe, None)
     assert stats["matches"] == stats["rtn"] == linears
-    assert stats.get("routers_kept", 0) == routers and stats.get("expert_weights_kept", 0) == experts
+    assert stats.get("routers_kept", 0) == routers and stats.get("expert_weights_int4", 0) == experts
+    assert "expert_weights_kept" not in stats
     ops = [n.op_type for n in q.graph]
     assert ops.count("MatMulNBits") == linears and ops.count("Gemm") == routers
+    assert ops.count("GatherBlockQuantized") == experts and not any(graph._expert_gather(n) for n in q.graph)
     left = _weights(q)
     assert len(left) == routers and all(router for _, router, _ in left)
-    ref = _with_weights(model, lambda _n, w: int4.quantize_rtn(w, 32, False).dequantize())
+    ref = _with_weights(model, lambda _n, w: int4.quantize_rtn(w, group, False).dequantize())
+    ref = _with_expert_weights(ref, lambda w: _int4_experts_deq(w, group))
     out, expect = run_graph(q, feeds, pool), run_graph(ref, feeds, pool)
     assert _rel(out, expect) < 2e-5
     assert _rel(out, run_graph(model, feeds, pool)) > 1e-4  # and it did quantize
@@ -185,7 +206,8 @@ def test_fp8_weights_of_gemm_linears_match_numpy(traced_family):
 def test_calibrated_int4_on_gemm_and_moe_graphs_matches_numpy(traced_family, family, quant):
     """Real calibration (AWQ on GPT-2: LayerNorm cannot absorb the scales, so every one is an explicit
     Mul; GPTQ on Mixtral): the graph computes what the original does with the calibrated INT4 weights,
-    dequantized in numpy (and divided by AWQ's input scale where the graph divides the input)."""
+    dequantized in numpy (and divided by AWQ's input scale where the graph divides the input); expert
+    weights are RTN (no per-expert statistics)."""
     from llmc.compiler.checkpoint import load_checkpoint
     from llmc.quant.stage import QuantStage
 
@@ -208,7 +230,8 @@ def test_calibrated_int4_on_gemm_and_moe_graphs_matches_numpy(traced_family, fam
         s = parts[0].input_scale
         return w if s is None or parts[0].fold == "previous-linear" else w / s
 
-    ref = _with_weights(model, expected)
+    ref = _with_expert_weights(_with_weights(model, expected), lambda w: _int4_experts_deq(w, 32))
+    assert stats.get("expert_weights_int4", 0) == (4 if family == "mixtral" else 0)  # experts: RTN
     assert _rel(run_graph(q, feeds, pool), run_graph(ref, feeds, pool)) < 2e-5
 
 
