@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from llmc.passes import activation, cleanup, normalization, projections, rotary, weight_layout
+from llmc.passes import activation, attention_layout, cleanup, normalization, projections, rotary, weight_layout
 from llmc.passes.base import GraphPass
 
 ALL_PASSES: tuple[GraphPass, ...] = (
@@ -17,6 +17,9 @@ ALL_PASSES: tuple[GraphPass, ...] = (
     GraphPass("skip-rms-norm", normalization.skip_rms_norm,
               "residual Add + RMSNormalization -> llmc.SkipRMSNormalization", requires=("rms-norm",)),
     GraphPass("rotary-embedding", rotary.rotary_embedding, "rotate-half rotary subgraph -> RotaryEmbedding",
+              requires=("fold-constants",)),
+    GraphPass("head-layout", attention_layout.fold_head_layout,
+              "per-head Reshape/Transpose/Gather chains into attention (and rotary) -> one Reshape, packed rotary",
               requires=("fold-constants",)),
     GraphPass("pack-projections", projections.pack_projections,
               "Q/K/V and gate/up projections sharing an input -> one MatMul + Split",

@@ -11,7 +11,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from llmc.compiler.backends import onnxruntime as ort_backend
-from llmc.passes import activation, cleanup, normalization, projections, rotary, weight_layout
+from llmc.passes import activation, attention_layout, cleanup, normalization, projections, rotary, weight_layout
 from llmc.passes.base import count_nodes
 
 F = TensorProto.FLOAT
@@ -238,6 +238,77 @@ def test_rotary_not_on_uneven_split():
         if node.op_type == "Constant" and node.outputs[0].name in ("e1", "s2"):
             node.attributes["value_ints"] = ir.AttrInt64s("value_ints", [6])
     _check(model, rotary.rotary_embedding, feeds, 0)
+
+
+# -- head layout around attention ------------------------------------------------------------------------
+
+def _head_layout_model(batch=1, index=0, rotary_perm=(0, 2, 1, 3), index_input=False):
+    """Q [B, T, H*D] -> Reshape [B, T, H, D] -> Transpose -> RotaryEmbedding -> Gather(index) -> Transpose
+    -> Reshape [T, H*D], as torch exports it, and the same chain without the rotary (V)."""
+    t, h, d = 5, 3, 8
+    shape = lambda name, vals: numpy_helper.from_array(np.asarray(vals, np.int64), name)  # noqa: E731
+    inits = [shape("split", [batch, t, h, d]), shape("flat", [t, h * d]),
+             numpy_helper.from_array(np.asarray(index, np.int64), "idx")]
+    nodes = []
+    for x, rot in (("q", True), ("v", False)):
+        nodes += [helper.make_node("Reshape", [x, "split"], [f"{x}4"]),
+                  helper.make_node("Transpose", [f"{x}4"], [f"{x}t"], perm=list(rotary_perm))]
+        src = f"{x}t"
+        if rot:
+            nodes.append(helper.make_node("RotaryEmbedding", [src, "cos", "sin"], [f"{x}r"], num_heads=h))
+            src = f"{x}r"
+        nodes += [helper.make_node("Gather", [src, "index" if index_input else "idx"], [f"{x}g"], axis=0),
+                  helper.make_node("Transpose", [f"{x}g"], [f"{x}tt"], perm=[1, 0, 2]),
+                  helper.make_node("Reshape", [f"{x}tt", "flat"], [f"{x}_out"])]
+    inputs = [helper.make_tensor_value_info(n, F, [batch, t, h * d]) for n in ("q", "v")]
+    inputs += [helper.make_tensor_value_info(n, F, [batch, t, d // 2]) for n in ("cos", "sin")]
+    if index_input:
+        inputs.append(helper.make_tensor_value_info("index", TensorProto.INT64, []))
+    outputs = [helper.make_tensor_value_info(f"{x}_out", F, [t, h * d]) for x in ("q", "v")]
+    return _model(nodes, inputs, outputs, inits)
+
+
+def _head_layout_feeds(batch=1, index_input=False):
+    angles = RNG.uniform(0, 6.3, (batch, 5, 4)).astype(np.float32)
+    feeds = {"q": _x(batch, 5, 24), "v": _x(batch, 5, 24), "cos": np.cos(angles), "sin": np.sin(angles)}
+    if index_input:
+        feeds["index"] = np.asarray(0, np.int64)
+    return feeds
+
+
+def test_head_layout_fires_and_is_exact():
+    m = _check(_head_layout_model(), attention_layout.fold_head_layout, _head_layout_feeds(), 2)
+    assert sorted(_ops(m)) == ["Reshape", "Reshape", "RotaryEmbedding"]
+    rotary_node = next(n for n in m.graph if n.op_type == "RotaryEmbedding")
+    assert rotary_node.inputs[0].name == "q" and rotary_node.attributes["num_heads"].value == 3
+    assert [v.name for v in m.graph.outputs] == ["q_out", "v_out"]
+
+
+def test_head_layout_not_on_other_rows_or_layouts():
+    # A batch of 2 (the Gather picks one sequence out of two): not a pure reshape.
+    _check(_head_layout_model(batch=2, index=1), attention_layout.fold_head_layout, _head_layout_feeds(2), 0)
+    # An index only known at run time.
+    _check(_head_layout_model(index_input=True), attention_layout.fold_head_layout,
+           _head_layout_feeds(index_input=True), 0)
+
+
+def test_head_layout_on_a_traced_llama(tiny_engine):
+    """On a real build (every pass verified against ONNX Runtime by the fixture), Q, K and V of every
+    layer reach attention through one Reshape, and no Transpose is left before attention."""
+    import json
+
+    report = json.loads((tiny_engine / "report.json").read_text())
+    stats = next(p for p in report["passes"] if p["pass"] == "head-layout")
+    layers = json.loads((tiny_engine / "manifest.json").read_text())["kv_cache"]["num_layers"]
+    assert stats["matches"] == 3 * layers and stats["packed_rotaries"] == 2 * layers
+    assert stats["verified_rel_error"] is not None and stats["verified_rel_error"] <= 1e-5
+    graph = onnx.load(tiny_engine / "model.onnx", load_external_data=False).graph
+    producer = {o: n for n in graph.node for o in n.output}
+    for node in graph.node:
+        if node.op_type == "PagedAttention":
+            for name in node.input[:3]:
+                assert producer[name].op_type == "Reshape", producer[name]
+                assert producer[producer[name].input[0]].op_type in ("Split", "RotaryEmbedding")
 
 
 # -- cleanup ----------------------------------------------------------------------------------------------
