@@ -299,8 +299,10 @@ def decoder_layers(model, config) -> tuple[str, object]:
     import torch
 
     count = getattr(config.get_text_config(), "num_hidden_layers", None)
-    found = [(n, m) for n, m in model.named_modules() if isinstance(m, torch.nn.ModuleList) and len(m) == count
-             and n.count(".") <= 1]
+    found = [(n, m) for n, m in model.named_modules() if isinstance(m, torch.nn.ModuleList) and len(m) == count]
+    if found:  # the shallowest: a per-layer list of, say, experts may happen to have the same length
+        depth = min(n.count(".") for n, _ in found)
+        found = [(n, m) for n, m in found if n.count(".") == depth]
     if len(found) != 1:
         raise UnsupportedError(
             f"calibration: {type(model).__name__} has {len(found)} module lists of num_hidden_layers={count} "

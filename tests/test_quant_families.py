@@ -239,11 +239,13 @@ def test_calibrated_int4_on_gemm_and_moe_graphs_matches_numpy(traced_family, fam
 
 @pytest.mark.parametrize("family", NON_LLAMA)
 def test_fp8_builds_for_every_family(tmp_path, family_checkpoint, family):
-    """The calibrated fp8 build (static activation ranges for every rewritten linear) succeeds, and its
-    own held-out check against the unquantized graph is recorded."""
+    """The calibrated fp8 build (static activation ranges for every rewritten linear, K/V ranges for every
+    attention layer's FP8 cache) succeeds, and its own held-out check against the unquantized graph is
+    recorded."""
     out = tmp_path / "fp8"
     result = CliRunner().invoke(cli, ["build", str(family_checkpoint(family)), "-o", str(out), "--quant", "fp8",
-                                      "--calib-samples", "4", "--calib-seq-len", "32", "--no-cache"])
+                                      "--kv-cache-dtype", "fp8", "--calib-samples", "4", "--calib-seq-len", "32",
+                                      "--no-cache"])
     assert result.exit_code == 0, result.stderr
     report = json.loads((out / "report.json").read_text())
     rewritten = report["quantization"]["graph"]
@@ -251,5 +253,8 @@ def test_fp8_builds_for_every_family(tmp_path, family_checkpoint, family):
     assert rewritten["matches"] == rewritten["fp8_activations"] == expect
     if family in MOE:
         assert rewritten["routers_kept"] == 2 and rewritten["expert_weights_kept"] == 4
+    assert rewritten["kv_fp8_layers"] == 2
+    amax = report["quantization"]["kv_cache_amax"]
+    assert sorted(amax) == ["0", "1"] and min(min(v) for v in amax.values()) > 0
     accuracy = report["accuracy"]
     assert 0.5 < accuracy["top1_agreement"] <= 1.0 and np.isfinite(accuracy["kl_mean"])
