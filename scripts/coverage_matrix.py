@@ -171,8 +171,18 @@ def _cell_quant(entry: dict | None, quant: str) -> str:
         return "not run"
     if "error" in entry:
         return f"build failed: {entry['error'][:120]}"
-    n = entry.get("rewritten", {}).get("matches", 0)
-    return f"{entry['top1_agreement']:.3f} ({n} weight MatMul{'' if n == 1 else 's'} in {quant})"
+    rewritten = entry.get("rewritten", {})
+    n = rewritten.get("matches", 0)
+    parts = [f"{n} weight MatMul{'' if n == 1 else 's'}"]
+    if rewritten.get("expert_weights_int4"):
+        parts.append(f"{rewritten['expert_weights_int4']} batched expert weights")
+    kept = []
+    if rewritten.get("expert_weights_kept"):
+        kept.append(f"{rewritten['expert_weights_kept']} batched expert weights")
+    if rewritten.get("routers_kept"):
+        kept.append(f"{rewritten['routers_kept']} routers")
+    text = f"{entry['top1_agreement']:.3f} ({' + '.join(parts)} in {quant}"
+    return text + (f"; {' and '.join(kept)} stay fp32)" if kept else ")")
 
 
 def _recipe_text(rows: list[dict], quant: str) -> str:
@@ -214,7 +224,9 @@ def render_markdown(data: dict) -> str:
         "next-token distributions are flat and these figures show quantization noise, not a real model's "
         "accuracy. In brackets: how many weight MatMuls the quantize pass rewrote into the format (a "
         "count below the family's linear layers means some stay in fp32; int4 builds keep the lm_head in int8, "
-        "which is not counted; fp8 counts it). "
+        "which is not counted; fp8 counts it), and for mixture-of-experts models what happened to the experts' "
+        "batched `[E, N, K]` weights (int4: stored INT4 behind `GatherBlockQuantized`, round-to-nearest; fp8: "
+        "kept fp32, there is no per-expert activation range) and the routers (always fp32). "
         "`docs/coverage.json` also holds each build's own held-out figures (top-1, KL, perplexity).",
         "- **fusions fired**: fusion passes with at least one match in the fp32 build (`report.json`), with counts.",
         "",
