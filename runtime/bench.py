@@ -364,8 +364,10 @@ def run(engine_dir: str | Path, config: BenchConfig | None = None,
     cfg.validate()
     pool_tokens = max(max(cfg.batches) * (cfg.input_len + cfg.output_len), cfg.prefill_len + 1,
                       cfg.stream_requests * (cfg.input_len + cfg.output_len)) + 64
+    # Prefix caching off: every workload repeats its prompts, and a cached prompt would measure a
+    # cache lookup instead of a prefill.
     engine = Engine.load(engine_dir, num_threads=cfg.threads, kv_cache_tokens=pool_tokens,
-                         max_num_seqs=max(256, max(cfg.batches), cfg.stream_requests))
+                         max_num_seqs=max(256, max(cfg.batches), cfg.stream_requests), enable_prefix_caching=False)
     cfg.validate(engine.max_model_len, f"{engine_dir / 'hf_config.json'}: ")
     manifest = engine.manifest
     vocab = engine.vocab_size
