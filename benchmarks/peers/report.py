@@ -120,6 +120,12 @@ def main() -> None:
             f"work); C read-bandwidth probe (bw_read.c, 2 threads, 1 GiB) {min(bws):.1f}–{max(bws):.1f} GB/s "
             "across the run.\n")
 
+    reruns = [json.loads(x) for x in (run / "reruns.jsonl").read_text().splitlines()] if (
+        run / "reruns.jsonl").exists() else []
+    for r in reruns:
+        out(f"Re-run into this run at {r['start']}: engines matching `{r['rerun']}` (their figures replace the "
+            "first ones; the probes of both passes are listed in the JSON).\n")
+
     # -- the done-when table ---------------------------------------------------------------------
     table = []
     out("## llmc vs the faster peer (ratio > 1: llmc is faster)\n")
@@ -211,8 +217,8 @@ def main() -> None:
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / f"peers_{args.tag}.md").write_text(text)
     (args.out_dir / f"peers_{args.tag}.json").write_text(json.dumps(
-        {"run": meta, "run_dir": str(run), "probes": probes, "table": table, "bandwidth_check": checks,
-         "engines": {n: _slim(r) for n, r in res.items() if r}}, indent=1) + "\n")
+        {"run": meta, "reruns": reruns, "run_dir": str(run), "probes": probes, "table": table,
+         "bandwidth_check": checks, "engines": {n: _slim(r) for n, r in res.items() if r}}, indent=1) + "\n")
     print(text)
 
 

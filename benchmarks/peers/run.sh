@@ -19,7 +19,7 @@ export BENCH_REPEATS=${BENCH_REPEATS:-3} BENCH_WARMUP=${BENCH_WARMUP:-1}
 BATCHES=${BATCHES:-1,8,32}
 if [ "$TAG" = small ]; then HF=$R/model; else HF=$R/model-$TAG; fi
 O=$R/$TAG
-RUN=$R/results/$TAG/$(date +%Y%m%d-%H%M%S)
+RUN=${RUN_DIR:-$R/results/$TAG/$(date +%Y%m%d-%H%M%S)}   # RUN_DIR=an earlier run: re-run some engines into it
 mkdir -p "$RUN" "$R/logs"
 CMDS=$RUN/commands.txt
 [ -f "$R/prompts.json" ] || "$PY" -c "import sys; sys.path.insert(0, '$HERE'); import bench_common as b; b.make_prompts()"
@@ -46,6 +46,7 @@ bench() {  # name, command...
   echo "   $((SECONDS - t)) s"
 }
 
+[ -f "$RUN/run.json" ] && echo "{\"rerun\": \"$FILTER\", \"start\": \"$(date -Is)\"}" >> "$RUN/reruns.jsonl" || \
 echo "{\"tag\": \"$TAG\", \"threads\": $T, \"repeats\": $BENCH_REPEATS, \"warmup\": $BENCH_WARMUP, \"batches\": \"$BATCHES\", \"host\": \"$(hostname)\", \
 \"nproc\": $(nproc), \"cpu\": \"$(lscpu | sed -n 's/^Model name: *//p')\", \"start\": \"$(date -Is)\"}" > "$RUN/run.json"
 bench llmc-fp32 $LLMC bench "$O/llmc-fp32" --threads "$T" --repeats "$BENCH_REPEATS" --warmup "$BENCH_WARMUP" \
@@ -62,5 +63,5 @@ for t in f32 q4_0; do
 done
 bench hf-fp32 "$PY" "$HERE/bench_hf.py" --model "$HF" --dtype float32 --batches "${HF_BATCHES:-1,8}" \
   --out "$RUN/hf-fp32.json"
-sed -i "s/}\$/, \"end\": \"$(date -Is)\"}/" "$RUN/run.json"
+[ -n "${RUN_DIR:-}" ] || sed -i "s/}\$/, \"end\": \"$(date -Is)\"}/" "$RUN/run.json"
 "${LLMC_PYTHON:-python3}" "$HERE/report.py" "$RUN" --tag "$TAG" --out-dir "${RESULTS:-$HERE/../results}"
