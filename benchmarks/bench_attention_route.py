@@ -90,7 +90,9 @@ def measure(name: str) -> list[dict]:
 
     ckpt = checkpoint(name)
     dirs = {r: engine(name, ckpt, r) for r in ROUTES}
-    engines = {r: Engine.load(d, num_threads=ARGS.threads, kv_cache_tokens=8 * 256 + 1024) for r, d in dirs.items()}
+    # No prefix caching: a repeated prefill prompt would time a cache hit.
+    engines = {r: Engine.load(d, num_threads=ARGS.threads, kv_cache_tokens=8 * 256 + 1024, enable_prefix_caching=False)
+               for r, d in dirs.items()}
     vocab = engines["native"].vocab_size
     cfg = json.loads((ckpt / "config.json").read_text())
     layers = cfg["num_hidden_layers"]
