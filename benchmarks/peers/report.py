@@ -113,7 +113,7 @@ def main() -> None:
     out(f"{meta.get('cpu', '?')}, {meta.get('nproc', '?')} cores, {meta.get('threads', '?')} threads per engine, "
         f"medians of {meta.get('repeats', '?')} runs after {meta.get('warmup', '?')} warm-up run(s); greedy; "
         "128-token prompts, exactly 128 new tokens; prefill = one 512-token prompt. Engines ran one after another, "
-        "each in its own process.\n")
+        f"each in its own process. llmc: {meta.get('llmc', '?')}.\n")
     if probes:
         out(f"How busy the machine was: 1/5/15-min load average between engines ranged "
             f"{min(x.split()[0] for x in loads)}–{max(x.split()[0] for x in loads)} (2 cores, shared with other "
@@ -212,6 +212,27 @@ def main() -> None:
                 f"{ind['bytes_per_token'] / 1e6:.2f} MB | {row['machine_read_GBps']:.1f} | {c_bw:.1f} | "
                 f"{100 * row['roofline_fraction']:.1f}% | {100 * ind['fraction']:.1f}% | {agree:.3f} |")
     out("")
+    # The two probes taken back to back (run.sh's probe(): C first, then llmc bench's numpy probe), so that
+    # the comparison is at one instant rather than minutes apart on a machine whose bandwidth drifts.
+    pairs = [(p["bw_read"]["read_GBps_median"], p["llmc_probe_GBps"]) for p in probes if p.get("llmc_probe_GBps")]
+    if pairs:
+        ratios = [n / c for c, n in pairs]
+        probe_ratio = statistics.median(ratios)
+        out("The same two probes back to back (run.sh, between engines): llmc bench's numpy probe / the C probe = "
+            f"{probe_ratio:.3f} (median of {len(pairs)} pairs, range {min(ratios):.3f}–{max(ratios):.3f}; C "
+            f"{min(c for c, _ in pairs):.1f}–{max(c for c, _ in pairs):.1f} GB/s).\n")
+        out("At one instant, then, llmc bench's fraction / the independent fraction = (llmc bytes / independent "
+            "bytes) × (C probe / numpy probe):\n")
+        out("| engine | workload | bytes ratio | probe ratio (C / numpy) | agreement at one instant | within 10% |")
+        out("|---|---|---|---|---|---|")
+        for c in checks:
+            bytes_ratio = c["llmc_bytes_per_token"] / c["independent_bytes_per_token"]
+            same = bytes_ratio / probe_ratio
+            c["agreement_same_instant"] = same
+            c["within_10pct_same_instant"] = abs(same - 1) <= 0.10
+            out(f"| {c['engine']} | {c['workload']} | {bytes_ratio:.4f} | {1 / probe_ratio:.3f} | {same:.3f} | "
+                f"{'yes' if abs(same - 1) <= 0.10 else 'no'} |")
+        out("")
     out("Commands: see commands.txt in the run directory and benchmarks/peers/README.md.")
     text = "\n".join(lines) + "\n"
     args.out_dir.mkdir(parents=True, exist_ok=True)

@@ -4,7 +4,8 @@
 # usage: run.sh <small|1b> [engine-regex]     (after setup.sh, make_model.py and convert.sh <tag>)
 # env: BENCH_THREADS (2) BENCH_REPEATS (3) BENCH_WARMUP (1), BATCHES (1,8,32), HF_BATCHES (1,8),
 #      STREAM (1: run llmc's request-stream workload too), LLMC / LLMC_PYTHON (as in convert.sh),
-#      RESULTS (repo results dir; default <repo>/benchmarks/results)
+#      RESULTS (repo results dir; default <repo>/benchmarks/results), LLMC_REV (what llmc is measured, for the
+#      report; default: this checkout's commit)
 set -uo pipefail
 TAG=${1:-small}
 FILTER=${2:-.}
@@ -24,11 +25,14 @@ mkdir -p "$RUN" "$R/logs"
 CMDS=$RUN/commands.txt
 [ -f "$R/prompts.json" ] || "$PY" -c "import sys; sys.path.insert(0, '$HERE'); import bench_common as b; b.make_prompts()"
 
-probe() {  # name: load average + the C read-bandwidth probe (2 threads, 1 GiB, 20 passes) -> $RUN/probe.jsonl
-  local bw
+probe() {  # name: load average, the C read-bandwidth probe (2 threads, 1 GiB, 20 passes) and, right after it,
+  # llmc bench's own numpy probe (the pair checks llmc bench's bandwidth figure at one instant) -> $RUN/probe.jsonl
+  local bw np
   bw=$(OMP_NUM_THREADS=$T "$R/bw_read" 20)
-  echo "{\"at\": \"$1\", \"time\": $(date +%s), \"loadavg\": \"$(cut -d' ' -f1-3 /proc/loadavg)\", \"bw_read\": $bw}" \
-    >> "$RUN/probe.jsonl"
+  np=$(${LLMC_PYTHON:-python3} -c "from llmc.runtime.bench import measure_read_bandwidth as m; \
+print(m(threads=$T).read_GBps)" 2>/dev/null || echo null)
+  echo "{\"at\": \"$1\", \"time\": $(date +%s), \"loadavg\": \"$(cut -d' ' -f1-3 /proc/loadavg)\", \"bw_read\": $bw, \
+\"llmc_probe_GBps\": $np}" >> "$RUN/probe.jsonl"
 }
 
 bench() {  # name, command...
@@ -48,7 +52,7 @@ bench() {  # name, command...
 
 [ -f "$RUN/run.json" ] && echo "{\"rerun\": \"$FILTER\", \"start\": \"$(date -Is)\"}" >> "$RUN/reruns.jsonl" || \
 echo "{\"tag\": \"$TAG\", \"threads\": $T, \"repeats\": $BENCH_REPEATS, \"warmup\": $BENCH_WARMUP, \"batches\": \"$BATCHES\", \"host\": \"$(hostname)\", \
-\"nproc\": $(nproc), \"cpu\": \"$(lscpu | sed -n 's/^Model name: *//p')\", \"start\": \"$(date -Is)\"}" > "$RUN/run.json"
+\"llmc\": \"${LLMC_REV:-$(git -C "$HERE" rev-parse --short HEAD 2>/dev/null)}\", \"nproc\": $(nproc), \"cpu\": \"$(lscpu | sed -n 's/^Model name: *//p')\", \"start\": \"$(date -Is)\"}" > "$RUN/run.json"
 bench llmc-fp32 $LLMC bench "$O/llmc-fp32" --threads "$T" --repeats "$BENCH_REPEATS" --warmup "$BENCH_WARMUP" \
   --batch "$BATCHES" --workloads "prefill,decode$([ "${STREAM:-1}" = 1 ] && echo ,stream)" --json --out "$RUN/llmc-fp32.json" -q
 bench llmc-int4 $LLMC bench "$O/llmc-int4" --threads "$T" --repeats "$BENCH_REPEATS" --warmup "$BENCH_WARMUP" \
