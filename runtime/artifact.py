@@ -146,8 +146,8 @@ def verify(path: str | Path) -> list[Problem]:
     return problems
 
 
-def _local_gpus() -> list[tuple[str, str]]:
-    """``(name, compute capability)`` of each local NVIDIA GPU according to ``nvidia-smi``."""
+def local_gpus() -> list[tuple[str, str]]:
+    """``(name, compute capability)`` of each local NVIDIA GPU according to ``nvidia-smi`` (empty if none)."""
     import shutil
     import subprocess
 
@@ -170,7 +170,7 @@ def _gpu_problem(manifest: dict, backend: str, target: dict) -> str:
     sm = target.get("sm") or engine.get("sm")
     product = _GPU_BACKENDS[backend]
     missing = []
-    gpus = _local_gpus()
+    gpus = local_gpus()
     if not gpus:
         missing.append("no NVIDIA GPU (nvidia-smi finds none)")
     elif sm and not any(cc == sm for _, cc in gpus):

@@ -7,10 +7,10 @@ import math
 import numpy as np
 
 
-def make_case(rng, *, hq, hkv, d, bs, seqs, spare_blocks=3, pad_rows=0, q_scale=1.0):
+def make_case(rng, *, hq, hkv, d, bs, seqs, spare_blocks=3, pad_rows=0, q_scale=1.0, cache_dtype=np.float32):
     """float32 numpy inputs for sequences given as (context length after this step, new tokens).
 
-    Mirrors tests/test_paged_attention_kernel.py: non-contiguous, unordered block ids; unused
+    Shared by the kernel tests: non-contiguous, unordered block ids; unused
     block-table columns -1; this step's slots hold garbage before the call; ``pad_rows`` trailing
     rows belong to no sequence (slot -1).
     """
@@ -38,7 +38,7 @@ def make_case(rng, *, hq, hkv, d, bs, seqs, spare_blocks=3, pad_rows=0, q_scale=
         query_start_loc=np.array(qsl, dtype=np.int64),
     )
     shape = (num_blocks, hkv, bs, d)
-    caches = rng.standard_normal(shape).astype(np.float32), rng.standard_normal(shape).astype(np.float32)
+    caches = rng.standard_normal(shape).astype(cache_dtype), rng.standard_normal(shape).astype(cache_dtype)
     return inputs, caches, dict(num_heads=hq, num_kv_heads=hkv, scale=1.0 / math.sqrt(d))
 
 

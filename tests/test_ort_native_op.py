@@ -25,6 +25,7 @@ from onnx import TensorProto, helper
 
 from llmc.plugins.paged_attention import INPUT_NAMES, ort_native, reference
 from llmc.runtime.session import NATIVE, OrtSession
+from llmc.testing.paged_attention import make_case
 
 RTOL, ATOL = 1e-4, 2e-5
 
@@ -58,33 +59,11 @@ def _session(model: bytes) -> ort.InferenceSession:
 
 
 def _case(rng, *, hq, hkv, d, bs, seqs, layers=1, pad_rows=0, cache_dtype=np.float32):
-    """Sequences as (context_len after this step, new tokens), on randomly permuted blocks."""
-    per_seq = [-(-ctx // bs) for ctx, _ in seqs]
-    num_blocks = sum(per_seq) + 3
-    perm = rng.permutation(num_blocks)
-    tables = np.full((len(seqs), max(per_seq) + 1), -1, np.int64)
-    used = 0
-    for s, nb in enumerate(per_seq):
-        tables[s, :nb] = perm[used:used + nb]
-        used += nb
-    slots, qsl = [], [0]
-    for s, (ctx, n_new) in enumerate(seqs):
-        slots += [tables[s, p // bs] * bs + p % bs for p in range(ctx - n_new, ctx)]
-        qsl.append(qsl[-1] + n_new)
-    slots += [-1] * pad_rows
-    t = len(slots)
-    feeds = {
-        "query": rng.standard_normal((t, hq * d), dtype=np.float32),
-        "key": rng.standard_normal((t, hkv * d), dtype=np.float32),
-        "value": rng.standard_normal((t, hkv * d), dtype=np.float32),
-        "slot_mapping": np.asarray(slots, np.int64),
-        "block_tables": tables,
-        "context_lens": np.asarray([c for c, _ in seqs], np.int64),
-        "query_start_loc": np.asarray(qsl, np.int64),
-    }
-    shape = (num_blocks, hkv, bs, d)
-    pool = [(rng.standard_normal(shape).astype(cache_dtype), rng.standard_normal(shape).astype(cache_dtype))
-            for _ in range(layers)]
+    """Sequences as (context_len after this step, new tokens), on randomly permuted blocks; one pool per layer."""
+    feeds, first, _ = make_case(rng, hq=hq, hkv=hkv, d=d, bs=bs, seqs=seqs, pad_rows=pad_rows, cache_dtype=cache_dtype)
+    shape = first[0].shape
+    pool = [first] + [(rng.standard_normal(shape).astype(cache_dtype), rng.standard_normal(shape).astype(cache_dtype))
+                      for _ in range(layers - 1)]
     return feeds, pool
 
 

@@ -22,13 +22,12 @@ the same caches, and checks that
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import pytest
 
 from llmc.plugins.paged_attention import reference
 from llmc.plugins.paged_attention.cpu import load_kernel, paged_attention_cpu
+from llmc.testing import paged_attention as pa_cases
 
 RTOL = 1e-4
 ATOL = 2e-5
@@ -37,57 +36,10 @@ ATOL_PEAKED = 1e-4  # for queries scaled by 4-8 (see the module docstring)
 kernel = load_kernel()
 
 
-def make_case(
-    rng: np.random.Generator,
-    *,
-    hq: int,
-    hkv: int,
-    d: int,
-    bs: int,
-    seqs: list[tuple[int, int]],
-    spare_blocks: int = 3,
-    pad_rows: int = 0,
-    q_scale: float = 1.0,
-    cache_dtype=np.float32,
-):
-    """A batch of sequences given as (context_len after this step, new tokens).
-
-    Block ids are a random permutation of the pool (non-contiguous, unordered), unused
-    block-table columns hold -1 (never to be read), and the slots of this step's tokens hold
-    garbage before the call. ``pad_rows`` extra rows at the end belong to no sequence and
-    have slot -1.
-    """
-    nblocks_per_seq = [-(-ctx // bs) for ctx, _ in seqs]
-    num_blocks = sum(nblocks_per_seq) + spare_blocks
-    perm = rng.permutation(num_blocks)
-    max_blocks = max(nblocks_per_seq) + 2
-    block_tables = np.full((len(seqs), max_blocks), -1, dtype=np.int64)
-    used = 0
-    for s, nb in enumerate(nblocks_per_seq):
-        block_tables[s, :nb] = perm[used : used + nb]
-        used += nb
-
-    slots, qsl = [], [0]
-    for s, (ctx, n_new) in enumerate(seqs):
-        for pos in range(ctx - n_new, ctx):
-            slots.append(block_tables[s, pos // bs] * bs + pos % bs)
-        qsl.append(qsl[-1] + n_new)
-    slots += [-1] * pad_rows
-    t = len(slots)
-
-    shape = (num_blocks, hkv, bs, d)
-    k_cache = rng.standard_normal(shape).astype(cache_dtype)
-    v_cache = rng.standard_normal(shape).astype(cache_dtype)
-    inputs = dict(
-        query=(q_scale * rng.standard_normal((t, hq * d))).astype(np.float32),
-        key=rng.standard_normal((t, hkv * d)).astype(np.float32),
-        value=rng.standard_normal((t, hkv * d)).astype(np.float32),
-        slot_mapping=np.array(slots, dtype=np.int64),
-        block_tables=block_tables,
-        context_lens=np.array([ctx for ctx, _ in seqs], dtype=np.int64),
-        query_start_loc=np.array(qsl, dtype=np.int64),
-    )
-    return inputs, k_cache, v_cache, dict(num_heads=hq, num_kv_heads=hkv, scale=1.0 / math.sqrt(d))
+def make_case(rng: np.random.Generator, **kw):
+    """``(inputs, k_cache, v_cache, attrs)`` for :func:`llmc.testing.paged_attention.make_case`'s batch."""
+    inputs, (k_cache, v_cache), attrs = pa_cases.make_case(rng, **kw)
+    return inputs, k_cache, v_cache, attrs
 
 
 def check(inputs, k_cache, v_cache, attrs, *, rtol=RTOL, atol=ATOL):

@@ -20,8 +20,6 @@ from __future__ import annotations
 import fcntl
 import importlib
 import os
-import shutil
-import subprocess
 import tempfile
 import time
 from collections.abc import Callable
@@ -32,6 +30,7 @@ import onnx_ir as ir
 
 from llmc.compiler.backends import trt_lowering
 from llmc.errors import LlmcError, UnsupportedError
+from llmc.runtime.artifact import local_gpus  # one nvidia-smi probe for the builder and the loader
 
 ENGINE_FILE = "engine.plan"
 # Workspace for the builder's tactics; the runtime allocates activations separately.
@@ -86,19 +85,6 @@ def import_builder(backend: str, target_flag: str):
             f"here ({exc}); install it with `{builder.install}`"
             + (" on a machine with that GPU and an NVIDIA driver for CUDA 13 (TensorRT builds on the GPU it "
                "targets)" if builder.needs_gpu else "")) from None
-
-
-def local_gpus() -> list[tuple[str, str]]:
-    """``(name, compute capability)`` of each local NVIDIA GPU, from ``nvidia-smi`` (empty if none)."""
-    exe = shutil.which("nvidia-smi")
-    if exe is None:
-        return []
-    try:
-        out = subprocess.run([exe, "--query-gpu=name,compute_cap", "--format=csv,noheader"], capture_output=True,
-                             text=True, timeout=30, check=True).stdout
-    except (OSError, subprocess.SubprocessError):
-        return []
-    return [tuple(part.strip() for part in line.split(",", 1)) for line in out.splitlines() if "," in line]
 
 
 def check_can_build(target, target_flag: str) -> None:
