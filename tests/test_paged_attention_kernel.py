@@ -86,7 +86,22 @@ def test_mixed_batch(hq, hkv, d, bs):
 def test_both_isas(isa):
     rng = np.random.default_rng(11)
     check(*make_case(rng, hq=8, hkv=2, d=64, bs=16, seqs=MIXED, pad_rows=2))
-    check(*make_case(rng, hq=6, hkv=3, d=80, bs=8, seqs=[(45, 3), (19, 1)]))  # D not a SIMD multiple
+    check(*make_case(rng, hq=6, hkv=3, d=80, bs=8, seqs=[(45, 3), (19, 1)]))  # D not a multiple of 64
+
+
+@pytest.mark.parametrize("d,bs", [(36, 16), (64, 12), (20, 5)], ids=["d36", "bs12", "d20-bs5"])
+def test_per_row_path(isa, d, bs):
+    """Head or block sizes that are not multiples of 8 take the per-row loop instead of the tiled one."""
+    rng = np.random.default_rng(d * 100 + bs)
+    check(*make_case(rng, hq=6, hkv=2, d=d, bs=bs, seqs=MIXED, pad_rows=1))
+
+
+@pytest.mark.parametrize("window", [0, 7, 40])
+def test_prefill_tiles_with_window_and_split(isa, window):
+    """Long prompts (many row tiles, GQA 4) and a short chunk at long context (split block ranges)."""
+    rng = np.random.default_rng(window)
+    inputs, k, v, attrs = make_case(rng, hq=8, hkv=2, d=64, bs=16, seqs=[(300, 300), (900, 5), (61, 61)])
+    check(inputs, k, v, {**attrs, "sliding_window": window})
 
 
 @pytest.mark.parametrize("seed", range(4))

@@ -344,6 +344,254 @@ void merge_parts(const Problem& p, const Merge& mg) {
     }
 }
 
+// ---------------------------------------------------------------------------------------------
+// Tiled fast path (head_size and block_size multiples of 8; the loop above serves the rest).
+//
+// The per-row loop above reads every K/V block once per query row and reduces every dot product
+// horizontally, which leaves it at ~1 multiply-add per cycle. Here an item is (sequence, KV head,
+// tile of up to kTileQueries / group consecutive query rows, block range): the tile's query
+// vectors (rows x heads of the group, pre-scaled) share each K/V block while it sits in L1;
+// scores take eight keys at a time with eight independent accumulators and one transposing
+// reduction (no per-key horizontal sum); P.V keeps the output row in registers. GCC vector
+// extensions rather than intrinsics so that the same source serves the AVX2 and the x86-64-v2
+// builds. Prefill tiles make a prompt's attention O(T^2 / tile) reads instead of O(T^2).
+
+typedef float v8f __attribute__((vector_size(32)));
+typedef float v8fu __attribute__((vector_size(32), aligned(4), may_alias));
+typedef int32_t v8i __attribute__((vector_size(32)));
+
+constexpr int64_t kTileQueries = 32;
+
+LLMC_INLINE v8f load8(const float* p) { return *reinterpret_cast<const v8fu*>(p); }
+LLMC_INLINE void store8(float* p, v8f v) { *reinterpret_cast<v8fu*>(p) = v; }
+LLMC_INLINE v8f bcast8(float x) { return v8f{x, x, x, x, x, x, x, x}; }
+
+// Lane i of the result = the sum of a[i]'s eight lanes.
+LLMC_INLINE v8f hsum8x8(const v8f a[8]) {
+    const v8i even = {0, 8, 2, 10, 4, 12, 6, 14}, odd = {1, 9, 3, 11, 5, 13, 7, 15};
+    const v8f t01 = __builtin_shuffle(a[0], a[1], even) + __builtin_shuffle(a[0], a[1], odd);
+    const v8f t23 = __builtin_shuffle(a[2], a[3], even) + __builtin_shuffle(a[2], a[3], odd);
+    const v8f t45 = __builtin_shuffle(a[4], a[5], even) + __builtin_shuffle(a[4], a[5], odd);
+    const v8f t67 = __builtin_shuffle(a[6], a[7], even) + __builtin_shuffle(a[6], a[7], odd);
+    const v8i lo2 = {0, 1, 8, 9, 4, 5, 12, 13}, hi2 = {2, 3, 10, 11, 6, 7, 14, 15};
+    const v8f u = __builtin_shuffle(t01, t23, lo2) + __builtin_shuffle(t01, t23, hi2);
+    const v8f w = __builtin_shuffle(t45, t67, lo2) + __builtin_shuffle(t45, t67, hi2);
+    const v8i lo4 = {0, 1, 2, 3, 8, 9, 10, 11}, hi4 = {4, 5, 6, 7, 12, 13, 14, 15};
+    return __builtin_shuffle(u, w, lo4) + __builtin_shuffle(u, w, hi4);
+}
+
+// S[m, j] = Q[m] . K[j] for M query vectors and the block's bs keys (bs % 8 == 0, D % 8 == 0).
+LLMC_INLINE void tile_scores(const float* __restrict Q, int64_t M, const float* __restrict kb, int64_t D, int64_t bs,
+                             float* __restrict S) {
+    for (int64_t j = 0; j < bs; j += 8) {
+        const float* k = kb + j * D;
+        for (int64_t m = 0; m < M; ++m) {
+            const float* q = Q + m * D;
+            v8f a[8] = {};
+            for (int64_t d = 0; d < D; d += 8) {
+                const v8f qv = load8(q + d);
+                for (int i = 0; i < 8; ++i) a[i] += qv * load8(k + i * D + d);
+            }
+            store8(S + m * bs + j, hsum8x8(a));
+        }
+    }
+}
+
+// acc[0, 8K) += sum_j p[j] * V[j, 0, 8K) for j in [j0, j1]; the accumulator stays in registers.
+template <int K>
+LLMC_INLINE void tile_pv_chunk(float* __restrict acc, const float* __restrict pr, const float* __restrict vb, int64_t D,
+                               int64_t j0, int64_t j1) {
+    v8f a[K];
+    for (int k = 0; k < K; ++k) a[k] = load8(acc + 8 * k);
+    for (int64_t j = j0; j <= j1; ++j) {
+        const v8f pb = bcast8(pr[j]);
+        const float* v = vb + j * D;
+        for (int k = 0; k < K; ++k) a[k] += pb * load8(v + 8 * k);
+    }
+    for (int k = 0; k < K; ++k) store8(acc + 8 * k, a[k]);
+}
+
+LLMC_INLINE void tile_pv(float* acc, const float* pr, const float* vb, int64_t D, int64_t j0, int64_t j1) {
+    for (int64_t c = 0; c < D; c += 64) {
+        switch (std::min<int64_t>(8, (D - c) / 8)) {
+            case 1: tile_pv_chunk<1>(acc + c, pr, vb + c, D, j0, j1); break;
+            case 2: tile_pv_chunk<2>(acc + c, pr, vb + c, D, j0, j1); break;
+            case 3: tile_pv_chunk<3>(acc + c, pr, vb + c, D, j0, j1); break;
+            case 4: tile_pv_chunk<4>(acc + c, pr, vb + c, D, j0, j1); break;
+            case 5: tile_pv_chunk<5>(acc + c, pr, vb + c, D, j0, j1); break;
+            case 6: tile_pv_chunk<6>(acc + c, pr, vb + c, D, j0, j1); break;
+            case 7: tile_pv_chunk<7>(acc + c, pr, vb + c, D, j0, j1); break;
+            default: tile_pv_chunk<8>(acc + c, pr, vb + c, D, j0, j1); break;
+        }
+    }
+}
+
+struct TileItem {
+    int64_t seq, kvh;
+    int64_t t0, nrows;       // query rows [t0, t0 + nrows) of the sequence, consecutive positions
+    int64_t pos0;            // position of row t0
+    int64_t b_begin, b_end;  // block indices (into the sequence's table), [begin, end)
+    int64_t part;            // -1: write the output; else float offset of this item's partial result
+};
+
+struct TileMerge {
+    int64_t t0, nrows, kvh, off0, nparts;  // parts are nrows * group * (D + 2) floats each, adjacent
+};
+
+struct TileScratch {
+    std::vector<float> q, s, acc, m, l, ktile, vtile;
+    TileScratch(int64_t max_q, int64_t d, int64_t bs, bool half)
+        : q(max_q * d), s(max_q * bs), acc(max_q * d), m(max_q), l(max_q) {
+        if (half) {
+            ktile.resize(static_cast<size_t>(bs * d));
+            vtile.resize(static_cast<size_t>(bs * d));
+        }
+    }
+};
+
+template <typename CacheT>
+LLMC_INLINE void attend_tile_impl(const Problem& p, const TileItem& it, TileScratch& sc) {
+    constexpr bool kHalf = std::is_same<CacheT, uint16_t>::value;
+    const int64_t D = p.head_size, bs = p.block_size, G = p.group, M = it.nrows * G;
+    const int64_t* bt = p.block_tables + it.seq * p.bt_row;
+    const CacheT* kc = static_cast<const CacheT*>(p.k_cache);
+    const CacheT* vc = static_cast<const CacheT*>(p.v_cache);
+    const float scale = p.scale, softcap = p.softcap;
+    const int64_t window = p.window;
+
+    float* __restrict Q = sc.q.data();
+    float* __restrict S = sc.s.data();
+    float* __restrict acc = sc.acc.data();
+    float* __restrict mrow = sc.m.data();
+    float* __restrict lrow = sc.l.data();
+    for (int64_t r = 0; r < it.nrows; ++r) {
+        const float* qr = p.query + (it.t0 + r) * p.q_row + it.kvh * G * D;  // the group's heads are adjacent
+        for (int64_t e = 0; e < G * D; ++e) Q[r * G * D + e] = qr[e] * scale;
+    }
+    for (int64_t e = 0; e < M * D; ++e) acc[e] = 0.0f;
+    for (int64_t m = 0; m < M; ++m) {
+        mrow[m] = -std::numeric_limits<float>::infinity();
+        lrow[m] = 0.0f;
+    }
+
+    for (int64_t bi = it.b_begin; bi < it.b_end; ++bi) {
+        const int64_t start = bi * bs, last = start + bs - 1;
+        // Rows that see part of this block: pos >= start and (window) pos - window + 1 <= last.
+        const int64_t r_lo = std::max<int64_t>(0, start - it.pos0);
+        const int64_t r_hi = window > 0 ? std::min<int64_t>(it.nrows, last + window - it.pos0) : it.nrows;
+        if (r_lo >= r_hi) continue;
+
+        const int64_t base = ((bt[bi] * p.num_kv_heads + it.kvh) * bs) * D;
+        if (bi + 1 < it.b_end) {  // blocks are scattered in memory: fetch the next one ahead
+            const int64_t next = ((bt[bi + 1] * p.num_kv_heads + it.kvh) * bs) * D;
+            const char* kn = reinterpret_cast<const char*>(kc + next);
+            const char* vn = reinterpret_cast<const char*>(vc + next);
+            const int64_t bytes = bs * D * static_cast<int64_t>(sizeof(CacheT));
+            for (int64_t off = 0; off < bytes; off += 64) {
+                __builtin_prefetch(kn + off);
+                __builtin_prefetch(vn + off);
+            }
+        }
+        const float* kb;
+        const float* vb;
+        if constexpr (kHalf) {
+            // Converts every row of the block: rows past the context are never used (masked below).
+            float* kt = sc.ktile.data();
+            float* vt = sc.vtile.data();
+            const uint16_t* ks = kc + base;
+            const uint16_t* vs = vc + base;
+            for (int64_t e = 0; e < bs * D; ++e) {
+                kt[e] = half_to_float(ks[e]);
+                vt[e] = half_to_float(vs[e]);
+            }
+            kb = kt;
+            vb = vt;
+        } else {
+            kb = kc + base;
+            vb = vc + base;
+        }
+
+        tile_scores(Q + r_lo * G * D, (r_hi - r_lo) * G, kb, D, bs, S + r_lo * G * bs);
+
+        for (int64_t m = r_lo * G; m < r_hi * G; ++m) {
+            const int64_t pos = it.pos0 + m / G;
+            const int64_t lo = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
+            const int64_t j0 = std::max<int64_t>(lo - start, 0);
+            const int64_t j1 = std::min<int64_t>(pos - start, bs - 1);  // inclusive; j0 <= j1 by r_lo/r_hi
+            float* __restrict sm = S + m * bs;
+            if (softcap > 0.0f) {
+                for (int64_t j = j0; j <= j1; ++j) sm[j] = softcap * std::tanh(sm[j] / softcap);
+            }
+            float bmax = -std::numeric_limits<float>::infinity();
+            for (int64_t j = j0; j <= j1; ++j) bmax = std::max(bmax, sm[j]);
+            float* __restrict am = acc + m * D;
+            if (bmax > mrow[m]) {
+                const float alpha = std::exp(mrow[m] - bmax);  // exp(-inf) = 0 on the row's first block
+                lrow[m] *= alpha;
+                for (int64_t d = 0; d < D; d += 8) store8(am + d, load8(am + d) * alpha);
+                mrow[m] = bmax;
+            }
+            const float mm = mrow[m];
+            float lsum = 0.0f;
+#pragma omp simd reduction(+ : lsum)
+            for (int64_t j = j0; j <= j1; ++j) {
+                const float e = exp_nonpos(sm[j] - mm);
+                sm[j] = e;
+                lsum += e;
+            }
+            lrow[m] += lsum;
+            tile_pv(am, sm, vb, D, j0, j1);
+        }
+    }
+
+    if (it.part < 0) {
+        for (int64_t m = 0; m < M; ++m) {
+            float* o = p.out + (it.t0 + m / G) * (p.num_heads * D) + (it.kvh * G + m % G) * D;
+            const float inv = 1.0f / lrow[m];  // l >= 1: the row always sees its own position
+            const float* am = acc + m * D;
+            for (int64_t d = 0; d < D; d += 8) store8(o + d, load8(am + d) * inv);
+        }
+    } else {
+        float* dst = p.partials + it.part;
+        std::memcpy(dst, mrow, sizeof(float) * M);
+        std::memcpy(dst + M, lrow, sizeof(float) * M);
+        std::memcpy(dst + 2 * M, acc, sizeof(float) * M * D);
+    }
+}
+
+// Merge the partial results of one (row tile, KV head) split into several block ranges. A part
+// that saw none of a row's positions holds m = -inf, l = 0 for it and weighs exp(-inf) = 0.
+void merge_tile_parts(const Problem& p, const TileMerge& mg) {
+    const int64_t G = p.group, D = p.head_size, M = mg.nrows * G, stride = M * (D + 2);
+    for (int64_t m = 0; m < M; ++m) {
+        float* og = p.out + (mg.t0 + m / G) * (p.num_heads * D) + (mg.kvh * G + m % G) * D;
+        float mmax = -std::numeric_limits<float>::infinity();
+        for (int64_t c = 0; c < mg.nparts; ++c) mmax = std::max(mmax, p.partials[mg.off0 + c * stride + m]);
+        float lsum = 0.0f;
+        for (int64_t d = 0; d < D; ++d) og[d] = 0.0f;
+        for (int64_t c = 0; c < mg.nparts; ++c) {
+            const float* part = p.partials + mg.off0 + c * stride;
+            const float w = std::exp(part[m] - mmax);
+            lsum += w * part[M + m];
+            const float* ac = part + 2 * M + m * D;
+            for (int64_t d = 0; d < D; ++d) og[d] += w * ac[d];
+        }
+        const float inv = 1.0f / lsum;
+        for (int64_t d = 0; d < D; ++d) og[d] *= inv;
+    }
+}
+
+using TileFn = void (*)(const Problem&, const TileItem&, TileScratch&);
+
+void tile_f32_base(const Problem& p, const TileItem& i, TileScratch& s) { attend_tile_impl<float>(p, i, s); }
+void tile_f16_base(const Problem& p, const TileItem& i, TileScratch& s) { attend_tile_impl<uint16_t>(p, i, s); }
+__attribute__((target("avx2,fma"))) void tile_f32_avx2(const Problem& p, const TileItem& i, TileScratch& s) {
+    attend_tile_impl<float>(p, i, s);
+}
+__attribute__((target("avx2,fma"))) void tile_f16_avx2(const Problem& p, const TileItem& i, TileScratch& s) {
+    attend_tile_impl<uint16_t>(p, i, s);
+}
+
 using ItemFn = void (*)(const Problem&, const Item&, Scratch&);
 
 void item_f32_base(const Problem& p, const Item& i, Scratch& s) { attend_item_impl<float>(p, i, s); }
@@ -361,9 +609,10 @@ bool cpu_has_avx2_fma() {
     return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
 }
 
-// Below this much work (multiply-adds over K and V, ~60 µs on one core here) waking other threads
-// (passive wait, see cpu.py) costs more than it saves.
-constexpr int64_t kParallelMinWork = 1 << 17;
+// Below this much work (attended positions x query heads x head size, ~50 µs on one core of the
+// tiled path here) waking the other threads (passive wait, see cpu.py) costs more than it saves:
+// measured by benchmarks/bench_paged_attention_cpu.py, 1 thread vs 2.
+constexpr int64_t kParallelMinWork = 1 << 21;
 // Rows are split into block ranges until a step has about this many items (for any thread count
 // up to it), but never into ranges shorter than kMinChunkPositions.
 constexpr int64_t kTargetItems = 32;
@@ -492,8 +741,10 @@ inline void run(const Args& a, int nthreads, bool avx2) {
     std::vector<Item> items;
     std::vector<Merge> merges;
     int64_t n_parts = 0;
-    items.reserve(static_cast<size_t>(base_items));
-    for (const Row& r : rows) {
+    // The tiled path (below) serves head and block sizes that are multiples of 8.
+    const bool tiled = D % 8 == 0 && block_size % 8 == 0;
+    if (!tiled) items.reserve(static_cast<size_t>(base_items));
+    for (const Row& r : (tiled ? std::vector<Row>{} : rows)) {
         const int64_t lo = sliding_window > 0 ? std::max<int64_t>(0, r.pos - sliding_window + 1) : 0;
         const int64_t b_lo = lo / block_size, b_hi = r.pos / block_size + 1;  // [b_lo, b_hi)
         const int64_t nblk = b_hi - b_lo;
@@ -510,7 +761,47 @@ inline void run(const Args& a, int nthreads, bool avx2) {
             }
         }
     }
-    std::vector<float> partials(static_cast<size_t>(n_parts * group * (D + 2)));
+    // The tiled path's items: tiles of consecutive rows of one sequence, split like the rows above.
+    const int64_t tile_rows = std::max<int64_t>(1, kTileQueries / group);
+    std::vector<TileItem> tiles;
+    std::vector<TileMerge> tile_merges;
+    int64_t tile_floats = 0;
+    if (tiled) {
+        std::vector<TileItem> bare;  // (seq, -, t0, nrows, pos0, b_lo, b_hi) per tile, before the KV-head / split fan-out
+        for (int64_t s = 0; s < S; ++s) {
+            const int64_t start = qsl_p[s], n_new = qsl_p[s + 1] - start;
+            for (int64_t r0 = 0; r0 < n_new; r0 += tile_rows) {
+                const int64_t nrows = std::min(tile_rows, n_new - r0);
+                const int64_t pos0 = ctx_p[s] - n_new + r0, pos_last = pos0 + nrows - 1;
+                const int64_t lo = sliding_window > 0 ? std::max<int64_t>(0, pos0 - sliding_window + 1) : 0;
+                bare.push_back({s, 0, start + r0, nrows, pos0, lo / block_size, pos_last / block_size + 1, -1});
+            }
+        }
+        const int64_t n_base = static_cast<int64_t>(bare.size()) * num_kv_heads;
+        const int64_t splits = n_base > 0 ? std::max<int64_t>(1, (kTargetItems + n_base - 1) / n_base) : 1;
+        for (const TileItem& b : bare) {
+            const int64_t nblk = b.b_end - b.b_begin;
+            const int64_t nchunks = std::max<int64_t>(1, std::min(splits, nblk / min_chunk_blocks));
+            const int64_t part_floats = b.nrows * group * (D + 2);
+            for (int64_t kvh = 0; kvh < num_kv_heads; ++kvh) {
+                TileItem it = b;
+                it.kvh = kvh;
+                if (nchunks == 1) {
+                    tiles.push_back(it);
+                    continue;
+                }
+                tile_merges.push_back({b.t0, b.nrows, kvh, tile_floats, nchunks});
+                for (int64_t c = 0; c < nchunks; ++c) {
+                    it.b_begin = b.b_begin + nblk * c / nchunks;
+                    it.b_end = b.b_begin + nblk * (c + 1) / nchunks;
+                    it.part = tile_floats;
+                    tile_floats += part_floats;
+                    tiles.push_back(it);
+                }
+            }
+        }
+    }
+    std::vector<float> partials(static_cast<size_t>(tiled ? tile_floats : n_parts * group * (D + 2)));
 
     Problem p{};
     p.query = a.query;
@@ -569,6 +860,23 @@ inline void run(const Args& a, int nthreads, bool avx2) {
     }
 
     // 2. Attend.
+    if (tiled) {
+        const TileFn tfn = half ? (avx2 ? tile_f16_avx2 : tile_f16_base) : (avx2 ? tile_f32_avx2 : tile_f32_base);
+        const int64_t n_tiles = static_cast<int64_t>(tiles.size());
+        const int64_t n_tmerges = static_cast<int64_t>(tile_merges.size());
+        const TileItem* tiles_p = tiles.data();
+        const TileMerge* tmerges_p = tile_merges.data();
+        const int64_t max_q = std::min(tile_rows, std::max<int64_t>(T, 1)) * group;
+#pragma omp parallel num_threads(nthreads) if (parallel)
+        {
+            TileScratch sc(max_q, D, block_size, half);
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t i = 0; i < n_tiles; ++i) tfn(p, tiles_p[i], sc);
+#pragma omp for schedule(static)
+            for (int64_t i = 0; i < n_tmerges; ++i) merge_tile_parts(p, tmerges_p[i]);
+        }
+        return;
+    }
 #pragma omp parallel num_threads(nthreads) if (parallel)
     {
         Scratch sc(group, D, block_size, half);
