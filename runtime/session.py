@@ -64,6 +64,11 @@ class OrtSession:
         # plugins/paged_attention/cpu.py); LLMC_ORT_SPIN=1 restores spinning (a dedicated, quiet machine).
         so.add_session_config_entry("session.intra_op.allow_spinning", os.environ.get("LLMC_ORT_SPIN", "0"))
         so.log_severity_level = 3
+        # LLMC_ORT_PROFILE=PREFIX writes ORT's per-node timing trace (PREFIX_<date>.json) when the
+        # session ends profiling (end_profiling(), or process exit); benchmarks/profile_engine.py reads it.
+        if os.environ.get("LLMC_ORT_PROFILE"):
+            so.enable_profiling = True
+            so.profile_file_prefix = os.environ["LLMC_ORT_PROFILE"]
         source = model if isinstance(model, bytes) else str(model)
         self._session = ort.InferenceSession(source, so, providers=["CPUExecutionProvider"])
         self.input_names = tuple(i.name for i in self._session.get_inputs())
@@ -79,6 +84,11 @@ class OrtSession:
                 return self._session.run(_LOGITS, feeds)[0]
         with self._binding(layers):
             return self._session.run(_LOGITS, feeds)[0]
+
+    def end_profiling(self) -> str | None:
+        """Stop ORT profiling (on with LLMC_ORT_PROFILE) and return the trace file's path, else None."""
+        path = self._session.end_profiling()
+        return path or None
 
     def set_attention_threads(self, n: int) -> None:
         """OpenMP threads of the PagedAttention kernel this session calls, process-wide (0: OpenMP's default)."""
