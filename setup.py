@@ -15,7 +15,7 @@ ext_modules = [
         [f"{_PA}/paged_attention_cpu.cpp"],
         depends=[f"{_PA}/paged_attention_core.h"],
         cxx_std=17,
-        extra_compile_args=["-O3", "-fopenmp", "-march=x86-64-v2"],
+        extra_compile_args=["-O3", "-fopenmp", "-march=x86-64-v2", "-Wno-psabi"],
         extra_link_args=["-fopenmp"],
     ),
     # Not a Python module: a plain shared library that ONNX Runtime loads as a custom-op library
@@ -27,7 +27,7 @@ ext_modules = [
         [f"{_PA}/ort_paged_attention.cpp"],
         depends=[f"{_PA}/paged_attention_core.h", f"{_PA}/ort_abi.h"],
         language="c++",
-        extra_compile_args=["-std=c++17", "-O3", "-fopenmp", "-march=x86-64-v2", "-fvisibility=hidden"],
+        extra_compile_args=["-std=c++17", "-O3", "-fopenmp", "-march=x86-64-v2", "-fvisibility=hidden", "-Wno-psabi"],
         extra_link_args=["-fopenmp"],
     ),
     Pybind11Extension(

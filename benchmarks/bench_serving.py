@@ -284,8 +284,8 @@ if __name__ == "__main__":
                         help="max_prefill_tokens_with_decodes values to measure with a 2048-token budget")
     parser.add_argument("--itl-repeats", type=int, default=3)
     parser.add_argument("--itl-models", nargs="*", default=[], help="also measure ITL on these (e.g. llama-100m)")
-    parser.add_argument("--attention-threads", type=int, default=1,
-                        help="OpenMP threads of the PagedAttention kernel (Engine.load's attention_threads)")
+    parser.add_argument("--attention-threads", type=int, default=0,
+                        help="threads of the PagedAttention kernel (Engine.load's attention_threads; 0: ORT's pool)")
     parser.add_argument("--only-itl", action="store_true", help="skip the throughput runs")
     parser.add_argument("--rebuild", action="store_true")
     ARGS = parser.parse_args()

@@ -18,8 +18,8 @@ Comparisons (``--compare``, default: all):
   (before, the default); same engine. Spinning threads of one engine keep spinning into the other's
   steps, so on a shared machine this ratio is only indicative.
 - ``threads``: ONNX Runtime's intra-op threads, 2 (before) vs 1 (after); same engine.
-- ``attention-threads``: the PagedAttention kernel's OpenMP threads, 1 (before, ``Engine.load``'s
-  default) vs 2; same engine.
+- ``attention-threads``: the PagedAttention kernel on one thread (before) vs on ONNX Runtime's intra-op
+  pool (after, ``Engine.load``'s default, 0); same engine.
 
     python benchmarks/bench_step_overhead.py [--compare head-layout] [--precisions fp32 int4] [--batches 1 8]
                                              [--threads 2] [--repeats 5] [--steps 32] [--rebuild]
@@ -58,7 +58,7 @@ class Variant:
     disabled: tuple[str, ...] = ()
     group_size: int = 128
     env: tuple[tuple[str, str], ...] = ()
-    attention_threads: int = 1
+    attention_threads: int = 0
     threads: int | None = None  # ONNX Runtime intra-op threads (None: --threads)
 
     def build_key(self, precision: str) -> str:
@@ -75,7 +75,7 @@ COMPARISONS: dict[str, tuple[Variant, Variant, tuple[str, ...]]] = {
     "group-size": (Variant("g128"), Variant("g32", group_size=32), ("int4",)),
     "spin": (Variant("passive"), Variant("spinning", env=(("LLMC_ORT_SPIN", "1"),)), ("fp32", "int4")),
     "threads": (Variant("ort-2-threads", threads=2), Variant("ort-1-thread", threads=1), ("fp32", "int4")),
-    "attention-threads": (Variant("attn-1-thread"), Variant("attn-2-threads", attention_threads=2),
+    "attention-threads": (Variant("attn-1-thread", attention_threads=1), Variant("attn-ort-pool"),
                           ("fp32", "int4")),
 }
 

@@ -143,7 +143,7 @@ class Engine:
     def load(cls, path: str | Path, *, kv_cache_tokens: int = 16384, max_num_tokens: int = 2048,
              max_num_seqs: int = 256, max_waiting: int = 1024, enable_chunked_prefill: bool = True,
              max_prefill_tokens_with_decodes: int | None = None, enable_prefix_caching: bool = True,
-             num_threads: int | None = None, attention_threads: int | None = 1,
+             num_threads: int | None = None, attention_threads: int | None = 0,
              verify: bool = True) -> Engine:
         """Load the artifact at ``path``.
 
@@ -152,11 +152,12 @@ class Engine:
         running requests and ``max_waiting`` the waiting queue. ``max_prefill_tokens_with_decodes``
         caps the prompt tokens computed in a step that also decodes (bounds inter-token latency while
         long prompts arrive; None: the whole budget). ``num_threads`` sizes ONNX Runtime's
-        thread pool (default: all cores); ``attention_threads`` sets the OpenMP threads of the CPU
-        PagedAttention kernel, process-wide (``None`` leaves them alone). The default of 1 is measured:
-        the kernel runs inside an ONNX Runtime op while ORT's own workers hold the cores, and with
-        2 kernel threads on 2 cores a step of 8 decodes plus an 8-token prefill chunk at 2k context
-        took 46 ms instead of 3.8 ms (benchmarks/bench_serving.py). With ``verify`` (default) every
+        thread pool (default: all cores); ``attention_threads`` sets the threads of the CPU
+        PagedAttention kernel, process-wide (``None`` leaves them alone): 0 (the default) runs it on that
+        same ORT pool (native op, ORT >= 1.17; the Python-op route then runs it on one thread), n >= 1 on
+        n OpenMP threads of its own. A separate OpenMP team competes with ORT's workers for the same
+        cores: with 2 kernel threads on 2 cores a step of 8 decodes plus an 8-token prefill chunk at 2k
+        context took 46 ms instead of 3.8 ms (benchmarks/bench_serving.py). With ``verify`` (default) every
         file's sha256 is checked first and a modified or missing file is refused, naming it.
         Engines with length-dependent rotary factors (``longrope``; manifest ``engine.rope_recompute_at``)
         run without prefix caching, whose blocks are keyed by tokens alone.

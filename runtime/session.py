@@ -91,7 +91,9 @@ class OrtSession:
         return path or None
 
     def set_attention_threads(self, n: int) -> None:
-        """OpenMP threads of the PagedAttention kernel this session calls, process-wide (0: OpenMP's default)."""
+        """Threads of the PagedAttention kernel this session calls, process-wide: 0 = this session's intra-op
+        pool (native op; the Python op, which cannot reach that pool, runs on one thread), n >= 1 = n OpenMP
+        threads."""
         if self.custom_ops == NATIVE:
             from llmc.plugins.paged_attention import ort_native
 
@@ -99,5 +101,5 @@ class OrtSession:
         else:
             from llmc.plugins.paged_attention.cpu import load_kernel
 
-            load_kernel().set_num_threads(int(n))
+            load_kernel().set_num_threads(int(n) or 1)
 

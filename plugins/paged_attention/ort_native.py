@@ -71,6 +71,7 @@ def load() -> ctypes.CDLL:
         lib.llmc_get_num_threads.restype = ctypes.c_int
         lib.llmc_paged_attention_calls.restype = ctypes.c_int64
         lib.llmc_uses_avx2.restype = ctypes.c_int
+        lib.llmc_uses_ort_pool.restype = ctypes.c_int
         lib.llmc_ort_api_version.restype = ctypes.c_uint32
         _lib = lib
     return _lib
@@ -130,9 +131,15 @@ def bound_pool(layers: Sequence[tuple[np.ndarray, np.ndarray]]) -> Iterator[None
 
 
 def set_num_threads(n: int) -> None:
-    """Threads the kernel uses (0: the OpenMP default, i.e. ``OMP_NUM_THREADS`` or every core)."""
+    """Threads the kernel uses, process-wide: 0 (the default) = the intra-op thread pool of the ONNX Runtime
+    session running the node (ORT >= 1.17; see :func:`uses_ort_pool`), n >= 1 = n OpenMP threads."""
     if load().llmc_set_num_threads(int(n)) != 0:
-        raise ValueError(f"set_num_threads: n must be >= 1 (or 0 for the OpenMP default), got {n}")
+        raise ValueError(f"set_num_threads: n must be >= 1 (or 0 for ONNX Runtime's pool), got {n}")
+
+
+def uses_ort_pool() -> bool:
+    """True when the kernel runs on ONNX Runtime's intra-op pool (thread setting 0 on ORT >= 1.17)."""
+    return bool(load().llmc_uses_ort_pool())
 
 
 def get_num_threads() -> int:

@@ -74,7 +74,13 @@ enum OrtApiIndex : size_t {
                                           //             size_t n, OrtValue** out)
     kReleaseStatus = 93,                  // void (OrtStatus*)
     kReleaseTensorTypeAndShapeInfo = 99,  // void (OrtTensorTypeAndShapeInfo*)
+    // API version 17 (ONNX Runtime 1.17) and later only: fetched from GetApi(kOrtApiVersionParallelFor),
+    // used when that returns a table (else the kernel runs its own OpenMP threads).
+    kKernelContext_ParallelFor = 274,     // OrtStatus* (const OrtKernelContext*, void (*fn)(void*, size_t),
+                                          //             size_t total, size_t num_batch, void* usr_data)
 };
+
+constexpr uint32_t kOrtApiVersionParallelFor = 17;
 
 // The OrtCustomOp struct of API version 13. `version` says which fields exist.
 struct OrtCustomOpV13 {

@@ -64,13 +64,35 @@ struct Pool {
 
 std::mutex g_pool_mutex;
 Pool g_pool;  // num_layers() == 0: nothing bound
-std::atomic<int> g_num_threads{0};  // 0: OpenMP's default
+std::atomic<int> g_num_threads{0};  // 0: the session's intra-op pool (OpenMP's default without it)
+// OrtApi::KernelContext_ParallelFor, when the runtime serves API version 17; else nullptr.
+using ParallelForFn = OrtStatus* (*)(const OrtKernelContext*, void (*)(void*, size_t), size_t, size_t, void*);
+std::atomic<ParallelForFn> g_parallel_for{nullptr};
 std::atomic<bool> g_use_avx2{llmc_pa::cpu_has_avx2_fma()};
 std::atomic<int64_t> g_calls{0};
 
 int effective_threads() {
     const int n = g_num_threads.load();
     return n > 0 ? n : omp_get_max_threads();
+}
+
+// llmc_pa::ParallelFor over ORT's intra-op pool of the session running the node.
+struct OrtParallel {
+    OrtKernelContext* ctx;
+    ParallelForFn fn;
+};
+
+void ort_parallel_for(void* self, int64_t n, void (*body)(void*, int64_t), void* arg) {
+    const OrtParallel& o = *static_cast<const OrtParallel*>(self);
+    struct Call {
+        void (*body)(void*, int64_t);
+        void* arg;
+    } call{body, arg};
+    // num_batch 0: one task per index, handed out dynamically by the pool (items differ in cost).
+    check(o.fn(o.ctx, [](void* c, size_t i) {
+        const Call& x = *static_cast<const Call*>(c);
+        x.body(x.arg, static_cast<int64_t>(i));
+    }, static_cast<size_t>(n), 0, &call), "KernelContext_ParallelFor");
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -255,7 +277,15 @@ void compute(void* kernel, OrtKernelContext* ctx) {
     a.scale = k.scale;
     a.sliding_window = k.sliding_window;
     a.softcap = k.softcap;
-    llmc_pa::run(a, effective_threads(), g_use_avx2.load());
+    const ParallelForFn pf_fn = g_parallel_for.load();
+    if (g_num_threads.load() == 0 && pf_fn != nullptr) {
+        OrtParallel ort{ctx, pf_fn};
+        const llmc_pa::ParallelFor pf{ort_parallel_for, &ort};
+        // The thread count only decides whether to go parallel; the pool's size is the session's.
+        llmc_pa::run(a, std::max(2, omp_get_max_threads()), g_use_avx2.load(), &pf);
+    } else {
+        llmc_pa::run(a, effective_threads(), g_use_avx2.load());
+    }
     g_calls.fetch_add(1, std::memory_order_relaxed);
 }
 
@@ -303,6 +333,10 @@ LLMC_EXPORT OrtStatus* RegisterCustomOps(OrtSessionOptions* options, const OrtAp
     const OrtApi* api = base->GetApi(kOrtApiVersion);
     if (api == nullptr) return nullptr;  // cannot happen on ONNX Runtime >= 1.13; nothing to report it with
     g_api = reinterpret_cast<const void* const*>(api);
+    if (const OrtApi* v17 = base->GetApi(kOrtApiVersionParallelFor)) {
+        g_parallel_for = reinterpret_cast<ParallelForFn>(
+            const_cast<void*>(reinterpret_cast<const void* const*>(v17)[kKernelContext_ParallelFor]));
+    }
     try {
         std::lock_guard<std::mutex> lock(g_domain_mutex);
         if (g_domain == nullptr) {
@@ -351,14 +385,20 @@ LLMC_EXPORT void llmc_unbind_kv_pool() {
     g_pool = Pool();
 }
 
-// Threads the kernel uses (0: the OpenMP default, OMP_NUM_THREADS or every core). Returns -1 for n < 0.
+// Threads the kernel uses: 0 (the default) = the intra-op thread pool of the ONNX Runtime session
+// running the node (ONNX Runtime >= 1.17; older runtimes: the OpenMP default, OMP_NUM_THREADS or
+// every core); n >= 1 = n OpenMP threads (1: the calling thread only). Returns -1 for n < 0.
 LLMC_EXPORT int llmc_set_num_threads(int n) {
     if (n < 0) return -1;
     g_num_threads = n;
     return 0;
 }
 
-LLMC_EXPORT int llmc_get_num_threads() { return effective_threads(); }
+// The setting (0: the session's pool, or the OpenMP default without one).
+LLMC_EXPORT int llmc_get_num_threads() { return g_num_threads.load(); }
+
+// 1: with llmc_set_num_threads(0) the kernel runs on ONNX Runtime's intra-op pool; 0: on OpenMP.
+LLMC_EXPORT int llmc_uses_ort_pool() { return g_num_threads.load() == 0 && g_parallel_for.load() != nullptr ? 1 : 0; }
 
 // PagedAttention kernel calls completed by this library since it was loaded (tests use it to see
 // which route a session took).

@@ -12,7 +12,8 @@
 // Caches are [num_blocks, num_kv_heads, block_size, head_size], float32 (or float16, converted
 // with round-to-nearest-even on write, as numpy does), owned by the caller and never copied.
 //
-// Compute: one work item per (query row, KV head, block range), distributed over OpenMP threads.
+// Compute: work items of (query rows, KV head, block range), distributed over OpenMP threads or a
+// caller-provided pool (ONNX Runtime's, see ParallelFor).
 // Each item runs an online-softmax (flash-decoding style) loop over the sequence's blocks with
 // float32 accumulation. Every index is validated (run() throws llmc_pa::Error, a
 // std::invalid_argument, naming the bad value) before the first write, so an error leaves the
@@ -361,6 +362,9 @@ typedef float v8fu __attribute__((vector_size(32), aligned(4), may_alias));
 typedef int32_t v8i __attribute__((vector_size(32)));
 
 constexpr int64_t kTileQueries = 32;
+// How far ahead the next blocks are prefetched; 2 and 4 measured 5-15% slower than 1 on cold caches
+// (30 layers' pools cycled, decode b1-b32), 1 already keeps the loads ahead of the arithmetic.
+constexpr int64_t kPrefetchBlocks = 1;
 
 LLMC_INLINE v8f load8(const float* p) { return *reinterpret_cast<const v8fu*>(p); }
 LLMC_INLINE void store8(float* p, v8f v) { *reinterpret_cast<v8fu*>(p) = v; }
@@ -482,8 +486,11 @@ LLMC_INLINE void attend_tile_impl(const Problem& p, const TileItem& it, TileScra
         if (r_lo >= r_hi) continue;
 
         const int64_t base = ((bt[bi] * p.num_kv_heads + it.kvh) * bs) * D;
-        if (bi + 1 < it.b_end) {  // blocks are scattered in memory: fetch the next one ahead
-            const int64_t next = ((bt[bi + 1] * p.num_kv_heads + it.kvh) * bs) * D;
+        // Blocks are scattered in memory and, in a real step, cold (the weights evicted every layer's
+        // cache since the last step): ask for the next blocks while this one is computed.
+        for (int64_t ahead = bi == it.b_begin ? 1 : kPrefetchBlocks; ahead <= kPrefetchBlocks; ++ahead) {
+            if (bi + ahead >= it.b_end) break;
+            const int64_t next = ((bt[bi + ahead] * p.num_kv_heads + it.kvh) * bs) * D;
             const char* kn = reinterpret_cast<const char*>(kc + next);
             const char* vn = reinterpret_cast<const char*>(vc + next);
             const int64_t bytes = bs * D * static_cast<int64_t>(sizeof(CacheT));
@@ -613,6 +620,10 @@ bool cpu_has_avx2_fma() {
 // tiled path here) waking the other threads (passive wait, see cpu.py) costs more than it saves:
 // measured by benchmarks/bench_paged_attention_cpu.py, 1 thread vs 2.
 constexpr int64_t kParallelMinWork = 1 << 21;
+// The same on ONNX Runtime's pool (ParallelFor): its workers cost less to hand work to. Measured on
+// the 110M Llama (2 threads, decode b8 at 128-256 context, ~0.9M per layer): 2^19 gave 720 tok/s,
+// 2^21 (serial there) 520, 2^17 590-700.
+constexpr int64_t kParallelMinWorkPool = int64_t{1} << 19;
 // Rows are split into block ranges until a step has about this many items (for any thread count
 // up to it), but never into ranges shorter than kMinChunkPositions.
 constexpr int64_t kTargetItems = 32;
@@ -656,10 +667,38 @@ inline void check_heads(int64_t num_heads, int64_t num_kv_heads) {
     }
 }
 
+// A caller's parallel loop: fn(self, n, body, arg) runs body(arg, i) for every i in [0, n), on any
+// threads, and returns when all have run. The ONNX Runtime op library passes the session's
+// intra-op pool, so that the kernel shares ORT's threads instead of starting an OpenMP team that
+// competes with them for the same cores. Bodies never throw.
+struct ParallelFor {
+    void (*fn)(void* self, int64_t n, void (*body)(void*, int64_t), void* arg);
+    void* self;
+};
+
+// This thread's tile scratch, grown to at least the given sizes (reused across calls).
+TileScratch& thread_tile_scratch(int64_t max_q, int64_t d, int64_t bs, bool half) {
+    thread_local TileScratch sc(0, 0, 0, false);
+    auto grow = [](std::vector<float>& v, int64_t n) {
+        if (static_cast<int64_t>(v.size()) < n) v.resize(static_cast<size_t>(n));
+    };
+    grow(sc.q, max_q * d);
+    grow(sc.s, max_q * bs);
+    grow(sc.acc, max_q * d);
+    grow(sc.m, max_q);
+    grow(sc.l, max_q);
+    if (half) {
+        grow(sc.ktile, bs * d);
+        grow(sc.vtile, bs * d);
+    }
+    return sc;
+}
+
 // Validate every index, then write the new K/V and attend. Throws Error before touching anything.
-// `nthreads` OpenMP threads at most; `avx2` picks the AVX2+FMA attention loop (the caller checks
-// that the CPU has it).
-inline void run(const Args& a, int nthreads, bool avx2) {
+// `nthreads` threads at most (1: this thread only); with `pf` (and nthreads > 1) the tiled path runs
+// on the caller's parallel loop, else on OpenMP. `avx2` picks the AVX2+FMA attention loop (the caller
+// checks that the CPU has it). Results do not depend on the threads (see "Attention work items").
+inline void run(const Args& a, int nthreads, bool avx2, const ParallelFor* pf = nullptr) {
     const int64_t T = a.T, S = a.S, D = a.head_size, block_size = a.block_size, num_blocks = a.num_blocks;
     const int64_t num_heads = a.num_heads, num_kv_heads = a.num_kv_heads, sliding_window = a.sliding_window;
     const int64_t max_blocks = a.bt_cols;
@@ -832,7 +871,7 @@ inline void run(const Args& a, int nthreads, bool avx2) {
     const int64_t n_merges = static_cast<int64_t>(merges.size());
     const Item* items_p = items.data();
     const Merge* merges_p = merges.data();
-    const bool parallel = nthreads > 1 && total_work * num_heads * D >= kParallelMinWork;
+    const bool parallel = nthreads > 1 && total_work * num_heads * D >= (pf ? kParallelMinWorkPool : kParallelMinWork);
 
     // 1. Write K/V. Parallel over KV heads only: each head's rows go in row order, so a
     //    repeated slot ends with the last row's data, as in the reference.
@@ -867,6 +906,27 @@ inline void run(const Args& a, int nthreads, bool avx2) {
         const TileItem* tiles_p = tiles.data();
         const TileMerge* tmerges_p = tile_merges.data();
         const int64_t max_q = std::min(tile_rows, std::max<int64_t>(T, 1)) * group;
+        if (pf != nullptr && parallel) {
+            struct Work {
+                const Problem* p;
+                const TileItem* tiles;
+                const TileMerge* merges;
+                TileFn fn;
+                int64_t max_q, D, bs;
+                bool half;
+            } w{&p, tiles_p, tmerges_p, tfn, max_q, D, block_size, half};
+            pf->fn(pf->self, n_tiles, [](void* arg, int64_t i) {
+                const Work& x = *static_cast<const Work*>(arg);
+                x.fn(*x.p, x.tiles[i], thread_tile_scratch(x.max_q, x.D, x.bs, x.half));
+            }, &w);
+            if (n_tmerges > 0) {
+                pf->fn(pf->self, n_tmerges, [](void* arg, int64_t i) {
+                    const Work& x = *static_cast<const Work*>(arg);
+                    merge_tile_parts(*x.p, x.merges[i]);
+                }, &w);
+            }
+            return;
+        }
 #pragma omp parallel num_threads(nthreads) if (parallel)
         {
             TileScratch sc(max_q, D, block_size, half);
