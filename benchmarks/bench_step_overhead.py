@@ -15,8 +15,9 @@ Comparisons (``--compare``, default: all):
   attention and rotary (before: ``--disable-pass head-layout``).
 - ``group-size``: int4 only, MatMulNBits blocks of 128 (before) vs 32 (after) input channels.
 - ``spin``: ONNX Runtime's intra-op threads spinning (after, ``LLMC_ORT_SPIN=1``) vs waiting passively
-  (before, the default); same engine. Spinning threads of one engine keep spinning into the other's
-  steps, so on a shared machine this ratio is only indicative.
+  (before, ``LLMC_ORT_SPIN=0``); same engine (the default, ``auto``, spins only on idle cores). Spinning
+  threads of one engine keep spinning into the other's steps, so on a shared machine this ratio is only
+  indicative.
 - ``threads``: ONNX Runtime's intra-op threads, 2 (before) vs 1 (after); same engine.
 - ``attention-threads``: the PagedAttention kernel on one thread (before) vs on ONNX Runtime's intra-op
   pool (after, ``Engine.load``'s default, 0); same engine.
@@ -73,7 +74,8 @@ COMPARISONS: dict[str, tuple[Variant, Variant, tuple[str, ...]]] = {
     # name: (before, after, precisions it applies to)
     "head-layout": (Variant("without", disabled=("head-layout",)), Variant("with"), ("fp32", "int4")),
     "group-size": (Variant("g128"), Variant("g32", group_size=32), ("int4",)),
-    "spin": (Variant("passive"), Variant("spinning", env=(("LLMC_ORT_SPIN", "1"),)), ("fp32", "int4")),
+    "spin": (Variant("passive", env=(("LLMC_ORT_SPIN", "0"),)), Variant("spinning", env=(("LLMC_ORT_SPIN", "1"),)),
+             ("fp32", "int4")),
     "threads": (Variant("ort-2-threads", threads=2), Variant("ort-1-thread", threads=1), ("fp32", "int4")),
     "attention-threads": (Variant("attn-1-thread", attention_threads=1), Variant("attn-ort-pool"),
                           ("fp32", "int4")),

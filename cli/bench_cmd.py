@@ -40,7 +40,8 @@ def format_table(result: dict) -> str:
              f"weights read per step {w['streamed'] / 1e6:.1f} MB (+ {w['row']} B of embedding rows per token), "
              f"weight files {w['files'] / 1e6:.1f} MB, KV {result['kv_bytes_per_token']} B per token of context",
              f"machine read bandwidth {m['read_GBps']:.1f} GB/s ({m['probe']['method']}); "
-             f"load average {m.get('load_avg_start')}", ""]
+             f"load average {m.get('load_avg_start')}; ORT threads "
+             f"{'spin' if m.get('threads_spin') else 'sleep'} between ops ({m.get('threads_spin_reason', '?')})", ""]
     head = f"{'workload':14} {'tok/s':>10} {'ms/step':>9} {'TTFT ms':>9} {'GB/s':>8} {'of bw':>7}  tokens"
     lines += [head, "-" * len(head)]
     for r in result["rows"]:

@@ -381,7 +381,8 @@ def run(engine_dir: str | Path, config: BenchConfig | None = None,
 
     start_probe = probe()
     machine = {"read_GBps": start_probe.read_GBps, "probe": asdict(start_probe), "cpu_count": os.cpu_count(),
-               "load_avg_start": load_average()}
+               "load_avg_start": load_average(), "threads_spin": engine.threads_spin[0],
+               "threads_spin_reason": engine.threads_spin[1]}
     result = BenchResult(
         engine=str(engine_dir), config=asdict(cfg),
         model={"model_type": manifest["source"].get("model_type"), "quant": manifest["recipe"].get("quant"),

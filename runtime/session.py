@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from llmc.errors import LlmcError
+from llmc.runtime import spin_policy
 from llmc.runtime.kv_cache import KVPool
 
 # engine.custom_ops values (see llmc.compiler.backends.onnxruntime.CUSTOM_OPS): which custom-op
@@ -58,11 +59,13 @@ class OrtSession:
                                        else ort.GraphOptimizationLevel.ORT_DISABLE_ALL)
         if num_threads:
             so.intra_op_num_threads = num_threads
-        # ORT's pool threads spin between ops by default. Measured here (2 cores shared with other
-        # processes, 110M Llama, 2 threads): decode b1 22.7 tok/s spinning vs 46.5 passive, b8 103 vs 197
-        # (1 thread: 35.9 and 201). Passive by default, as for the kernel's OpenMP threads (see
-        # plugins/paged_attention/cpu.py); LLMC_ORT_SPIN=1 restores spinning (a dedicated, quiet machine).
-        so.add_session_config_entry("session.intra_op.allow_spinning", os.environ.get("LLMC_ORT_SPIN", "0"))
+        # Spin between ops only where the cores are free (runtime/spin_policy.py; LLMC_ORT_SPIN overrides).
+        threads = num_threads or os.cpu_count() or 1
+        try:
+            self.spinning, self.spin_reason = spin_policy.decide(threads)
+        except ValueError as e:
+            raise LlmcError(f"environment variable {e}") from None
+        so.add_session_config_entry("session.intra_op.allow_spinning", "1" if self.spinning else "0")
         so.log_severity_level = 3
         # LLMC_ORT_PROFILE=PREFIX writes ORT's per-node timing trace (PREFIX_<date>.json) when the
         # session ends profiling (end_profiling(), or process exit); benchmarks/profile_engine.py reads it.

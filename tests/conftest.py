@@ -12,6 +12,9 @@ from filelock import FileLock
 # library functions when it is first imported, so this must precede any import of triton (a
 # GPU check runs in its own process: scripts/gpu_check.py).
 os.environ.setdefault("TRITON_INTERPRET", "1")
+# xdist workers share the cores: ORT threads that spin would steal them from each other (see
+# runtime/spin_policy.py, tested on its own in test_spin_policy.py).
+os.environ.setdefault("LLMC_ORT_SPIN", "0")
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_MODEL = REPO / "assets" / "default-model"
