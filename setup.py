@@ -1,5 +1,5 @@
 """Builds the C++ core (CPU paged-attention kernel and its ONNX Runtime custom-op library, KV block
-manager) as part of `pip install`.
+manager, the read-bandwidth probe of `llmc bench`) as part of `pip install`.
 
 Metadata lives in pyproject.toml; only the extension needs code.
 """
@@ -28,6 +28,13 @@ ext_modules = [
         depends=[f"{_PA}/paged_attention_core.h", f"{_PA}/ort_abi.h"],
         language="c++",
         extra_compile_args=["-std=c++17", "-O3", "-fopenmp", "-march=x86-64-v2", "-fvisibility=hidden", "-Wno-psabi"],
+        extra_link_args=["-fopenmp"],
+    ),
+    Pybind11Extension(
+        "llmc.runtime._membench",
+        ["runtime/csrc/membench.cpp"],
+        cxx_std=17,
+        extra_compile_args=["-O3", "-fopenmp", "-march=x86-64-v2", "-Wno-psabi"],
         extra_link_args=["-fopenmp"],
     ),
     Pybind11Extension(

@@ -132,23 +132,33 @@ class BenchResult:
 
 def measure_read_bandwidth(nbytes: int = 1 << 28, repeats: int = 9, threads: int = 1,
                            buffer: np.ndarray | None = None) -> BandwidthProbe:
-    """Read bandwidth in GB/s: ``threads`` threads take the maximum of disjoint slices of a float32 array
-    of ``nbytes`` (8x this machine's L3; numpy releases the GIL in reductions, so the slices are read in
-    parallel). ``max`` rather than ``sum``: numpy's pairwise float sum runs at ~25 GB/s per core even in
-    cache, below this machine's memory bandwidth, while its SIMD max runs at ~100 GB/s, so only memory
-    limits it (measured here it agrees with a C AVX-512 read loop, benchmarks/peers/bw_read.c).
-    Median of ``repeats`` after one untimed pass. Pass ``buffer`` to reuse an array across probes."""
+    """Read bandwidth in GB/s of a float32 array of ``nbytes`` (8x this machine's L3): ``threads`` threads
+    each stream their own slice; median of ``repeats`` after one untimed pass. Pass ``buffer`` to reuse an
+    array across probes. The C++ probe (llmc.runtime._membench: OpenMP threads, SIMD sums, the method of
+    benchmarks/peers/bw_read.c) is used where it was built; else numpy ``max`` over slices from Python
+    threads (numpy releases the GIL in reductions; ``max`` rather than ``sum``, whose pairwise float sum
+    runs at ~25 GB/s per core even in cache), which read ~0.85x of the C loop here."""
     a = buffer if buffer is not None else np.ones(nbytes // 4, dtype=np.float32)
-    parts = np.array_split(a, threads)
-    with ThreadPoolExecutor(threads) as pool:
-        def once() -> float:
-            t = time.perf_counter()
-            list(pool.map(np.max, parts))
-            return time.perf_counter() - t
+    try:
+        from llmc.runtime import _membench
+    except ImportError:
+        _membench = None
+    if _membench is not None:
+        samples = list(_membench.read_bandwidth(a, repeats, threads))
+        method = "C++ OpenMP stream of float32 sums, one slice per thread"
+    else:
+        parts = np.array_split(a, threads)
+        with ThreadPoolExecutor(threads) as pool:
+            def once() -> float:
+                t = time.perf_counter()
+                list(pool.map(np.max, parts))
+                return time.perf_counter() - t
 
-        once()
-        samples = [a.nbytes / once() / 1e9 for _ in range(repeats)]
-    return BandwidthProbe(round(statistics.median(samples), 2), [round(s, 2) for s in samples], a.nbytes, threads)
+            once()
+            samples = [a.nbytes / once() / 1e9 for _ in range(repeats)]
+        method = "numpy float32 max, one slice per thread"
+    return BandwidthProbe(round(statistics.median(samples), 2), [round(s, 2) for s in samples], a.nbytes, threads,
+                          method)
 
 
 def load_average() -> list[float] | None:

@@ -9,7 +9,7 @@ Ratios: llmc / the faster of llama.cpp and ONNX Runtime GenAI at the same precis
 and int4; fp32 vs f32 and fp32), each figure measured in this one run.
 
 Bandwidth cross-check (issue 9: `llmc bench`'s bandwidth fraction agrees with an independent estimate
-within 10%): llmc's fraction = bytes per token from the engine graph x tok/s / numpy read probe (taken by
+within 10%): llmc's fraction = bytes per token from the engine graph x tok/s / read probe (taken by
 `llmc bench` right before and after each decode workload). The independent one = bytes per token from
 the artifact's weight-file size minus the embedding table (vocab x hidden x the stored width, from
 hf_config.json and the recipe) plus the KV from hf_config.json, x the same tok/s / the C AVX-512 read
@@ -186,10 +186,10 @@ def main() -> None:
     # -- bandwidth cross-check -------------------------------------------------------------------
     checks = []
     out("## `llmc bench` bandwidth fraction vs an independent estimate\n")
-    out("llmc: graph bytes per token x tok/s / numpy probe (taken by llmc bench around each decode workload). "
+    out("llmc: graph bytes per token x tok/s / llmc probe (taken by llmc bench around each decode workload). "
         "Independent: (weight-file bytes − embedding table from hf_config) / batch + KV from hf_config, x the "
         "same tok/s / the C probe around the llmc run.\n")
-    out("| engine | workload | llmc bytes/token | independent bytes/token | numpy probe GB/s | C probe GB/s | "
+    out("| engine | workload | llmc bytes/token | independent bytes/token | llmc probe GB/s | C probe GB/s | "
         "llmc fraction | independent fraction | agreement |")
     out("|---|---|---|---|---|---|---|---|---|")
     for prec in ("fp32", "int4"):
@@ -205,25 +205,25 @@ def main() -> None:
             ind = independent_fraction(engines_dir / name, r, row, c_bw)
             agree = row["roofline_fraction"] / ind["fraction"]
             checks.append({"engine": name, "workload": row["workload"], "llmc_bytes_per_token": row["bytes_per_token"],
-                           "llmc_numpy_GBps": row["machine_read_GBps"], "llmc_fraction": row["roofline_fraction"],
+                           "llmc_probe_GBps": row["machine_read_GBps"], "llmc_fraction": row["roofline_fraction"],
                            **{f"independent_{k}": v for k, v in ind.items()}, "agreement": agree,
                            "within_10pct": abs(agree - 1) <= 0.10})
             out(f"| {name} | {row['workload']} | {row['bytes_per_token'] / 1e6:.2f} MB | "
                 f"{ind['bytes_per_token'] / 1e6:.2f} MB | {row['machine_read_GBps']:.1f} | {c_bw:.1f} | "
                 f"{100 * row['roofline_fraction']:.1f}% | {100 * ind['fraction']:.1f}% | {agree:.3f} |")
     out("")
-    # The two probes taken back to back (run.sh's probe(): C first, then llmc bench's numpy probe), so that
+    # The two probes taken back to back (run.sh's probe(): C first, then llmc bench's llmc probe), so that
     # the comparison is at one instant rather than minutes apart on a machine whose bandwidth drifts.
     pairs = [(p["bw_read"]["read_GBps_median"], p["llmc_probe_GBps"]) for p in probes if p.get("llmc_probe_GBps")]
     if pairs:
         ratios = [n / c for c, n in pairs]
         probe_ratio = statistics.median(ratios)
-        out("The same two probes back to back (run.sh, between engines): llmc bench's numpy probe / the C probe = "
+        out("The same two probes back to back (run.sh, between engines): llmc bench's llmc probe / the C probe = "
             f"{probe_ratio:.3f} (median of {len(pairs)} pairs, range {min(ratios):.3f}–{max(ratios):.3f}; C "
             f"{min(c for c, _ in pairs):.1f}–{max(c for c, _ in pairs):.1f} GB/s).\n")
         out("At one instant, then, llmc bench's fraction / the independent fraction = (llmc bytes / independent "
-            "bytes) × (C probe / numpy probe):\n")
-        out("| engine | workload | bytes ratio | probe ratio (C / numpy) | agreement at one instant | within 10% |")
+            "bytes) × (C probe / llmc probe):\n")
+        out("| engine | workload | bytes ratio | probe ratio (C / llmc) | agreement at one instant | within 10% |")
         out("|---|---|---|---|---|---|")
         for c in checks:
             bytes_ratio = c["llmc_bytes_per_token"] / c["independent_bytes_per_token"]

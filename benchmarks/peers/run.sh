@@ -26,7 +26,7 @@ CMDS=$RUN/commands.txt
 [ -f "$R/prompts.json" ] || "$PY" -c "import sys; sys.path.insert(0, '$HERE'); import bench_common as b; b.make_prompts()"
 
 probe() {  # name: load average, the C read-bandwidth probe (2 threads, 1 GiB, 20 passes) and, right after it,
-  # llmc bench's own numpy probe (the pair checks llmc bench's bandwidth figure at one instant) -> $RUN/probe.jsonl
+  # llmc bench's own probe (the pair checks llmc bench's bandwidth figure at one instant) -> $RUN/probe.jsonl
   local bw np
   bw=$(OMP_NUM_THREADS=$T "$R/bw_read" 20)
   np=$(${LLMC_PYTHON:-python3} -c "from llmc.runtime.bench import measure_read_bandwidth as m; \
