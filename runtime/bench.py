@@ -36,6 +36,7 @@ from llmc.runtime.engine import Engine
 from llmc.runtime.sampler import SamplingParams
 
 WORKLOADS = ("prefill", "decode", "stream")
+PROBE_SETTLE_S = 0.25  # idle time before each bandwidth probe (see run())
 
 # Ops whose weight input is read by row (embedding lookups), not streamed whole every step.
 _GATHER_OPS = {"Gather", "GatherND", "GatherElements", "GatherBlockQuantized"}
@@ -387,6 +388,10 @@ def run(engine_dir: str | Path, config: BenchConfig | None = None,
     probe_buf = np.ones((1 << 28) // 4, dtype=np.float32)
 
     def probe() -> BandwidthProbe:
+        # ORT's workers, when they spin, keep spinning for a while after a run and take the probe's cores:
+        # right after a decode workload the probe read 30 GB/s where bw_read read 58 (peers run of
+        # 2026-12-03). Let them go to sleep first.
+        time.sleep(PROBE_SETTLE_S)
         return measure_read_bandwidth(threads=cfg.threads, buffer=probe_buf)
 
     start_probe = probe()
