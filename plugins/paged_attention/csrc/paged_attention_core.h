@@ -176,6 +176,32 @@ LLMC_INLINE float exp_nonpos(float x) {
     return y * __builtin_bit_cast(float, e);
 }
 
+// One block's step of the online softmax of one query head. `s[j0..j1]` holds the block's visible
+// scores (scaled, capped); if their max raises the running max `m`, the running sum `l` and output
+// `acc` (D floats) are rescaled to it; then the scores become weights exp(s - m), in place, and are
+// added to `l`. The caller accumulates weights x V into `acc`.
+LLMC_INLINE void softmax_block(float* __restrict s, int64_t j0, int64_t j1, float& m, float& l,
+                               float* __restrict acc, int64_t D) {
+    float bmax = -std::numeric_limits<float>::infinity();
+    for (int64_t j = j0; j <= j1; ++j) bmax = std::max(bmax, s[j]);
+    if (bmax > m) {
+        const float alpha = std::exp(m - bmax);  // exp(-inf) = 0 on the head's first block
+        l *= alpha;
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) acc[d] *= alpha;
+        m = bmax;
+    }
+    const float mm = m;
+    float lsum = 0.0f;
+#pragma omp simd reduction(+ : lsum)
+    for (int64_t j = j0; j <= j1; ++j) {
+        const float e = exp_nonpos(s[j] - mm);
+        s[j] = e;
+        lsum += e;
+    }
+    l += lsum;
+}
+
 template <typename CacheT>
 LLMC_INLINE void attend_item_impl(const Problem& p, const Item& it, Scratch& sc) {
     constexpr bool kHalf = std::is_same<CacheT, uint16_t>::value;
@@ -269,26 +295,7 @@ LLMC_INLINE void attend_item_impl(const Problem& p, const Item& it, Scratch& sc)
             if (use_cap) {
                 for (j = j0; j <= j1; ++j) sg[j] = softcap * std::tanh(sg[j] / softcap);
             }
-            float bmax = -std::numeric_limits<float>::infinity();
-            for (j = j0; j <= j1; ++j) bmax = std::max(bmax, sg[j]);
-
-            // Online softmax: rescale what we have to the new running max, then accumulate.
-            if (bmax > m[g]) {
-                const float alpha = std::exp(m[g] - bmax);  // exp(-inf) = 0 on the first block
-                l[g] *= alpha;
-#pragma omp simd
-                for (int64_t d = 0; d < D; ++d) ag[d] *= alpha;
-                m[g] = bmax;
-            }
-            const float mg = m[g];
-            float lsum = 0.0f;
-#pragma omp simd reduction(+ : lsum)
-            for (int64_t jj = j0; jj <= j1; ++jj) {
-                const float e = exp_nonpos(sg[jj] - mg);
-                sg[jj] = e;
-                lsum += e;
-            }
-            l[g] += lsum;
+            softmax_block(sg, j0, j1, m[g], l[g], ag, D);
             for (j = j0; j + 3 <= j1; j += 4) {
                 const float p0 = sg[j], p1 = sg[j + 1], p2 = sg[j + 2], p3 = sg[j + 3];
                 const float* __restrict v0 = vb + j * D;
@@ -320,28 +327,6 @@ LLMC_INLINE void attend_item_impl(const Problem& p, const Item& it, Scratch& sc)
         std::memcpy(dst, m, sizeof(float) * G);
         std::memcpy(dst + G, l, sizeof(float) * G);
         std::memcpy(dst + 2 * G, acc, sizeof(float) * G * D);
-    }
-}
-
-// Merge the partial results of one (row, KV head) split into several block ranges.
-void merge_parts(const Problem& p, const Merge& mg) {
-    const int64_t G = p.group, D = p.head_size, stride = G * (D + 2);
-    float* o = p.out + mg.t * (p.num_heads * D) + mg.kvh * G * D;
-    for (int64_t g = 0; g < G; ++g) {
-        float mmax = -std::numeric_limits<float>::infinity();
-        for (int64_t c = 0; c < mg.nparts; ++c) mmax = std::max(mmax, p.partials[(mg.part0 + c) * stride + g]);
-        float lsum = 0.0f;
-        float* og = o + g * D;
-        for (int64_t d = 0; d < D; ++d) og[d] = 0.0f;
-        for (int64_t c = 0; c < mg.nparts; ++c) {
-            const float* part = p.partials + (mg.part0 + c) * stride;
-            const float w = std::exp(part[g] - mmax);
-            lsum += w * part[G + g];
-            const float* ac = part + 2 * G + g * D;
-            for (int64_t d = 0; d < D; ++d) og[d] += w * ac[d];
-        }
-        const float inv = 1.0f / lsum;
-        for (int64_t d = 0; d < D; ++d) og[d] *= inv;
     }
 }
 
@@ -529,24 +514,8 @@ LLMC_INLINE void attend_tile_impl(const Problem& p, const TileItem& it, TileScra
             if (softcap > 0.0f) {
                 for (int64_t j = j0; j <= j1; ++j) sm[j] = softcap * std::tanh(sm[j] / softcap);
             }
-            float bmax = -std::numeric_limits<float>::infinity();
-            for (int64_t j = j0; j <= j1; ++j) bmax = std::max(bmax, sm[j]);
             float* __restrict am = acc + m * D;
-            if (bmax > mrow[m]) {
-                const float alpha = std::exp(mrow[m] - bmax);  // exp(-inf) = 0 on the row's first block
-                lrow[m] *= alpha;
-                for (int64_t d = 0; d < D; d += 8) store8(am + d, load8(am + d) * alpha);
-                mrow[m] = bmax;
-            }
-            const float mm = mrow[m];
-            float lsum = 0.0f;
-#pragma omp simd reduction(+ : lsum)
-            for (int64_t j = j0; j <= j1; ++j) {
-                const float e = exp_nonpos(sm[j] - mm);
-                sm[j] = e;
-                lsum += e;
-            }
-            lrow[m] += lsum;
+            softmax_block(sm, j0, j1, mrow[m], lrow[m], am, D);
             tile_pv(am, sm, vb, D, j0, j1);
         }
     }
@@ -943,7 +912,10 @@ inline void run(const Args& a, int nthreads, bool avx2, const ParallelFor* pf = 
 #pragma omp for schedule(dynamic, 1)
         for (int64_t i = 0; i < n_items; ++i) fn(p, items_p[i], sc);
 #pragma omp for schedule(static)
-        for (int64_t i = 0; i < n_merges; ++i) merge_parts(p, merges_p[i]);
+        for (int64_t i = 0; i < n_merges; ++i) {  // a row's parts are a one-row tile's (same layout)
+            const Merge& mg = merges_p[i];
+            merge_tile_parts(p, {mg.t, 1, mg.kvh, mg.part0 * group * (D + 2), mg.nparts});
+        }
     }
 }
 
