@@ -87,7 +87,9 @@ def _quant_options(f):
                      help="INT4 CPU compute (ONNX Runtime MatMulNBits): 4 = int8 activations (fastest), "
                           "1 = fp32."),
         click.option("--kv-cache-dtype", "quant_kv_cache_dtype", default=None, metavar="DTYPE",
-                     help="KV cache format: fp8 (per-layer scales from calibration; emulated on the CPU)."),
+                     help="KV cache format: fp16 (half the cache memory and decode reads; native on the CPU) "
+                          "or fp8 (per-layer scales from calibration; emulated on the CPU) [default: the "
+                          "model's compute dtype]."),
         click.option("--calib-data", "quant_calib_data", default=None, type=click.Path(path_type=Path),
                      help="Calibration text: a plain-text file, or JSONL with a \"text\" field per line "
                           "[default: built-in pydoc text]."),

@@ -110,7 +110,7 @@ def _check_gpu_request(options: BuildOptions, target: Target) -> BuildOptions:
     from llmc.compiler.backends import tensorrt as trt_backend
 
     trt_backend.default_profile(options.max_batch_size, options.max_num_tokens, options.max_seq_len, None)
-    if options.quant.kv_cache_dtype is not None and target.backend == "tensorrt_rtx":
+    if options.quant.kv_cache_dtype not in (None, "fp16") and target.backend == "tensorrt_rtx":
         raise UnsupportedError(f"--kv-cache-dtype {options.quant.kv_cache_dtype}: {target.flag} builds with TensorRT "
                                "for RTX, whose KV-cache update layer stores float16/bfloat16/float32 caches only; "
                                "leave --kv-cache-dtype out (KV cache in float16)")
@@ -279,7 +279,9 @@ def _compile(ckpt: Checkpoint, digest: str, plan: _Plan, dest: Path, say: Progre
         "kv_cache": {
             "layout": KV_LAYOUT,
             "block_size": options.block_size,
-            "dtype": traced.compute_dtype,
+            # --kv-cache-dtype fp16 stores the CPU cache as float16 (the kernel converts on write and read);
+            # fp8 is emulated in the graph and keeps the compute dtype here.
+            "dtype": "float16" if options.quant.kv_cache_dtype == "fp16" else traced.compute_dtype,
             "num_layers": traced.num_layers,
             "num_kv_heads": traced.num_kv_heads,
             "head_size": traced.head_size,
@@ -296,9 +298,12 @@ def _compile(ckpt: Checkpoint, digest: str, plan: _Plan, dest: Path, say: Progre
         fields["toolchain"] = {**fields["toolchain"], **trt_backend.toolchain(target.backend)}
     manifest = artifact.seal(dest, fields)
     if qstage is not None:  # score the sealed engine against the unquantized graph, then re-seal with the figures
+        # The reference is the unquantized graph with the cache in the compute dtype (--kv-cache-dtype is scored).
+        reference_fields = {**cpu_fields, "kv_cache": {**cpu_fields["kv_cache"], "dtype": traced.compute_dtype}}
+
         def emit_reference(model, where: Path) -> None:
             ort_backend.emit(model, where, options.attention)
-            artifact.seal(where, cpu_fields)
+            artifact.seal(where, reference_fields)
 
         with tempfile.TemporaryDirectory(prefix="llmc-quantized-cpu-") as cpu_dir:
             if gpu:  # a GPU engine cannot run here: score the same quantized graph on the CPU

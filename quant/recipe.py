@@ -37,7 +37,9 @@ FORMATS: dict[str, Format] = {f.name: f for f in [
 ]}
 EMBEDDING_FORMATS = ("int8", "int4", "none")
 LM_HEAD_FORMATS = ("int8", "int4", "none")
-KV_CACHE_DTYPES = {"fp8": "8.9"}  # KV-cache format -> oldest compute capability that runs it
+# KV-cache format -> oldest compute capability that runs it. fp16 is stored natively everywhere: on the
+# CPU the cache holds float16 (half the memory and the bytes each decode step reads, converted on read).
+KV_CACHE_DTYPES = {"fp8": "8.9", "fp16": "8.0"}
 
 # Which target to suggest when one cannot run a format, in order of preference.
 _SUGGEST = {"fp8": ("h100", "l40s"), "nvfp4": ("b200", "rtx5090")}
@@ -79,7 +81,7 @@ class QuantRecipe:
     def needs_calibration(self) -> bool:
         """AWQ/GPTQ need activation statistics, FP8/NVFP4 activation scales and the FP8 KV cache need ranges."""
         fmt = self.format
-        return self.kv_cache_dtype is not None or (fmt is not None and (fmt.algorithm != "rtn" or fmt.family != "int4"))
+        return self.kv_cache_dtype == "fp8" or (fmt is not None and (fmt.algorithm != "rtn" or fmt.family != "int4"))
 
 
 def validate(recipe: QuantRecipe) -> None:
@@ -133,7 +135,7 @@ def check_target(recipe: QuantRecipe, target_name: str, targets: dict) -> list[s
                 f"--quant {fmt.name}: ONNX Runtime has no CPU kernels for {fmt.family.upper()}; the CPU engine "
                 "emulates it (weights stored quantized and decoded for the matmul, activations quantized and "
                 "dequantized), so it measures the format's accuracy, not its speed")
-        if recipe.kv_cache_dtype is not None:
+        if recipe.kv_cache_dtype == "fp8":
             warnings.append(
                 f"--kv-cache-dtype {recipe.kv_cache_dtype}: emulated on the CPU (K/V are rounded to FP8 with "
                 "per-layer scales before they enter the cache, which stays in the compute dtype)")

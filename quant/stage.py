@@ -182,7 +182,7 @@ class QuantStage:
             "symmetric": r.symmetric, "kv_cache_dtype": r.kv_cache_dtype, "embeddings": r.embeddings,
             "int4_accuracy_level": r.int4_accuracy_level,
             "algorithm": r.format.algorithm if r.format else None,
-            "emulated_on_cpu": bool((r.format and not r.format.cpu_native) or r.kv_cache_dtype),
+            "emulated_on_cpu": bool((r.format and not r.format.cpu_native) or r.kv_cache_dtype == "fp8"),
             "graph": {k: v for k, v in self.stats.items() if isinstance(v, int)},
         }}
         if self.calibration is not None:

@@ -95,6 +95,32 @@ def test_quantized_build_reports_accuracy_and_gates_it(tmp_path, tiny_llama):
     assert not (tmp_path / "gated").exists() and not list(tmp_path.glob(".gated.tmp-*"))
 
 
+def test_fp16_kv_cache_halves_the_pool_and_reports_its_accuracy(tmp_path, tiny_llama, tiny_engine):
+    """--kv-cache-dtype fp16 on the CPU: a float16 pool (native, no emulation warning), an accuracy report
+    against the float32-cache graph, and logits that differ from the float32 engine by fp16 rounding only."""
+    out = tmp_path / "kv16"
+    rc, stdout, err = _llmc("build", tiny_llama, "-o", out, "--cache-dir", tmp_path / "cache", "--json",
+                            "--kv-cache-dtype", "fp16")
+    assert rc == 0, err
+    assert "emulated" not in err
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["kv_cache"]["dtype"] == "float16"
+    assert manifest["recipe"]["quant"]["kv_cache_dtype"] == "fp16"
+    acc = json.loads(stdout)["accuracy"]
+    assert 0 < acc["kl_mean"] < 1e-3 and acc["top1_agreement"] > 0.99
+    q = json.loads((out / "report.json").read_text())["quantization"]
+    assert q["kv_cache_dtype"] == "fp16" and q["emulated_on_cpu"] is False and "calibration" not in q
+
+    from llmc.runtime import Engine
+
+    half, full = Engine.load(out), Engine.load(tiny_engine)
+    assert half._pool.layers[0][0].dtype == np.float16 and full._pool.layers[0][0].dtype == np.float32
+    ids = np.random.default_rng(3).integers(4, half.vocab_size, 90).tolist()
+    a, b = half.score(ids), full.score(ids)
+    diff = np.abs(a - b).max()
+    assert 0 < diff < 5e-2 * np.abs(b).max(), diff
+
+
 @pytest.mark.parametrize("quant", ["int4-awq", "int4-gptq"])
 def test_same_seed_calibration_gives_byte_identical_weights(tiny_llama, quant):
     from llmc.compiler.checkpoint import load_checkpoint
