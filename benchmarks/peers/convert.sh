@@ -31,9 +31,10 @@ done
 want gguf-f32 "$O/gguf/model-f32.gguf" && run "$PY" "$HERE/convert_gguf.py" "$HF" "$O/gguf/model-f32.gguf" f32
 want gguf-q4_0 "$O/gguf/model-q4_0.gguf" && \
   run "$R/llama-build/bin/llama-quantize" "$O/gguf/model-f32.gguf" "$O/gguf/model-q4_0.gguf" Q4_0 2
-# llmc: the product's own command, as a user runs it (fp32; int4 = RTN, group 128, MatMulNBits int8 compute)
+# llmc: the product's own command, as a user runs it (fp32; int4 = RTN, group 128, MatMulNBits int8 compute,
+# with a float16 KV cache as llama.cpp keeps by default; ORT GenAI's CPU int4 model keeps float32)
 want llmc-fp32 "$O/llmc-fp32/manifest.json" && run $LLMC build "$HF" --target cpu -o "$O/llmc-fp32" --force -q
 want llmc-int4 "$O/llmc-int4/manifest.json" && \
-  run $LLMC build "$HF" --target cpu --quant int4 -o "$O/llmc-int4" --force -q
+  run $LLMC build "$HF" --target cpu --quant int4 --kv-cache-dtype fp16 -o "$O/llmc-int4" --force -q
 du -sh "$O"/* | tee -a "$LOG"
 echo "convert $TAG done"
