@@ -12,8 +12,8 @@ Bandwidth cross-check (issue 9: `llmc bench`'s bandwidth fraction agrees with an
 within 10%): llmc's fraction = bytes per token from the engine graph x tok/s / read probe (taken by
 `llmc bench` right before and after each decode workload). The independent one = bytes per token from
 the artifact's weight-file size minus the embedding table (vocab x hidden x the stored width, from
-hf_config.json and the recipe) plus the KV from hf_config.json, x the same tok/s / the C AVX-512 read
-probe (bw_read.c, 2 threads) taken right before and after the llmc run.
+hf_config.json and the recipe) plus the KV from hf_config.json (element width from the manifest), x the
+same tok/s / the C AVX-512 read probe (bw_read.c, 2 threads) taken right before and after the llmc run.
 """
 
 from __future__ import annotations
@@ -80,7 +80,9 @@ def independent_fraction(engine_dir: Path, res: dict, row: dict, bw: float) -> d
     width = EMBED_BYTES.get(emb_fmt) or {"float32": 4.0, "float16": 2.0, "bfloat16": 2.0}[
         manifest["recipe"].get("compute_dtype", "float32")]
     embedding = vocab * hidden * width
-    kv = 2 * hf["num_hidden_layers"] * hf["num_key_value_heads"] * head_dim * 4
+    # The cache's element width is the artifact's (manifest kv_cache.dtype: --kv-cache-dtype fp16 halves it).
+    kv_width = {"float32": 4, "float16": 2, "bfloat16": 2}[manifest.get("kv_cache", {}).get("dtype", "float32")]
+    kv = 2 * hf["num_hidden_layers"] * hf["num_key_value_heads"] * head_dim * kv_width
     b = row["batch"]
     mean_ctx = row["input_len"] + row["output_len"] / 2
     per_token = (files - embedding) / b + kv * mean_ctx

@@ -20,8 +20,9 @@ namespace {
 typedef float v8f __attribute__((vector_size(32)));
 typedef float v8fu __attribute__((vector_size(32), aligned(4), may_alias));
 
-// Sum of n floats (n a multiple of 32) with four independent accumulators.
-float stream_sum(const float* a, int64_t n) {
+// Sum of n floats (n a multiple of 32) with four independent accumulators. Cloned for AVX-512 and AVX2
+// (picked at load time): the x86-64-v2 build alone read ~45 GB/s where bw_read's AVX-512 loop read 60-74.
+__attribute__((target_clones("avx512f", "avx2", "default"))) float stream_sum(const float* a, int64_t n) {
     v8f s0 = {}, s1 = {}, s2 = {}, s3 = {};
     for (int64_t i = 0; i < n; i += 32) {
         s0 += *reinterpret_cast<const v8fu*>(a + i);
