@@ -225,8 +225,23 @@ LLMC_INLINE void softmax_block(float* __restrict s, int64_t j0, int64_t j1, floa
     l += lsum;
 }
 
+// Ask for one (block, KV head)'s K and V rows ahead of use. Blocks are scattered in memory and, in a
+// real step, cold (the weights evicted every layer's cache since the last step). One block ahead:
+// fetching 2 or 4 ahead measured 5-15% slower on cold caches (30 layers' pools cycled, decode b1-b32).
 template <typename CacheT>
-LLMC_INLINE void attend_item_impl(const Problem& p, const Item& it, Scratch& sc) {
+LLMC_INLINE void prefetch_block(const Problem& p, int64_t block, int64_t kvh, const CacheT* kc, const CacheT* vc) {
+    const int64_t at = ((block * p.num_kv_heads + kvh) * p.block_size) * p.head_size;
+    const char* kn = reinterpret_cast<const char*>(kc + at);
+    const char* vn = reinterpret_cast<const char*>(vc + at);
+    const int64_t bytes = p.block_size * p.head_size * static_cast<int64_t>(sizeof(CacheT));
+    for (int64_t off = 0; off < bytes; off += 64) {
+        __builtin_prefetch(kn + off);
+        __builtin_prefetch(vn + off);
+    }
+}
+
+template <typename CacheT>
+LLMC_INLINE void attend(const Problem& p, const Item& it, Scratch& sc) {
     constexpr bool kHalf = std::is_same<CacheT, uint16_t>::value;
     const int64_t D = p.head_size, bs = p.block_size, G = p.group;
     const float* __restrict q = p.query + it.t * p.q_row + it.kvh * G * D;  // the group's heads are adjacent
@@ -253,16 +268,7 @@ LLMC_INLINE void attend_item_impl(const Problem& p, const Item& it, Scratch& sc)
         const int64_t j0 = std::max<int64_t>(lo - bi * bs, 0);
         const int64_t j1 = std::min<int64_t>(hi - bi * bs, bs - 1);  // inclusive
 
-        if (bi + 1 < it.b_end) {  // blocks are scattered in memory: fetch the next one ahead
-            const int64_t next = ((bt[bi + 1] * p.num_kv_heads + it.kvh) * bs) * D;
-            const char* kn = reinterpret_cast<const char*>(kc + next);
-            const char* vn = reinterpret_cast<const char*>(vc + next);
-            const int64_t bytes = bs * D * static_cast<int64_t>(sizeof(CacheT));
-            for (int64_t off = 0; off < bytes; off += 64) {
-                __builtin_prefetch(kn + off);
-                __builtin_prefetch(vn + off);
-            }
-        }
+        if (bi + 1 < it.b_end) prefetch_block(p, bt[bi + 1], it.kvh, kc, vc);
 
         const float* __restrict kb;
         const float* __restrict vb;
@@ -370,9 +376,6 @@ typedef float v8fu __attribute__((vector_size(32), aligned(4), may_alias));
 typedef int32_t v8i __attribute__((vector_size(32)));
 
 constexpr int64_t kTileQueries = 32;
-// How far ahead the next blocks are prefetched; 2 and 4 measured 5-15% slower than 1 on cold caches
-// (30 layers' pools cycled, decode b1-b32), 1 already keeps the loads ahead of the arithmetic.
-constexpr int64_t kPrefetchBlocks = 1;
 
 LLMC_INLINE v8f load8(const float* p) { return *reinterpret_cast<const v8fu*>(p); }
 LLMC_INLINE void store8(float* p, v8f v) { *reinterpret_cast<v8fu*>(p) = v; }
@@ -450,19 +453,12 @@ struct TileMerge {
     int64_t t0, nrows, kvh, off0, nparts;  // parts are nrows * group * (D + 2) floats each, adjacent
 };
 
-struct TileScratch {
+struct TileScratch {  // sized by thread_tile_scratch()
     std::vector<float> q, s, acc, m, l, ktile, vtile;
-    TileScratch(int64_t max_q, int64_t d, int64_t bs, bool half)
-        : q(max_q * d), s(max_q * bs), acc(max_q * d), m(max_q), l(max_q) {
-        if (half) {
-            ktile.resize(static_cast<size_t>(bs * d));
-            vtile.resize(static_cast<size_t>(bs * d));
-        }
-    }
 };
 
 template <typename CacheT>
-LLMC_INLINE void attend_tile_impl(const Problem& p, const TileItem& it, TileScratch& sc) {
+LLMC_INLINE void attend(const Problem& p, const TileItem& it, TileScratch& sc) {
     constexpr bool kHalf = std::is_same<CacheT, uint16_t>::value;
     const int64_t D = p.head_size, bs = p.block_size, G = p.group, M = it.nrows * G;
     const int64_t* bt = p.block_tables + it.seq * p.bt_row;
@@ -494,19 +490,7 @@ LLMC_INLINE void attend_tile_impl(const Problem& p, const TileItem& it, TileScra
         if (r_lo >= r_hi) continue;
 
         const int64_t base = ((bt[bi] * p.num_kv_heads + it.kvh) * bs) * D;
-        // Blocks are scattered in memory and, in a real step, cold (the weights evicted every layer's
-        // cache since the last step): ask for the next blocks while this one is computed.
-        for (int64_t ahead = bi == it.b_begin ? 1 : kPrefetchBlocks; ahead <= kPrefetchBlocks; ++ahead) {
-            if (bi + ahead >= it.b_end) break;
-            const int64_t next = ((bt[bi + ahead] * p.num_kv_heads + it.kvh) * bs) * D;
-            const char* kn = reinterpret_cast<const char*>(kc + next);
-            const char* vn = reinterpret_cast<const char*>(vc + next);
-            const int64_t bytes = bs * D * static_cast<int64_t>(sizeof(CacheT));
-            for (int64_t off = 0; off < bytes; off += 64) {
-                __builtin_prefetch(kn + off);
-                __builtin_prefetch(vn + off);
-            }
-        }
+        if (bi + 1 < it.b_end) prefetch_block(p, bt[bi + 1], it.kvh, kc, vc);
         const float* kb;
         const float* vb;
         if constexpr (kHalf) {
@@ -574,28 +558,23 @@ void merge_tile_parts(const Problem& p, const TileMerge& mg) {
     }
 }
 
-using TileFn = void (*)(const Problem&, const TileItem&, TileScratch&);
-
-void tile_f32_base(const Problem& p, const TileItem& i, TileScratch& s) { attend_tile_impl<float>(p, i, s); }
-void tile_f16_base(const Problem& p, const TileItem& i, TileScratch& s) { attend_tile_impl<uint16_t>(p, i, s); }
-__attribute__((target("avx2,fma"))) void tile_f32_avx2(const Problem& p, const TileItem& i, TileScratch& s) {
-    attend_tile_impl<float>(p, i, s);
-}
-__attribute__((target("avx2,fma"))) void tile_f16_avx2(const Problem& p, const TileItem& i, TileScratch& s) {
-    attend_tile_impl<uint16_t>(p, i, s);
+// Each path's attention loop compiled twice: for the x86-64-v2 baseline and for AVX2+FMA.
+template <typename CacheT, typename ItemT, typename ScratchT>
+void attend_base(const Problem& p, const ItemT& i, ScratchT& s) { attend<CacheT>(p, i, s); }
+template <typename CacheT, typename ItemT, typename ScratchT>
+__attribute__((target("avx2,fma"))) void attend_avx2(const Problem& p, const ItemT& i, ScratchT& s) {
+    attend<CacheT>(p, i, s);
 }
 
-using ItemFn = void (*)(const Problem&, const Item&, Scratch&);
+template <typename ItemT, typename ScratchT>
+using AttendFn = void (*)(const Problem&, const ItemT&, ScratchT&);
 
-void item_f32_base(const Problem& p, const Item& i, Scratch& s) { attend_item_impl<float>(p, i, s); }
-void item_f16_base(const Problem& p, const Item& i, Scratch& s) { attend_item_impl<uint16_t>(p, i, s); }
-__attribute__((target("avx2,fma"))) void item_f32_avx2(const Problem& p, const Item& i, Scratch& s) {
-    attend_item_impl<float>(p, i, s);
+// The loop for this call's cache type (float16 or float32) and instruction set.
+template <typename ItemT, typename ScratchT>
+AttendFn<ItemT, ScratchT> pick_attend(bool half, bool avx2) {
+    if (half) return avx2 ? attend_avx2<uint16_t, ItemT, ScratchT> : attend_base<uint16_t, ItemT, ScratchT>;
+    return avx2 ? attend_avx2<float, ItemT, ScratchT> : attend_base<float, ItemT, ScratchT>;
 }
-__attribute__((target("avx2,fma"))) void item_f16_avx2(const Problem& p, const Item& i, Scratch& s) {
-    attend_item_impl<uint16_t>(p, i, s);
-}
-
 
 bool cpu_has_avx2_fma() {
     __builtin_cpu_init();
@@ -603,8 +582,11 @@ bool cpu_has_avx2_fma() {
 }
 
 bool cpu_has_f16c() {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("f16c");
+    static const bool has = [] {
+        __builtin_cpu_init();
+        return __builtin_cpu_supports("f16c") != 0;
+    }();
+    return has;
 }
 
 // Below this much work (attended positions x query heads x head size, ~50 µs on one core of the
@@ -667,9 +649,10 @@ struct ParallelFor {
     void* self;
 };
 
-// This thread's tile scratch, grown to at least the given sizes (reused across calls).
+// This thread's tile scratch, grown to at least the given sizes (reused across calls, so a step
+// allocates nothing on either the OpenMP or the ONNX Runtime pool path).
 TileScratch& thread_tile_scratch(int64_t max_q, int64_t d, int64_t bs, bool half) {
-    thread_local TileScratch sc(0, 0, 0, false);
+    thread_local TileScratch sc;
     auto grow = [](std::vector<float>& v, int64_t n) {
         if (static_cast<int64_t>(v.size()) < n) v.resize(static_cast<size_t>(n));
     };
@@ -773,21 +756,23 @@ inline void run(const Args& a, int nthreads, bool avx2, const ParallelFor* pf = 
     int64_t n_parts = 0;
     // The tiled path (below) serves head and block sizes that are multiples of 8.
     const bool tiled = D % 8 == 0 && block_size % 8 == 0;
-    if (!tiled) items.reserve(static_cast<size_t>(base_items));
-    for (const Row& r : (tiled ? std::vector<Row>{} : rows)) {
-        const int64_t lo = sliding_window > 0 ? std::max<int64_t>(0, r.pos - sliding_window + 1) : 0;
-        const int64_t b_lo = lo / block_size, b_hi = r.pos / block_size + 1;  // [b_lo, b_hi)
-        const int64_t nblk = b_hi - b_lo;
-        const int64_t nchunks = std::max<int64_t>(1, std::min(want_splits, nblk / min_chunk_blocks));
-        for (int64_t kvh = 0; kvh < num_kv_heads; ++kvh) {
-            if (nchunks == 1) {
-                items.push_back({r.t, r.seq, r.pos, kvh, b_lo, b_hi, -1});
-                continue;
-            }
-            merges.push_back({r.t, kvh, n_parts, nchunks});
-            for (int64_t c = 0; c < nchunks; ++c) {
-                items.push_back({r.t, r.seq, r.pos, kvh, b_lo + nblk * c / nchunks, b_lo + nblk * (c + 1) / nchunks,
-                                 n_parts++});
+    if (!tiled) {  // per-row items: the path for other head and block sizes
+        items.reserve(static_cast<size_t>(base_items));
+        for (const Row& r : rows) {
+            const int64_t lo = sliding_window > 0 ? std::max<int64_t>(0, r.pos - sliding_window + 1) : 0;
+            const int64_t b_lo = lo / block_size, b_hi = r.pos / block_size + 1;  // [b_lo, b_hi)
+            const int64_t nblk = b_hi - b_lo;
+            const int64_t nchunks = std::max<int64_t>(1, std::min(want_splits, nblk / min_chunk_blocks));
+            for (int64_t kvh = 0; kvh < num_kv_heads; ++kvh) {
+                if (nchunks == 1) {
+                    items.push_back({r.t, r.seq, r.pos, kvh, b_lo, b_hi, -1});
+                    continue;
+                }
+                merges.push_back({r.t, kvh, n_parts, nchunks});
+                for (int64_t c = 0; c < nchunks; ++c) {
+                    items.push_back({r.t, r.seq, r.pos, kvh, b_lo + nblk * c / nchunks,
+                                     b_lo + nblk * (c + 1) / nchunks, n_parts++});
+                }
             }
         }
     }
@@ -858,7 +843,7 @@ inline void run(const Args& a, int nthreads, bool avx2, const ParallelFor* pf = 
     const int64_t k_row = a.k_row, v_row = a.v_row;
     void* kc_p = a.k_cache;
     void* vc_p = a.v_cache;
-    const ItemFn fn = half ? (avx2 ? item_f16_avx2 : item_f16_base) : (avx2 ? item_f32_avx2 : item_f32_base);
+    const auto fn = pick_attend<Item, Scratch>(half, avx2);
     const int64_t n_items = static_cast<int64_t>(items.size());
     const int64_t n_merges = static_cast<int64_t>(merges.size());
     const Item* items_p = items.data();
@@ -892,7 +877,7 @@ inline void run(const Args& a, int nthreads, bool avx2, const ParallelFor* pf = 
 
     // 2. Attend.
     if (tiled) {
-        const TileFn tfn = half ? (avx2 ? tile_f16_avx2 : tile_f16_base) : (avx2 ? tile_f32_avx2 : tile_f32_base);
+        const auto tfn = pick_attend<TileItem, TileScratch>(half, avx2);
         const int64_t n_tiles = static_cast<int64_t>(tiles.size());
         const int64_t n_tmerges = static_cast<int64_t>(tile_merges.size());
         const TileItem* tiles_p = tiles.data();
@@ -903,7 +888,7 @@ inline void run(const Args& a, int nthreads, bool avx2, const ParallelFor* pf = 
                 const Problem* p;
                 const TileItem* tiles;
                 const TileMerge* merges;
-                TileFn fn;
+                AttendFn<TileItem, TileScratch> fn;
                 int64_t max_q, D, bs;
                 bool half;
             } w{&p, tiles_p, tmerges_p, tfn, max_q, D, block_size, half};
@@ -921,7 +906,7 @@ inline void run(const Args& a, int nthreads, bool avx2, const ParallelFor* pf = 
         }
 #pragma omp parallel num_threads(nthreads) if (parallel)
         {
-            TileScratch sc(max_q, D, block_size, half);
+            TileScratch& sc = thread_tile_scratch(max_q, D, block_size, half);
 #pragma omp for schedule(dynamic, 1)
             for (int64_t i = 0; i < n_tiles; ++i) tfn(p, tiles_p[i], sc);
 #pragma omp for schedule(static)
