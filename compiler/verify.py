@@ -68,7 +68,7 @@ def run_graph(model: ir.Model, feeds: dict[str, np.ndarray], pool) -> np.ndarray
     ort_backend.lower(copy, "native")
     # Run the graph as written: ORT's own rewrites would blur which pass changed what.
     session = OrtSession(ir.serde.serialize_model(copy).SerializeToString(), custom_ops=custom_ops,
-                         optimize=False)
+                         optimize=False, spin=False)
     layers = [(k.copy(), v.copy()) for k, v in pool]
     names = set(session.input_names)
     return session.run({k: v for k, v in feeds.items() if k in names}, layers)

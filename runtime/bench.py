@@ -25,7 +25,6 @@ import os
 import statistics
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -112,7 +111,7 @@ class BandwidthProbe:
     samples: list[float]
     nbytes: int
     threads: int
-    method: str = "numpy float32 max, one slice per thread"
+    method: str = "C++ OpenMP stream of float32 sums, one slice per thread"
 
 
 @dataclass
@@ -135,31 +134,13 @@ def measure_read_bandwidth(nbytes: int = 1 << 28, repeats: int = 9, threads: int
                            buffer: np.ndarray | None = None) -> BandwidthProbe:
     """Read bandwidth in GB/s of a float32 array of ``nbytes`` (8x this machine's L3): ``threads`` threads
     each stream their own slice; median of ``repeats`` after one untimed pass. Pass ``buffer`` to reuse an
-    array across probes. The C++ probe (llmc.runtime._membench: OpenMP threads, SIMD sums, the method of
-    benchmarks/peers/bw_read.c) is used where it was built; else numpy ``max`` over slices from Python
-    threads (numpy releases the GIL in reductions; ``max`` rather than ``sum``, whose pairwise float sum
-    runs at ~25 GB/s per core even in cache), which read ~0.85x of the C loop here."""
-    a = buffer if buffer is not None else np.ones(nbytes // 4, dtype=np.float32)
-    try:
-        from llmc.runtime import _membench
-    except ImportError:
-        _membench = None
-    if _membench is not None:
-        samples = list(_membench.read_bandwidth(a, repeats, threads))
-        method = "C++ OpenMP stream of float32 sums, one slice per thread"
-    else:
-        parts = np.array_split(a, threads)
-        with ThreadPoolExecutor(threads) as pool:
-            def once() -> float:
-                t = time.perf_counter()
-                list(pool.map(np.max, parts))
-                return time.perf_counter() - t
+    array across probes. The probe is C++ (llmc.runtime._membench, the method of benchmarks/peers/bw_read.c):
+    a numpy reduction from Python threads read ~0.85x of that C loop here."""
+    from llmc.runtime import _membench
 
-            once()
-            samples = [a.nbytes / once() / 1e9 for _ in range(repeats)]
-        method = "numpy float32 max, one slice per thread"
-    return BandwidthProbe(round(statistics.median(samples), 2), [round(s, 2) for s in samples], a.nbytes, threads,
-                          method)
+    a = buffer if buffer is not None else np.ones(nbytes // 4, dtype=np.float32)
+    samples = list(_membench.read_bandwidth(a, repeats, threads))
+    return BandwidthProbe(round(statistics.median(samples), 2), [round(s, 2) for s in samples], a.nbytes, threads)
 
 
 def load_average() -> list[float] | None:

@@ -126,7 +126,7 @@ class Engine:
         self.max_model_len = _max_model_len(path, manifest)
         self.vocab_size = int(manifest["engine"]["vocab_size"])
         # Whether ORT's threads spin between ops, and why (runtime/spin_policy.py).
-        self.threads_spin: tuple[bool, str] = (getattr(session, "spinning", False), getattr(session, "spin_reason", ""))
+        self.threads_spin: tuple[bool, str] = (session.spinning, session.spin_reason)
         # longrope engines take each token's sequence length, which selects its rotary factors.
         self._rope_lengths = "rope_lengths" in manifest["engine"].get("inputs", ())
         self.scheduler = Scheduler(config, blocks)

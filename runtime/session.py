@@ -30,11 +30,13 @@ class OrtSession:
 
     ``model`` is an ONNX file (its external weights beside it) or serialized ONNX bytes;
     ``custom_ops`` names the library its PagedAttention nodes need (:data:`NATIVE` or :data:`PYOP`).
-    ``optimize=False`` runs the graph as written (no ORT graph rewrites).
+    ``optimize=False`` runs the graph as written (no ORT graph rewrites). ``spin``: whether ORT's threads
+    spin between ops; None (serving) decides by :mod:`llmc.runtime.spin_policy`, which samples the CPU
+    load for 0.1 s, so one-off sessions (pass verification) pass False.
     """
 
     def __init__(self, model: Path | bytes, num_threads: int | None = None, custom_ops: str = NATIVE,
-                 optimize: bool = True) -> None:
+                 optimize: bool = True, spin: bool | None = None) -> None:
         import onnxruntime as ort
 
         if custom_ops == NATIVE:
@@ -60,11 +62,13 @@ class OrtSession:
         if num_threads:
             so.intra_op_num_threads = num_threads
         # Spin between ops only where the cores are free (runtime/spin_policy.py; LLMC_ORT_SPIN overrides).
-        threads = num_threads or os.cpu_count() or 1
-        try:
-            self.spinning, self.spin_reason = spin_policy.decide(threads)
-        except ValueError as e:
-            raise LlmcError(f"environment variable {e}") from None
+        if spin is None:
+            try:
+                self.spinning, self.spin_reason = spin_policy.decide(num_threads or os.cpu_count() or 1)
+            except ValueError as e:
+                raise LlmcError(f"environment variable {e}") from None
+        else:
+            self.spinning, self.spin_reason = spin, "set by the caller"
         so.add_session_config_entry("session.intra_op.allow_spinning", "1" if self.spinning else "0")
         so.log_severity_level = 3
         # LLMC_ORT_PROFILE=PREFIX writes ORT's per-node timing trace (PREFIX_<date>.json) when the
