@@ -117,8 +117,11 @@ def test_fp16_kv_cache_halves_the_pool_and_reports_its_accuracy(tmp_path, tiny_l
     assert half._pool.layers[0][0].dtype == np.float16 and full._pool.layers[0][0].dtype == np.float32
     ids = np.random.default_rng(3).integers(4, half.vocab_size, 90).tolist()
     a, b = half.score(ids), full.score(ids)
+    # float16 keeps 11 significant bits (relative rounding 2^-11 ~ 4.9e-4 per K/V element); through this
+    # model's 2 layers the logits moved by 0.9e-3 to 1.7e-3 of their largest magnitude over 5 random
+    # sequences, so 1e-2 leaves ~6x headroom while a wrong position or unconverted cache is off by O(1).
     diff = np.abs(a - b).max()
-    assert 0 < diff < 5e-2 * np.abs(b).max(), diff
+    assert 0 < diff < 1e-2 * np.abs(b).max(), diff
 
 
 @pytest.mark.parametrize("quant", ["int4-awq", "int4-gptq"])
