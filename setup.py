@@ -25,7 +25,7 @@ ext_modules = [
     Extension(
         "llmc.plugins.paged_attention._ort_ops",
         [f"{_PA}/ort_paged_attention.cpp"],
-        depends=[f"{_PA}/paged_attention_core.h", f"{_PA}/ort_abi.h"],
+        depends=[f"{_PA}/paged_attention_core.h", f"{_PA}/ort_abi.h", "plugins/int4_matmul/csrc/int4_matmul_core.h"],
         language="c++",
         extra_compile_args=["-std=c++17", "-O3", "-fopenmp", "-march=x86-64-v2", "-fvisibility=hidden", "-Wno-psabi"],
         extra_link_args=["-fopenmp"],

@@ -83,8 +83,12 @@ def _quant_options(f):
         click.option("--lm-head", "quant_lm_head", default="int8", show_default=True,
                      type=click.Choice(["int8", "int4", "none"]),
                      help="With int4 formats: how the output projection is stored (none = unquantized)."),
+        click.option("--int4-kernel", "quant_int4_kernel", default="llmc", show_default=True,
+                     type=click.Choice(["llmc", "mlas"]),
+                     help="CPU kernel for INT4 linears: llmc (llmc's Int4MatMul: int8 activations, integer dot "
+                          "products, AVX-512 VNNI / AVX2) or mlas (ONNX Runtime's MatMulNBits)."),
         click.option("--int4-accuracy-level", "quant_int4_accuracy_level", default=4, show_default=True,
-                     help="INT4 CPU compute (ONNX Runtime MatMulNBits): 4 = int8 activations (fastest), "
+                     help="With --int4-kernel mlas: MatMulNBits' compute, 4 = int8 activations (fastest), "
                           "1 = fp32."),
         click.option("--kv-cache-dtype", "quant_kv_cache_dtype", default=None, metavar="DTYPE",
                      help="KV cache format: fp16 (half the cache memory and decode reads; native on the CPU) "

@@ -2,8 +2,10 @@
 
 CPU forms, by format:
 
-- ``int4*``: ``MatMul(x, W)`` → ``com.microsoft.MatMulNBits(x, B, scales[, zero_points])``, ONNX
-  Runtime's native 4-bit kernel. AWQ input scales fold into the RMSNorm weight in front, into the
+- ``int4*``: ``MatMul(x, W)`` → ``llmc.Int4MatMul(x, W, scales, mins)``, llmc's own 4-bit kernel in its
+  native custom-op library (:mod:`llmc.plugins.int4_matmul`; the default, ``--int4-kernel llmc``), or
+  ``com.microsoft.MatMulNBits(x, B, scales[, zero_points])``, ONNX Runtime's (``--int4-kernel mlas``).
+  AWQ input scales fold into the RMSNorm weight in front, into the
   previous linear layer (already in its weights), or become an explicit ``Mul``.
 - ``fp8``: weights stored E4M3 with per-output-channel scales behind ``DequantizeLinear``; the
   activation goes through ``QuantizeLinear``/``DequantizeLinear`` with its static calibrated scale.
@@ -30,6 +32,9 @@ import onnx_ir as ir
 
 from llmc.passes.base import replace_value
 from llmc.passes.lazy import constant_of, derived
+from llmc.plugins.int4_matmul import pack as int4_pack
+from llmc.plugins.paged_attention import DOMAIN as LLMC_DOMAIN
+from llmc.plugins.paged_attention import OPSET_VERSION as LLMC_OPSET
 from llmc.quant import fp8, int4, int8, nvfp4
 from llmc.quant.collect import CalibrationResult
 from llmc.quant.minifloat import E2M1
@@ -186,6 +191,11 @@ def _replace_matmul(b: _Builder, site: LinearSite, new_nodes: list[ir.Node], out
 
 def _int4_specs(base: str, site: LinearSite, recipe: QuantRecipe, form: str) -> list[Spec]:
     gs, ng, n, k = recipe.group_size, -(-site.k // recipe.group_size), site.n, site.k
+    if form == "llmc":  # Int4MatMul's tiles (llmc.plugins.int4_matmul.pack)
+        tiles = -(-n // int4_pack.TILE)
+        return [Spec(f"{base}.int4_tiles", ir.DataType.UINT8, (tiles, ng * gs // int4_pack.OCTET, 64)),
+                Spec(f"{base}.int4_tile_scales", ir.DataType.FLOAT, (tiles, ng, int4_pack.TILE)),
+                Spec(f"{base}.int4_tile_mins", ir.DataType.FLOAT, (tiles, ng, int4_pack.TILE))]
     if form == "qdq":  # [K, N] codes, [K / g, N] scales and zero points: DequantizeLinear(axis=0, block_size=g)
         specs = [Spec(f"{base}.int4", ir.DataType.INT4 if recipe.symmetric else ir.DataType.UINT4, (k, n)),
                  Spec(f"{base}.int4_scales", ir.DataType.FLOAT, (ng, n))]
@@ -197,7 +207,11 @@ def _int4_specs(base: str, site: LinearSite, recipe: QuantRecipe, form: str) -> 
 
 
 def _int4_arrays(q: int4.Int4Weights, form: str) -> list[np.ndarray]:
-    """The initializers of one INT4 linear: ``MatMulNBits`` packing (``cpu``) or block-wise Q/DQ (``qdq``)."""
+    """The initializers of one INT4 linear: ``Int4MatMul`` tiles (``llmc``), ``MatMulNBits`` packing
+    (``cpu``) or block-wise Q/DQ (``qdq``)."""
+    if form == "llmc":
+        t = int4_pack.pack(q)
+        return [t.w, t.scales, t.mins]
     if form == "qdq":
         if q.zero_points is None:
             out = [np.ascontiguousarray(q.signed_codes()[:, : q.k].T).astype(ml_dtypes.int4)]
@@ -212,6 +226,8 @@ def _int4_arrays(q: int4.Int4Weights, form: str) -> list[np.ndarray]:
 def _int4_site(b: _Builder, site: LinearSite, recipe: QuantRecipe, calib: CalibrationResult | None,
                accuracy_level: int, form: str = "cpu") -> None:
     found = [calib.linears.get(m) for m in site.members] if calib is not None else []
+    if form == "cpu" and recipe.int4_kernel == "llmc":
+        form = "llmc"
     x = site.x
     nodes: list[ir.Node] = []
     specs = _int4_specs(site.weight_value.name, site, recipe, form)
@@ -237,6 +253,12 @@ def _int4_site(b: _Builder, site: LinearSite, recipe: QuantRecipe, calib: Calibr
         dq = ir.node("DequantizeLinear", inputs, attributes={"axis": 0, "block_size": recipe.group_size})
         node = ir.node("MatMul", [x, dq.outputs[0]])
         nodes += [dq, node]
+    elif form == "llmc":
+        node = ir.node("Int4MatMul", [x, *inputs], domain=LLMC_DOMAIN,
+                       attributes={"K": site.k, "N": site.n, "group_size": recipe.group_size})
+        nodes.append(node)
+        b.graph.opset_imports[LLMC_DOMAIN] = LLMC_OPSET
+        b.stats["int4_llmc_kernel"] = b.stats.get("int4_llmc_kernel", 0) + 1
     else:
         node = ir.node("MatMulNBits", [x, *inputs], domain=MS_DOMAIN,
                        attributes={"K": site.k, "N": site.n, "bits": 4, "block_size": recipe.group_size,

@@ -37,6 +37,9 @@ FORMATS: dict[str, Format] = {f.name: f for f in [
 ]}
 EMBEDDING_FORMATS = ("int8", "int4", "none")
 LM_HEAD_FORMATS = ("int8", "int4", "none")
+# CPU kernels for INT4 linears (QuantRecipe.int4_kernel).
+INT4_KERNELS = ("llmc", "mlas")
+
 # KV-cache format -> oldest compute capability that runs it. fp16 is stored natively everywhere: on the
 # CPU the cache holds float16 (half the memory and the bytes each decode step reads, converted on read).
 KV_CACHE_DTYPES = {"fp8": "8.9", "fp16": "8.0"}
@@ -56,7 +59,10 @@ class QuantRecipe:
     and its errors do not average out over layers; ``int4``; ``none``: the compute dtype).
     ``int4_accuracy_level`` is ``MatMulNBits``' compute mode on the
     CPU: 4 quantizes each activation block to int8 and uses integer dot products (ONNX Runtime's
-    fastest CPU path, the default), 1 computes in fp32 (0: ONNX Runtime's default, fp32)."""
+    fastest CPU path, the default), 1 computes in fp32 (0: ONNX Runtime's default, fp32).
+    ``int4_kernel``: which CPU kernel runs INT4 linears: ``llmc`` (llmc's ``Int4MatMul``, int8
+    activations per group and integer dot products, laid out for AVX-512 VNNI / AVX2; the default) or
+    ``mlas`` (ONNX Runtime's ``MatMulNBits`` at ``int4_accuracy_level``)."""
 
     quant: str = "none"
     group_size: int = 128
@@ -64,6 +70,7 @@ class QuantRecipe:
     embeddings: str = "int8"
     lm_head: str = "int8"
     int4_accuracy_level: int = 4
+    int4_kernel: str = "llmc"
     kv_cache_dtype: str | None = None
     calib_data: str | None = None
     calib_samples: int = 64
@@ -97,6 +104,9 @@ def validate(recipe: QuantRecipe) -> None:
         raise LlmcError(f"embeddings {recipe.embeddings!r}: choose one of {', '.join(EMBEDDING_FORMATS)}")
     if recipe.lm_head not in LM_HEAD_FORMATS:
         raise LlmcError(f"--lm-head {recipe.lm_head!r}: choose one of {', '.join(LM_HEAD_FORMATS)}")
+    if recipe.int4_kernel not in INT4_KERNELS:
+        raise LlmcError(f"--int4-kernel {recipe.int4_kernel!r}: choose one of {', '.join(INT4_KERNELS)} (llmc: "
+                        "llmc's INT4 kernel, the default; mlas: ONNX Runtime's MatMulNBits)")
     if recipe.int4_accuracy_level not in (0, 1, 2, 3, 4):
         raise LlmcError(f"--int4-accuracy-level {recipe.int4_accuracy_level}: choose 0-4 (1: fp32 compute, "
                         "4: int8 compute)")

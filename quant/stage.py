@@ -181,6 +181,7 @@ class QuantStage:
             "format": r.quant, "group_size": r.group_size if r.format and r.format.family == "int4" else None,
             "symmetric": r.symmetric, "kv_cache_dtype": r.kv_cache_dtype, "embeddings": r.embeddings,
             "int4_accuracy_level": r.int4_accuracy_level,
+            "int4_kernel": r.int4_kernel,
             "algorithm": r.format.algorithm if r.format else None,
             "emulated_on_cpu": bool((r.format and not r.format.cpu_native) or r.kv_cache_dtype == "fp8"),
             "graph": {k: v for k, v in self.stats.items() if isinstance(v, int)},

@@ -173,7 +173,7 @@ def test_int4_rewrites_gemm_linears_and_moe_experts_and_keeps_routers(traced_fam
     behind GatherBlockQuantized (qwen3_moe with group 128: K = 64 is padded to one group and sliced
     back); the routers (Gemm → Softmax) stay fp32."""
     _, model, feeds, pool = traced_family(family)
-    recipe = QuantRecipe(quant="int4", group_size=group, embeddings="none", lm_head="int4")
+    recipe = QuantRecipe(quant="int4", group_size=group, embeddings="none", lm_head="int4", int4_kernel="mlas")
     q = model.clone()
     stats = graph.quantize_model(q, recipe, None)
     assert stats["matches"] == stats["rtn"] == linears
@@ -212,9 +212,10 @@ def test_calibrated_int4_on_gemm_and_moe_graphs_matches_numpy(traced_family, fam
     from llmc.quant.stage import QuantStage
 
     ckpt, model, feeds, pool = traced_family(family)
-    # accuracy level 0: MatMulNBits computes in fp32 (the default, 4, rounds activations to int8)
+    # MatMulNBits at accuracy level 0 computes in fp32 (the defaults, llmc's kernel or level 4, round
+    # activations to int8)
     recipe = QuantRecipe(quant=quant, group_size=32, embeddings="none", lm_head="int4", calib_samples=4,
-                         calib_seq_len=32, int4_accuracy_level=0)
+                         calib_seq_len=32, int4_accuracy_level=0, int4_kernel="mlas")
     stage = QuantStage(load_checkpoint(ckpt), recipe)
     q = model.clone()
     stage._run(q)

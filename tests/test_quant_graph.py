@@ -59,7 +59,10 @@ def _int8_deq(w: np.ndarray, group: int) -> np.ndarray:
 def test_int4_graph_matches_numpy_dequantized_weights(traced, group, symmetric, embeddings, lm_head):
     model, feeds, pool = traced
     q = model.clone()
-    recipe = QuantRecipe(quant="int4", group_size=group, symmetric=symmetric, embeddings=embeddings, lm_head=lm_head)
+    # MatMulNBits at accuracy level 0 computes in fp32: the graph's weights are checked exactly. llmc's own
+    # kernel (int8 activations) is checked against it below.
+    recipe = QuantRecipe(quant="int4", group_size=group, symmetric=symmetric, embeddings=embeddings, lm_head=lm_head,
+                         int4_kernel="mlas")
     head = graph.lm_head_site(model, graph.find_linears(model)).weight_value.name
     stats = graph.quantize_model(q, recipe, None)
     n_int4 = len(graph.find_linears(model)) - (lm_head != "int4")
@@ -86,11 +89,31 @@ def test_int4_graph_matches_numpy_dequantized_weights(traced, group, symmetric, 
     assert _rel(out, run_graph(model, feeds, pool)) > 1e-4  # and it did quantize
 
 
+@pytest.mark.parametrize("group,symmetric", [(32, False), (64, True), (128, False)])
+def test_int4_llmc_kernel_graph_matches_matmulnbits_int8_compute(traced, group, symmetric):
+    """The default CPU form (llmc.Int4MatMul) against MatMulNBits at accuracy level 4, which also rounds
+    each activation group to int8 with scale max|x| / 127: the same arithmetic, so the logits agree to
+    float rounding; and against the fp32-compute graph, up to that activation rounding (the random tiny
+    model has flat, large activations: 2.5-3% of the logits)."""
+    model, feeds, pool = traced
+    base = dict(quant="int4", group_size=group, symmetric=symmetric, embeddings="none", lm_head="int4")
+    ours, mlas4, mlas0 = model.clone(), model.clone(), model.clone()
+    stats = graph.quantize_model(ours, QuantRecipe(**base), None)
+    graph.quantize_model(mlas4, QuantRecipe(**base, int4_kernel="mlas"), None, accuracy_level=4)
+    graph.quantize_model(mlas0, QuantRecipe(**base, int4_kernel="mlas"), None, accuracy_level=0)
+    ops = _ops(ours)
+    assert ops.count("Int4MatMul") == stats["matches"] == stats["int4_llmc_kernel"] > 0 and "MatMulNBits" not in ops
+    out = run_graph(ours, feeds, pool)
+    assert _rel(out, run_graph(mlas4, feeds, pool)) < 2e-5
+    assert 1e-5 < _rel(out, run_graph(mlas0, feeds, pool)) < 5e-2  # random weights: 2.5-3% measured
+
+
 @pytest.mark.parametrize("symmetric", [False, True])
 def test_int4_qdq_form_computes_what_the_cpu_form_computes(traced, symmetric):
     """The explicit block-wise Q/DQ form (for TensorRT) and MatMulNBits (CPU) run the same weights."""
     model, feeds, pool = traced
-    recipe = QuantRecipe(quant="int4", group_size=32, symmetric=symmetric, embeddings="none", lm_head="int4")
+    recipe = QuantRecipe(quant="int4", group_size=32, symmetric=symmetric, embeddings="none", lm_head="int4",
+                         int4_kernel="mlas")
     cpu, qdq = model.clone(), model.clone()
     graph.quantize_model(cpu, recipe, None)
     stats = graph.quantize_model(qdq, recipe, None, form="qdq")
@@ -177,7 +200,7 @@ def test_awq_scales_fold_into_norms_or_an_explicit_mul(traced):
         expect_w[site.weight_value.name] = np.concatenate(
             [calib.linears[m].weights.dequantize() for m in site.members]) / (1 if s is None else s)
     q = model.clone()
-    stats = graph.quantize_model(q, QuantRecipe(quant="int4-awq", group_size=64, embeddings="none",
+    stats = graph.quantize_model(q, QuantRecipe(quant="int4-awq", group_size=64, embeddings="none", int4_kernel="mlas",
                                                          lm_head="int4"), calib)
     assert stats["calibrated"] == stats["matches"] and stats.get("rtn", 0) == 0
     assert stats["awq_folded_norms"] == 2 * 2 + 1 and stats["awq_mul"] == 2

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import onnx_ir as ir
 
+from llmc.errors import LlmcError
 from llmc.passes.base import replace_value
 from llmc.plugins.paged_attention import DOMAIN, OP_TYPE, OPSET_VERSION
 
@@ -82,6 +83,12 @@ def lower(model: ir.Model, attention: str = "native") -> int:
         if node.op_type == OP_TYPE:
             if attention == "pyop":
                 node.domain = ORT_CONTRIB_DOMAIN
+        elif node.op_type == "Int4MatMul":
+            # Only llmc's native library has this kernel; the Python-op route hosts attention only.
+            if attention == "pyop":
+                raise LlmcError("llmc.Int4MatMul runs only in llmc's native custom-op library; build with the "
+                                "native attention route, or with --int4-kernel mlas (ONNX Runtime's MatMulNBits)")
+            continue
         elif node.op_type == "SkipRMSNormalization":
             _lower_skip_rms_norm(graph, node)
         elif node.op_type == "SwiGLU":

@@ -73,6 +73,10 @@ def load() -> ctypes.CDLL:
         lib.llmc_uses_avx2.restype = ctypes.c_int
         lib.llmc_uses_ort_pool.restype = ctypes.c_int
         lib.llmc_ort_api_version.restype = ctypes.c_uint32
+        lib.llmc_int4_set_isa.argtypes = [ctypes.c_int]
+        lib.llmc_int4_set_isa.restype = ctypes.c_int
+        lib.llmc_int4_get_isa.restype = ctypes.c_int
+        lib.llmc_int4_calls.restype = ctypes.c_int64
         _lib = lib
     return _lib
 

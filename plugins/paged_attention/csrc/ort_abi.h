@@ -37,6 +37,7 @@ struct OrtApi;  // used only through OrtApiTable
 // ONNX TensorProto data types (the values are the ONNX standard's).
 enum OrtElementType : int32_t {
     kOrtFloat = 1,
+    kOrtUint8 = 2,
     kOrtInt64 = 7,
     kOrtFloat16 = 10,
 };

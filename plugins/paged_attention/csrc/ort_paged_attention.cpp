@@ -1,9 +1,11 @@
-// llmc's native ONNX Runtime custom-op library: llmc::PagedAttention on the CPU, with no Python in
-// the call (llmc.plugins.paged_attention._ort_ops; Python side: llmc.plugins.paged_attention.ort_native).
+// llmc's native ONNX Runtime custom-op library: llmc::PagedAttention and llmc::Int4MatMul on the CPU,
+// with no Python in the call (llmc.plugins.paged_attention._ort_ops; Python side:
+// llmc.plugins.paged_attention.ort_native and llmc.plugins.int4_matmul).
 //
 // A session loads it with SessionOptions.register_custom_ops_library(path); ONNX Runtime then
-// calls RegisterCustomOps, which adds the domain "llmc" with the op PagedAttention. Its kernel is
-// llmc_pa::run (paged_attention_core.h), the same code as the pybind11 module's.
+// calls RegisterCustomOps, which adds the domain "llmc" with both ops. PagedAttention's kernel is
+// llmc_pa::run (paged_attention_core.h), the same code as the pybind11 module's; Int4MatMul's is
+// llmc_i4::run (plugins/int4_matmul/csrc/int4_matmul_core.h).
 //
 // The KV cache is runtime state, not graph data: the runtime binds its pool (one K and one V
 // array per layer) with llmc_bind_kv_pool, called through ctypes on the same file. dlopen of one
@@ -24,6 +26,7 @@
 
 #include "ort_abi.h"
 #include "paged_attention_core.h"
+#include "../../int4_matmul/csrc/int4_matmul_core.h"
 
 #define LLMC_EXPORT extern "C" __attribute__((visibility("default")))
 
@@ -320,6 +323,93 @@ OrtCustomOpV13 make_op() {
 }
 
 const OrtCustomOpV13 g_op = make_op();
+
+// ---------------------------------------------------------------------------------------------
+// llmc::Int4MatMul(X float [..., K], W uint8, scales float, mins float) -> float [..., N], attributes
+// K, N, group_size; weights in llmc_i4's tiled layout (int4_matmul_core.h).
+
+struct Int4Kernel {
+    int64_t K = 0, N = 0, G = 0;
+};
+
+std::atomic<int> g_int4_isa{static_cast<int>(llmc_i4::best_isa())};
+std::atomic<int64_t> g_int4_calls{0};
+
+void* create_int4_kernel(const OrtCustomOpV13*, const OrtApi*, const OrtKernelInfo* info) {
+    auto* k = new Int4Kernel();
+    try {
+        k->K = int_attr(info, "K", true, 0);
+        k->N = int_attr(info, "N", true, 0);
+        k->G = int_attr(info, "group_size", true, 0);
+        if (k->K <= 0 || k->N <= 0) {
+            throw Error("K and N must be positive, got K=" + std::to_string(k->K) + ", N=" + std::to_string(k->N));
+        }
+        if (k->G <= 0 || k->G % 8) throw Error("group_size must be a positive multiple of 8, got " + std::to_string(k->G));
+    } catch (...) {
+        delete k;
+        throw;
+    }
+    return k;
+}
+
+void destroy_int4_kernel(void* kernel) { delete static_cast<Int4Kernel*>(kernel); }
+
+void require_shape(const Tensor& t, const std::vector<int64_t>& want, const char* name) {
+    if (t.dims != want) throw Error(std::string(name) + " must have shape " + dims_str(want) + ", got " + dims_str(t.dims));
+}
+
+void compute_int4(void* kernel, OrtKernelContext* ctx) {
+    const Int4Kernel& k = *static_cast<const Int4Kernel*>(kernel);
+    const Tensor x = input(ctx, 0, "X"), w = input(ctx, 1, "W"), sc = input(ctx, 2, "scales"),
+                 mn = input(ctx, 3, "mins");
+    if (x.dims.empty() || x.dims.back() != k.K) {
+        throw Error("X must have K = " + std::to_string(k.K) + " in its last dimension, got shape " + dims_str(x.dims));
+    }
+    const int64_t tiles = (k.N + 15) / 16, ng = (k.K + k.G - 1) / k.G;
+    require_shape(w, {tiles, ng * k.G / 8, 64}, "W");
+    require_shape(sc, {tiles, ng, 16}, "scales");
+    require_shape(mn, {tiles, ng, 16}, "mins");
+    int64_t M = 1;
+    for (size_t i = 0; i + 1 < x.dims.size(); ++i) M *= x.dims[i];
+    std::vector<int64_t> out_dims(x.dims);
+    out_dims.back() = k.N;
+    OrtValue* out = nullptr;
+    check(api_fn<OrtStatus* (*)(OrtKernelContext*, size_t, const int64_t*, size_t, OrtValue**)>(
+              kKernelContext_GetOutput)(ctx, 0, out_dims.data(), out_dims.size(), &out),
+          "output");
+    void* out_data = nullptr;
+    check(api_fn<OrtStatus* (*)(OrtValue*, void**)>(kGetTensorMutableData)(out, &out_data), "output");
+    const llmc_i4::Problem p{static_cast<const float*>(x.data), M, k.K,
+                             static_cast<const uint8_t*>(w.data), static_cast<const float*>(sc.data),
+                             static_cast<const float*>(mn.data), k.N, k.G, ng, static_cast<float*>(out_data)};
+    const auto isa = static_cast<llmc_i4::Isa>(g_int4_isa.load());
+    const ParallelForFn pf_fn = g_parallel_for.load();
+    if (g_num_threads.load() == 0 && pf_fn != nullptr) {
+        OrtParallel ort{ctx, pf_fn};
+        const llmc_i4::ParallelFor pf{ort_parallel_for, &ort};
+        llmc_i4::run(p, isa, std::max(2, omp_get_max_threads()), &pf);
+    } else {
+        llmc_i4::run(p, isa, effective_threads());
+    }
+    g_int4_calls.fetch_add(1, std::memory_order_relaxed);
+}
+
+const char* int4_name(const OrtCustomOpV13*) { return "Int4MatMul"; }
+int32_t int4_input_type(const OrtCustomOpV13*, size_t i) { return i == 1 ? kOrtUint8 : kOrtFloat; }
+size_t int4_input_count(const OrtCustomOpV13*) { return 4; }
+
+OrtCustomOpV13 make_int4_op() {
+    OrtCustomOpV13 op = make_op();
+    op.CreateKernel = create_int4_kernel;
+    op.GetName = int4_name;
+    op.GetInputType = int4_input_type;
+    op.GetInputTypeCount = int4_input_count;
+    op.KernelCompute = compute_int4;
+    op.KernelDestroy = destroy_int4_kernel;
+    return op;
+}
+
+const OrtCustomOpV13 g_int4_op = make_int4_op();
 std::mutex g_domain_mutex;
 OrtCustomOpDomain* g_domain = nullptr;  // one domain object for every session; lives as long as the process
 
@@ -343,8 +433,10 @@ LLMC_EXPORT OrtStatus* RegisterCustomOps(OrtSessionOptions* options, const OrtAp
             OrtCustomOpDomain* domain = nullptr;
             check(api_fn<OrtStatus* (*)(const char*, OrtCustomOpDomain**)>(kCreateCustomOpDomain)("llmc", &domain),
                   "CreateCustomOpDomain");
-            check(api_fn<OrtStatus* (*)(OrtCustomOpDomain*, const void*)>(kCustomOpDomain_Add)(domain, &g_op),
-                  "CustomOpDomain_Add");
+            for (const OrtCustomOpV13* op : {&g_op, &g_int4_op}) {
+                check(api_fn<OrtStatus* (*)(OrtCustomOpDomain*, const void*)>(kCustomOpDomain_Add)(domain, op),
+                      "CustomOpDomain_Add");
+            }
             g_domain = domain;
         }
         check(api_fn<OrtStatus* (*)(OrtSessionOptions*, OrtCustomOpDomain*)>(kAddCustomOpDomain)(options, g_domain),
@@ -409,3 +501,16 @@ LLMC_EXPORT int llmc_uses_avx2() { return g_use_avx2.load() ? 1 : 0; }
 
 // The ONNX Runtime C API version this library requests.
 LLMC_EXPORT uint32_t llmc_ort_api_version() { return kOrtApiVersion; }
+
+// Int4MatMul's instruction set: 0 scalar, 1 AVX2, 2 AVX-512 VNNI (default: the best this CPU has).
+// Setting one the CPU lacks returns -1 and changes nothing (tests run every path this way).
+LLMC_EXPORT int llmc_int4_set_isa(int isa) {
+    if (isa < 0 || isa > static_cast<int>(llmc_i4::best_isa())) return -1;
+    g_int4_isa = isa;
+    return 0;
+}
+
+LLMC_EXPORT int llmc_int4_get_isa() { return g_int4_isa.load(); }
+
+// Int4MatMul kernel calls completed since the library was loaded.
+LLMC_EXPORT int64_t llmc_int4_calls() { return g_int4_calls.load(); }

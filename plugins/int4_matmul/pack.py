@@ -1,0 +1,56 @@
+"""Lay :class:`~llmc.quant.int4.Int4Weights` out for ``llmc.Int4MatMul`` (csrc/int4_matmul_core.h).
+
+Tile ``t`` holds output columns ``16t .. 16t+15``. Weights: uint8 ``[Np/16, Kp/8, 64]`` where byte
+``4c + i`` of octet ``o`` holds code ``q[16t + c, 8o + i]`` in its low nibble and ``q[16t + c, 8o + 4 + i]``
+in its high nibble, so one 64-byte load feeds two integer dot-product instructions whose int32 lanes
+are the 16 columns. Scales and ``mins`` (scale x zero point) are float32 ``[Np/16, n_groups, 16]``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from llmc.quant.int4 import Int4Weights
+
+TILE = 16  # output columns per tile: the int32 lanes of one 512-bit register
+OCTET = 8  # inputs per 64-byte block row: two dot-product instructions of 4
+
+
+@dataclass
+class Int4Tiles:
+    """The three initializers of one ``llmc.Int4MatMul`` node, and its attributes."""
+
+    w: np.ndarray  # uint8 [Np/16, Kp/8, 64]
+    scales: np.ndarray  # float32 [Np/16, n_groups, 16]
+    mins: np.ndarray  # float32 [Np/16, n_groups, 16]
+    n: int
+    k: int
+    group_size: int
+
+
+def supported(group_size: int) -> bool:
+    """Whether the kernel takes this group size (a multiple of the 8-input octet)."""
+    return group_size > 0 and group_size % OCTET == 0
+
+
+def pack(q: Int4Weights) -> Int4Tiles:
+    """Tile ``q`` (codes ``[N, Kp]``, Kp a whole number of groups) for the kernel."""
+    if not supported(q.group_size):
+        raise ValueError(f"Int4MatMul needs a group size that is a multiple of {OCTET}, got {q.group_size}")
+    n, kp = q.q.shape
+    tiles = -(-n // TILE)
+    pad = tiles * TILE - n
+    codes = np.pad(q.q, ((0, pad), (0, 0))).astype(np.uint8)
+    # [tiles, 16 cols, Kp/8 octets, 2 halves, 4] -> [tiles, octets, 16 cols, 4] per half
+    c = codes.reshape(tiles, TILE, kp // OCTET, 2, 4).transpose(0, 2, 1, 3, 4)
+    w = (c[:, :, :, 0, :] | (c[:, :, :, 1, :] << 4)).reshape(tiles, kp // OCTET, 64)
+    zp = q.zero_points if q.zero_points is not None else np.full(q.scales.shape, 8, np.uint8)
+    mins = q.scales * zp.astype(np.float32)
+
+    def by_tile(a: np.ndarray) -> np.ndarray:
+        a = np.pad(a.astype(np.float32), ((0, pad), (0, 0)))
+        return np.ascontiguousarray(a.reshape(tiles, TILE, -1).transpose(0, 2, 1))
+
+    return Int4Tiles(np.ascontiguousarray(w), by_tile(q.scales), by_tile(mins), n, q.k, q.group_size)
