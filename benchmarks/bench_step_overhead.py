@@ -14,6 +14,8 @@ Comparisons (``--compare``, default: all):
 - ``head-layout``: the graph pass that folds the per-head Reshape/Transpose/Gather chains around
   attention and rotary (before: ``--disable-pass head-layout``).
 - ``group-size``: int4 only, MatMulNBits blocks of 128 (before) vs 32 (after) input channels.
+- ``int4-kernel``: int4 only, ONNX Runtime's MatMulNBits at accuracy level 4 (before,
+  ``--int4-kernel mlas``) vs llmc's Int4MatMul (after, the default); both g128.
 - ``spin``: ONNX Runtime's intra-op threads spinning (after, ``LLMC_ORT_SPIN=1``) vs waiting passively
   (before, ``LLMC_ORT_SPIN=0``); same engine (the default, ``auto``, spins only on idle cores). Spinning
   threads of one engine keep spinning into the other's steps, so on a shared machine this ratio is only
@@ -58,6 +60,7 @@ class Variant:
     label: str
     disabled: tuple[str, ...] = ()
     group_size: int = 128
+    int4_kernel: str = "llmc"
     env: tuple[tuple[str, str], ...] = ()
     attention_threads: int = 0
     threads: int | None = None  # ONNX Runtime intra-op threads (None: --threads)
@@ -66,6 +69,8 @@ class Variant:
         parts = [precision]
         if precision == "int4":
             parts.append(f"g{self.group_size}")
+            if self.int4_kernel != "llmc":
+                parts.append(self.int4_kernel)
         parts += [f"no-{p}" for p in self.disabled]
         return "_".join(parts)
 
@@ -73,7 +78,9 @@ class Variant:
 COMPARISONS: dict[str, tuple[Variant, Variant, tuple[str, ...]]] = {
     # name: (before, after, precisions it applies to)
     "head-layout": (Variant("without", disabled=("head-layout",)), Variant("with"), ("fp32", "int4")),
-    "group-size": (Variant("g128"), Variant("g32", group_size=32), ("int4",)),
+    "group-size": (Variant("g128", int4_kernel="mlas"), Variant("g32", group_size=32, int4_kernel="mlas"),
+                   ("int4",)),
+    "int4-kernel": (Variant("mlas", int4_kernel="mlas"), Variant("llmc"), ("int4",)),
     "spin": (Variant("passive", env=(("LLMC_ORT_SPIN", "0"),)), Variant("spinning", env=(("LLMC_ORT_SPIN", "1"),)),
              ("fp32", "int4")),
     "threads": (Variant("ort-2-threads", threads=2), Variant("ort-1-thread", threads=1), ("fp32", "int4")),
@@ -99,7 +106,8 @@ def engine_dir(precision: str, variant: Variant) -> Path:
     if ARGS.rebuild or not (out / "manifest.json").is_file():
         if out.exists():
             shutil.rmtree(out)
-        quant = QuantRecipe(quant="int4", group_size=variant.group_size) if precision == "int4" else QuantRecipe()
+        quant = (QuantRecipe(quant="int4", group_size=variant.group_size, int4_kernel=variant.int4_kernel)
+                 if precision == "int4" else QuantRecipe())
         t = time.perf_counter()
         build(checkpoint(), out, BuildOptions(quant=quant, disabled_passes=variant.disabled))
         print(f"[built {out.name} in {time.perf_counter() - t:.0f} s]", flush=True)
