@@ -44,7 +44,7 @@ def build_graphs(shape: str, layers: int, seed: int = 0) -> tuple[bytes, bytes, 
         for j, (k, n) in enumerate([(hidden, 2 * inter), (inter, hidden)]):
             name = f"l{i}_{j}"
             q = int4.quantize_rtn((rng.standard_normal((n, k)) * 0.02).astype(np.float32), 128, False)
-            t = pack.pack(q)
+            t = pack.pack(q.q, q.scales, q.zero_points, q.group_size, q.k)
             weight_bytes += t.w.nbytes + t.scales.nbytes + t.mins.nbytes
             inits_a += [numpy_helper.from_array(t.w, f"{name}_w"), numpy_helper.from_array(t.scales, f"{name}_s"),
                         numpy_helper.from_array(t.mins, f"{name}_m")]

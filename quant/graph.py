@@ -210,7 +210,7 @@ def _int4_arrays(q: int4.Int4Weights, form: str) -> list[np.ndarray]:
     """The initializers of one INT4 linear: ``Int4MatMul`` tiles (``llmc``), ``MatMulNBits`` packing
     (``cpu``) or block-wise Q/DQ (``qdq``)."""
     if form == "llmc":
-        t = int4_pack.pack(q)
+        t = int4_pack.pack(q.q, q.scales, q.zero_points, q.group_size, q.k)
         return [t.w, t.scales, t.mins]
     if form == "qdq":
         if q.zero_points is None:

@@ -22,6 +22,14 @@ from llmc.quant import int4
 ISAS = {0: "scalar", 1: "avx2", 2: "avx512-vnni"}
 
 
+def _pack(q: int4.Int4Weights) -> pack.Int4Tiles:
+    return pack.pack(q.q, q.scales, q.zero_points, q.group_size, q.k)
+
+
+def _ref(x: np.ndarray, q: int4.Int4Weights) -> np.ndarray:
+    return reference.int4_matmul(x, q.q, q.scales, q.zero_points, q.group_size)
+
+
 def _model(t: pack.Int4Tiles, rank: int = 2, k_dim: int | str | None = None) -> bytes:
     inits = [numpy_helper.from_array(t.w, "W"), numpy_helper.from_array(t.scales, "scales"),
              numpy_helper.from_array(t.mins, "mins")]
@@ -76,7 +84,7 @@ def test_matches_reference(isa, n, k, gs, sym, isa_setter):
         pytest.skip(f"this CPU has no {ISAS[isa]}")
     rng = np.random.default_rng([n, k, gs, isa])
     q = int4.quantize_rtn(rng.standard_normal((n, k)).astype(np.float32), gs, sym)
-    t = pack.pack(q)
+    t = _pack(q)
     assert isa_setter(isa) == 0
     for threads in (1, 2):
         sess = _session(_model(t), threads)
@@ -84,7 +92,7 @@ def test_matches_reference(isa, n, k, gs, sym, isa_setter):
             x = (rng.standard_normal((m, k)) * rng.uniform(0.1, 4.0, (m, 1))).astype(np.float32)
             x[:, rng.integers(0, k)] *= 20.0  # an outlier column, as activations have
             y = sess.run(None, {"X": x})[0]
-            want = reference.int4_matmul(x, q)
+            want = _ref(x, q)
             scale = np.abs(want).max()
             np.testing.assert_allclose(y, want, rtol=0, atol=1e-5 * scale, err_msg=f"M={m} threads={threads}")
             # And the float product with the dequantized weights, up to int8 activation rounding (the
@@ -97,14 +105,14 @@ def test_matches_reference(isa, n, k, gs, sym, isa_setter):
 def test_leading_dims_and_all_paths_agree(isa_setter):
     rng = np.random.default_rng(7)
     q = int4.quantize_rtn(rng.standard_normal((48, 128)).astype(np.float32), 64, False)
-    t = pack.pack(q)
+    t = _pack(q)
     x = rng.standard_normal((2, 5, 128)).astype(np.float32)
     outs = []
     for isa in _available_isas():
         isa_setter(isa)
         outs.append(_session(_model(t, rank=3), 1).run(None, {"X": x})[0])
     assert outs[0].shape == (2, 5, 48)
-    want = reference.int4_matmul(x.reshape(10, 128), q).reshape(2, 5, 48)
+    want = _ref(x.reshape(10, 128), q).reshape(2, 5, 48)
     for y in outs:
         np.testing.assert_allclose(y, want, rtol=0, atol=1e-5 * np.abs(want).max())
 
@@ -112,19 +120,19 @@ def test_leading_dims_and_all_paths_agree(isa_setter):
 def test_all_zero_rows_and_groups():
     rng = np.random.default_rng(3)
     q = int4.quantize_rtn(rng.standard_normal((32, 128)).astype(np.float32), 64, False)
-    t = pack.pack(q)
+    t = _pack(q)
     x = rng.standard_normal((3, 128)).astype(np.float32)
     x[0] = 0.0
     x[1, :64] = 0.0
     y = _session(_model(t), 1).run(None, {"X": x})[0]
     assert np.all(y[0] == 0.0)
-    np.testing.assert_allclose(y, reference.int4_matmul(x, q), rtol=0, atol=1e-5 * np.abs(y).max())
+    np.testing.assert_allclose(y, _ref(x, q), rtol=0, atol=1e-5 * np.abs(y).max())
 
 
 def test_shape_errors_name_the_input():
     rng = np.random.default_rng(1)
     q = int4.quantize_rtn(rng.standard_normal((32, 128)).astype(np.float32), 64, True)
-    sess = _session(_model(pack.pack(q), k_dim="K"), 1)  # so that ORT itself does not check K first
+    sess = _session(_model(_pack(q), k_dim="K"), 1)  # so that ORT itself does not check K first
     with pytest.raises(Exception, match="X must have K = 128"):
         sess.run(None, {"X": np.ones((2, 64), np.float32)})
 
@@ -133,7 +141,7 @@ def test_pack_layout_by_hand():
     """Byte 4c + i of octet o: q[c, 8o + i] low, q[c, 8o + 4 + i] high; scales/mins by tile."""
     rng = np.random.default_rng(5)
     q = int4.quantize_rtn(rng.standard_normal((20, 64)).astype(np.float32), 32, False)
-    t = pack.pack(q)
+    t = _pack(q)
     assert t.w.shape == (2, 8, 64) and t.scales.shape == (2, 2, 16)
     for col in (0, 7, 15, 16, 19):
         tile, c = divmod(col, 16)

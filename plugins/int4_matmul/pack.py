@@ -1,4 +1,8 @@
-"""Lay :class:`~llmc.quant.int4.Int4Weights` out for ``llmc.Int4MatMul`` (csrc/int4_matmul_core.h).
+"""Lay group-wise INT4 weights out for ``llmc.Int4MatMul`` (csrc/int4_matmul_core.h).
+
+Input (the orientation of :class:`llmc.quant.int4.Int4Weights`, which the plugin does not import:
+plugins sit below quant): codes uint8 ``[N, Kp]`` (0..15, Kp a whole number of groups), scales
+float32 ``[N, n_groups]``, zero points uint8 ``[N, n_groups]`` or None (symmetric: 8).
 
 Tile ``t`` holds output columns ``16t .. 16t+15``. Weights: uint8 ``[Np/16, Kp/8, 64]`` where byte
 ``4c + i`` of octet ``o`` holds code ``q[16t + c, 8o + i]`` in its low nibble and ``q[16t + c, 8o + 4 + i]``
@@ -11,8 +15,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-
-from llmc.quant.int4 import Int4Weights
 
 TILE = 16  # output columns per tile: the int32 lanes of one 512-bit register
 OCTET = 8  # inputs per 64-byte block row: two dot-product instructions of 4
@@ -35,22 +37,25 @@ def supported(group_size: int) -> bool:
     return group_size > 0 and group_size % OCTET == 0
 
 
-def pack(q: Int4Weights) -> Int4Tiles:
-    """Tile ``q`` (codes ``[N, Kp]``, Kp a whole number of groups) for the kernel."""
-    if not supported(q.group_size):
-        raise ValueError(f"Int4MatMul needs a group size that is a multiple of {OCTET}, got {q.group_size}")
-    n, kp = q.q.shape
+def pack(codes: np.ndarray, scales: np.ndarray, zero_points: np.ndarray | None, group_size: int,
+         k: int) -> Int4Tiles:
+    """Tile one linear's codes ``[N, Kp]`` (``k`` the unpadded input width) for the kernel."""
+    if not supported(group_size):
+        raise ValueError(f"Int4MatMul needs a group size that is a multiple of {OCTET}, got {group_size}")
+    n, kp = codes.shape
+    if kp % group_size or scales.shape != (n, kp // group_size) or not 0 < k <= kp:
+        raise ValueError(f"codes {codes.shape}, scales {scales.shape}, K {k}: expected scales [N, Kp / {group_size}]")
     tiles = -(-n // TILE)
     pad = tiles * TILE - n
-    codes = np.pad(q.q, ((0, pad), (0, 0))).astype(np.uint8)
+    codes = np.pad(codes, ((0, pad), (0, 0))).astype(np.uint8)
     # [tiles, 16 cols, Kp/8 octets, 2 halves, 4] -> [tiles, octets, 16 cols, 4] per half
     c = codes.reshape(tiles, TILE, kp // OCTET, 2, 4).transpose(0, 2, 1, 3, 4)
     w = (c[:, :, :, 0, :] | (c[:, :, :, 1, :] << 4)).reshape(tiles, kp // OCTET, 64)
-    zp = q.zero_points if q.zero_points is not None else np.full(q.scales.shape, 8, np.uint8)
-    mins = q.scales * zp.astype(np.float32)
+    zp = zero_points if zero_points is not None else np.full(scales.shape, 8, np.uint8)
+    mins = scales * zp.astype(np.float32)
 
     def by_tile(a: np.ndarray) -> np.ndarray:
         a = np.pad(a.astype(np.float32), ((0, pad), (0, 0)))
         return np.ascontiguousarray(a.reshape(tiles, TILE, -1).transpose(0, 2, 1))
 
-    return Int4Tiles(np.ascontiguousarray(w), by_tile(q.scales), by_tile(mins), n, q.k, q.group_size)
+    return Int4Tiles(np.ascontiguousarray(w), by_tile(scales), by_tile(mins), n, k, group_size)

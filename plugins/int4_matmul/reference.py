@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from llmc.quant.int4 import Int4Weights
-
 
 def quantize_activations(x: np.ndarray, group_size: int, k_padded: int) -> tuple[np.ndarray, np.ndarray]:
     """int8 codes ``[M, Kp]`` and scales ``[M, n_groups]`` of ``x [M, K]``: per row and group,
@@ -22,18 +20,20 @@ def quantize_activations(x: np.ndarray, group_size: int, k_padded: int) -> tuple
     return codes.reshape(m, k_padded), (amax / np.float32(127.0)).astype(np.float32)
 
 
-def int4_matmul(x: np.ndarray, q: Int4Weights) -> np.ndarray:
-    """``x [M, K] @ W^T`` as the kernel does it: int8 activations per group, exact integer group dot
-    products, one float scale per (row, column, group). float64 sums, float32 result ``[M, N]``."""
-    kp = q.q.shape[1]
-    codes, xs = quantize_activations(x, q.group_size, kp)
+def int4_matmul(x: np.ndarray, codes: np.ndarray, scales: np.ndarray, zero_points: np.ndarray | None,
+                group_size: int) -> np.ndarray:
+    """``x [M, K] @ W^T`` as the kernel does it, for W given as codes ``[N, Kp]``, scales and zero points
+    ``[N, n_groups]`` (None: 8): int8 activations per group, exact integer group dot products, one float
+    scale per (row, column, group). float64 sums, float32 result ``[M, N]``."""
+    n, kp = codes.shape
+    qx, xs = quantize_activations(x, group_size, kp)
     m, ng = xs.shape
-    xg = codes.reshape(m, ng, q.group_size).astype(np.int64)
-    wg = q.q.reshape(q.n, ng, q.group_size).astype(np.int64)
+    xg = qx.reshape(m, ng, group_size).astype(np.int64)
+    wg = codes.reshape(n, ng, group_size).astype(np.int64)
     dots = np.einsum("mgk,ngk->mng", xg, wg).astype(np.float64)  # exact integers
-    zp = q.zero_points if q.zero_points is not None else np.full(q.scales.shape, 8, np.uint8)
+    zp = zero_points if zero_points is not None else np.full(scales.shape, 8, np.uint8)
     xsum = xs.astype(np.float64) * xg.sum(axis=-1)  # [M, ng]
-    s = q.scales.astype(np.float64)
+    s = scales.astype(np.float64)
     y = np.einsum("mng,ng,mg->mn", dots, s, xs.astype(np.float64))
     y -= np.einsum("ng,mg->mn", s * zp.astype(np.float64), xsum)
     return y.astype(np.float32)
