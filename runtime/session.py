@@ -70,6 +70,8 @@ class OrtSession:
         else:
             self.spinning, self.spin_reason = spin, "set by the caller"
         so.add_session_config_entry("session.intra_op.allow_spinning", "1" if self.spinning else "0")
+        if self._native is not None:  # process-wide, like the attention threads: the last session loaded decides
+            self._native.set_int4_parallel_min(self._native.INT4_PARALLEL_MIN[bool(self.spinning)])
         so.log_severity_level = 3
         # LLMC_ORT_PROFILE=PREFIX writes ORT's per-node timing trace (PREFIX_<date>.json) when the
         # session ends profiling (end_profiling(), or process exit); benchmarks/profile_engine.py reads it.

@@ -152,3 +152,19 @@ def test_pack_layout_by_hand():
         assert np.array_equal(t.scales[tile, :, c], q.scales[col])
         assert np.allclose(t.mins[tile, :, c], q.scales[col] * q.zero_points[col])
     assert np.all(t.w[1, :, 16:] == 0) and np.all(t.scales[1, :, 4:] == 0)  # padding columns
+
+
+def test_runtime_sets_parallel_threshold_by_spinning():
+    """A session whose threads spin hands smaller matmuls to them (waking them is cheap); a passive one
+    keeps them on the calling thread (ort_native.INT4_PARALLEL_MIN, measured)."""
+    from llmc.runtime.session import OrtSession
+
+    rng = np.random.default_rng(2)
+    model = _model(_pack(int4.quantize_rtn(rng.standard_normal((32, 128)).astype(np.float32), 64, False)))
+    before = ort_native.set_int4_parallel_min(-1)  # -1: the library default
+    try:
+        for spin in (True, False):
+            OrtSession(model, num_threads=2, spin=spin)
+            assert ort_native.set_int4_parallel_min(-1) == ort_native.INT4_PARALLEL_MIN[spin]
+    finally:
+        ort_native.set_int4_parallel_min(before)

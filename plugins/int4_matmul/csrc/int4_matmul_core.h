@@ -345,7 +345,8 @@ inline void check(const Problem& p) {
 
 // Y = X @ W^T. `threads`: OpenMP threads when `pf` is null (1: the calling thread only); with `pf`
 // the work goes to that pool when large enough.
-inline void run(const Problem& p, Isa isa, int threads, const ParallelFor* pf = nullptr) {
+inline void run(const Problem& p, Isa isa, int threads, const ParallelFor* pf = nullptr,
+                int64_t parallel_min_work = kParallelMinWork) {
     check(p);
     if (p.M == 0 || p.N == 0) return;
     const int64_t Kp = p.ng * p.G;
@@ -355,7 +356,7 @@ inline void run(const Problem& p, Isa isa, int threads, const ParallelFor* pf = 
         qx.scale.resize(static_cast<size_t>(p.M * p.ng));
         qx.sum.resize(static_cast<size_t>(p.M * p.ng));
     }
-    const bool parallel = threads > 1 && p.M * p.N * p.K >= kParallelMinWork;
+    const bool parallel = threads > 1 && p.M * p.N * p.K >= parallel_min_work;
     const int64_t row_blocks = (p.M + kRowBlock - 1) / kRowBlock;
     Plan plan{&p, &qx, isa, (p.N + 15) / 16, 1, row_blocks, 1};
     if (parallel) {

@@ -334,6 +334,7 @@ struct Int4Kernel {
 
 std::atomic<int> g_int4_isa{static_cast<int>(llmc_i4::best_isa())};
 std::atomic<int64_t> g_int4_calls{0};
+std::atomic<int64_t> g_int4_parallel_min{llmc_i4::kParallelMinWork};
 
 void* create_int4_kernel(const OrtCustomOpV13*, const OrtApi*, const OrtKernelInfo* info) {
     auto* k = new Int4Kernel();
@@ -387,9 +388,9 @@ void compute_int4(void* kernel, OrtKernelContext* ctx) {
     if (g_num_threads.load() == 0 && pf_fn != nullptr) {
         OrtParallel ort{ctx, pf_fn};
         const llmc_i4::ParallelFor pf{ort_parallel_for, &ort};
-        llmc_i4::run(p, isa, std::max(2, omp_get_max_threads()), &pf);
+        llmc_i4::run(p, isa, std::max(2, omp_get_max_threads()), &pf, g_int4_parallel_min.load());
     } else {
-        llmc_i4::run(p, isa, effective_threads());
+        llmc_i4::run(p, isa, effective_threads(), nullptr, g_int4_parallel_min.load());
     }
     g_int4_calls.fetch_add(1, std::memory_order_relaxed);
 }
@@ -511,6 +512,11 @@ LLMC_EXPORT int llmc_int4_set_isa(int isa) {
 }
 
 LLMC_EXPORT int llmc_int4_get_isa() { return g_int4_isa.load(); }
+
+// The least work (M x N x K multiply-adds) Int4MatMul spreads over threads (for tuning; returns the old value).
+LLMC_EXPORT int64_t llmc_int4_set_parallel_min(int64_t work) {
+    return g_int4_parallel_min.exchange(work < 0 ? llmc_i4::kParallelMinWork : work);
+}
 
 // Int4MatMul kernel calls completed since the library was loaded.
 LLMC_EXPORT int64_t llmc_int4_calls() { return g_int4_calls.load(); }
