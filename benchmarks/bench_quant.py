@@ -157,12 +157,17 @@ def main() -> None:
     by = {r["format"]: r for r in rows}
     int4 = by["int4 RTN g128"]
     speed_b1 = int4["decode_b1_tok_s"] / fp32["decode_b1_tok_s"]
+
+    def closer(a: dict, b: dict) -> bool:
+        return a["kl_mean"] < b["kl_mean"] and abs(a["ppl_increase_pct"]) < abs(b["ppl_increase_pct"])
+
     goals = {
         "fp8 ppl increase <= 1%": by["fp8 (emulated)"]["ppl_increase_pct"] <= 1.0,
-        "int4-awq better than int4 RTN (ppl and KL)": (by["int4-awq g128"]["ppl"] < int4["ppl"]
-                                                       and by["int4-awq g128"]["kl_mean"] < int4["kl_mean"]),
-        "int4-gptq better than int4 RTN (ppl and KL)": (by["int4-gptq g128"]["ppl"] < int4["ppl"]
-                                                        and by["int4-gptq g128"]["kl_mean"] < int4["kl_mean"]),
+        # "Better" = closer to the fp32 model: lower KL and a smaller perplexity change either way. Quantization
+        # noise can lower held-out perplexity (it flattens an over-confident model's distributions), so a
+        # larger drop is not better fidelity; both signed changes are in the table.
+        "int4-awq closer to fp32 than int4 RTN (KL and |ppl change|)": closer(by["int4-awq g128"], int4),
+        "int4-gptq closer to fp32 than int4 RTN (KL and |ppl change|)": closer(by["int4-gptq g128"], int4),
         "int4 size <= 0.3x fp32": int4["size_vs_fp32"] <= 0.3,
         "int4 decode b1 >= 2x fp32": speed_b1 >= 2.0,
         "int4-awq greedy agreement >= 90% of 256 tokens (free-running)": greedy["agreement"] >= 0.9,
