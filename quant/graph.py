@@ -257,7 +257,6 @@ def _int4_site(b: _Builder, site: LinearSite, recipe: QuantRecipe, calib: Calibr
         node = ir.node("Int4MatMul", [x, *inputs], domain=LLMC_DOMAIN,
                        attributes={"K": site.k, "N": site.n, "group_size": recipe.group_size})
         nodes.append(node)
-        b.graph.opset_imports[LLMC_DOMAIN] = LLMC_OPSET
         b.stats["int4_llmc_kernel"] = b.stats.get("int4_llmc_kernel", 0) + 1
     else:
         node = ir.node("MatMulNBits", [x, *inputs], domain=MS_DOMAIN,
@@ -615,6 +614,8 @@ def quantize_model(model: ir.Model, recipe: QuantRecipe, calib: CalibrationResul
                     if node.op_type == "Gather" and node.domain == "" and _quantize_embedding(b, node, recipe):
                         b.stats["embeddings"] = b.stats.get("embeddings", 0) + 1
             model.opset_imports[MS_DOMAIN] = 1
+            if b.stats.get("int4_llmc_kernel"):
+                model.opset_imports[LLMC_DOMAIN] = LLMC_OPSET
     if recipe.kv_cache_dtype == "fp8":
         _kv_fp8(b, calib)
     b.stats.pop("_folded", None)

@@ -35,17 +35,15 @@
 #include <string>
 #include <vector>
 
+#include "../../csrc/parallel_for.h"
+
 namespace llmc_i4 {
 
 struct Error : std::runtime_error {
     using std::runtime_error::runtime_error;
 };
 
-// Same shape as llmc_pa::ParallelFor: run body(arg, i) for i in [0, n) on some pool.
-struct ParallelFor {
-    void (*fn)(void* self, int64_t n, void (*body)(void*, int64_t), void* arg);
-    void* self;
-};
+using ParallelFor = llmc::ParallelFor;  // ../../csrc/parallel_for.h
 
 enum Isa : int { kScalar = 0, kAvx2 = 1, kAvx512Vnni = 2 };
 

@@ -190,6 +190,32 @@ void require_rank(const Tensor& t, size_t rank, const char* name) {
     }
 }
 
+// Output 0 with these dims, as float32 data to write.
+float* output(OrtKernelContext* ctx, const int64_t* dims, size_t n) {
+    OrtValue* out = nullptr;
+    check(api_fn<OrtStatus* (*)(OrtKernelContext*, size_t, const int64_t*, size_t, OrtValue**)>(
+              kKernelContext_GetOutput)(ctx, 0, dims, n, &out),
+          "output");
+    void* data = nullptr;
+    check(api_fn<OrtStatus* (*)(OrtValue*, void**)>(kGetTensorMutableData)(out, &data), "output");
+    return static_cast<float*>(data);
+}
+
+// Run a kernel with the thread setting of llmc_set_num_threads: run(threads, pf) gets ORT's intra-op
+// pool as `pf` (setting 0, runtime with ParallelFor; `threads` then only decides whether to go parallel,
+// the pool's size is the session's), else pf = nullptr and that many OpenMP threads.
+template <typename Run>
+void with_threads(OrtKernelContext* ctx, Run run) {
+    const ParallelForFn pf_fn = g_parallel_for.load();
+    if (g_num_threads.load() == 0 && pf_fn != nullptr) {
+        OrtParallel ort{ctx, pf_fn};
+        const llmc::ParallelFor pf{ort_parallel_for, &ort};
+        run(std::max(2, omp_get_max_threads()), &pf);
+    } else {
+        run(effective_threads(), static_cast<const llmc::ParallelFor*>(nullptr));
+    }
+}
+
 void compute(void* kernel, OrtKernelContext* ctx) {
     const Kernel& k = *static_cast<const Kernel*>(kernel);
     const Tensor q = input(ctx, 0, "query"), key = input(ctx, 1, "key"), value = input(ctx, 2, "value");
@@ -252,12 +278,7 @@ void compute(void* kernel, OrtKernelContext* ctx) {
     }
 
     const int64_t out_dims[2] = {T, k.num_heads * D};
-    OrtValue* out = nullptr;
-    check(api_fn<OrtStatus* (*)(OrtKernelContext*, size_t, const int64_t*, size_t, OrtValue**)>(
-              kKernelContext_GetOutput)(ctx, 0, out_dims, 2, &out),
-          "output");
-    void* out_data = nullptr;
-    check(api_fn<OrtStatus* (*)(OrtValue*, void**)>(kGetTensorMutableData)(out, &out_data), "output");
+    float* const out_data = output(ctx, out_dims, 2);
 
     a.query = static_cast<const float*>(q.data);
     a.key = static_cast<const float*>(key.data);
@@ -274,55 +295,57 @@ void compute(void* kernel, OrtKernelContext* ctx) {
     a.query_start_loc = static_cast<const int64_t*>(qsl.data);
     a.S = S;
     a.head_size = D;
-    a.out = static_cast<float*>(out_data);
+    a.out = out_data;
     a.num_heads = k.num_heads;
     a.num_kv_heads = k.num_kv_heads;
     a.scale = k.scale;
     a.sliding_window = k.sliding_window;
     a.softcap = k.softcap;
-    const ParallelForFn pf_fn = g_parallel_for.load();
-    if (g_num_threads.load() == 0 && pf_fn != nullptr) {
-        OrtParallel ort{ctx, pf_fn};
-        const llmc_pa::ParallelFor pf{ort_parallel_for, &ort};
-        // The thread count only decides whether to go parallel; the pool's size is the session's.
-        llmc_pa::run(a, std::max(2, omp_get_max_threads()), g_use_avx2.load(), &pf);
-    } else {
-        llmc_pa::run(a, effective_threads(), g_use_avx2.load());
-    }
+    with_threads(ctx, [&](int threads, const llmc::ParallelFor* pf) {
+        llmc_pa::run(a, threads, g_use_avx2.load(), pf);
+    });
     g_calls.fetch_add(1, std::memory_order_relaxed);
 }
 
 // ---------------------------------------------------------------------------------------------
-// The op's schema: 3 float inputs, 4 int64 inputs, 1 float output, all required, on the CPU.
+// The ops' schemas.
 
-const char* op_name(const OrtCustomOpV13*) { return "PagedAttention"; }
+// What both ops share: one float output, every input and output required, on the CPU provider.
 const char* op_provider(const OrtCustomOpV13*) { return nullptr; }
-int32_t op_input_type(const OrtCustomOpV13*, size_t i) { return i < 3 ? kOrtFloat : kOrtInt64; }
-size_t op_input_count(const OrtCustomOpV13*) { return 7; }
 int32_t op_output_type(const OrtCustomOpV13*, size_t) { return kOrtFloat; }
 size_t op_output_count(const OrtCustomOpV13*) { return 1; }
 int32_t op_required(const OrtCustomOpV13*, size_t) { return 0; }
 int32_t op_default_memory(const OrtCustomOpV13*, size_t) { return 0; }
 
-OrtCustomOpV13 make_op() {
+// An op of that shape; the rest of its schema and its kernel as given.
+OrtCustomOpV13 make_op(const char* (*name)(const OrtCustomOpV13*),
+                       int32_t (*input_type)(const OrtCustomOpV13*, size_t),
+                       size_t (*input_count)(const OrtCustomOpV13*),
+                       void* (*create)(const OrtCustomOpV13*, const OrtApi*, const OrtKernelInfo*),
+                       void (*compute_fn)(void*, OrtKernelContext*), void (*destroy)(void*)) {
     OrtCustomOpV13 op{};
     op.version = kOrtApiVersion;
-    op.CreateKernel = create_kernel;
-    op.GetName = op_name;
+    op.CreateKernel = create;
+    op.GetName = name;
     op.GetExecutionProviderType = op_provider;
-    op.GetInputType = op_input_type;
-    op.GetInputTypeCount = op_input_count;
+    op.GetInputType = input_type;
+    op.GetInputTypeCount = input_count;
     op.GetOutputType = op_output_type;
     op.GetOutputTypeCount = op_output_count;
-    op.KernelCompute = compute;
-    op.KernelDestroy = destroy_kernel;
+    op.KernelCompute = compute_fn;
+    op.KernelDestroy = destroy;
     op.GetInputCharacteristic = op_required;
     op.GetOutputCharacteristic = op_required;
     op.GetInputMemoryType = op_default_memory;
     return op;
 }
 
-const OrtCustomOpV13 g_op = make_op();
+// PagedAttention: 3 float inputs (query, key, value), 4 int64 inputs.
+const char* op_name(const OrtCustomOpV13*) { return "PagedAttention"; }
+int32_t op_input_type(const OrtCustomOpV13*, size_t i) { return i < 3 ? kOrtFloat : kOrtInt64; }
+size_t op_input_count(const OrtCustomOpV13*) { return 7; }
+
+const OrtCustomOpV13 g_op = make_op(op_name, op_input_type, op_input_count, create_kernel, compute, destroy_kernel);
 
 // ---------------------------------------------------------------------------------------------
 // llmc::Int4MatMul(X float [..., K], W uint8, scales float, mins float) -> float [..., N], attributes
@@ -374,24 +397,14 @@ void compute_int4(void* kernel, OrtKernelContext* ctx) {
     for (size_t i = 0; i + 1 < x.dims.size(); ++i) M *= x.dims[i];
     std::vector<int64_t> out_dims(x.dims);
     out_dims.back() = k.N;
-    OrtValue* out = nullptr;
-    check(api_fn<OrtStatus* (*)(OrtKernelContext*, size_t, const int64_t*, size_t, OrtValue**)>(
-              kKernelContext_GetOutput)(ctx, 0, out_dims.data(), out_dims.size(), &out),
-          "output");
-    void* out_data = nullptr;
-    check(api_fn<OrtStatus* (*)(OrtValue*, void**)>(kGetTensorMutableData)(out, &out_data), "output");
     const llmc_i4::Problem p{static_cast<const float*>(x.data), M, k.K,
                              static_cast<const uint8_t*>(w.data), static_cast<const float*>(sc.data),
-                             static_cast<const float*>(mn.data), k.N, k.G, ng, static_cast<float*>(out_data)};
+                             static_cast<const float*>(mn.data), k.N, k.G, ng,
+                             output(ctx, out_dims.data(), out_dims.size())};
     const auto isa = static_cast<llmc_i4::Isa>(g_int4_isa.load());
-    const ParallelForFn pf_fn = g_parallel_for.load();
-    if (g_num_threads.load() == 0 && pf_fn != nullptr) {
-        OrtParallel ort{ctx, pf_fn};
-        const llmc_i4::ParallelFor pf{ort_parallel_for, &ort};
-        llmc_i4::run(p, isa, std::max(2, omp_get_max_threads()), &pf, g_int4_parallel_min.load());
-    } else {
-        llmc_i4::run(p, isa, effective_threads(), nullptr, g_int4_parallel_min.load());
-    }
+    with_threads(ctx, [&](int threads, const llmc::ParallelFor* pf) {
+        llmc_i4::run(p, isa, threads, pf, g_int4_parallel_min.load());
+    });
     g_int4_calls.fetch_add(1, std::memory_order_relaxed);
 }
 
@@ -399,18 +412,8 @@ const char* int4_name(const OrtCustomOpV13*) { return "Int4MatMul"; }
 int32_t int4_input_type(const OrtCustomOpV13*, size_t i) { return i == 1 ? kOrtUint8 : kOrtFloat; }
 size_t int4_input_count(const OrtCustomOpV13*) { return 4; }
 
-OrtCustomOpV13 make_int4_op() {
-    OrtCustomOpV13 op = make_op();
-    op.CreateKernel = create_int4_kernel;
-    op.GetName = int4_name;
-    op.GetInputType = int4_input_type;
-    op.GetInputTypeCount = int4_input_count;
-    op.KernelCompute = compute_int4;
-    op.KernelDestroy = destroy_int4_kernel;
-    return op;
-}
-
-const OrtCustomOpV13 g_int4_op = make_int4_op();
+const OrtCustomOpV13 g_int4_op = make_op(int4_name, int4_input_type, int4_input_count, create_int4_kernel,
+                                         compute_int4, destroy_int4_kernel);
 std::mutex g_domain_mutex;
 OrtCustomOpDomain* g_domain = nullptr;  // one domain object for every session; lives as long as the process
 

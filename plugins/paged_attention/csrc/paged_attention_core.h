@@ -38,6 +38,8 @@
 #include <utility>
 #include <vector>
 
+#include "../../csrc/parallel_for.h"
+
 namespace llmc_pa {
 
 // A caller error (bad shape, index or attribute). The pybind11 module surfaces it as ValueError.
@@ -640,14 +642,7 @@ inline void check_heads(int64_t num_heads, int64_t num_kv_heads) {
     }
 }
 
-// A caller's parallel loop: fn(self, n, body, arg) runs body(arg, i) for every i in [0, n), on any
-// threads, and returns when all have run. The ONNX Runtime op library passes the session's
-// intra-op pool, so that the kernel shares ORT's threads instead of starting an OpenMP team that
-// competes with them for the same cores. Bodies never throw.
-struct ParallelFor {
-    void (*fn)(void* self, int64_t n, void (*body)(void*, int64_t), void* arg);
-    void* self;
-};
+using ParallelFor = llmc::ParallelFor;  // ../../csrc/parallel_for.h
 
 // This thread's tile scratch, grown to at least the given sizes (reused across calls, so a step
 // allocates nothing on either the OpenMP or the ONNX Runtime pool path).
