@@ -61,11 +61,13 @@ def cli() -> None:
 def _print_passes(ctx: click.Context, _param, value: bool) -> None:
     if not value or ctx.resilient_parsing:
         return
-    from llmc.passes.registry import ALL_PASSES
+    from llmc.passes.registry import ALL_PASSES, BACKEND_FUSIONS
 
     for p in ALL_PASSES:
         needs = f" (requires {', '.join(p.requires)})" if p.requires else ""
         click.echo(f"{p.name:24} {'fusion' if p.fusion else 'cleanup':8} {p.description}{needs}")
+    for name, description in BACKEND_FUSIONS.items():
+        click.echo(f"{name:24} {'fusion':8} {description}")
     ctx.exit(0)
 
 

@@ -9,7 +9,7 @@ import onnx_ir as ir
 from llmc.errors import LlmcError
 from llmc.passes import base
 from llmc.passes.base import GraphPass
-from llmc.passes.registry import ALL_PASSES, BY_NAME
+from llmc.passes.registry import ALL_PASSES, BACKEND_FUSIONS, BY_NAME
 
 ALL_FUSIONS = "all-fusions"
 
@@ -21,10 +21,11 @@ def passes_for(target: str, disabled: Sequence[str] = (), extra: Sequence[GraphP
     disabling a pass that another enabled pass requires disables that one too. ``extra`` passes
     (Python API only) run after the standard ones, before the final dead-code elimination.
     """
-    unknown = [d for d in disabled if d not in BY_NAME and d != ALL_FUSIONS]
+    unknown = [d for d in disabled if d not in BY_NAME and d not in BACKEND_FUSIONS and d != ALL_FUSIONS]
     if unknown:
+        names = [*BY_NAME, *BACKEND_FUSIONS, ALL_FUSIONS]
         raise LlmcError(
-            f"--disable-pass {unknown[0]!r}: no such pass; choose from {', '.join([*BY_NAME, ALL_FUSIONS])} "
+            f"--disable-pass {unknown[0]!r}: no such pass; choose from {', '.join(names)} "
             "(see `llmc build --print-passes`)"
         )
     off = set(disabled)
@@ -56,3 +57,8 @@ def run_pipeline(model: ir.Model, passes: Sequence[GraphPass], verify: Verifier 
         if verify is not None:
             verify(p.name, model)
     return stats
+
+
+def backend_fusion_enabled(name: str, disabled: Sequence[str]) -> bool:
+    """Whether the backend fusion ``name`` (a key of BACKEND_FUSIONS) runs, given ``--disable-pass`` names."""
+    return name not in disabled and ALL_FUSIONS not in disabled

@@ -32,3 +32,10 @@ ALL_PASSES: tuple[GraphPass, ...] = (
 )
 
 BY_NAME = {p.name: p for p in ALL_PASSES}
+
+# Fusions that a backend applies while lowering (they need that backend's kernels), not graph passes:
+# --disable-pass accepts their names too, and 'all-fusions' includes them.
+BACKEND_FUSIONS: dict[str, str] = {
+    "rotary-attention": "CPU, native attention route: Split + RotaryEmbedding x2 + Reshape x3 + PagedAttention "
+                        "-> llmc.RotaryPagedAttention (ONNX Runtime backend lowering)",
+}

@@ -21,9 +21,10 @@ from pathlib import Path
 
 import onnx_ir as ir
 
+from llmc.compiler.backends.ort_rotary_attention import fuse_rotary_attention
 from llmc.errors import LlmcError
 from llmc.passes.base import replace_value
-from llmc.plugins.paged_attention import DOMAIN, OP_TYPE, OPSET_VERSION
+from llmc.plugins.paged_attention import DOMAIN, OP_TYPE, OPSET_VERSION, ROTARY_OP_TYPE
 
 ORT_CONTRIB_DOMAIN = "ai.onnx.contrib"
 MS_DOMAIN = "com.microsoft"
@@ -67,22 +68,25 @@ def _check_route(attention: str) -> None:
         raise ValueError(f"attention route {attention!r}: expected one of {', '.join(ATTENTION_ROUTES)}")
 
 
-def lower(model: ir.Model, attention: str = "native") -> int:
+def lower(model: ir.Model, attention: str = "native", fuse_rotary: bool = True) -> int:
     """Rewrite llmc-domain ops into ops ONNX Runtime executes. Returns the number of nodes lowered.
 
     PagedAttention stays in the ``llmc`` domain (``attention="native"``: llmc's custom-op library) or
     moves to onnxruntime-extensions' domain (``"pyop"``: a Python op); SkipRMSNormalization and SwiGLU
-    become ORT contrib ops.
+    become ORT contrib ops. On the native route with ``fuse_rotary``, each layer's Split + rotary +
+    reshapes + PagedAttention becomes one ``llmc.RotaryPagedAttention`` (ort_rotary_attention).
     """
     _check_route(attention)
-    count = 0
     graph = model.graph
+    count = fuse_rotary_attention(model) if attention == "native" and fuse_rotary else 0
     for node in list(graph):
         if node.domain != DOMAIN:
             continue
         if node.op_type == OP_TYPE:
             if attention == "pyop":
                 node.domain = ORT_CONTRIB_DOMAIN
+        elif node.op_type == ROTARY_OP_TYPE:  # made just above, on the native route only
+            continue
         elif node.op_type == "Int4MatMul":
             # Only llmc's native library has this kernel; the Python-op route hosts attention only.
             if attention == "pyop":
@@ -105,12 +109,13 @@ def lower(model: ir.Model, attention: str = "native") -> int:
     return count
 
 
-def emit(model: ir.Model, out_dir: Path, attention: str = "native") -> EngineFiles:
+def emit(model: ir.Model, out_dir: Path, attention: str = "native", fuse_rotary: bool = True) -> EngineFiles:
     """Lower and write ``model.onnx`` with its weights in ``model.onnx.data`` (streamed, one tensor at a time).
 
-    ``attention`` picks PagedAttention's route (see the module docstring); the returned
-    :class:`EngineFiles` names the custom-op library the engine needs.
+    ``attention`` picks PagedAttention's route (see the module docstring), ``fuse_rotary`` whether
+    the native route fuses rotary into attention; the returned :class:`EngineFiles` names the
+    custom-op library the engine needs.
     """
-    lower(model, attention)
+    lower(model, attention, fuse_rotary)
     ir.save(model, out_dir / MODEL_FILE, external_data=WEIGHTS_FILE)
     return EngineFiles(model=MODEL_FILE, weights=WEIGHTS_FILE, custom_ops=CUSTOM_OPS[attention])

@@ -21,6 +21,11 @@ The KV cache of one layer is two arrays ``[num_blocks, num_kv_heads, block_size,
 """
 
 OP_TYPE = "PagedAttention"
+# The same op on the packed Q/K/V projection ``qkv [..., T, (H + 2*Hkv) * D]`` with rotate-half rotary
+# inside (inputs: qkv, cos, sin ``[..., T, D/2]``, then the four above from slot_mapping on): what the
+# ONNX Runtime backend fuses a layer's Split + RotaryEmbedding x2 + Reshape x3 + PagedAttention into on
+# the native route (reference: :func:`.reference.rotary_paged_attention`).
+ROTARY_OP_TYPE = "RotaryPagedAttention"
 DOMAIN = "llmc"
 OPSET_VERSION = 1
 KV_LAYOUT = "blocks_hnd"

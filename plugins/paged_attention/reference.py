@@ -76,3 +76,31 @@ def paged_attention(
             p /= p.sum(axis=-1, keepdims=True)
             out[start:end, h * d : (h + 1) * d] = (p @ vh).astype(query.dtype)
     return out
+
+
+def rotate_half(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, num_heads: int) -> np.ndarray:
+    """Rotary embedding, rotate-half (GPT-NeoX) form, as ONNX ``RotaryEmbedding`` with interleaved=0.
+
+    ``x`` ``[T, num_heads * D]``; ``cos``/``sin`` ``[T, D/2]`` (the angles of each row's position).
+    """
+    t = x.shape[0]
+    h = x.reshape(t, num_heads, -1).astype(np.float32)
+    half = h.shape[-1] // 2
+    c, s = cos[:, None, :].astype(np.float32), sin[:, None, :].astype(np.float32)
+    a, b = h[..., :half], h[..., half:]
+    return np.concatenate([a * c - b * s, b * c + a * s], axis=-1).reshape(t, -1)
+
+
+def rotary_paged_attention(qkv: np.ndarray, cos: np.ndarray, sin: np.ndarray, slot_mapping: np.ndarray,
+                           block_tables: np.ndarray, context_lens: np.ndarray, query_start_loc: np.ndarray,
+                           k_cache: np.ndarray, v_cache: np.ndarray, *, num_heads: int, num_kv_heads: int,
+                           scale: float, sliding_window: int = 0, softcap: float = 0.0) -> np.ndarray:
+    """``RotaryPagedAttention``: split ``qkv [..., T, (H + 2*Hkv) * D]`` into Q, K, V; rotate Q and K by
+    ``cos``/``sin`` ``[..., T, D/2]``; then :func:`paged_attention`. Returns ``[T, H * D]``."""
+    d = k_cache.shape[-1]
+    x = qkv.reshape(-1, qkv.shape[-1])
+    c, s = cos.reshape(-1, cos.shape[-1]), sin.reshape(-1, sin.shape[-1])
+    q, k, v = np.split(x, [num_heads * d, (num_heads + num_kv_heads) * d], axis=-1)
+    return paged_attention(rotate_half(q, c, s, num_heads), rotate_half(k, c, s, num_kv_heads), v, slot_mapping,
+                           block_tables, context_lens, query_start_loc, k_cache, v_cache, num_heads=num_heads,
+                           num_kv_heads=num_kv_heads, scale=scale, sliding_window=sliding_window, softcap=softcap)

@@ -3,7 +3,8 @@
 // llmc.plugins.paged_attention.ort_native and llmc.plugins.int4_matmul).
 //
 // A session loads it with SessionOptions.register_custom_ops_library(path); ONNX Runtime then
-// calls RegisterCustomOps, which adds the domain "llmc" with both ops. PagedAttention's kernel is
+// calls RegisterCustomOps, which adds the domain "llmc" with its ops (PagedAttention, RotaryPagedAttention:
+// the same kernel on a packed QKV input with rotary inside, and Int4MatMul). PagedAttention's kernel is
 // llmc_pa::run (paged_attention_core.h), the same code as the pybind11 module's; Int4MatMul's is
 // llmc_i4::run (plugins/int4_matmul/csrc/int4_matmul_core.h).
 //
@@ -136,6 +137,10 @@ void* create_kernel(const OrtCustomOpV13*, const OrtApi*, const OrtKernelInfo* i
         k->softcap = float_attr(info, "softcap", 0.0f);
         // The traced graphs always carry `scale`; the default is attention's usual 1/sqrt(head_size).
         k->scale = float_attr(info, "scale", k->head_size > 0 ? 1.0f / std::sqrt(float(k->head_size)) : 1.0f);
+        if (int_attr(info, "rotary_interleaved", false, 0) != 0) {
+            throw Error("rotary_interleaved=1 is not supported: RotaryPagedAttention rotates in the rotate-half "
+                        "(GPT-NeoX) form only; leave the RotaryEmbedding nodes unfused");
+        }
         llmc_pa::check_heads(k->num_heads, k->num_kv_heads);
         if (k->head_size <= 0) throw Error("head_size must be positive, got " + std::to_string(k->head_size));
         if (k->layer_idx < 0) throw Error("layer_idx must be >= 0, got " + std::to_string(k->layer_idx));
@@ -216,20 +221,15 @@ void with_threads(OrtKernelContext* ctx, Run run) {
     }
 }
 
-void compute(void* kernel, OrtKernelContext* ctx) {
-    const Kernel& k = *static_cast<const Kernel*>(kernel);
-    const Tensor q = input(ctx, 0, "query"), key = input(ctx, 1, "key"), value = input(ctx, 2, "value");
+// What both attention ops share once their query, key and value rows are known: the sequence
+// inputs (3-6), the bound pool, the output and the call.
+void attend(const Kernel& k, OrtKernelContext* ctx, llmc_pa::Args& a) {
     const Tensor slots = input(ctx, 3, "slot_mapping"), tables = input(ctx, 4, "block_tables");
     const Tensor ctx_lens = input(ctx, 5, "context_lens"), qsl = input(ctx, 6, "query_start_loc");
-    require_rank(q, 2, "query");
-    require_rank(key, 2, "key");
-    require_rank(value, 2, "value");
     require_rank(slots, 1, "slot_mapping");
     require_rank(tables, 2, "block_tables");
     require_rank(ctx_lens, 1, "context_lens");
     require_rank(qsl, 1, "query_start_loc");
-
-    llmc_pa::Args a{};
     {
         std::lock_guard<std::mutex> lock(g_pool_mutex);
         const int64_t layers = static_cast<int64_t>(g_pool.k.size());
@@ -252,18 +252,7 @@ void compute(void* kernel, OrtKernelContext* ctx) {
         a.num_blocks = g_pool.num_blocks;
         a.block_size = g_pool.block_size;
     }
-    const int64_t T = q.dims[0], D = k.head_size, S = ctx_lens.dims[0];
-    if (q.dims[1] != k.num_heads * D) {
-        throw Error("query must have num_heads * head_size = " + std::to_string(k.num_heads * D) +
-                    " columns, got shape " + dims_str(q.dims));
-    }
-    for (const Tensor* t : {&key, &value}) {
-        if (t->dims[0] != T || t->dims[1] != k.num_kv_heads * D) {
-            throw Error(std::string(t == &key ? "key" : "value") + " must have shape (" + std::to_string(T) + ", " +
-                        std::to_string(k.num_kv_heads * D) + ") = (T, num_kv_heads * head_size), got " +
-                        dims_str(t->dims));
-        }
-    }
+    const int64_t T = a.T, S = ctx_lens.dims[0];
     if (slots.dims[0] != T) {
         throw Error("slot_mapping must have one entry per row of query (" + std::to_string(T) + "), got shape " +
                     dims_str(slots.dims));
@@ -277,16 +266,8 @@ void compute(void* kernel, OrtKernelContext* ctx) {
                     dims_str(tables.dims));
     }
 
-    const int64_t out_dims[2] = {T, k.num_heads * D};
-    float* const out_data = output(ctx, out_dims, 2);
-
-    a.query = static_cast<const float*>(q.data);
-    a.key = static_cast<const float*>(key.data);
-    a.value = static_cast<const float*>(value.data);
-    a.q_row = q.dims[1];
-    a.k_row = key.dims[1];
-    a.v_row = value.dims[1];
-    a.T = T;
+    const int64_t out_dims[2] = {T, k.num_heads * k.head_size};
+    a.out = output(ctx, out_dims, 2);
     a.slot_mapping = static_cast<const int64_t*>(slots.data);
     a.block_tables = static_cast<const int64_t*>(tables.data);
     a.bt_rows = tables.dims[0];
@@ -294,8 +275,7 @@ void compute(void* kernel, OrtKernelContext* ctx) {
     a.context_lens = static_cast<const int64_t*>(ctx_lens.data);
     a.query_start_loc = static_cast<const int64_t*>(qsl.data);
     a.S = S;
-    a.head_size = D;
-    a.out = out_data;
+    a.head_size = k.head_size;
     a.num_heads = k.num_heads;
     a.num_kv_heads = k.num_kv_heads;
     a.scale = k.scale;
@@ -305,6 +285,77 @@ void compute(void* kernel, OrtKernelContext* ctx) {
         llmc_pa::run(a, threads, g_use_avx2.load(), pf);
     });
     g_calls.fetch_add(1, std::memory_order_relaxed);
+}
+
+// llmc::PagedAttention(query [T, H*D], key [T, Hkv*D], value [T, Hkv*D], slot_mapping, block_tables,
+// context_lens, query_start_loc) -> [T, H*D].
+void compute(void* kernel, OrtKernelContext* ctx) {
+    const Kernel& k = *static_cast<const Kernel*>(kernel);
+    const Tensor q = input(ctx, 0, "query"), key = input(ctx, 1, "key"), value = input(ctx, 2, "value");
+    require_rank(q, 2, "query");
+    require_rank(key, 2, "key");
+    require_rank(value, 2, "value");
+    const int64_t T = q.dims[0], D = k.head_size;
+    if (q.dims[1] != k.num_heads * D) {
+        throw Error("query must have num_heads * head_size = " + std::to_string(k.num_heads * D) +
+                    " columns, got shape " + dims_str(q.dims));
+    }
+    for (const Tensor* t : {&key, &value}) {
+        if (t->dims[0] != T || t->dims[1] != k.num_kv_heads * D) {
+            throw Error(std::string(t == &key ? "key" : "value") + " must have shape (" + std::to_string(T) + ", " +
+                        std::to_string(k.num_kv_heads * D) + ") = (T, num_kv_heads * head_size), got " +
+                        dims_str(t->dims));
+        }
+    }
+    llmc_pa::Args a{};
+    a.query = static_cast<const float*>(q.data);
+    a.key = static_cast<const float*>(key.data);
+    a.value = static_cast<const float*>(value.data);
+    a.q_row = q.dims[1];
+    a.k_row = key.dims[1];
+    a.v_row = value.dims[1];
+    a.T = T;
+    attend(k, ctx, a);
+}
+
+// Rows of a tensor [..., T, cols] (every dim but the last), after checking its last dim.
+int64_t rows_of(const Tensor& t, int64_t cols, const char* name, const std::string& what) {
+    if (t.dims.size() < 2 || t.dims.back() != cols) {
+        throw Error(std::string(name) + " must have shape (..., T, " + std::to_string(cols) + ") = " + what +
+                    ", got " + dims_str(t.dims));
+    }
+    int64_t rows = 1;
+    for (size_t i = 0; i + 1 < t.dims.size(); ++i) rows *= t.dims[i];
+    return rows;
+}
+
+// llmc::RotaryPagedAttention(qkv [..., T, (H + 2 Hkv) D], cos [..., T, D/2], sin [..., T, D/2], slot_mapping,
+// block_tables, context_lens, query_start_loc) -> [T, H*D]: the packed Q/K/V projection's output split
+// in place (row strides, no copies), rotate-half rotary on Q and K, then PagedAttention. One node for
+// what the traced graph does with a Split, two RotaryEmbeddings, three Reshapes and PagedAttention.
+void compute_rotary(void* kernel, OrtKernelContext* ctx) {
+    const Kernel& k = *static_cast<const Kernel*>(kernel);
+    const Tensor qkv = input(ctx, 0, "qkv"), cs = input(ctx, 1, "cos"), sn = input(ctx, 2, "sin");
+    const int64_t H = k.num_heads, Hkv = k.num_kv_heads, D = k.head_size, width = (H + 2 * Hkv) * D;
+    const int64_t T = rows_of(qkv, width, "qkv", "(num_heads + 2 * num_kv_heads) * head_size columns");
+    for (const Tensor* t : {&cs, &sn}) {
+        const char* name = t == &cs ? "cos" : "sin";
+        if (rows_of(*t, D / 2, name, "head_size / 2 columns") != T) {
+            throw Error(std::string(name) + " must have one row per row of qkv (" + std::to_string(T) + "), got shape " +
+                        dims_str(t->dims));
+        }
+    }
+    const float* base = static_cast<const float*>(qkv.data);
+    llmc_pa::Args a{};
+    a.query = base;
+    a.key = base + H * D;
+    a.value = base + (H + Hkv) * D;
+    a.q_row = a.k_row = a.v_row = width;
+    a.T = T;
+    a.rot_cos = static_cast<const float*>(cs.data);
+    a.rot_sin = static_cast<const float*>(sn.data);
+    a.rot_row = D / 2;
+    attend(k, ctx, a);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -346,6 +397,11 @@ int32_t op_input_type(const OrtCustomOpV13*, size_t i) { return i < 3 ? kOrtFloa
 size_t op_input_count(const OrtCustomOpV13*) { return 7; }
 
 const OrtCustomOpV13 g_op = make_op(op_name, op_input_type, op_input_count, create_kernel, compute, destroy_kernel);
+
+// RotaryPagedAttention: the same input types and attributes (plus rotary_interleaved, which must be 0).
+const char* rotary_op_name(const OrtCustomOpV13*) { return "RotaryPagedAttention"; }
+const OrtCustomOpV13 g_rotary_op = make_op(rotary_op_name, op_input_type, op_input_count, create_kernel,
+                                           compute_rotary, destroy_kernel);
 
 // ---------------------------------------------------------------------------------------------
 // llmc::Int4MatMul(X float [..., K], W uint8, scales float, mins float) -> float [..., N], attributes
@@ -437,7 +493,7 @@ LLMC_EXPORT OrtStatus* RegisterCustomOps(OrtSessionOptions* options, const OrtAp
             OrtCustomOpDomain* domain = nullptr;
             check(api_fn<OrtStatus* (*)(const char*, OrtCustomOpDomain**)>(kCreateCustomOpDomain)("llmc", &domain),
                   "CreateCustomOpDomain");
-            for (const OrtCustomOpV13* op : {&g_op, &g_int4_op}) {
+            for (const OrtCustomOpV13* op : {&g_op, &g_rotary_op, &g_int4_op}) {
                 check(api_fn<OrtStatus* (*)(OrtCustomOpDomain*, const void*)>(kCustomOpDomain_Add)(domain, op),
                       "CustomOpDomain_Add");
             }

@@ -628,7 +628,37 @@ struct Args {
     float scale;
     int64_t sliding_window;  // <= 0: none
     float softcap;           // <= 0: none
+    // Rotary position embedding, rotate-half form (RotaryPagedAttention): row t of query and key is
+    // rotated by cos/sin row t, [T, head_size / 2] rows rot_row apart, before anything else; nullptr: none.
+    const float* rot_cos = nullptr;
+    const float* rot_sin = nullptr;
+    int64_t rot_row = 0;
 };
+
+// y = x rotated by one row of angles, rotate-half (GPT-NeoX) form, as ONNX's RotaryEmbedding with
+// interleaved = 0: y[i] = x[i] cos[i] - x[i + half] sin[i], y[i + half] = x[i + half] cos[i] + x[i] sin[i]
+// for i < half. Rounded exactly as ONNX Runtime's kernel rounds on the same CPU, so that fusing rotary
+// into attention changes no bit: its AVX2 path (MLAS) computes fma(x[i], cos, -(x[i+half] sin)) and
+// fma(x[i], sin, x[i+half] cos); without AVX2 it takes plain products and sums (this unit is built
+// for x86-64-v2, where nothing is contracted into an FMA).
+void rotate_half(const float* __restrict x, const float* __restrict c, const float* __restrict s, int64_t half,
+                 float* __restrict y) {
+    for (int64_t i = 0; i < half; ++i) {
+        const float a = x[i], b = x[i + half];
+        y[i] = a * c[i] - b * s[i];
+        y[i + half] = b * c[i] + a * s[i];
+    }
+}
+
+__attribute__((target("avx2,fma"))) void rotate_half_fma(const float* __restrict x, const float* __restrict c,
+                                                         const float* __restrict s, int64_t half,
+                                                         float* __restrict y) {
+    for (int64_t i = 0; i < half; ++i) {
+        const float a = x[i], b = x[i + half];
+        y[i] = __builtin_fmaf(a, c[i], -(b * s[i]));
+        y[i + half] = __builtin_fmaf(a, s[i], b * c[i]);
+    }
+}
 
 // Check the head counts against each other and the cache's KV heads (before any other check).
 inline void check_heads(int64_t num_heads, int64_t num_kv_heads) {
@@ -676,6 +706,9 @@ inline void run(const Args& a, int nthreads, bool avx2, const ParallelFor* pf = 
     const int64_t* ctx_p = a.context_lens;
     const int64_t* qsl_p = a.query_start_loc;
 
+    if (a.rot_cos != nullptr && D % 2 != 0) {
+        fail("rotary embedding needs an even head_size, got " + std::to_string(D));
+    }
     const int64_t num_slots = num_blocks * block_size;
     for (int64_t t = 0; t < T; ++t) {
         if (slot_p[t] >= num_slots) {
@@ -813,9 +846,26 @@ inline void run(const Args& a, int nthreads, bool avx2, const ParallelFor* pf = 
     }
     std::vector<float> partials(static_cast<size_t>(tiled ? tile_floats : n_parts * group * (D + 2)));
 
+    // Rotary: the rotated queries go to this thread's buffer (reused across calls), the keys are
+    // rotated on their way into the cache (step 1).
+    const bool rotary = a.rot_cos != nullptr;
+    const int64_t half_d = D / 2;
+    const auto rotate = avx2 ? rotate_half_fma : rotate_half;
+    thread_local std::vector<float> q_rotated;
+    if (rotary) {
+        if (static_cast<int64_t>(q_rotated.size()) < T * num_heads * D) q_rotated.resize(static_cast<size_t>(T * num_heads * D));
+        for (int64_t t = 0; t < T; ++t) {
+            const float* c = a.rot_cos + t * a.rot_row;
+            const float* sn = a.rot_sin + t * a.rot_row;
+            for (int64_t h = 0; h < num_heads; ++h) {
+                rotate(a.query + t * a.q_row + h * D, c, sn, half_d, q_rotated.data() + (t * num_heads + h) * D);
+            }
+        }
+    }
+
     Problem p{};
-    p.query = a.query;
-    p.q_row = a.q_row;
+    p.query = rotary ? q_rotated.data() : a.query;
+    p.q_row = rotary ? num_heads * D : a.q_row;
     p.k_cache = a.k_cache;
     p.v_cache = a.v_cache;
     p.block_tables = bt_p;
@@ -850,11 +900,16 @@ inline void run(const Args& a, int nthreads, bool avx2, const ParallelFor* pf = 
     const bool par_write = nthreads > 1 && T * num_kv_heads * D >= kParallelMinWork;
 #pragma omp parallel for schedule(static) num_threads(nthreads) if (par_write)
     for (int64_t kh = 0; kh < num_kv_heads; ++kh) {
+        std::vector<float> k_rotated(static_cast<size_t>(rotary ? D : 0));
         for (int64_t t = 0; t < T; ++t) {
             const int64_t slot = slot_p[t];
             if (slot < 0) continue;
             const int64_t dst = ((slot / block_size * num_kv_heads + kh) * block_size + slot % block_size) * D;
             const float* ks = key_p + t * k_row + kh * D;
+            if (rotary) {
+                rotate(ks, a.rot_cos + t * a.rot_row, a.rot_sin + t * a.rot_row, half_d, k_rotated.data());
+                ks = k_rotated.data();
+            }
             const float* vs = value_p + t * v_row + kh * D;
             if (half) {
                 uint16_t* kd = static_cast<uint16_t*>(kc_p) + dst;
