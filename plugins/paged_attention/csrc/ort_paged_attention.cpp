@@ -72,7 +72,7 @@ std::atomic<int> g_num_threads{0};  // 0: the session's intra-op pool (OpenMP's 
 // OrtApi::KernelContext_ParallelFor, when the runtime serves API version 17; else nullptr.
 using ParallelForFn = OrtStatus* (*)(const OrtKernelContext*, void (*)(void*, size_t), size_t, size_t, void*);
 std::atomic<ParallelForFn> g_parallel_for{nullptr};
-std::atomic<bool> g_use_avx2{llmc_pa::cpu_has_avx2_fma()};
+std::atomic<int> g_pa_isa{llmc_pa::best_isa()};
 std::atomic<int64_t> g_calls{0};
 
 int effective_threads() {
@@ -282,7 +282,7 @@ void attend(const Kernel& k, OrtKernelContext* ctx, llmc_pa::Args& a) {
     a.sliding_window = k.sliding_window;
     a.softcap = k.softcap;
     with_threads(ctx, [&](int threads, const llmc::ParallelFor* pf) {
-        llmc_pa::run(a, threads, g_use_avx2.load(), pf);
+        llmc_pa::run(a, threads, static_cast<llmc_pa::Isa>(g_pa_isa.load()), pf);
     });
     g_calls.fetch_add(1, std::memory_order_relaxed);
 }
@@ -557,7 +557,16 @@ LLMC_EXPORT int llmc_uses_ort_pool() { return g_num_threads.load() == 0 && g_par
 LLMC_EXPORT int64_t llmc_paged_attention_calls() { return g_calls.load(); }
 
 // 1: the attention loop uses AVX2+FMA; 0: the x86-64-v2 baseline.
-LLMC_EXPORT int llmc_uses_avx2() { return g_use_avx2.load() ? 1 : 0; }
+LLMC_EXPORT int llmc_uses_avx2() { return g_pa_isa.load() >= llmc_pa::kAvx2 ? 1 : 0; }
+
+// PagedAttention's instruction set: 0 baseline, 1 AVX2+FMA, 2 AVX-512 (llmc_pa::Isa). Setting one the CPU
+// cannot run returns -1 (nothing changed); the default is the best the CPU runs.
+LLMC_EXPORT int llmc_pa_get_isa() { return g_pa_isa.load(); }
+LLMC_EXPORT int llmc_pa_set_isa(int isa) {
+    if (isa < 0 || isa > static_cast<int>(llmc_pa::best_isa())) return -1;
+    g_pa_isa = isa;
+    return 0;
+}
 
 // The ONNX Runtime C API version this library requests.
 LLMC_EXPORT uint32_t llmc_ort_api_version() { return kOrtApiVersion; }

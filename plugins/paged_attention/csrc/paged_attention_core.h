@@ -397,49 +397,100 @@ LLMC_INLINE v8f hsum8x8(const v8f a[8]) {
     return __builtin_shuffle(u, w, lo4) + __builtin_shuffle(u, w, hi4);
 }
 
-// S[m, j] = Q[m] . K[j] for M query vectors and the block's bs keys (bs % 8 == 0, D % 8 == 0).
+typedef float v16f __attribute__((vector_size(64)));
+typedef float v16fu __attribute__((vector_size(64), aligned(4), may_alias));
+typedef int32_t v16i __attribute__((vector_size(64)));
+
+// Lane i of the result = the sum of a[i]'s sixteen lanes (hsum8x8's transposing reduction, one level more).
+LLMC_INLINE v16f hsum16x16(const v16f a[16]) {
+    const v16i lo1 = {0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30};
+    const v16i lo2 = {0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29};
+    const v16i lo4 = {0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27};
+    const v16i lo8 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
+    v16f t[8], u[4], w[2];
+    for (int i = 0; i < 8; ++i) t[i] = __builtin_shuffle(a[2 * i], a[2 * i + 1], lo1) + __builtin_shuffle(a[2 * i], a[2 * i + 1], lo1 + 1);
+    for (int i = 0; i < 4; ++i) u[i] = __builtin_shuffle(t[2 * i], t[2 * i + 1], lo2) + __builtin_shuffle(t[2 * i], t[2 * i + 1], lo2 + 2);
+    for (int i = 0; i < 2; ++i) w[i] = __builtin_shuffle(u[2 * i], u[2 * i + 1], lo4) + __builtin_shuffle(u[2 * i], u[2 * i + 1], lo4 + 4);
+    return __builtin_shuffle(w[0], w[1], lo8) + __builtin_shuffle(w[0], w[1], lo8 + 8);
+}
+
+// The tiled loop's vector width: 8 floats (AVX2, and the x86-64-v2 build through GCC's lowering) or 16
+// (AVX-512, for head and block sizes that are multiples of 16).
+struct V8 {
+    typedef v8f T;
+    static constexpr int W = 8;
+    static LLMC_INLINE T load(const float* p) { return load8(p); }
+    static LLMC_INLINE void store(float* p, T v) { store8(p, v); }
+    static LLMC_INLINE T bcast(float x) { return bcast8(x); }
+    static LLMC_INLINE T hsum(const T a[8]) { return hsum8x8(a); }
+};
+struct V16 {
+    typedef v16f T;
+    static constexpr int W = 16;
+    static LLMC_INLINE T load(const float* p) { return *reinterpret_cast<const v16fu*>(p); }
+    static LLMC_INLINE void store(float* p, T v) { *reinterpret_cast<v16fu*>(p) = v; }
+    static LLMC_INLINE T bcast(float x) { return T{} + x; }
+    static LLMC_INLINE T hsum(const T a[16]) { return hsum16x16(a); }
+};
+
+// S[m, j] = Q[m] . K[j] for M query vectors and the block's bs keys (bs % W == 0, D % W == 0).
+template <typename V>
 LLMC_INLINE void tile_scores(const float* __restrict Q, int64_t M, const float* __restrict kb, int64_t D, int64_t bs,
                              float* __restrict S) {
-    for (int64_t j = 0; j < bs; j += 8) {
+    constexpr int W = V::W;
+    for (int64_t j = 0; j < bs; j += W) {
         const float* k = kb + j * D;
         for (int64_t m = 0; m < M; ++m) {
             const float* q = Q + m * D;
-            v8f a[8] = {};
-            for (int64_t d = 0; d < D; d += 8) {
-                const v8f qv = load8(q + d);
-                for (int i = 0; i < 8; ++i) a[i] += qv * load8(k + i * D + d);
+            typename V::T a[W] = {};
+            for (int64_t d = 0; d < D; d += W) {
+                const typename V::T qv = V::load(q + d);
+                for (int i = 0; i < W; ++i) a[i] += qv * V::load(k + i * D + d);
             }
-            store8(S + m * bs + j, hsum8x8(a));
+            V::store(S + m * bs + j, V::hsum(a));
         }
     }
 }
 
-// acc[0, 8K) += sum_j p[j] * V[j, 0, 8K) for j in [j0, j1]; the accumulator stays in registers.
-template <int K>
+// acc[0, W*K) += sum_j p[j] * V[j, 0, W*K) for j in [j0, j1]; the accumulator stays in registers.
+template <typename V, int K>
 LLMC_INLINE void tile_pv_chunk(float* __restrict acc, const float* __restrict pr, const float* __restrict vb, int64_t D,
                                int64_t j0, int64_t j1) {
-    v8f a[K];
-    for (int k = 0; k < K; ++k) a[k] = load8(acc + 8 * k);
+    constexpr int W = V::W;
+    typename V::T a[K];
+    for (int k = 0; k < K; ++k) a[k] = V::load(acc + W * k);
     for (int64_t j = j0; j <= j1; ++j) {
-        const v8f pb = bcast8(pr[j]);
+        const typename V::T pb = V::bcast(pr[j]);
         const float* v = vb + j * D;
-        for (int k = 0; k < K; ++k) a[k] += pb * load8(v + 8 * k);
+        for (int k = 0; k < K; ++k) a[k] += pb * V::load(v + W * k);
     }
-    for (int k = 0; k < K; ++k) store8(acc + 8 * k, a[k]);
+    for (int k = 0; k < K; ++k) V::store(acc + W * k, a[k]);
 }
 
+template <typename V>
 LLMC_INLINE void tile_pv(float* acc, const float* pr, const float* vb, int64_t D, int64_t j0, int64_t j1) {
-    for (int64_t c = 0; c < D; c += 64) {
-        switch (std::min<int64_t>(8, (D - c) / 8)) {
-            case 1: tile_pv_chunk<1>(acc + c, pr, vb + c, D, j0, j1); break;
-            case 2: tile_pv_chunk<2>(acc + c, pr, vb + c, D, j0, j1); break;
-            case 3: tile_pv_chunk<3>(acc + c, pr, vb + c, D, j0, j1); break;
-            case 4: tile_pv_chunk<4>(acc + c, pr, vb + c, D, j0, j1); break;
-            case 5: tile_pv_chunk<5>(acc + c, pr, vb + c, D, j0, j1); break;
-            case 6: tile_pv_chunk<6>(acc + c, pr, vb + c, D, j0, j1); break;
-            case 7: tile_pv_chunk<7>(acc + c, pr, vb + c, D, j0, j1); break;
-            default: tile_pv_chunk<8>(acc + c, pr, vb + c, D, j0, j1); break;
+    constexpr int W = V::W;
+    for (int64_t c = 0; c < D; c += 8 * W) {
+        switch (std::min<int64_t>(8, (D - c) / W)) {
+            case 1: tile_pv_chunk<V, 1>(acc + c, pr, vb + c, D, j0, j1); break;
+            case 2: tile_pv_chunk<V, 2>(acc + c, pr, vb + c, D, j0, j1); break;
+            case 3: tile_pv_chunk<V, 3>(acc + c, pr, vb + c, D, j0, j1); break;
+            case 4: tile_pv_chunk<V, 4>(acc + c, pr, vb + c, D, j0, j1); break;
+            case 5: tile_pv_chunk<V, 5>(acc + c, pr, vb + c, D, j0, j1); break;
+            case 6: tile_pv_chunk<V, 6>(acc + c, pr, vb + c, D, j0, j1); break;
+            case 7: tile_pv_chunk<V, 7>(acc + c, pr, vb + c, D, j0, j1); break;
+            default: tile_pv_chunk<V, 8>(acc + c, pr, vb + c, D, j0, j1); break;
         }
+    }
+}
+
+// float16 -> float32, 16 at a time (AVX-512F), for the AVX-512 loop; n % 16 == 0.
+__attribute__((target("avx512f"))) void halves_to_floats_avx512(const uint16_t* src, float* dst, int64_t n) {
+    for (int64_t i = 0; i < n; i += 16) {
+        __m256i h;
+        std::memcpy(&h, src + i, sizeof(h));
+        const __m512 f = _mm512_cvtph_ps(h);
+        std::memcpy(dst + i, &f, sizeof(f));
     }
 }
 
@@ -459,7 +510,7 @@ struct TileScratch {  // sized by thread_tile_scratch()
     std::vector<float> q, s, acc, m, l, ktile, vtile;
 };
 
-template <typename CacheT>
+template <typename CacheT, typename V = V8>
 LLMC_INLINE void attend(const Problem& p, const TileItem& it, TileScratch& sc) {
     constexpr bool kHalf = std::is_same<CacheT, uint16_t>::value;
     const int64_t D = p.head_size, bs = p.block_size, G = p.group, M = it.nrows * G;
@@ -497,8 +548,13 @@ LLMC_INLINE void attend(const Problem& p, const TileItem& it, TileScratch& sc) {
         const float* vb;
         if constexpr (kHalf) {
             // Converts every row of the block: rows past the context are never used (masked below).
-            halves_to_floats(kc + base, sc.ktile.data(), bs * D, p.f16c);
-            halves_to_floats(vc + base, sc.vtile.data(), bs * D, p.f16c);
+            if constexpr (V::W == 16) {
+                halves_to_floats_avx512(kc + base, sc.ktile.data(), bs * D);
+                halves_to_floats_avx512(vc + base, sc.vtile.data(), bs * D);
+            } else {
+                halves_to_floats(kc + base, sc.ktile.data(), bs * D, p.f16c);
+                halves_to_floats(vc + base, sc.vtile.data(), bs * D, p.f16c);
+            }
             kb = sc.ktile.data();
             vb = sc.vtile.data();
         } else {
@@ -506,7 +562,7 @@ LLMC_INLINE void attend(const Problem& p, const TileItem& it, TileScratch& sc) {
             vb = vc + base;
         }
 
-        tile_scores(Q + r_lo * G * D, (r_hi - r_lo) * G, kb, D, bs, S + r_lo * G * bs);
+        tile_scores<V>(Q + r_lo * G * D, (r_hi - r_lo) * G, kb, D, bs, S + r_lo * G * bs);
 
         for (int64_t m = r_lo * G; m < r_hi * G; ++m) {
             const int64_t pos = it.pos0 + m / G;
@@ -519,7 +575,7 @@ LLMC_INLINE void attend(const Problem& p, const TileItem& it, TileScratch& sc) {
             }
             float* __restrict am = acc + m * D;
             softmax_block(sm, j0, j1, mrow[m], lrow[m], am, D);
-            tile_pv(am, sm, vb, D, j0, j1);
+            tile_pv<V>(am, sm, vb, D, j0, j1);
         }
     }
 
@@ -560,12 +616,21 @@ void merge_tile_parts(const Problem& p, const TileMerge& mg) {
     }
 }
 
-// Each path's attention loop compiled twice: for the x86-64-v2 baseline and for AVX2+FMA.
+// Instruction sets of the attention loops, in order: the x86-64-v2 baseline, AVX2+FMA, and AVX-512
+// (the tiled loop at width 16, for head and block sizes that are multiples of 16; other shapes and the
+// per-row loop run the AVX2 code there).
+enum Isa : int { kBaseline = 0, kAvx2 = 1, kAvx512 = 2 };
+
+// Each path's attention loop compiled once per instruction set.
 template <typename CacheT, typename ItemT, typename ScratchT>
 void attend_base(const Problem& p, const ItemT& i, ScratchT& s) { attend<CacheT>(p, i, s); }
 template <typename CacheT, typename ItemT, typename ScratchT>
 __attribute__((target("avx2,fma"))) void attend_avx2(const Problem& p, const ItemT& i, ScratchT& s) {
     attend<CacheT>(p, i, s);
+}
+template <typename CacheT>
+__attribute__((target("avx512f,avx2,fma"))) void attend_avx512(const Problem& p, const TileItem& i, TileScratch& s) {
+    attend<CacheT, V16>(p, i, s);
 }
 
 template <typename ItemT, typename ScratchT>
@@ -573,14 +638,24 @@ using AttendFn = void (*)(const Problem&, const ItemT&, ScratchT&);
 
 // The loop for this call's cache type (float16 or float32) and instruction set.
 template <typename ItemT, typename ScratchT>
-AttendFn<ItemT, ScratchT> pick_attend(bool half, bool avx2) {
-    if (half) return avx2 ? attend_avx2<uint16_t, ItemT, ScratchT> : attend_base<uint16_t, ItemT, ScratchT>;
-    return avx2 ? attend_avx2<float, ItemT, ScratchT> : attend_base<float, ItemT, ScratchT>;
+AttendFn<ItemT, ScratchT> pick_attend(bool half, Isa isa) {
+    if constexpr (std::is_same<ItemT, TileItem>::value) {
+        if (isa == kAvx512) return half ? attend_avx512<uint16_t> : attend_avx512<float>;
+    }
+    if (half) return isa >= kAvx2 ? attend_avx2<uint16_t, ItemT, ScratchT> : attend_base<uint16_t, ItemT, ScratchT>;
+    return isa >= kAvx2 ? attend_avx2<float, ItemT, ScratchT> : attend_base<float, ItemT, ScratchT>;
 }
 
 bool cpu_has_avx2_fma() {
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+}
+
+// The best instruction set this CPU (and OS) runs.
+Isa best_isa() {
+    __builtin_cpu_init();
+    if (!cpu_has_avx2_fma()) return kBaseline;
+    return __builtin_cpu_supports("avx512f") ? kAvx512 : kAvx2;
 }
 
 bool cpu_has_f16c() {
@@ -695,9 +770,10 @@ TileScratch& thread_tile_scratch(int64_t max_q, int64_t d, int64_t bs, bool half
 
 // Validate every index, then write the new K/V and attend. Throws Error before touching anything.
 // `nthreads` threads at most (1: this thread only); with `pf` (and nthreads > 1) the tiled path runs
-// on the caller's parallel loop, else on OpenMP. `avx2` picks the AVX2+FMA attention loop (the caller
-// checks that the CPU has it). Results do not depend on the threads (see "Attention work items").
-inline void run(const Args& a, int nthreads, bool avx2, const ParallelFor* pf = nullptr) {
+// on the caller's parallel loop, else on OpenMP. `isa` picks the attention loops' instruction set (the
+// caller checks that the CPU has it). Results do not depend on the threads (see "Attention work items").
+inline void run(const Args& a, int nthreads, Isa isa, const ParallelFor* pf = nullptr) {
+    const bool avx2 = isa >= kAvx2;
     const int64_t T = a.T, S = a.S, D = a.head_size, block_size = a.block_size, num_blocks = a.num_blocks;
     const int64_t num_heads = a.num_heads, num_kv_heads = a.num_kv_heads, sliding_window = a.sliding_window;
     const int64_t max_blocks = a.bt_cols;
@@ -888,7 +964,7 @@ inline void run(const Args& a, int nthreads, bool avx2, const ParallelFor* pf = 
     const int64_t k_row = a.k_row, v_row = a.v_row;
     void* kc_p = a.k_cache;
     void* vc_p = a.v_cache;
-    const auto fn = pick_attend<Item, Scratch>(half, avx2);
+    const auto fn = pick_attend<Item, Scratch>(half, isa);
     const int64_t n_items = static_cast<int64_t>(items.size());
     const int64_t n_merges = static_cast<int64_t>(merges.size());
     const Item* items_p = items.data();
@@ -927,7 +1003,8 @@ inline void run(const Args& a, int nthreads, bool avx2, const ParallelFor* pf = 
 
     // 2. Attend.
     if (tiled) {
-        const auto tfn = pick_attend<TileItem, TileScratch>(half, avx2);
+        const Isa tile_isa = isa == kAvx512 && (D % 16 != 0 || block_size % 16 != 0) ? kAvx2 : isa;
+        const auto tfn = pick_attend<TileItem, TileScratch>(half, tile_isa);
         const int64_t n_tiles = static_cast<int64_t>(tiles.size());
         const int64_t n_tmerges = static_cast<int64_t>(tile_merges.size());
         const TileItem* tiles_p = tiles.data();

@@ -30,7 +30,8 @@ using llmc_pa::fail;
 // Module state: thread count and ISA choice.
 
 std::atomic<int> g_num_threads{0};  // 0: OpenMP's default
-std::atomic<bool> g_use_avx2{false};
+std::atomic<int> g_isa{llmc_pa::kBaseline};
+const char* const kIsaNames[] = {"baseline", "avx2", "avx512"};
 
 int effective_threads() {
     const int n = g_num_threads.load();
@@ -205,10 +206,10 @@ py::array_t<float> forward(const py::object& query_obj, const py::object& key_ob
     a.sliding_window = sliding_window;
     a.softcap = static_cast<float>(softcap_d);
     const int nthreads = effective_threads();
-    const bool avx2 = g_use_avx2.load();
+    const auto isa = static_cast<llmc_pa::Isa>(g_isa.load());
     {
         py::gil_scoped_release nogil;  // run() touches no Python object; an Error re-takes the GIL on unwind
-        llmc_pa::run(a, nthreads, avx2);
+        llmc_pa::run(a, nthreads, isa);
     }
     return out;
 }
@@ -217,7 +218,7 @@ py::array_t<float> forward(const py::object& query_obj, const py::object& key_ob
 
 PYBIND11_MODULE(_cpu, m) {
     m.doc() = "CPU kernel of the llmc PagedAttention plugin (see llmc.plugins.paged_attention.reference).";
-    g_use_avx2 = llmc_pa::cpu_has_avx2_fma();
+    g_isa = llmc_pa::best_isa();
 
     m.def("forward", &forward, py::arg("query"), py::arg("key"), py::arg("value"), py::arg("slot_mapping"),
           py::arg("block_tables"), py::arg("context_lens"), py::arg("query_start_loc"), py::arg("k_cache"),
@@ -240,20 +241,24 @@ Same semantics as llmc.plugins.paged_attention.reference.paged_attention. query/
     m.def("get_num_threads", &effective_threads, "Threads forward() will use.");
 
     m.def(
-        "get_isa", []() { return std::string(g_use_avx2.load() ? "avx2" : "baseline"); },
-        "Instruction set of the attention loop in use: 'avx2' (AVX2+FMA) or 'baseline' (x86-64-v2).");
+        "get_isa", []() { return std::string(kIsaNames[g_isa.load()]); },
+        "Instruction set of the attention loops in use: 'avx512' (the tiled loop at width 16; AVX2 elsewhere), "
+        "'avx2' (AVX2+FMA) or 'baseline' (x86-64-v2).");
     m.def(
         "_set_isa",
         [](const std::string& isa) {
-            if (isa == "baseline") {
-                g_use_avx2 = false;
-            } else if (isa == "avx2" || isa == "auto") {
-                const bool ok = llmc_pa::cpu_has_avx2_fma();
-                if (isa == "avx2" && !ok) throw py::value_error("_set_isa: this CPU lacks AVX2/FMA");
-                g_use_avx2 = ok;
-            } else {
-                throw py::value_error("_set_isa: expected 'baseline', 'avx2' or 'auto', got '" + isa + "'");
+            const int best = llmc_pa::best_isa();
+            if (isa == "auto") {
+                g_isa = best;
+                return;
             }
+            for (int i = 0; i <= llmc_pa::kAvx512; ++i) {
+                if (isa != kIsaNames[i]) continue;
+                if (i > best) throw py::value_error("_set_isa: this CPU cannot run '" + isa + "'");
+                g_isa = i;
+                return;
+            }
+            throw py::value_error("_set_isa: expected 'baseline', 'avx2', 'avx512' or 'auto', got '" + isa + "'");
         },
-        py::arg("isa"), "Testing hook: force the 'baseline' or 'avx2' code path, or 'auto'.");
+        py::arg("isa"), "Testing hook: force the 'baseline', 'avx2' or 'avx512' code path, or 'auto'.");
 }
