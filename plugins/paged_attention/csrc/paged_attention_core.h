@@ -418,7 +418,9 @@ LLMC_INLINE v16f hsum16x16(const v16f a[16]) {
 // (AVX-512, for head and block sizes that are multiples of 16).
 struct V8 {
     typedef v8f T;
+    typedef v8i I;
     static constexpr int W = 8;
+    static LLMC_INLINE I iota() { return I{0, 1, 2, 3, 4, 5, 6, 7}; }
     static LLMC_INLINE T load(const float* p) { return load8(p); }
     static LLMC_INLINE void store(float* p, T v) { store8(p, v); }
     static LLMC_INLINE T bcast(float x) { return bcast8(x); }
@@ -426,18 +428,82 @@ struct V8 {
 };
 struct V16 {
     typedef v16f T;
+    typedef v16i I;
     static constexpr int W = 16;
+    static LLMC_INLINE I iota() { return I{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15}; }
     static LLMC_INLINE T load(const float* p) { return *reinterpret_cast<const v16fu*>(p); }
     static LLMC_INLINE void store(float* p, T v) { *reinterpret_cast<v16fu*>(p) = v; }
     static LLMC_INLINE T bcast(float x) { return T{} + x; }
     static LLMC_INLINE T hsum(const T a[16]) { return hsum16x16(a); }
 };
 
-// S[m, j] = Q[m] . K[j] for M query vectors and the block's bs keys (bs % W == 0, D % W == 0).
+// The block's whole-vector online-softmax step, as softmax_block computes it (same max, same exp_nonpos,
+// the sum in another order): lanes outside [j0, j1] weigh exactly 0. bs % W == 0.
 template <typename V>
-LLMC_INLINE void tile_scores(const float* __restrict Q, int64_t M, const float* __restrict kb, int64_t D, int64_t bs,
+LLMC_INLINE typename V::T exp_nonpos_v(typename V::T x) {
+    typedef typename V::T T;
+    typedef typename V::I I;
+    x = x < -87.3f ? T{} - 87.3f : x;
+    const T shifter = T{} + 12582912.0f;
+    const T n = (x * 1.44269504088896341f + shifter) - shifter;
+    T r = x - n * 0.693359375f;
+    r = r - n * -2.12194440e-4f;
+    const T z = r * r;
+    T y = T{} + 1.9875691500e-4f;
+    y = y * r + 1.3981999507e-3f;
+    y = y * r + 8.3334519073e-3f;
+    y = y * r + 4.1665795894e-2f;
+    y = y * r + 1.6666665459e-1f;
+    y = y * r + 5.0000001201e-1f;
+    y = y * z + r + 1.0f;
+    const I e = (__builtin_convertvector(n, I) + 127) << 23;
+    T scale;
+    std::memcpy(&scale, &e, sizeof(scale));
+    return y * scale;
+}
+
+template <typename V>
+LLMC_INLINE void softmax_block_v(float* __restrict s, int64_t bs, int64_t j0, int64_t j1, float& m, float& l,
+                                 float* __restrict acc, int64_t D) {
+    typedef typename V::T T;
+    typedef typename V::I I;
+    constexpr int W = V::W;
+    const float ninf = -std::numeric_limits<float>::infinity();
+    T vmax = T{} + ninf;
+    for (int64_t c = 0; c < bs; c += W) {
+        const I idx = V::iota() + static_cast<int32_t>(c);
+        const T v = V::load(s + c);
+        vmax = (idx >= static_cast<int32_t>(j0)) & (idx <= static_cast<int32_t>(j1)) & (v > vmax) ? v : vmax;
+    }
+    float bmax = ninf;
+    for (int i = 0; i < W; ++i) bmax = std::max(bmax, vmax[i]);
+    if (bmax > m) {
+        const float alpha = std::exp(m - bmax);  // exp(-inf) = 0 on the head's first block
+        l *= alpha;
+        for (int64_t d = 0; d < D; d += W) V::store(acc + d, V::load(acc + d) * alpha);
+        m = bmax;
+    }
+    const float mm = m;
+    T vsum = T{};
+    for (int64_t c = 0; c < bs; c += W) {
+        const I idx = V::iota() + static_cast<int32_t>(c);
+        const T e = exp_nonpos_v<V>(V::load(s + c) - mm);
+        const T w = (idx >= static_cast<int32_t>(j0)) & (idx <= static_cast<int32_t>(j1)) ? e : T{};
+        V::store(s + c, w);
+        vsum += w;
+    }
+    float lsum = 0.0f;
+    for (int i = 0; i < W; ++i) lsum += vsum[i];
+    l += lsum;
+}
+
+// S[m, j] = Q[m] . K[j] for M query vectors and the block's bs keys (bs % W == 0, D % W == 0). DC: D known
+// at compile time (0: use D), so that the K rows' offsets are immediates instead of pointers in registers.
+template <typename V, int DC = 0>
+LLMC_INLINE void tile_scores(const float* __restrict Q, int64_t M, const float* __restrict kb, int64_t D_, int64_t bs,
                              float* __restrict S) {
     constexpr int W = V::W;
+    const int64_t D = DC ? DC : D_;
     for (int64_t j = 0; j < bs; j += W) {
         const float* k = kb + j * D;
         for (int64_t m = 0; m < M; ++m) {
@@ -467,9 +533,10 @@ LLMC_INLINE void tile_pv_chunk(float* __restrict acc, const float* __restrict pr
     for (int k = 0; k < K; ++k) V::store(acc + W * k, a[k]);
 }
 
-template <typename V>
-LLMC_INLINE void tile_pv(float* acc, const float* pr, const float* vb, int64_t D, int64_t j0, int64_t j1) {
+template <typename V, int DC = 0>
+LLMC_INLINE void tile_pv(float* acc, const float* pr, const float* vb, int64_t D_, int64_t j0, int64_t j1) {
     constexpr int W = V::W;
+    const int64_t D = DC ? DC : D_;
     for (int64_t c = 0; c < D; c += 8 * W) {
         switch (std::min<int64_t>(8, (D - c) / W)) {
             case 1: tile_pv_chunk<V, 1>(acc + c, pr, vb + c, D, j0, j1); break;
@@ -562,7 +629,11 @@ LLMC_INLINE void attend(const Problem& p, const TileItem& it, TileScratch& sc) {
             vb = vc + base;
         }
 
-        tile_scores<V>(Q + r_lo * G * D, (r_hi - r_lo) * G, kb, D, bs, S + r_lo * G * bs);
+        if (D == 64) {
+            tile_scores<V, 64>(Q + r_lo * G * D, (r_hi - r_lo) * G, kb, D, bs, S + r_lo * G * bs);
+        } else {
+            tile_scores<V>(Q + r_lo * G * D, (r_hi - r_lo) * G, kb, D, bs, S + r_lo * G * bs);
+        }
 
         for (int64_t m = r_lo * G; m < r_hi * G; ++m) {
             const int64_t pos = it.pos0 + m / G;
@@ -574,8 +645,13 @@ LLMC_INLINE void attend(const Problem& p, const TileItem& it, TileScratch& sc) {
                 for (int64_t j = j0; j <= j1; ++j) sm[j] = softcap * std::tanh(sm[j] / softcap);
             }
             float* __restrict am = acc + m * D;
-            softmax_block(sm, j0, j1, mrow[m], lrow[m], am, D);
-            tile_pv<V>(am, sm, vb, D, j0, j1);
+            // 8 lanes at every width: GCC's 16-lane selects and lane reductions measured slower here.
+            softmax_block_v<V8>(sm, bs, j0, j1, mrow[m], lrow[m], am, D);
+            if (D == 64) {
+                tile_pv<V, 64>(am, sm, vb, D, j0, j1);
+            } else {
+                tile_pv<V>(am, sm, vb, D, j0, j1);
+            }
         }
     }
 
