@@ -86,12 +86,14 @@ def _first_difference(a: list[int], b: list[int]) -> int | None:
 
 
 def _fusions(engine_dir: Path) -> dict[str, int]:
-    """Fusion passes (the registry's ``fusion`` flag) with at least one match, from report.json."""
+    """Fusion passes (the registry's ``fusion`` flag) and backend fusions with at least one match, from report.json."""
     from llmc.passes.registry import BY_NAME
 
     report = json.loads((engine_dir / "report.json").read_text())
-    return {p["pass"]: p["matches"] for p in report["passes"]
-            if p["pass"] in BY_NAME and BY_NAME[p["pass"]].fusion and p["matches"] > 0}
+    fired = {p["pass"]: p["matches"] for p in report["passes"]
+             if p["pass"] in BY_NAME and BY_NAME[p["pass"]].fusion and p["matches"] > 0}
+    fired.update({k: v for k, v in report.get("backend_fusions", {}).items() if v > 0})
+    return fired
 
 
 def run_family(family: str, work: Path, cache_dir: str | None) -> dict:
@@ -228,7 +230,8 @@ def render_markdown(data: dict) -> str:
         "batched `[E, N, K]` weights (int4: stored INT4 behind `GatherBlockQuantized`, round-to-nearest; fp8: "
         "kept fp32, there is no per-expert activation range) and the routers (always fp32). "
         "`docs/coverage.json` also holds each build's own held-out figures (top-1, KL, perplexity).",
-        "- **fusions fired**: fusion passes with at least one match in the fp32 build (`report.json`), with counts.",
+        "- **fusions fired**: fusion passes with at least one match in the fp32 build (`report.json`), with counts; "
+        "`rotary-attention` is the ONNX Runtime backend's fusion into `llmc.RotaryPagedAttention` (per layer).",
         "",
         "| model_type | fp32 = transformers | batch = single | int4 top-1 | fp8 (emulated) top-1 | fusions fired |",
         "|---|---|---|---|---|---|",
