@@ -203,3 +203,13 @@ def test_lowering_leaves_other_routes_and_patterns_alone(tiny_engine):
     rot = next(n for n in m.graph if n.op_type == "RotaryEmbedding")
     rot.attributes["interleaved"] = ir.AttrInt64("interleaved", 1)
     assert fuse_rotary_attention(m) == 0
+
+
+def test_biased_qkv_projections_are_packed_and_fused(family_build):
+    """Qwen2 adds a bias to each of Q, K, V: pack-projections packs the biases into one Add before the Split,
+    so the backend fuses those layers too (test_architectures checks the engine against transformers)."""
+    _, engine = family_build("qwen2")
+    layers = json.loads((engine / "manifest.json").read_text())["kv_cache"]["num_layers"]
+    counts = _op_counts(engine)
+    assert counts.get(ROTARY_OP_TYPE) == layers and "RotaryEmbedding" not in counts
+    assert json.loads((engine / "report.json").read_text())["backend_fusions"] == {"rotary-attention": layers}
