@@ -189,6 +189,7 @@ def _compile(ckpt: Checkpoint, digest: str, plan: _Plan, dest: Path, say: Progre
     from llmc.compiler.backends import onnxruntime as ort_backend
     from llmc.compiler.frontend import GRAPH_OUTPUTS, trace
     from llmc.compiler.pipeline import backend_fusion_enabled, passes_for, run_pipeline
+    from llmc.passes.registry import BACKEND_FUSIONS
 
     options, target = plan.options, plan.target
     gpu = target.backend in GPU_BACKENDS
@@ -203,7 +204,7 @@ def _compile(ckpt: Checkpoint, digest: str, plan: _Plan, dest: Path, say: Progre
     # The quantize pass runs after the fusions, before the final dead-code elimination.
     passes = passes_for(target.name, options.disabled_passes,
                         (*options.extra_passes, qstage.graph_pass) if qstage else options.extra_passes)
-    fuse_rotary = backend_fusion_enabled("rotary-attention", options.disabled_passes)
+    fusions = frozenset(n for n in BACKEND_FUSIONS if backend_fusion_enabled(n, options.disabled_passes))
 
     def stage(name: str, n: int) -> None:
         say(f"[{n}/5] {name}")
@@ -247,8 +248,10 @@ def _compile(ckpt: Checkpoint, digest: str, plan: _Plan, dest: Path, say: Progre
         info = {**(info or {}), "engine_build": gpu_details}
         files = _NoOnnxFiles()
     else:
-        files = ort_backend.emit(traced.model, dest, options.attention, fuse_rotary)
-    rotary_fused = sum(1 for n in traced.model.graph if n.op_type == ROTARY_OP_TYPE)
+        files = ort_backend.emit(traced.model, dest, options.attention, fusions)
+    fused = {"rotary-attention": sum(1 for n in traced.model.graph if n.op_type == ROTARY_OP_TYPE),
+             "int4-swiglu": sum(1 for n in traced.model.graph if n.op_type == "Int4MatMul"
+                                and n.attributes.get("activation") is not None and n.attributes["activation"].value)}
     timings["emit"] = time.perf_counter() - t
     _kill_point("after-emit")
 
@@ -257,7 +260,7 @@ def _compile(ckpt: Checkpoint, digest: str, plan: _Plan, dest: Path, say: Progre
     report = {
         "passes": pass_stats,
         "graph": {"nodes_traced": nodes_traced, "nodes_final": sum(1 for _ in traced.model.graph)},
-        "backend_fusions": {"rotary-attention": rotary_fused},
+        "backend_fusions": fused,
     }
     if qstage is not None:
         report.update(qstage.report())
@@ -265,7 +268,7 @@ def _compile(ckpt: Checkpoint, digest: str, plan: _Plan, dest: Path, say: Progre
     fields = {
         "source": {"model_type": ckpt.model_type, "digest": digest, "dtype": ckpt.dtype},
         "recipe": {"quant": quant_recipe.canonical(options.quant), "compute_dtype": traced.compute_dtype,
-                   "passes": [p.name for p in passes] + (["rotary-attention"] if rotary_fused else [])},
+                   "passes": [p.name for p in passes] + [name for name, n in fused.items() if n]},
         "target": {"name": target.name, "backend": target.backend},
         "toolchain": artifact.toolchain_versions(),
         "engine": {
@@ -305,12 +308,12 @@ def _compile(ckpt: Checkpoint, digest: str, plan: _Plan, dest: Path, say: Progre
         reference_fields = {**cpu_fields, "kv_cache": {**cpu_fields["kv_cache"], "dtype": traced.compute_dtype}}
 
         def emit_reference(model, where: Path) -> None:
-            ort_backend.emit(model, where, options.attention, fuse_rotary)
+            ort_backend.emit(model, where, options.attention, fusions)
             artifact.seal(where, reference_fields)
 
         with tempfile.TemporaryDirectory(prefix="llmc-quantized-cpu-") as cpu_dir:
             if gpu:  # a GPU engine cannot run here: score the same quantized graph on the CPU
-                cpu_files = asdict(ort_backend.emit(cpu_graph, Path(cpu_dir), options.attention, fuse_rotary))
+                cpu_files = asdict(ort_backend.emit(cpu_graph, Path(cpu_dir), options.attention, fusions))
                 artifact.copy_tokenizer(ckpt.path, Path(cpu_dir))
                 cpu_fields["engine"].update({_ONNX_FILE_FIELDS.get(k, k): v for k, v in cpu_files.items()})
                 artifact.seal(Path(cpu_dir), cpu_fields)

@@ -59,13 +59,14 @@ def random_step(rng: np.random.Generator, vocab: int, kv: KVShape, num_blocks: i
     return feeds, pool
 
 
-def run_graph(model: ir.Model, feeds: dict[str, np.ndarray], pool) -> np.ndarray:
-    """Execute ``model`` (llmc ops lowered on a copy) in ONNX Runtime on a copy of ``pool``."""
+def run_graph(model: ir.Model, feeds: dict[str, np.ndarray], pool, fusions: frozenset[str] | None = None) -> np.ndarray:
+    """Execute ``model`` (llmc ops lowered on a copy, with the backend ``fusions``: default all) in ONNX
+    Runtime on a copy of ``pool``."""
     from llmc.runtime.session import OrtSession
 
     copy = ir.serde.deserialize_model(ir.serde.serialize_model(model))
     custom_ops = ort_backend.CUSTOM_OPS["native"]
-    ort_backend.lower(copy, "native")
+    ort_backend.lower(copy, "native", fusions)
     # Run the graph as written: ORT's own rewrites would blur which pass changed what.
     session = OrtSession(ir.serde.serialize_model(copy).SerializeToString(), custom_ops=custom_ops,
                          optimize=False, spin=False)

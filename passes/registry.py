@@ -38,4 +38,6 @@ BY_NAME = {p.name: p for p in ALL_PASSES}
 BACKEND_FUSIONS: dict[str, str] = {
     "rotary-attention": "CPU, native attention route: Split + RotaryEmbedding x2 + Reshape x3 + PagedAttention "
                         "-> llmc.RotaryPagedAttention (ONNX Runtime backend lowering)",
+    "int4-swiglu": "CPU, native route: llmc.Int4MatMul (packed gate/up) + Split + SwiGLU -> llmc.Int4MatMul with the "
+                   "SwiGLU epilogue (ONNX Runtime backend lowering)",
 }

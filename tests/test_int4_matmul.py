@@ -168,3 +168,56 @@ def test_runtime_sets_parallel_threshold_by_spinning():
             assert ort_native.set_int4_parallel_min(-1) == ort_native.INT4_PARALLEL_MIN[spin]
     finally:
         ort_native.set_int4_parallel_min(before)
+
+
+def _swiglu_model(t: pack.Int4Tiles) -> bytes:
+    order = pack.gate_up_order(t.n)
+    inits = [numpy_helper.from_array(np.ascontiguousarray(t.w[order]), "W"),
+             numpy_helper.from_array(np.ascontiguousarray(t.scales[order]), "scales"),
+             numpy_helper.from_array(np.ascontiguousarray(t.mins[order]), "mins")]
+    node = helper.make_node("Int4MatMul", ["X", "W", "scales", "mins"], ["Y"], domain="llmc",
+                            K=t.k, N=t.n, group_size=t.group_size, activation=1)
+    g = helper.make_graph([node], "int4_swiglu", [helper.make_tensor_value_info("X", TensorProto.FLOAT, ["M", t.k])],
+                          [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["M", t.n // 2])], inits)
+    opsets = [helper.make_opsetid("", 18), helper.make_opsetid("llmc", 1)]
+    return helper.make_model(g, opset_imports=opsets).SerializeToString()
+
+
+@pytest.mark.parametrize("isa", list(ISAS))
+def test_swiglu_epilogue_matches_reference(isa, isa_setter):
+    """activation=1 on the gate/up-interleaved tiles = silu(gate) * up of the unfused product, on every ISA,
+    1 and 2 threads, 1 to 70 rows (the kernel's int32 dot products are the same; the epilogue's sigmoid is
+    within float32 rounding of the float64 reference)."""
+    if isa not in _available_isas():
+        pytest.skip(f"this CPU has no {ISAS[isa]}")
+    rng = np.random.default_rng([isa, 32])
+    n, k, gs = 2 * 96, 320, 64
+    q = int4.quantize_rtn(rng.standard_normal((n, k)).astype(np.float32), gs, False)
+    t = _pack(q)
+    assert isa_setter(isa) == 0
+    for threads in (1, 2):
+        sess = _session(_swiglu_model(t), threads)
+        for m in (1, 5, 8, 70):
+            x = (rng.standard_normal((m, k)) * 0.5).astype(np.float32)
+            y = sess.run(None, {"X": x})[0]
+            want = reference.swiglu(_ref(x, q))
+            assert y.shape == (m, n // 2)
+            np.testing.assert_allclose(y, want, rtol=0, atol=2e-6 * np.abs(want).max(), err_msg=f"M={m}")
+            assert np.abs(want).max() > 0.5
+
+
+def test_swiglu_epilogue_refuses_partial_tiles():
+    rng = np.random.default_rng(0)
+    q = int4.quantize_rtn(rng.standard_normal((48, 64)).astype(np.float32), 64, False)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        pack.gate_up_order(48)
+    t = _pack(q)
+    node = helper.make_node("Int4MatMul", ["X", "W", "scales", "mins"], ["Y"], domain="llmc", K=64, N=48,
+                            group_size=64, activation=1)
+    g = helper.make_graph([node], "bad", [helper.make_tensor_value_info("X", TensorProto.FLOAT, ["M", 64])],
+                          [helper.make_tensor_value_info("Y", TensorProto.FLOAT, None)],
+                          [numpy_helper.from_array(t.w, "W"), numpy_helper.from_array(t.scales, "scales"),
+                           numpy_helper.from_array(t.mins, "mins")])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("llmc", 1)])
+    with pytest.raises(Exception, match=r"activation=1 \(swiglu\) needs N % 32 == 0"):
+        _session(model.SerializeToString(), 1).run(None, {"X": rng.standard_normal((2, 64)).astype(np.float32)})

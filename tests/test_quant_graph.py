@@ -108,6 +108,25 @@ def test_int4_llmc_kernel_graph_matches_matmulnbits_int8_compute(traced, group, 
     assert 1e-5 < _rel(out, run_graph(mlas0, feeds, pool)) < 5e-2  # random weights: 2.5-3% measured
 
 
+def test_int4_swiglu_epilogue_fusion_keeps_the_logits(traced):
+    """The backend's int4-swiglu fusion (gate/up tiles reordered, SwiGLU in the kernel's epilogue) against the
+    same quantized graph lowered without it (Split + QuickGelu + Mul): one node per MLP instead of four, and the
+    same logits to float rounding (the epilogue's sigmoid and ORT's QuickGelu differ in the last bits)."""
+    from llmc.compiler.backends import onnxruntime as ort_backend
+
+    model, feeds, pool = traced
+    q = model.clone()
+    graph.quantize_model(q, QuantRecipe(quant="int4", group_size=32, embeddings="none", lm_head="int4"), None)
+    lowered = q.clone()
+    stats = ort_backend.lower(lowered, "native")
+    mlps = _ops(q).count("SwiGLU")
+    assert stats["int4-swiglu"] == mlps > 0 and "QuickGelu" not in _ops(lowered) and "SwiGLU" not in _ops(lowered)
+    fused = run_graph(q, feeds, pool)
+    plain = run_graph(q, feeds, pool, fusions=frozenset({"rotary-attention"}))
+    assert _rel(fused, plain) < 1e-5
+    assert _rel(plain, run_graph(model, feeds, pool)) > 1e-4  # (the comparison is between quantized graphs)
+
+
 @pytest.mark.parametrize("symmetric", [False, True])
 def test_int4_qdq_form_computes_what_the_cpu_form_computes(traced, symmetric):
     """The explicit block-wise Q/DQ form (for TensorRT) and MatMulNBits (CPU) run the same weights."""

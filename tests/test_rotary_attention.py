@@ -126,7 +126,10 @@ def test_fused_op_equals_unfused_ort_graph_and_reference(name):
     k_ref, v_ref = pools["reference"][0]
     expected = reference.rotary_paged_attention(**feeds, k_cache=k_ref, v_cache=v_ref, num_heads=hq,
                                                 num_kv_heads=hkv, scale=d ** -0.5)
-    np.testing.assert_allclose(outs["fused"], expected, rtol=1e-4, atol=2e-5)
+    # float16 cache: the reference rotates K without FMA, so now and then a rotated K element rounds to the
+    # neighbouring float16 (2^-11 relative), which moves that position's scores: up to ~4e-5 seen.
+    atol = 1e-4 if kc.dtype == np.float16 else 2e-5
+    np.testing.assert_allclose(outs["fused"], expected, rtol=1e-4, atol=atol)
     # The reference rotates without FMA: K may differ in the last bit (fp32), or round to the next float16.
     tol = dict(rtol=1e-6, atol=1e-6) if kc.dtype == np.float32 else dict(rtol=1e-3, atol=1e-6)
     np.testing.assert_allclose(pools["fused"][0][0].astype(np.float32), k_ref.astype(np.float32), **tol)
@@ -166,7 +169,7 @@ def test_engine_fusion_keeps_logits(tiny_llama, tiny_engine, tmp_path):
     fused = _op_counts(tiny_engine)
     assert fused.get(ROTARY_OP_TYPE) == layers and "RotaryEmbedding" not in fused and "PagedAttention" not in fused
     assert "rotary-attention" in manifest["recipe"]["passes"]
-    assert json.loads((tiny_engine / "report.json").read_text())["backend_fusions"] == {"rotary-attention": layers}
+    assert json.loads((tiny_engine / "report.json").read_text())["backend_fusions"]["rotary-attention"] == layers
 
     plain_dir = tmp_path / "plain"
     build(tiny_llama, plain_dir, BuildOptions(disabled_passes=("rotary-attention",)))
@@ -186,7 +189,7 @@ def test_engine_fusion_keeps_logits(tiny_llama, tiny_engine, tmp_path):
 
 
 def test_lowering_leaves_other_routes_and_patterns_alone(tiny_engine):
-    """The Python-op route and fuse_rotary=False keep PagedAttention; a layer whose pattern differs is left."""
+    """The Python-op route and an empty fusion set keep PagedAttention; a layer whose pattern differs is left."""
     from llmc.compiler.backends.ort_rotary_attention import fuse_rotary_attention
 
     def traced_like() -> ir.Model:
@@ -195,7 +198,7 @@ def test_lowering_leaves_other_routes_and_patterns_alone(tiny_engine):
     m = traced_like()
     assert fuse_rotary_attention(m) == 1
     assert [n.op_type for n in m.graph] == [ROTARY_OP_TYPE]
-    for kwargs in (dict(attention="pyop"), dict(fuse_rotary=False)):
+    for kwargs in (dict(attention="pyop"), dict(fusions=frozenset())):
         m = traced_like()
         ort_backend.lower(m, **kwargs)
         assert ROTARY_OP_TYPE not in {n.op_type for n in m.graph}
@@ -212,4 +215,4 @@ def test_biased_qkv_projections_are_packed_and_fused(family_build):
     layers = json.loads((engine / "manifest.json").read_text())["kv_cache"]["num_layers"]
     counts = _op_counts(engine)
     assert counts.get(ROTARY_OP_TYPE) == layers and "RotaryEmbedding" not in counts
-    assert json.loads((engine / "report.json").read_text())["backend_fusions"] == {"rotary-attention": layers}
+    assert json.loads((engine / "report.json").read_text())["backend_fusions"]["rotary-attention"] == layers

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import onnx_ir as ir
 
+from llmc.compiler.backends.ort_int4_swiglu import fuse_int4_swiglu
 from llmc.compiler.backends.ort_rotary_attention import fuse_rotary_attention
 from llmc.errors import LlmcError
 from llmc.passes.base import replace_value
@@ -33,6 +34,8 @@ WEIGHTS_FILE = "model.onnx.data"
 ATTENTION_ROUTES = ("native", "pyop")
 # What engine.custom_ops in the manifest says for each route (the runtime's names for the libraries).
 CUSTOM_OPS = {"native": "llmc_ort_ops", "pyop": "onnxruntime_extensions"}
+# The backend fusions of the native route (names as in llmc.passes.registry.BACKEND_FUSIONS).
+FUSIONS = {"rotary-attention": fuse_rotary_attention, "int4-swiglu": fuse_int4_swiglu}
 
 
 @dataclass
@@ -68,17 +71,25 @@ def _check_route(attention: str) -> None:
         raise ValueError(f"attention route {attention!r}: expected one of {', '.join(ATTENTION_ROUTES)}")
 
 
-def lower(model: ir.Model, attention: str = "native", fuse_rotary: bool = True) -> int:
-    """Rewrite llmc-domain ops into ops ONNX Runtime executes. Returns the number of nodes lowered.
+def lower(model: ir.Model, attention: str = "native", fusions: frozenset[str] | None = None) -> dict[str, int]:
+    """Rewrite llmc-domain ops into ops ONNX Runtime executes. Returns how many nodes each step rewrote
+    (``lowered``, and per backend fusion).
 
     PagedAttention stays in the ``llmc`` domain (``attention="native"``: llmc's custom-op library) or
     moves to onnxruntime-extensions' domain (``"pyop"``: a Python op); SkipRMSNormalization and SwiGLU
-    become ORT contrib ops. On the native route with ``fuse_rotary``, each layer's Split + rotary +
-    reshapes + PagedAttention becomes one ``llmc.RotaryPagedAttention`` (ort_rotary_attention).
+    become ORT contrib ops. On the native route the backend fusions named in ``fusions`` (default: all
+    of :data:`FUSIONS`) run first: each layer's Split + rotary + reshapes + PagedAttention becomes one
+    ``llmc.RotaryPagedAttention`` (ort_rotary_attention), an INT4 gate/up matmul + Split + SwiGLU one
+    ``llmc.Int4MatMul`` with the SwiGLU epilogue (ort_int4_swiglu).
     """
     _check_route(attention)
     graph = model.graph
-    count = fuse_rotary_attention(model) if attention == "native" and fuse_rotary else 0
+    stats = {name: 0 for name in FUSIONS}
+    if attention == "native":
+        for name, fuse in FUSIONS.items():
+            if fusions is None or name in fusions:
+                stats[name] = fuse(model)
+    count = 0
     for node in list(graph):
         if node.domain != DOMAIN:
             continue
@@ -106,16 +117,17 @@ def lower(model: ir.Model, attention: str = "native", fuse_rotary: bool = True) 
     elif any(node.domain == DOMAIN for node in graph):
         model.opset_imports[DOMAIN] = OPSET_VERSION
     model.opset_imports[MS_DOMAIN] = 1
-    return count
+    return {"lowered": count, **stats}
 
 
-def emit(model: ir.Model, out_dir: Path, attention: str = "native", fuse_rotary: bool = True) -> EngineFiles:
+def emit(model: ir.Model, out_dir: Path, attention: str = "native",
+         fusions: frozenset[str] | None = None) -> EngineFiles:
     """Lower and write ``model.onnx`` with its weights in ``model.onnx.data`` (streamed, one tensor at a time).
 
-    ``attention`` picks PagedAttention's route (see the module docstring), ``fuse_rotary`` whether
-    the native route fuses rotary into attention; the returned :class:`EngineFiles` names the
-    custom-op library the engine needs.
+    ``attention`` picks PagedAttention's route (see the module docstring), ``fusions`` the native
+    route's backend fusions (see :func:`lower`); the returned :class:`EngineFiles` names the custom-op
+    library the engine needs.
     """
-    lower(model, attention, fuse_rotary)
+    lower(model, attention, fusions)
     ir.save(model, out_dir / MODEL_FILE, external_data=WEIGHTS_FILE)
     return EngineFiles(model=MODEL_FILE, weights=WEIGHTS_FILE, custom_ops=CUSTOM_OPS[attention])

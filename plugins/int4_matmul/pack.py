@@ -59,3 +59,13 @@ def pack(codes: np.ndarray, scales: np.ndarray, zero_points: np.ndarray | None, 
         return np.ascontiguousarray(a.reshape(tiles, TILE, -1).transpose(0, 2, 1))
 
     return Int4Tiles(np.ascontiguousarray(w), by_tile(scales), by_tile(mins), n, k, group_size)
+
+
+def gate_up_order(n: int) -> np.ndarray:
+    """Tile order for the SwiGLU epilogue (``activation=1``) of a packed ``[gate | up]`` linear of ``n`` columns
+    (``n % 32 == 0``): gate tile i, then up tile i, for each i. Index the tiles' first axis with it."""
+    if n % (2 * TILE):
+        raise ValueError(f"the SwiGLU epilogue needs whole 16-column gate and up tiles: "
+                         f"N = {n} is not a multiple of 32")
+    half = n // (2 * TILE)
+    return np.stack([np.arange(half), np.arange(half) + half], axis=1).reshape(-1)

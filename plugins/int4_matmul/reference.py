@@ -37,3 +37,11 @@ def int4_matmul(x: np.ndarray, codes: np.ndarray, scales: np.ndarray, zero_point
     y = np.einsum("mng,ng,mg->mn", dots, s, xs.astype(np.float64))
     y -= np.einsum("ng,mg->mn", s * zp.astype(np.float64), xsum)
     return y.astype(np.float32)
+
+
+def swiglu(y: np.ndarray) -> np.ndarray:
+    """The SwiGLU epilogue (``activation=1``) on the unfused product ``y = [gate | up]`` ``[M, 2H]``:
+    ``silu(gate) * up``, ``[M, H]``, in float64 then float32."""
+    h = y.shape[-1] // 2
+    g, u = y[:, :h].astype(np.float64), y[:, h:].astype(np.float64)
+    return (g / (1.0 + np.exp(-g)) * u).astype(np.float32)

@@ -71,8 +71,47 @@ struct Problem {
     const float* scales;  // [Np/16, ng, 16]
     const float* mins;    // [Np/16, ng, 16]
     int64_t N, G, ng;
-    float* y;  // [M, N]
+    float* y;  // [M, N], or [M, N/2] with swiglu
+    // SwiGLU epilogue: the tiles alternate gate and up (tile 2i: gate columns 16i..16i+15, tile 2i+1: the
+    // same up columns; pack.interleave_gate_up), and y[r, c] = silu(gate[r, c]) * up[r, c]. N % 32 == 0.
+    bool swiglu = false;
 };
+
+// exp(x) for x <= 0 (Cody-Waite reduction, Cephes polynomial, ~1 ulp; below -87.3 clamped), vectorisable.
+inline float exp_nonpos(float x) {
+    x = x < -87.3f ? -87.3f : x;
+    const float shifter = 12582912.0f;  // 1.5 * 2^23: adding it rounds to the nearest integer
+    const float n = (x * 1.44269504088896341f + shifter) - shifter;
+    float r = x - n * 0.693359375f;
+    r = r - n * -2.12194440e-4f;
+    const float z = r * r;
+    float y = 1.9875691500e-4f;
+    y = y * r + 1.3981999507e-3f;
+    y = y * r + 8.3334519073e-3f;
+    y = y * r + 4.1665795894e-2f;
+    y = y * r + 1.6666665459e-1f;
+    y = y * r + 5.0000001201e-1f;
+    y = y * z + r + 1.0f;
+    const int32_t e = (static_cast<int32_t>(n) + 127) << 23;
+    float scale;
+    std::memcpy(&scale, &e, sizeof(scale));
+    return y * scale;
+}
+
+// y[i, c] = silu(g) * u for g = t[i, c], u = t[i, 16 + c] (t: mr rows of 32), c < ncols. The sigmoid
+// takes exp(-|g|), so it never overflows: 1 / (1 + e) for g >= 0, e / (1 + e) below.
+inline void swiglu_rows(const float* t, int mr, int ncols, float* y, int64_t ldy) {
+    for (int i = 0; i < mr; ++i) {
+        const float* g = t + i * 32;
+        float* yr = y + i * ldy;
+#pragma omp simd
+        for (int c = 0; c < ncols; ++c) {
+            const float e = exp_nonpos(-std::fabs(g[c]));
+            const float sig = (g[c] >= 0.0f ? 1.0f : e) / (1.0f + e);
+            yr[c] = g[c] * sig * g[16 + c];
+        }
+    }
+}
 
 // The int8 activations of one call: per row Kp codes, and per (row, group) the scale and the sum.
 struct QuantX {
@@ -315,6 +354,24 @@ inline void run_item(const Plan& plan, int64_t item) {
     const int64_t r0 = rb * kRowBlock, r1 = std::min(p.M, r0 + kRowBlock);
     const int64_t t0 = ci * plan.tiles_per_item, t1 = std::min(plan.tiles, t0 + plan.tiles_per_item);
     const int64_t Kp = p.ng * p.G, mr_max = max_rows(plan.isa);
+    if (p.swiglu) {  // tile pairs (gate, up) into a [mr, 32] scratch, then the epilogue into y [M, N/2]
+        const int64_t ldy = p.N / 2;
+        for (int64_t t = t0; t < t1; t += 2) {
+            for (int64_t r = r0; r < r1; r += mr_max) {
+                const int mr = static_cast<int>(std::min(mr_max, r1 - r));
+                alignas(64) float pair[8 * 32];
+                for (int64_t h = 0; h < 2; ++h) {
+                    const int64_t tt = t + h;
+                    TileArgs a{p.w + tt * (Kp / 8) * 64, p.scales + tt * p.ng * 16, p.mins + tt * p.ng * 16,
+                               plan.qx->q.data() + r * Kp, plan.qx->scale.data() + r * p.ng,
+                               plan.qx->sum.data() + r * p.ng, Kp, p.G, p.ng, pair + h * 16, 32, 16};
+                    tile_fn(plan.isa, mr)(a);
+                }
+                swiglu_rows(pair, mr, 16, p.y + r * ldy + (t / 2) * 16, ldy);
+            }
+        }
+        return;
+    }
     for (int64_t t = t0; t < t1; ++t) {
         for (int64_t r = r0; r < r1; r += mr_max) {
             const int mr = static_cast<int>(std::min(mr_max, r1 - r));
@@ -335,6 +392,7 @@ inline void run_item(const Plan& plan, int64_t item) {
 
 inline void check(const Problem& p) {
     if (p.G <= 0 || p.G % 8) throw Error("group_size must be a positive multiple of 8, got " + std::to_string(p.G));
+    if (p.swiglu && p.N % 32) throw Error("the SwiGLU epilogue needs N % 32 == 0, got N = " + std::to_string(p.N));
     if (p.ng * p.G < p.K || (p.ng - 1) * p.G >= p.K) {
         throw Error("K = " + std::to_string(p.K) + " needs ceil(K / group_size) = " +
                     std::to_string((p.K + p.G - 1) / p.G) + " groups, the weights have " + std::to_string(p.ng));
@@ -361,6 +419,7 @@ inline void run(const Problem& p, Isa isa, int threads, const ParallelFor* pf = 
         // About 4 items per thread (dynamic hand-out evens out uneven cores), at least 1 tile each.
         const int64_t want = std::max<int64_t>(1, (4 * threads + row_blocks - 1) / row_blocks);
         plan.tiles_per_item = std::max<int64_t>(1, (plan.tiles + want - 1) / want);
+        if (p.swiglu) plan.tiles_per_item += plan.tiles_per_item % 2;  // whole (gate, up) pairs per item
     } else {
         plan.tiles_per_item = plan.tiles;
     }

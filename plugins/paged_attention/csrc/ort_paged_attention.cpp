@@ -405,10 +405,12 @@ const OrtCustomOpV13 g_rotary_op = make_op(rotary_op_name, op_input_type, op_inp
 
 // ---------------------------------------------------------------------------------------------
 // llmc::Int4MatMul(X float [..., K], W uint8, scales float, mins float) -> float [..., N], attributes
-// K, N, group_size; weights in llmc_i4's tiled layout (int4_matmul_core.h).
+// K, N, group_size; weights in llmc_i4's tiled layout (int4_matmul_core.h). activation = 1: the tiles
+// alternate gate and up and the output is SwiGLU(gate, up), [..., N/2].
 
 struct Int4Kernel {
     int64_t K = 0, N = 0, G = 0;
+    bool swiglu = false;  // attribute activation = 1: the SwiGLU epilogue, output [..., N/2]
 };
 
 std::atomic<int> g_int4_isa{static_cast<int>(llmc_i4::best_isa())};
@@ -425,6 +427,13 @@ void* create_int4_kernel(const OrtCustomOpV13*, const OrtApi*, const OrtKernelIn
             throw Error("K and N must be positive, got K=" + std::to_string(k->K) + ", N=" + std::to_string(k->N));
         }
         if (k->G <= 0 || k->G % 8) throw Error("group_size must be a positive multiple of 8, got " + std::to_string(k->G));
+        const int64_t act = int_attr(info, "activation", false, 0);
+        if (act != 0 && act != 1) throw Error("activation must be 0 (none) or 1 (swiglu), got " + std::to_string(act));
+        k->swiglu = act == 1;
+        if (k->swiglu && k->N % 32) {
+            throw Error("activation=1 (swiglu) needs N % 32 == 0 (whole 16-column gate and up tiles), got N=" +
+                        std::to_string(k->N));
+        }
     } catch (...) {
         delete k;
         throw;
@@ -452,11 +461,12 @@ void compute_int4(void* kernel, OrtKernelContext* ctx) {
     int64_t M = 1;
     for (size_t i = 0; i + 1 < x.dims.size(); ++i) M *= x.dims[i];
     std::vector<int64_t> out_dims(x.dims);
-    out_dims.back() = k.N;
-    const llmc_i4::Problem p{static_cast<const float*>(x.data), M, k.K,
-                             static_cast<const uint8_t*>(w.data), static_cast<const float*>(sc.data),
-                             static_cast<const float*>(mn.data), k.N, k.G, ng,
-                             output(ctx, out_dims.data(), out_dims.size())};
+    out_dims.back() = k.swiglu ? k.N / 2 : k.N;
+    llmc_i4::Problem p{static_cast<const float*>(x.data), M, k.K,
+                       static_cast<const uint8_t*>(w.data), static_cast<const float*>(sc.data),
+                       static_cast<const float*>(mn.data), k.N, k.G, ng,
+                       output(ctx, out_dims.data(), out_dims.size())};
+    p.swiglu = k.swiglu;
     const auto isa = static_cast<llmc_i4::Isa>(g_int4_isa.load());
     with_threads(ctx, [&](int threads, const llmc::ParallelFor* pf) {
         llmc_i4::run(p, isa, threads, pf, g_int4_parallel_min.load());
