@@ -312,6 +312,8 @@ def inspect(engine: Path, as_json: bool) -> None:
     for p in report.get("passes", []):
         stats = ", ".join(f"{k}={v}" for k, v in p.items() if k != "pass")
         click.echo(f"  pass      {p['pass']}: {stats}")
+    for name, n in report.get("backend_fusions", {}).items():  # fused while the ONNX Runtime engine was written
+        click.echo(f"  backend   {name}: matches={n}")
     q, acc = report.get("quantization"), report.get("accuracy")
     if q:
         emulated = " (emulated on the CPU)" if q.get("emulated_on_cpu") else ""
