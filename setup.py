@@ -13,7 +13,7 @@ ext_modules = [
     Pybind11Extension(
         "llmc.plugins.paged_attention._cpu",
         [f"{_PA}/paged_attention_cpu.cpp"],
-        depends=[f"{_PA}/paged_attention_core.h", "plugins/csrc/parallel_for.h"],
+        depends=[f"{_PA}/paged_attention_core.h", "plugins/csrc/parallel_for.h", "plugins/csrc/exp_nonpos.h"],
         cxx_std=17,
         extra_compile_args=["-O3", "-fopenmp", "-march=x86-64-v2", "-Wno-psabi"],
         extra_link_args=["-fopenmp"],
@@ -26,7 +26,7 @@ ext_modules = [
         "llmc.plugins.paged_attention._ort_ops",
         [f"{_PA}/ort_paged_attention.cpp"],
         depends=[f"{_PA}/paged_attention_core.h", f"{_PA}/ort_abi.h", "plugins/int4_matmul/csrc/int4_matmul_core.h",
-                 "plugins/csrc/parallel_for.h"],
+                 "plugins/csrc/parallel_for.h", "plugins/csrc/exp_nonpos.h"],
         language="c++",
         extra_compile_args=["-std=c++17", "-O3", "-fopenmp", "-march=x86-64-v2", "-fvisibility=hidden", "-Wno-psabi"],
         extra_link_args=["-fopenmp"],

@@ -35,6 +35,7 @@
 #include <string>
 #include <vector>
 
+#include "../../csrc/exp_nonpos.h"
 #include "../../csrc/parallel_for.h"
 
 namespace llmc_i4 {
@@ -77,25 +78,6 @@ struct Problem {
     bool swiglu = false;
 };
 
-// exp(x) for x <= 0 (Cody-Waite reduction, Cephes polynomial, ~1 ulp; below -87.3 clamped), vectorisable.
-inline __attribute__((always_inline)) float exp_nonpos(float x) {
-    x = x < -87.3f ? -87.3f : x;
-    const float shifter = 12582912.0f;  // 1.5 * 2^23: adding it rounds to the nearest integer
-    const float n = (x * 1.44269504088896341f + shifter) - shifter;
-    float r = x - n * 0.693359375f;
-    r = r - n * -2.12194440e-4f;
-    const float z = r * r;
-    float y = 1.9875691500e-4f;
-    y = y * r + 1.3981999507e-3f;
-    y = y * r + 8.3334519073e-3f;
-    y = y * r + 4.1665795894e-2f;
-    y = y * r + 1.6666665459e-1f;
-    y = y * r + 5.0000001201e-1f;
-    y = y * z + r + 1.0f;
-    const int32_t e = (static_cast<int32_t>(n) + 127) << 23;
-    return y * __builtin_bit_cast(float, e);
-}
-
 // y[i, c] = silu(g) * u for g = t[i, c], u = t[i, 16 + c] (t: mr rows of 32, 16 columns). The sigmoid
 // takes exp(-|g|), so it never overflows: 1 / (1 + e) for g >= 0, e / (1 + e) below. Written with
 // vectors: GCC left the plain loop scalar, and a scalar epilogue cost more than the matmul at 8 rows.
@@ -103,30 +85,12 @@ typedef float sv8f __attribute__((vector_size(32)));
 typedef float sv8fu __attribute__((vector_size(32), aligned(4), may_alias));
 typedef int32_t sv8i __attribute__((vector_size(32)));
 
-inline __attribute__((always_inline)) sv8f exp_nonpos8(sv8f x) {
-    x = x < -87.3f ? sv8f{} - 87.3f : x;
-    const sv8f shifter = sv8f{} + 12582912.0f;
-    const sv8f n = (x * 1.44269504088896341f + shifter) - shifter;
-    sv8f r = x - n * 0.693359375f;
-    r = r - n * -2.12194440e-4f;
-    const sv8f z = r * r;
-    sv8f y = sv8f{} + 1.9875691500e-4f;
-    y = y * r + 1.3981999507e-3f;
-    y = y * r + 8.3334519073e-3f;
-    y = y * r + 4.1665795894e-2f;
-    y = y * r + 1.6666665459e-1f;
-    y = y * r + 5.0000001201e-1f;
-    y = y * z + r + 1.0f;
-    const sv8i e = (__builtin_convertvector(n, sv8i) + 127) << 23;
-    return y * reinterpret_cast<const sv8f&>(e);
-}
-
 inline __attribute__((always_inline)) void swiglu_rows_impl(const float* t, int mr, float* y, int64_t ldy) {
     for (int i = 0; i < mr; ++i) {
         for (int c = 0; c < 16; c += 8) {
             const sv8f g = *reinterpret_cast<const sv8fu*>(t + i * 32 + c);
             const sv8f u = *reinterpret_cast<const sv8fu*>(t + i * 32 + 16 + c);
-            const sv8f e = exp_nonpos8(g < 0.0f ? g : -g);
+            const sv8f e = llmc::exp_nonpos_t<sv8f, sv8i>(g < 0.0f ? g : -g);
             const sv8f num = g >= 0.0f ? sv8f{} + 1.0f : e;
             *reinterpret_cast<sv8fu*>(y + i * ldy + c) = g * (num / (1.0f + e)) * u;
         }

@@ -38,6 +38,7 @@
 #include <utility>
 #include <vector>
 
+#include "../../csrc/exp_nonpos.h"
 #include "../../csrc/parallel_for.h"
 
 namespace llmc_pa {
@@ -180,26 +181,7 @@ struct Scratch {
     }
 };
 
-// exp(x) for x <= 0, vectorisable (no libm call): Cody-Waite range reduction and the Cephes
-// expf polynomial, about 1 ulp. Arguments below -87.3 (results below 1e-38, which cannot
-// change a sum that is >= 1) are clamped so that 2^n stays a normal float.
-LLMC_INLINE float exp_nonpos(float x) {
-    x = x < -87.3f ? -87.3f : x;
-    const float shifter = 12582912.0f;  // 1.5 * 2^23: adding it rounds to the nearest integer
-    const float n = (x * 1.44269504088896341f + shifter) - shifter;
-    float r = x - n * 0.693359375f;
-    r = r - n * -2.12194440e-4f;
-    const float z = r * r;
-    float y = 1.9875691500e-4f;
-    y = y * r + 1.3981999507e-3f;
-    y = y * r + 8.3334519073e-3f;
-    y = y * r + 4.1665795894e-2f;
-    y = y * r + 1.6666665459e-1f;
-    y = y * r + 5.0000001201e-1f;
-    y = y * z + r + 1.0f;
-    const int32_t e = (static_cast<int32_t>(n) + 127) << 23;
-    return y * __builtin_bit_cast(float, e);
-}
+using llmc::exp_nonpos;  // ../../csrc/exp_nonpos.h
 
 // One block's step of the online softmax of one query head. `s[j0..j1]` holds the block's visible
 // scores (scaled, capped); if their max raises the running max `m`, the running sum `l` and output
@@ -442,25 +424,7 @@ struct V16 {
 // the sum in another order): lanes outside [j0, j1] weigh exactly 0. bs % W == 0.
 template <typename V>
 LLMC_INLINE typename V::T exp_nonpos_v(typename V::T x) {
-    typedef typename V::T T;
-    typedef typename V::I I;
-    x = x < -87.3f ? T{} - 87.3f : x;
-    const T shifter = T{} + 12582912.0f;
-    const T n = (x * 1.44269504088896341f + shifter) - shifter;
-    T r = x - n * 0.693359375f;
-    r = r - n * -2.12194440e-4f;
-    const T z = r * r;
-    T y = T{} + 1.9875691500e-4f;
-    y = y * r + 1.3981999507e-3f;
-    y = y * r + 8.3334519073e-3f;
-    y = y * r + 4.1665795894e-2f;
-    y = y * r + 1.6666665459e-1f;
-    y = y * r + 5.0000001201e-1f;
-    y = y * z + r + 1.0f;
-    const I e = (__builtin_convertvector(n, I) + 127) << 23;
-    T scale;
-    std::memcpy(&scale, &e, sizeof(scale));
-    return y * scale;
+    return llmc::exp_nonpos_t<typename V::T, typename V::I>(x);
 }
 
 template <typename V>
@@ -1057,7 +1021,8 @@ inline void run(const Args& a, int nthreads, Isa isa, const ParallelFor* pf = nu
     const bool par_write = nthreads > 1 && T * num_kv_heads * D >= kParallelMinWork;
 #pragma omp parallel for schedule(static) num_threads(nthreads) if (par_write)
     for (int64_t kh = 0; kh < num_kv_heads; ++kh) {
-        std::vector<float> k_rotated(static_cast<size_t>(rotary ? D : 0));
+        thread_local std::vector<float> k_rotated;  // one row, reused across calls: no allocation per step
+        if (rotary && static_cast<int64_t>(k_rotated.size()) < D) k_rotated.resize(static_cast<size_t>(D));
         for (int64_t t = 0; t < T; ++t) {
             const int64_t slot = slot_p[t];
             if (slot < 0) continue;
