@@ -25,7 +25,7 @@ from llmc.compiler import artifact
 from llmc.compiler.checkpoint import Checkpoint, load_checkpoint
 from llmc.compiler.targets import GPU_BACKENDS, TARGETS, Target, get_target
 from llmc.errors import LlmcError, UnsupportedError
-from llmc.plugins.paged_attention import KV_LAYOUT, ROTARY_OP_TYPE
+from llmc.plugins.paged_attention import KV_LAYOUT
 from llmc.quant import recipe as quant_recipe
 from llmc.quant.recipe import QuantRecipe
 from llmc.runtime import artifact as runtime_artifact
@@ -173,6 +173,7 @@ class _NoOnnxFiles:
     """GPU builds write no ONNX files into the artifact (their CPU twin for the accuracy check is temporary)."""
 
     model = weights = custom_ops = None
+    fusions: dict[str, int] = {}
 
 
 # EngineFiles attribute -> manifest engine field
@@ -249,9 +250,7 @@ def _compile(ckpt: Checkpoint, digest: str, plan: _Plan, dest: Path, say: Progre
         files = _NoOnnxFiles()
     else:
         files = ort_backend.emit(traced.model, dest, options.attention, fusions)
-    fused = {"rotary-attention": sum(1 for n in traced.model.graph if n.op_type == ROTARY_OP_TYPE),
-             "int4-swiglu": sum(1 for n in traced.model.graph if n.op_type == "Int4MatMul"
-                                and n.attributes.get("activation") is not None and n.attributes["activation"].value)}
+    fused = files.fusions
     timings["emit"] = time.perf_counter() - t
     _kill_point("after-emit")
 
@@ -315,7 +314,8 @@ def _compile(ckpt: Checkpoint, digest: str, plan: _Plan, dest: Path, say: Progre
             if gpu:  # a GPU engine cannot run here: score the same quantized graph on the CPU
                 cpu_files = asdict(ort_backend.emit(cpu_graph, Path(cpu_dir), options.attention, fusions))
                 artifact.copy_tokenizer(ckpt.path, Path(cpu_dir))
-                cpu_fields["engine"].update({_ONNX_FILE_FIELDS.get(k, k): v for k, v in cpu_files.items()})
+                cpu_fields["engine"].update({_ONNX_FILE_FIELDS.get(k, k): v for k, v in cpu_files.items()
+                                             if k != "fusions"})
                 artifact.seal(Path(cpu_dir), cpu_fields)
             accuracy = qstage.evaluate(Path(cpu_dir) if gpu else dest, emit_reference)
         report.update(qstage.report())

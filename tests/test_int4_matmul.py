@@ -11,13 +11,13 @@ against float matmul with the dequantized weights (bounded by int8 activation ro
 from __future__ import annotations
 
 import numpy as np
-import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from llmc.plugins.int4_matmul import pack, reference
 from llmc.plugins.paged_attention import ort_native
 from llmc.quant import int4
+from llmc.testing.ort_sessions import native_session
 
 ISAS = {0: "scalar", 1: "avx2", 2: "avx512-vnni"}
 
@@ -41,14 +41,6 @@ def _model(t: pack.Int4Tiles, rank: int = 2, k_dim: int | str | None = None) -> 
                           inits)
     m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("llmc", 1)])
     return m.SerializeToString()
-
-
-def _session(model: bytes, threads: int) -> ort.InferenceSession:
-    so = ort.SessionOptions()
-    so.register_custom_ops_library(ort_native.library_path())
-    so.intra_op_num_threads = threads
-    so.log_severity_level = 4
-    return ort.InferenceSession(model, so, providers=["CPUExecutionProvider"])
 
 
 def _available_isas() -> list[int]:
@@ -87,7 +79,7 @@ def test_matches_reference(isa, n, k, gs, sym, isa_setter):
     t = _pack(q)
     assert isa_setter(isa) == 0
     for threads in (1, 2):
-        sess = _session(_model(t), threads)
+        sess = native_session(_model(t), threads)
         for m in (1, 3, 8, 13, 70):
             x = (rng.standard_normal((m, k)) * rng.uniform(0.1, 4.0, (m, 1))).astype(np.float32)
             x[:, rng.integers(0, k)] *= 20.0  # an outlier column, as activations have
@@ -110,7 +102,7 @@ def test_leading_dims_and_all_paths_agree(isa_setter):
     outs = []
     for isa in _available_isas():
         isa_setter(isa)
-        outs.append(_session(_model(t, rank=3), 1).run(None, {"X": x})[0])
+        outs.append(native_session(_model(t, rank=3), 1).run(None, {"X": x})[0])
     assert outs[0].shape == (2, 5, 48)
     want = _ref(x.reshape(10, 128), q).reshape(2, 5, 48)
     for y in outs:
@@ -124,7 +116,7 @@ def test_all_zero_rows_and_groups():
     x = rng.standard_normal((3, 128)).astype(np.float32)
     x[0] = 0.0
     x[1, :64] = 0.0
-    y = _session(_model(t), 1).run(None, {"X": x})[0]
+    y = native_session(_model(t), 1).run(None, {"X": x})[0]
     assert np.all(y[0] == 0.0)
     np.testing.assert_allclose(y, _ref(x, q), rtol=0, atol=1e-5 * np.abs(y).max())
 
@@ -132,7 +124,7 @@ def test_all_zero_rows_and_groups():
 def test_shape_errors_name_the_input():
     rng = np.random.default_rng(1)
     q = int4.quantize_rtn(rng.standard_normal((32, 128)).astype(np.float32), 64, True)
-    sess = _session(_model(_pack(q), k_dim="K"), 1)  # so that ORT itself does not check K first
+    sess = native_session(_model(_pack(q), k_dim="K"), 1)  # so that ORT itself does not check K first
     with pytest.raises(Exception, match="X must have K = 128"):
         sess.run(None, {"X": np.ones((2, 64), np.float32)})
 
@@ -196,7 +188,7 @@ def test_swiglu_epilogue_matches_reference(isa, isa_setter):
     t = _pack(q)
     assert isa_setter(isa) == 0
     for threads in (1, 2):
-        sess = _session(_swiglu_model(t), threads)
+        sess = native_session(_swiglu_model(t), threads)
         for m in (1, 5, 8, 70):
             x = (rng.standard_normal((m, k)) * 0.5).astype(np.float32)
             y = sess.run(None, {"X": x})[0]
@@ -220,4 +212,4 @@ def test_swiglu_epilogue_refuses_partial_tiles():
                            numpy_helper.from_array(t.mins, "mins")])
     model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("llmc", 1)])
     with pytest.raises(Exception, match=r"activation=1 \(swiglu\) needs N % 32 == 0"):
-        _session(model.SerializeToString(), 1).run(None, {"X": rng.standard_normal((2, 64)).astype(np.float32)})
+        native_session(model.SerializeToString(), 1).run(None, {"X": rng.standard_normal((2, 64)).astype(np.float32)})

@@ -25,6 +25,7 @@ from onnx import TensorProto, helper
 
 from llmc.plugins.paged_attention import INPUT_NAMES, ort_native, reference
 from llmc.runtime.session import NATIVE, OrtSession
+from llmc.testing.ort_sessions import native_session
 from llmc.testing.paged_attention import make_case
 
 RTOL, ATOL = 1e-4, 2e-5
@@ -49,13 +50,6 @@ def _graph(layers: list[dict], hq: int, hkv: int, d: int, chain: bool) -> bytes:
     g = helper.make_graph(nodes, "paged_attention", inputs, outputs)
     m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("llmc", 1)])
     return m.SerializeToString()
-
-
-def _session(model: bytes) -> ort.InferenceSession:
-    so = ort.SessionOptions()
-    so.register_custom_ops_library(ort_native.library_path())
-    so.log_severity_level = 4
-    return ort.InferenceSession(model, so, providers=["CPUExecutionProvider"])
 
 
 def _case(rng, *, hq, hkv, d, bs, seqs, layers=1, pad_rows=0, cache_dtype=np.float32):
@@ -94,7 +88,7 @@ def test_native_op_matches_reference(name):
     feeds["query"] *= q_scale
     hq, hkv, d = spec["hq"], spec["hkv"], spec["d"]
     ref_pool = [(k.copy(), v.copy()) for k, v in pool]
-    session = _session(_graph([attrs], hq, hkv, d, chain=False))
+    session = native_session(_graph([attrs], hq, hkv, d, chain=False))
     with ort_native.bound_pool(pool):
         (got,) = session.run(None, feeds)
     expected = reference.paged_attention(**feeds, k_cache=ref_pool[0][0], v_cache=ref_pool[0][1], num_heads=hq,
@@ -111,7 +105,7 @@ def test_layers_read_their_own_caches_and_chain():
     hq, hkv, d = 8, 2, 32
     feeds, pool = _case(rng, hq=hq, hkv=hkv, d=d, bs=8, seqs=MIXED, layers=3)
     ref_pool = [(k.copy(), v.copy()) for k, v in pool]
-    session = _session(_graph([{"scale": 0.2}] * 3, hq, hkv, d, chain=True))
+    session = native_session(_graph([{"scale": 0.2}] * 3, hq, hkv, d, chain=True))
     before = ort_native.call_count()
     with ort_native.bound_pool(pool):
         outs = session.run(None, feeds)
@@ -130,7 +124,7 @@ def test_binding_is_shared_with_onnxruntime_and_errors_reach_python():
     errors come back as ORT failures carrying the kernel's message, with the caches untouched."""
     rng = np.random.default_rng(11)
     feeds, pool = _case(rng, hq=4, hkv=2, d=16, bs=8, seqs=[(20, 3), (9, 1)])
-    session = _session(_graph([{"scale": 0.25}], 4, 2, 16, chain=False))
+    session = native_session(_graph([{"scale": 0.25}], 4, 2, 16, chain=False))
     with ort_native.lock:
         ort_native.unbind()
         with pytest.raises(Exception, match="no KV pool is bound"):
@@ -143,7 +137,7 @@ def test_binding_is_shared_with_onnxruntime_and_errors_reach_python():
             session.run(None, bad)
         np.testing.assert_array_equal(pool[0][0], k0)
         # Same input widths (2 heads x 32 = 4 x 16, 1 KV head x 32 = 2 x 16), other head layout.
-        wrong_heads = _session(_graph([{"scale": 0.25}], 2, 1, 32, chain=False))
+        wrong_heads = native_session(_graph([{"scale": 0.25}], 2, 1, 32, chain=False))
         with pytest.raises(Exception, match="the bound KV pool has 2 KV heads of size 16"):
             wrong_heads.run(None, feeds)
 
@@ -184,7 +178,7 @@ def test_thread_count_does_not_change_results():
     big enough (~6M multiply-adds) for the kernel to go parallel."""
     rng = np.random.default_rng(5)
     feeds, pool = _case(rng, hq=8, hkv=2, d=64, bs=16, seqs=[(600, 1), (300, 40)])
-    session = _session(_graph([{"scale": 0.125}], 8, 2, 64, chain=False))
+    session = native_session(_graph([{"scale": 0.125}], 8, 2, 64, chain=False))
     before = ort_native.get_num_threads()
     outs = []
     try:

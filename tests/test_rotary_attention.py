@@ -17,12 +17,12 @@ import json
 
 import numpy as np
 import onnx_ir as ir
-import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
 
 from llmc.compiler.backends import onnxruntime as ort_backend
 from llmc.plugins.paged_attention import INPUT_NAMES, ROTARY_OP_TYPE, ort_native, reference
+from llmc.testing.ort_sessions import native_session
 from llmc.testing.paged_attention import make_case
 
 F, I64 = TensorProto.FLOAT, TensorProto.INT64
@@ -78,13 +78,6 @@ def _unfused_graph(hq, hkv, d) -> bytes:
     return _model(g)
 
 
-def _session(model: bytes) -> ort.InferenceSession:
-    so = ort.SessionOptions()
-    so.register_custom_ops_library(ort_native.library_path())
-    so.log_severity_level = 4
-    return ort.InferenceSession(model, so, providers=["CPUExecutionProvider"])
-
-
 def _case(rng, *, hq, hkv, d, bs, seqs, cache_dtype=np.float32):
     inputs, caches, _ = make_case(rng, hq=hq, hkv=hkv, d=d, bs=bs, seqs=seqs, cache_dtype=cache_dtype)
     t = inputs["query"].shape[0]
@@ -118,7 +111,7 @@ def test_fused_op_equals_unfused_ort_graph_and_reference(name):
     outs = {}
     for tag, model in (("fused", _fused_graph(hq, hkv, d)), ("unfused", _unfused_graph(hq, hkv, d))):
         with ort_native.bound_pool(pools[tag]):
-            (outs[tag],) = _session(model).run(None, feeds)
+            (outs[tag],) = native_session(model).run(None, feeds)
     # Same arithmetic as ORT's RotaryEmbedding kernel on the same values: identical bits.
     np.testing.assert_array_equal(outs["fused"], outs["unfused"])
     np.testing.assert_array_equal(pools["fused"][0][0], pools["unfused"][0][0])
@@ -140,14 +133,14 @@ def test_fused_op_equals_unfused_ort_graph_and_reference(name):
 def test_fused_op_errors_name_the_input():
     rng = np.random.default_rng(1)
     feeds, caches = _case(rng, hq=4, hkv=2, d=16, bs=8, seqs=[(20, 3)])
-    session = _session(_fused_graph(4, 2, 16, typed_shapes=False))
+    session = native_session(_fused_graph(4, 2, 16, typed_shapes=False))
     with ort_native.bound_pool([caches]):
         with pytest.raises(Exception, match=r"qkv must have shape \(\.\.\., T, 128\)"):
             session.run(None, dict(feeds, qkv=feeds["qkv"][..., :-16]))
         with pytest.raises(Exception, match=r"cos must have one row per row of qkv \(3\)"):
             session.run(None, dict(feeds, cos=feeds["cos"][:, :2]))
     with pytest.raises(Exception, match="rotary_interleaved=1 is not supported"):
-        _session(_fused_graph(4, 2, 16, rotary_interleaved=1))
+        native_session(_fused_graph(4, 2, 16, rotary_interleaved=1))
 
 
 def _op_counts(engine) -> dict[str, int]:

@@ -16,7 +16,7 @@ The engine's manifest names the library its graph needs (``engine.custom_ops``, 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import onnx_ir as ir
@@ -43,6 +43,7 @@ class EngineFiles:
     model: str
     weights: str
     custom_ops: str  # the custom-op library the graph needs (a value of CUSTOM_OPS)
+    fusions: dict[str, int] = field(default_factory=dict)  # matches per backend fusion (for report.json)
 
 
 def _lower_skip_rms_norm(graph: ir.Graph, node: ir.Node) -> None:
@@ -126,8 +127,9 @@ def emit(model: ir.Model, out_dir: Path, attention: str = "native",
 
     ``attention`` picks PagedAttention's route (see the module docstring), ``fusions`` the native
     route's backend fusions (see :func:`lower`); the returned :class:`EngineFiles` names the custom-op
-    library the engine needs.
+    library the engine needs and what each backend fusion matched.
     """
-    lower(model, attention, fusions)
+    stats = lower(model, attention, fusions)
     ir.save(model, out_dir / MODEL_FILE, external_data=WEIGHTS_FILE)
-    return EngineFiles(model=MODEL_FILE, weights=WEIGHTS_FILE, custom_ops=CUSTOM_OPS[attention])
+    return EngineFiles(model=MODEL_FILE, weights=WEIGHTS_FILE, custom_ops=CUSTOM_OPS[attention],
+                       fusions={name: stats[name] for name in FUSIONS})

@@ -22,11 +22,6 @@ from llmc.plugins.paged_attention import DOMAIN
 INT4_OP = "Int4MatMul"
 
 
-def _attr(node: ir.Node, name: str, default=None):
-    a = node.attributes.get(name)
-    return a.value if a is not None else default
-
-
 def _fuse(graph: ir.Graph, swiglu: ir.Node) -> bool:
     gate, up = swiglu.inputs
     split = gate.producer() if gate is not None else None
@@ -35,13 +30,13 @@ def _fuse(graph: ir.Graph, swiglu: ir.Node) -> bool:
     if list(split.outputs) != [gate, up] or len(gate.uses()) != 1 or len(up.uses()) != 1:
         return False
     mm = split.inputs[0].producer()
-    if mm is None or mm.op_type != INT4_OP or mm.domain != DOMAIN or _attr(mm, "activation", 0) != 0:
+    if mm is None or mm.op_type != INT4_OP or mm.domain != DOMAIN or mm.attributes.get_int("activation", 0) != 0:
         return False
-    n = _attr(mm, "N")
+    n = mm.attributes.get_int("N")
     sizes = constant_of(split.inputs[1]) if len(split.inputs) > 1 else None
     if n is None or n % 32 or sizes is None or sizes.numpy().tolist() != [n // 2, n // 2]:
         return False
-    if _attr(split, "axis", 0) != -1 or len(mm.outputs[0].uses()) != 1:
+    if split.attributes.get_int("axis", 0) != -1 or len(mm.outputs[0].uses()) != 1:
         return False
     order = gate_up_order(n)
     tensors = [constant_of(v) for v in mm.inputs[1:4]]

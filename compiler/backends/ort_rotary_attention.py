@@ -32,20 +32,15 @@ def _producer(value: ir.Value | None, op_type: str) -> ir.Node | None:
     return node
 
 
-def _attr(node: ir.Node, name: str, default=None):
-    a = node.attributes.get(name)
-    return a.value if a is not None else default
-
-
 def _rotary(value: ir.Value | None, heads: int, head_size: int) -> ir.Node | None:
     """The rotate-half, full-width RotaryEmbedding (cos/sin per row, no position ids) behind a Reshape."""
     reshape = _producer(value, "Reshape")
     rot = _producer(reshape.inputs[0], "RotaryEmbedding") if reshape is not None else None
     if rot is None or len(rot.inputs) < 3 or any(i is not None for i in rot.inputs[3:]):  # no position_ids
         return None
-    if _attr(rot, "interleaved", 0) != 0 or _attr(rot, "num_heads", 0) != heads:
+    if rot.attributes.get_int("interleaved", 0) != 0 or rot.attributes.get_int("num_heads", 0) != heads:
         return None
-    if _attr(rot, "rotary_embedding_dim", 0) not in (0, head_size):
+    if rot.attributes.get_int("rotary_embedding_dim", 0) not in (0, head_size):
         return None
     return rot
 
@@ -58,7 +53,7 @@ def _split_sizes(split: ir.Node) -> list[int] | None:
 
 
 def _fuse(graph: ir.Graph, node: ir.Node) -> bool:
-    h, hkv, d = (_attr(node, n) for n in ("num_heads", "num_kv_heads", "head_size"))
+    h, hkv, d = (node.attributes.get_int(n) for n in ("num_heads", "num_kv_heads", "head_size"))
     if not (h and hkv and d) or d % 2 or len(node.inputs) != 7:
         return False
     rq, rk = _rotary(node.inputs[0], h, d), _rotary(node.inputs[1], hkv, d)
@@ -73,7 +68,7 @@ def _fuse(graph: ir.Graph, node: ir.Node) -> bool:
         return False
     qkv = split.inputs[0]
     known = qkv if qkv.shape is not None else xq  # a Split output has its input's rank and type
-    axis = _attr(split, "axis", 0)
+    axis = split.attributes.get_int("axis", 0)
     if axis != -1 and (known.shape is None or axis != len(known.shape) - 1):
         return False
     if _split_sizes(split) != [h * d, hkv * d, hkv * d] or known.dtype not in (None, ir.DataType.FLOAT):
