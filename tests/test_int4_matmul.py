@@ -66,6 +66,8 @@ CASES = [  # (N, K, group size, symmetric)
     (96, 200, 32, False),  # K not a multiple of the group size (padded with zero weights)
     (33, 128, 128, True),
     (272, 576, 64, False),
+    (48, 576, 128, False),  # the 110M shape's K: a padded last group of 64 (AVX-512 quantizes it, then pads)
+    (32, 208, 64, True),  # a last group of 16
 ]
 
 

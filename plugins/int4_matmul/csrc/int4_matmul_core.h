@@ -112,14 +112,43 @@ inline QuantX& thread_quant_x() {
     return qx;
 }
 
-// Quantize rows [r0, r1) of x into qx (sized by the caller).
-inline void quantize_rows(const Problem& p, QuantX& qx, int64_t r0, int64_t r1) {
+// One row's group of n <= G values (n % 16 == 0) with AVX-512: the same max, the same products and the same
+// round-to-nearest-even (VCVTPS2DQ in the default rounding mode, as nearbyint) as the scalar loop below,
+// so the same codes. The scalar loop took ~20% of Int4MatMul's time at batch 32 (16 us of 57 for the
+// 110M model's QKV projection), on the calling thread while the others waited.
+__attribute__((target("avx512f,avx512bw"))) inline void quantize_group_avx512(const float* x, int64_t n, int8_t* q,
+                                                                           float& scale, float& sum) {
+    __m512 vmax = _mm512_setzero_ps();
+    for (int64_t k = 0; k < n; k += 16) vmax = _mm512_max_ps(vmax, _mm512_abs_ps(_mm512_loadu_ps(x + k)));
+    const float amax = _mm512_reduce_max_ps(vmax);
+    scale = amax / 127.0f;
+    const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    const __m512 vinv = _mm512_set1_ps(inv);
+    const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127);
+    __m512i total = _mm512_setzero_si512();
+    for (int64_t k = 0; k < n; k += 16) {
+        __m512i c = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + k), vinv));
+        c = _mm512_max_epi32(lo, _mm512_min_epi32(hi, c));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(q + k), _mm512_cvtepi32_epi8(c));
+        total = _mm512_add_epi32(total, c);
+    }
+    sum = scale * static_cast<float>(_mm512_reduce_add_epi32(total));
+}
+
+// Quantize rows [r0, r1) of x into qx (sized by the caller). Groups whose width is a multiple of 16 take the
+// AVX-512 path when `isa` has it (the K tail of a padded last group is zeros either way).
+inline void quantize_rows(const Problem& p, QuantX& qx, int64_t r0, int64_t r1, Isa isa = kScalar) {
     const int64_t Kp = p.ng * p.G;
     for (int64_t r = r0; r < r1; ++r) {
         const float* xr = p.x + r * p.K;
         int8_t* qr = qx.q.data() + r * Kp;
         for (int64_t g = 0; g < p.ng; ++g) {
             const int64_t k0 = g * p.G, k1 = std::min(p.K, k0 + p.G);
+            for (int64_t k = k1; k < k0 + p.G; ++k) qr[k] = 0;
+            if (isa == kAvx512Vnni && (k1 - k0) % 16 == 0) {
+                quantize_group_avx512(xr + k0, k1 - k0, qr + k0, qx.scale[r * p.ng + g], qx.sum[r * p.ng + g]);
+                continue;
+            }
             float amax = 0.0f;
             for (int64_t k = k0; k < k1; ++k) amax = std::max(amax, std::fabs(xr[k]));
             const float scale = amax / 127.0f;
@@ -132,7 +161,6 @@ inline void quantize_rows(const Problem& p, QuantX& qx, int64_t r0, int64_t r1) 
                 qr[k] = static_cast<int8_t>(c);
                 total += c;
             }
-            for (int64_t k = k1; k < k0 + p.G; ++k) qr[k] = 0;
             qx.scale[r * p.ng + g] = scale;
             qx.sum[r * p.ng + g] = scale * static_cast<float>(total);
         }
@@ -420,9 +448,10 @@ inline void run(const Problem& p, Isa isa, int threads, const ParallelFor* pf = 
     struct Q {
         const Problem* p;
         QuantX* qx;
-    } q{&p, &qx};
+        Isa isa;
+    } q{&p, &qx, isa};
     if (!parallel) {
-        quantize_rows(p, qx, 0, p.M);
+        quantize_rows(p, qx, 0, p.M, isa);
         for (int64_t i = 0; i < items; ++i) run_item(plan, i);
         return;
     }
@@ -430,10 +459,10 @@ inline void run(const Problem& p, Isa isa, int threads, const ParallelFor* pf = 
         if (row_blocks > 1) {
             pf->fn(pf->self, row_blocks, [](void* arg, int64_t b) {
                 const Q& x = *static_cast<const Q*>(arg);
-                quantize_rows(*x.p, *x.qx, b * kRowBlock, std::min(x.p->M, (b + 1) * kRowBlock));
+                quantize_rows(*x.p, *x.qx, b * kRowBlock, std::min(x.p->M, (b + 1) * kRowBlock), x.isa);
             }, &q);
         } else {
-            quantize_rows(p, qx, 0, p.M);
+            quantize_rows(p, qx, 0, p.M, isa);
         }
         pf->fn(pf->self, items, [](void* arg, int64_t i) { run_item(*static_cast<const Plan*>(arg), i); }, &plan);
         return;
@@ -441,7 +470,7 @@ inline void run(const Problem& p, Isa isa, int threads, const ParallelFor* pf = 
 #pragma omp parallel num_threads(threads)
     {
 #pragma omp for schedule(static)
-        for (int64_t b = 0; b < row_blocks; ++b) quantize_rows(p, qx, b * kRowBlock, std::min(p.M, (b + 1) * kRowBlock));
+        for (int64_t b = 0; b < row_blocks; ++b) quantize_rows(p, qx, b * kRowBlock, std::min(p.M, (b + 1) * kRowBlock), isa);
 #pragma omp for schedule(dynamic, 1)
         for (int64_t i = 0; i < items; ++i) run_item(plan, i);
     }

@@ -130,6 +130,32 @@ void halves_to_floats(const uint16_t* src, float* dst, int64_t n, bool f16c) {
     for (int64_t i = 0; i < n; ++i) dst[i] = half_to_float(src[i]);
 }
 
+// float32 -> float16 for n values: F16C, 8 at a time, rounding to nearest even as float_to_half does
+// (VCVTPS2PH is IEEE's conversion, subnormals and overflow to inf included). NaN is the one input it
+// treats differently (it sets the quiet bit; numpy keeps the payload's top bits), so 8 values that hold
+// a NaN go through float_to_half. The scalar loop alone took ~5% of a decode step's time at batch 32.
+__attribute__((target("avx,f16c"))) void floats_to_halves_f16c(const float* src, uint16_t* dst, int64_t n) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const __m256 f = _mm256_loadu_ps(src + i);
+        if (_mm256_movemask_ps(_mm256_cmp_ps(f, f, _CMP_UNORD_Q)) != 0) {
+            for (int64_t j = i; j < i + 8; ++j) dst[j] = float_to_half(src[j]);
+            continue;
+        }
+        const __m128i h = _mm256_cvtps_ph(f, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        std::memcpy(dst + i, &h, sizeof(h));
+    }
+    for (; i < n; ++i) dst[i] = float_to_half(src[i]);
+}
+
+void floats_to_halves(const float* src, uint16_t* dst, int64_t n, bool f16c) {
+    if (f16c) {
+        floats_to_halves_f16c(src, dst, n);
+        return;
+    }
+    for (int64_t i = 0; i < n; ++i) dst[i] = float_to_half(src[i]);
+}
+
 // ---------------------------------------------------------------------------------------------
 // Attention work items.
 //
@@ -213,6 +239,9 @@ LLMC_INLINE void softmax_block(float* __restrict s, int64_t j0, int64_t j1, floa
 // real step, cold (the weights evicted every layer's cache since the last step). The per-row loop asks
 // one block ahead (2 or 4 measured 5-15% slower there, cold caches, decode b1-b32); the tiled loop,
 // whose blocks take less compute, two (see there).
+#ifndef LLMC_PF_LOC
+#define LLMC_PF_LOC 3
+#endif
 template <typename CacheT>
 LLMC_INLINE void prefetch_block(const Problem& p, int64_t block, int64_t kvh, const CacheT* kc, const CacheT* vc) {
     const int64_t at = ((block * p.num_kv_heads + kvh) * p.block_size) * p.head_size;
@@ -220,8 +249,8 @@ LLMC_INLINE void prefetch_block(const Problem& p, int64_t block, int64_t kvh, co
     const char* vn = reinterpret_cast<const char*>(vc + at);
     const int64_t bytes = p.block_size * p.head_size * static_cast<int64_t>(sizeof(CacheT));
     for (int64_t off = 0; off < bytes; off += 64) {
-        __builtin_prefetch(kn + off);
-        __builtin_prefetch(vn + off);
+        __builtin_prefetch(kn + off, 0, LLMC_PF_LOC);
+        __builtin_prefetch(vn + off, 0, LLMC_PF_LOC);
     }
 }
 
@@ -418,7 +447,21 @@ struct V16 {
     static LLMC_INLINE void store(float* p, T v) { *reinterpret_cast<v16fu*>(p) = v; }
     static LLMC_INLINE T bcast(float x) { return T{} + x; }
     static LLMC_INLINE T hsum(const T a[16]) { return hsum16x16(a); }
+    // 16 float16 values -> float32 (VCVTPH2PS, AVX-512F). asm, because this helper has no target attribute of
+    // its own: it is only ever inlined into the AVX-512 loop, where the intrinsic's target would be allowed.
+    static LLMC_INLINE T load_half(const uint16_t* p) {
+        T r;
+        asm("vcvtph2ps %1, %0" : "=v"(r) : "m"(*reinterpret_cast<const char(*)[32]>(p)));
+        return r;
+    }
 };
+
+// A row of the cache (or of a float32 copy of it) as vectors: float32 as is, float16 converted on load (only
+// at width 16: the AVX2 path converts each block into a float32 scratch first, F16C being optional there).
+template <typename V>
+LLMC_INLINE typename V::T load_row(const float* p) { return V::load(p); }
+template <typename V>
+LLMC_INLINE typename V::T load_row(const uint16_t* p) { return V::load_half(p); }
 
 // The block's whole-vector online-softmax step, as softmax_block computes it (same max, same exp_nonpos,
 // the sum in another order): lanes outside [j0, j1] weigh exactly 0. bs % W == 0.
@@ -464,65 +507,81 @@ LLMC_INLINE void softmax_block_v(float* __restrict s, int64_t bs, int64_t j0, in
 
 // S[m, j] = Q[m] . K[j] for M query vectors and the block's bs keys (bs % W == 0, D % W == 0). DC: D known
 // at compile time (0: use D), so that the K rows' offsets are immediates instead of pointers in registers.
-template <typename V, int DC = 0>
-LLMC_INLINE void tile_scores(const float* __restrict Q, int64_t M, const float* __restrict kb, int64_t D_, int64_t bs,
+template <typename V, int DC = 0, typename R = float>
+LLMC_INLINE void tile_scores(const float* __restrict Q, int64_t M, const R* __restrict kb, int64_t D_, int64_t bs,
                              float* __restrict S) {
     constexpr int W = V::W;
     const int64_t D = DC ? DC : D_;
     for (int64_t j = 0; j < bs; j += W) {
-        const float* k = kb + j * D;
+        const R* k = kb + j * D;
         for (int64_t m = 0; m < M; ++m) {
             const float* q = Q + m * D;
             typename V::T a[W] = {};
             for (int64_t d = 0; d < D; d += W) {
                 const typename V::T qv = V::load(q + d);
-                for (int i = 0; i < W; ++i) a[i] += qv * V::load(k + i * D + d);
+                for (int i = 0; i < W; ++i) a[i] += qv * load_row<V>(k + i * D + d);
             }
             V::store(S + m * bs + j, V::hsum(a));
         }
     }
 }
 
-// acc[0, W*K) += sum_j p[j] * V[j, 0, W*K) for j in [j0, j1]; the accumulator stays in registers.
-template <typename V, int K>
-LLMC_INLINE void tile_pv_chunk(float* __restrict acc, const float* __restrict pr, const float* __restrict vb, int64_t D,
-                               int64_t j0, int64_t j1) {
+// acc[h, 0, W*K) += sum_j p[h, j] * V[j, 0, W*K) for j in [j0, j1] and NH query heads at once (p rows of
+// stride bs, acc rows of stride D), the accumulators in registers. Every V row is loaded once for all the
+// heads, and the NH*K accumulators are independent chains: one head at a time left K chains of j1 - j0 + 1
+// dependent multiply-adds, bound by their latency (~1 per cycle where 2 could issue; a third of decode's
+// attention time). Each accumulator still adds its products in j order, so the sums are the same.
+template <typename V, int NH, int K, typename R>
+LLMC_INLINE void tile_pv_chunk(float* __restrict acc, int64_t D, const float* __restrict pr, int64_t bs,
+                               const R* __restrict vb, int64_t j0, int64_t j1) {
     constexpr int W = V::W;
-    typename V::T a[K];
-    for (int k = 0; k < K; ++k) a[k] = V::load(acc + W * k);
-    for (int64_t j = j0; j <= j1; ++j) {
-        const typename V::T pb = V::bcast(pr[j]);
-        const float* v = vb + j * D;
-        for (int k = 0; k < K; ++k) a[k] += pb * V::load(v + W * k);
+    typename V::T a[NH][K];
+    for (int h = 0; h < NH; ++h) {
+        for (int k = 0; k < K; ++k) a[h][k] = V::load(acc + h * D + W * k);
     }
-    for (int k = 0; k < K; ++k) V::store(acc + W * k, a[k]);
+    for (int64_t j = j0; j <= j1; ++j) {
+        const R* v = vb + j * D;
+        typename V::T vv[K];
+        for (int k = 0; k < K; ++k) vv[k] = load_row<V>(v + W * k);
+        for (int h = 0; h < NH; ++h) {
+            const typename V::T pb = V::bcast(pr[h * bs + j]);
+            for (int k = 0; k < K; ++k) a[h][k] += pb * vv[k];
+        }
+    }
+    for (int h = 0; h < NH; ++h) {
+        for (int k = 0; k < K; ++k) V::store(acc + h * D + W * k, a[h][k]);
+    }
 }
 
-template <typename V, int DC = 0>
-LLMC_INLINE void tile_pv(float* acc, const float* pr, const float* vb, int64_t D_, int64_t j0, int64_t j1) {
+// Columns in chunks of up to 4 vectors: NH * 4 accumulators + 4 V vectors fit the register file (NH <= 4 with
+// AVX-512's 32, NH <= 2 with AVX2's 16).
+template <typename V, int NH, int DC = 0, typename R = float>
+LLMC_INLINE void tile_pv_n(float* acc, int64_t D_, const float* pr, int64_t bs, const R* vb, int64_t j0,
+                           int64_t j1) {
     constexpr int W = V::W;
     const int64_t D = DC ? DC : D_;
-    for (int64_t c = 0; c < D; c += 8 * W) {
-        switch (std::min<int64_t>(8, (D - c) / W)) {
-            case 1: tile_pv_chunk<V, 1>(acc + c, pr, vb + c, D, j0, j1); break;
-            case 2: tile_pv_chunk<V, 2>(acc + c, pr, vb + c, D, j0, j1); break;
-            case 3: tile_pv_chunk<V, 3>(acc + c, pr, vb + c, D, j0, j1); break;
-            case 4: tile_pv_chunk<V, 4>(acc + c, pr, vb + c, D, j0, j1); break;
-            case 5: tile_pv_chunk<V, 5>(acc + c, pr, vb + c, D, j0, j1); break;
-            case 6: tile_pv_chunk<V, 6>(acc + c, pr, vb + c, D, j0, j1); break;
-            case 7: tile_pv_chunk<V, 7>(acc + c, pr, vb + c, D, j0, j1); break;
-            default: tile_pv_chunk<V, 8>(acc + c, pr, vb + c, D, j0, j1); break;
+    for (int64_t c = 0; c < D; c += 4 * W) {
+        switch (std::min<int64_t>(4, (D - c) / W)) {
+            case 1: tile_pv_chunk<V, NH, 1, R>(acc + c, D, pr, bs, vb + c, j0, j1); break;
+            case 2: tile_pv_chunk<V, NH, 2, R>(acc + c, D, pr, bs, vb + c, j0, j1); break;
+            case 3: tile_pv_chunk<V, NH, 3, R>(acc + c, D, pr, bs, vb + c, j0, j1); break;
+            default: tile_pv_chunk<V, NH, 4, R>(acc + c, D, pr, bs, vb + c, j0, j1); break;
         }
     }
 }
 
-// float16 -> float32, 16 at a time (AVX-512F), for the AVX-512 loop; n % 16 == 0.
-__attribute__((target("avx512f"))) void halves_to_floats_avx512(const uint16_t* src, float* dst, int64_t n) {
-    for (int64_t i = 0; i < n; i += 16) {
-        __m256i h;
-        std::memcpy(&h, src + i, sizeof(h));
-        const __m512 f = _mm512_cvtph_ps(h);
-        std::memcpy(dst + i, &f, sizeof(f));
+// P.V for `nh` query heads that see the same keys [j0, j1] of the block (one query row's group).
+template <typename V, int DC = 0, typename R = float>
+LLMC_INLINE void tile_pv(float* acc, int64_t D, const float* pr, int64_t bs, const R* vb, int64_t nh, int64_t j0,
+                         int64_t j1) {
+    constexpr int kMaxHeads = V::W == 16 ? 4 : 2;
+    int64_t h = 0;
+    for (; h + kMaxHeads <= nh; h += kMaxHeads) tile_pv_n<V, kMaxHeads, DC, R>(acc + h * D, D, pr + h * bs, bs, vb, j0, j1);
+    switch (nh - h) {
+        case 0: break;
+        case 1: tile_pv_n<V, 1, DC, R>(acc + h * D, D, pr + h * bs, bs, vb, j0, j1); break;
+        case 2: tile_pv_n<V, 2, DC, R>(acc + h * D, D, pr + h * bs, bs, vb, j0, j1); break;
+        default: tile_pv_n<V, 3, DC, R>(acc + h * D, D, pr + h * bs, bs, vb, j0, j1); break;
     }
 }
 
@@ -545,6 +604,7 @@ struct TileScratch {  // sized by thread_tile_scratch()
 template <typename CacheT, typename V = V8>
 LLMC_INLINE void attend(const Problem& p, const TileItem& it, TileScratch& sc) {
     constexpr bool kHalf = std::is_same<CacheT, uint16_t>::value;
+    using RowT = typename std::conditional<kHalf && V::W != 16, float, CacheT>::type;
     const int64_t D = p.head_size, bs = p.block_size, G = p.group, M = it.nrows * G;
     const int64_t* bt = p.block_tables + it.seq * p.bt_row;
     const CacheT* kc = static_cast<const CacheT*>(p.k_cache);
@@ -580,17 +640,14 @@ LLMC_INLINE void attend(const Problem& p, const TileItem& it, TileScratch& sc) {
 
         const int64_t base = ((bt[bi] * p.num_kv_heads + it.kvh) * bs) * D;
         if (bi + 2 < it.b_end) prefetch_block(p, bt[bi + 2], it.kvh, kc, vc);
-        const float* kb;
-        const float* vb;
-        if constexpr (kHalf) {
-            // Converts every row of the block: rows past the context are never used (masked below).
-            if constexpr (V::W == 16) {
-                halves_to_floats_avx512(kc + base, sc.ktile.data(), bs * D);
-                halves_to_floats_avx512(vc + base, sc.vtile.data(), bs * D);
-            } else {
-                halves_to_floats(kc + base, sc.ktile.data(), bs * D, p.f16c);
-                halves_to_floats(vc + base, sc.vtile.data(), bs * D, p.f16c);
-            }
+        // Rows as the loops read them: the cache itself (float32; float16 at width 16, converted on load), or
+        // (float16 at width 8) the block converted into float32 scratch, rows past the context included (masked
+        // below).
+        const RowT* kb;
+        const RowT* vb;
+        if constexpr (kHalf && V::W != 16) {
+            halves_to_floats(kc + base, sc.ktile.data(), bs * D, p.f16c);
+            halves_to_floats(vc + base, sc.vtile.data(), bs * D, p.f16c);
             kb = sc.ktile.data();
             vb = sc.vtile.data();
         } else {
@@ -604,22 +661,24 @@ LLMC_INLINE void attend(const Problem& p, const TileItem& it, TileScratch& sc) {
             tile_scores<V>(Q + r_lo * G * D, (r_hi - r_lo) * G, kb, D, bs, S + r_lo * G * bs);
         }
 
-        for (int64_t m = r_lo * G; m < r_hi * G; ++m) {
-            const int64_t pos = it.pos0 + m / G;
+        for (int64_t r = r_lo; r < r_hi; ++r) {
+            const int64_t pos = it.pos0 + r;
             const int64_t lo = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
             const int64_t j0 = std::max<int64_t>(lo - start, 0);
             const int64_t j1 = std::min<int64_t>(pos - start, bs - 1);  // inclusive; j0 <= j1 by r_lo/r_hi
-            float* __restrict sm = S + m * bs;
-            if (softcap > 0.0f) {
-                for (int64_t j = j0; j <= j1; ++j) sm[j] = softcap * std::tanh(sm[j] / softcap);
+            for (int64_t m = r * G; m < (r + 1) * G; ++m) {
+                float* __restrict sm = S + m * bs;
+                if (softcap > 0.0f) {
+                    for (int64_t j = j0; j <= j1; ++j) sm[j] = softcap * std::tanh(sm[j] / softcap);
+                }
+                // 8 lanes at every width: GCC's 16-lane selects and lane reductions measured slower here.
+                softmax_block_v<V8>(sm, bs, j0, j1, mrow[m], lrow[m], acc + m * D, D);
             }
-            float* __restrict am = acc + m * D;
-            // 8 lanes at every width: GCC's 16-lane selects and lane reductions measured slower here.
-            softmax_block_v<V8>(sm, bs, j0, j1, mrow[m], lrow[m], am, D);
+            // The row's G heads see the same keys: their P.V runs together.
             if (D == 64) {
-                tile_pv<V, 64>(am, sm, vb, D, j0, j1);
+                tile_pv<V, 64>(acc + r * G * D, D, S + r * G * bs, bs, vb, G, j0, j1);
             } else {
-                tile_pv<V>(am, sm, vb, D, j0, j1);
+                tile_pv<V>(acc + r * G * D, D, S + r * G * bs, bs, vb, G, j0, j1);
             }
         }
     }
@@ -1019,6 +1078,7 @@ inline void run(const Args& a, int nthreads, Isa isa, const ParallelFor* pf = nu
     // 1. Write K/V. Parallel over KV heads only: each head's rows go in row order, so a
     //    repeated slot ends with the last row's data, as in the reference.
     const bool par_write = nthreads > 1 && T * num_kv_heads * D >= kParallelMinWork;
+    const bool write_f16c = half && avx2 && cpu_has_f16c();  // the baseline ISA (a testing hook) keeps the scalar code
 #pragma omp parallel for schedule(static) num_threads(nthreads) if (par_write)
     for (int64_t kh = 0; kh < num_kv_heads; ++kh) {
         thread_local std::vector<float> k_rotated;  // one row, reused across calls: no allocation per step
@@ -1036,10 +1096,8 @@ inline void run(const Args& a, int nthreads, Isa isa, const ParallelFor* pf = nu
             if (half) {
                 uint16_t* kd = static_cast<uint16_t*>(kc_p) + dst;
                 uint16_t* vd = static_cast<uint16_t*>(vc_p) + dst;
-                for (int64_t d = 0; d < D; ++d) {
-                    kd[d] = float_to_half(ks[d]);
-                    vd[d] = float_to_half(vs[d]);
-                }
+                floats_to_halves(ks, kd, D, write_f16c);
+                floats_to_halves(vs, vd, D, write_f16c);
             } else {
                 std::memcpy(static_cast<float*>(kc_p) + dst, ks, sizeof(float) * D);
                 std::memcpy(static_cast<float*>(vc_p) + dst, vs, sizeof(float) * D);
