@@ -239,9 +239,6 @@ LLMC_INLINE void softmax_block(float* __restrict s, int64_t j0, int64_t j1, floa
 // real step, cold (the weights evicted every layer's cache since the last step). The per-row loop asks
 // one block ahead (2 or 4 measured 5-15% slower there, cold caches, decode b1-b32); the tiled loop,
 // whose blocks take less compute, two (see there).
-#ifndef LLMC_PF_LOC
-#define LLMC_PF_LOC 3
-#endif
 template <typename CacheT>
 LLMC_INLINE void prefetch_block(const Problem& p, int64_t block, int64_t kvh, const CacheT* kc, const CacheT* vc) {
     const int64_t at = ((block * p.num_kv_heads + kvh) * p.block_size) * p.head_size;
@@ -249,8 +246,8 @@ LLMC_INLINE void prefetch_block(const Problem& p, int64_t block, int64_t kvh, co
     const char* vn = reinterpret_cast<const char*>(vc + at);
     const int64_t bytes = p.block_size * p.head_size * static_cast<int64_t>(sizeof(CacheT));
     for (int64_t off = 0; off < bytes; off += 64) {
-        __builtin_prefetch(kn + off, 0, LLMC_PF_LOC);
-        __builtin_prefetch(vn + off, 0, LLMC_PF_LOC);
+        __builtin_prefetch(kn + off);
+        __builtin_prefetch(vn + off);
     }
 }
 
