@@ -143,3 +143,23 @@ def write_result(out, res):
     json.dump(res, open(out, "w"), indent=1)
     print(json.dumps({k: v for k, v in res.items() if not k.endswith("_runs") and not k.startswith("tokens")},
                      indent=1))
+
+
+def serve(run_once, label):
+    """Worker side of interleave.py: after one warm-up run, answer each ``run`` line on stdin with one timed
+    run's metrics as a JSON line on stdout (prefixed ``@@`` so library chatter on stdout cannot be mistaken for
+    it); ``quit`` or EOF ends the loop.  The engine stays loaded between runs, so the controller can alternate
+    engines every few seconds and give each the same share of this machine's drifting memory bandwidth."""
+    run_once()
+    print("@@" + json.dumps({"ready": label, "pid": os.getpid()}), flush=True)
+    for line in sys.stdin:
+        cmd = line.strip()
+        if cmd == "quit":
+            break
+        if cmd != "run":
+            print("@@" + json.dumps({"error": f"unknown command {cmd!r}"}), flush=True)
+            continue
+        t_start = time.time()
+        r = run_once()
+        r.update(start=t_start, end=time.time())
+        print("@@" + json.dumps(r), flush=True)

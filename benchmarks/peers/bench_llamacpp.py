@@ -22,6 +22,7 @@ ap.add_argument("--precision", required=True)
 ap.add_argument("--out", required=True)
 ap.add_argument("--batches", default="1,8,32")
 ap.add_argument("--flash-attn", action="store_true")
+ap.add_argument("--serve", action="store_true", help="decode b1 on request (interleave.py), no suite")
 args = ap.parse_args()
 
 import llama_cpp  # noqa: E402
@@ -133,6 +134,10 @@ class BatchContext:
             stamps.append(bc.now())
         return np.array(toks).T.tolist(), stamps, t0
 
+
+if args.serve:
+    bc.serve(lambda: bc.decode_metrics(*gen1(P["decode_128"], bc.N_NEW)[1:]), "llamacpp")
+    sys.exit(0)
 
 res = {"engine": "llama.cpp (llama-cpp-python)", "precision": args.precision, "model": args.model,
        "file_bytes": bc.weight_bytes(args.model),

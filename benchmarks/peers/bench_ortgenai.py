@@ -18,6 +18,7 @@ ap.add_argument("--model", required=True)
 ap.add_argument("--precision", required=True)
 ap.add_argument("--out", required=True)
 ap.add_argument("--batches", default="1,8,32")
+ap.add_argument("--serve", action="store_true", help="decode b1 on request (interleave.py), no suite")
 args = ap.parse_args()
 
 import numpy as np  # noqa: E402
@@ -54,6 +55,10 @@ def run_prefill():
     ttft = stamps[0] - t0
     return {"ttft_s": ttft, "prefill_tps": 512 / ttft}
 
+
+if args.serve:
+    bc.serve(lambda: bc.decode_metrics(*gen([P["decode_128"]], bc.N_NEW)[1:]), "ortgenai")
+    sys.exit(0)
 
 res = {"engine": "onnxruntime-genai", "precision": args.precision, "model": args.model,
        "file_bytes": bc.weight_bytes(args.model),
