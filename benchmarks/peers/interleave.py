@@ -95,6 +95,18 @@ def probe_GBps() -> float | None:
         return None
 
 
+def cpu_model() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return "unknown"
+
+
+def llmc_revision() -> str:
+    out = subprocess.run(["git", "-C", str(HERE), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    return out.stdout.strip() or "unknown"
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("tag", choices=["small", "1b"])
@@ -134,6 +146,7 @@ def main() -> int:
     med = {n: statistics.median(r["runs"][n]["decode_tps"] for r in rounds) for n in names}
     summary = {
         "tag": args.tag, "precision": args.precision, "threads": int(os.environ.get("BENCH_THREADS", "2")),
+        "cpu": cpu_model(), "cpus": os.cpu_count(), "llmc": llmc_revision(),
         "started": started, "ended": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "engines": names,
         "commands": cmds, "ready": {n: w.ready for n, w in workers.items()},
         "median_ratio": statistics.median(ratios), "min_ratio": min(ratios), "max_ratio": max(ratios),
@@ -144,8 +157,10 @@ def main() -> int:
     stem.with_suffix(".json").write_text(json.dumps(summary, indent=1) + "\n")
     lines = [f"# {args.tag} {args.precision} decode b1, engines interleaved ({len(rounds)} rounds)", "",
              f"`benchmarks/peers/interleave.py {args.tag} {args.precision} --rounds {args.rounds}`, {started} .. "
-             f"{summary['ended']}: every engine loaded at once, one 128-token greedy decode of the same 128-token "
-             "prompt per engine per round, order rotating; C probe = bw_read median at the round's start.", "",
+             f"{summary['ended']}, llmc at {summary['llmc']}, {summary['cpu']} ({summary['cpus']} CPUs, "
+             f"{summary['threads']} threads per engine): every engine loaded at once, one 128-token greedy decode of "
+             "the same 128-token prompt per engine per round, order rotating; C probe = bw_read median at the "
+             "round's start.", "",
              "| round | " + " | ".join(f"{n} tok/s" for n in names) + " | llmc / faster peer | C probe GB/s |",
              "|---|" + "---|" * (len(names) + 2)]
     for r in rounds:

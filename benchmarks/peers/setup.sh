@@ -22,9 +22,22 @@ if ! python -c "import llama_cpp" 2>/dev/null; then
     tar xzf "$R/sdist/llama_cpp_python-$LLAMA_CPP_PYTHON.tar.gz" -C "$R/sdist"
   fi
   echo "building llama-cpp-python $LLAMA_CPP_PYTHON from source (~15 min on 2 cores; log: $R/logs/llama_build.log)"
-  CMAKE_ARGS="-DGGML_NATIVE=ON -DLLAVA_BUILD=OFF" CMAKE_BUILD_PARALLEL_LEVEL=${JOBS:-2} \
+  # -march=native compiles ggml's AMX kernels where the CPU lists AMX, and on this project's Sapphire Rapids VMs
+  # their first LDTILECFG dies with a general-protection fault (llama-bench on a q4_0 model: SIGSEGV, dmesg
+  # "general protection fault ... in libggml-cpu.so"; f32 models, which never reach AMX, ran). There, build for
+  # the CPU's other x86 features by name and leave AMX out.
+  GGML_ARGS="-DGGML_NATIVE=ON"
+  if grep -qw amx_tile /proc/cpuinfo; then
+    GGML_ARGS="-DGGML_NATIVE=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF"
+    for f in sse4_2:SSE42 f16c:F16C fma:FMA bmi2:BMI2 avx:AVX avx2:AVX2 avx_vnni:AVX_VNNI avx512f:AVX512 \
+             avx512vbmi:AVX512_VBMI avx512_vnni:AVX512_VNNI avx512_bf16:AVX512_BF16; do
+      grep -qw "${f%%:*}" /proc/cpuinfo && GGML_ARGS="$GGML_ARGS -DGGML_${f##*:}=ON"
+    done
+  fi
+  echo "ggml: $GGML_ARGS" > "$R/logs/llama_build.log"
+  CMAKE_ARGS="$GGML_ARGS -DLLAVA_BUILD=OFF" CMAKE_BUILD_PARALLEL_LEVEL=${JOBS:-2} \
     pip install -v --no-cache-dir --config-settings=build-dir="$R/llama-build" \
-    "$R/sdist/llama_cpp_python-$LLAMA_CPP_PYTHON" > "$R/logs/llama_build.log" 2>&1
+    "$R/sdist/llama_cpp_python-$LLAMA_CPP_PYTHON" >> "$R/logs/llama_build.log" 2>&1
 fi
 ln -sfn "$R/sdist/llama_cpp_python-$LLAMA_CPP_PYTHON/vendor/llama.cpp" "$R/llama.cpp"
 
