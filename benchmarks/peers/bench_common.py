@@ -32,8 +32,12 @@ N_AGREE = 32
 now = time.perf_counter
 
 
-def make_prompts(tokenizer_json=f"{ROOT}/model/tokenizer.json"):
-    """Deterministic prompt token ids from CPython's own docs text."""
+def make_prompts(tokenizer_json=None):
+    """Deterministic prompt token ids from CPython's own docs text (tokenizer: the 110M model's, else the 1B's;
+    make_model.py trains the same BPE for both)."""
+    if tokenizer_json is None:
+        tokenizer_json = next((f"{ROOT}/{m}/tokenizer.json" for m in ("model", "model-1b")
+                               if os.path.exists(f"{ROOT}/{m}/tokenizer.json")), f"{ROOT}/model/tokenizer.json")
     import pydoc_data.topics as t
 
     from tokenizers import Tokenizer
