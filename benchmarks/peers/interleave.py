@@ -27,7 +27,10 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-ROOT = Path(os.environ.get("PEERS_ROOT", Path.home() / ".cache" / "llmc-peers"))
+sys.path.insert(0, str(HERE))
+import bench_common as bc  # noqa: E402  (stdlib only: runs under any Python)
+
+ROOT = Path(bc.ROOT)
 GGUF = {"fp32": "f32", "int4": "q4_0"}
 SETTLE_S = 1.0  # ORT's workers spin a little after a run; let them sleep before the next engine starts
 
@@ -88,7 +91,7 @@ def probe_GBps() -> float | None:
     if not exe.exists():
         return None
     out = subprocess.run([str(exe), "10"], capture_output=True, text=True,
-                         env=dict(os.environ, OMP_NUM_THREADS=os.environ.get("BENCH_THREADS", "2"))).stdout
+                         env=dict(os.environ, OMP_NUM_THREADS=str(bc.THREADS))).stdout
     try:
         return float(json.loads(out)["read_GBps_median"])
     except (ValueError, KeyError):
@@ -145,7 +148,7 @@ def main() -> int:
     ratios = [r["ratio"] for r in rounds]
     med = {n: statistics.median(r["runs"][n]["decode_tps"] for r in rounds) for n in names}
     summary = {
-        "tag": args.tag, "precision": args.precision, "threads": int(os.environ.get("BENCH_THREADS", "2")),
+        "tag": args.tag, "precision": args.precision, "threads": bc.THREADS,
         "cpu": cpu_model(), "cpus": os.cpu_count(), "llmc": llmc_revision(),
         "started": started, "ended": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "engines": names,
         "commands": cmds, "ready": {n: w.ready for n, w in workers.items()},
