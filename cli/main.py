@@ -126,8 +126,14 @@ def _quant_options(f):
                    "that changes the logits beyond 1e-5 relative error.")
 @click.option("--target", default="cpu", show_default=True, help="Target to build for (see `llmc targets`).")
 @click.option("--gpu", default=None, metavar="NAME",
-              help="GPU to build a TensorRT engine for: a100, l40s, h100, h200, b200, gb200, rtx4090, rtx5090, or "
-                   "auto (the local GPU). RTX targets build here with no GPU (TensorRT for RTX).")
+              help="GPU to build for: a100, l40s, h100, h200, b200, gb200, rtx4090, rtx5090, or auto (the local "
+                   "GPU). Builds llmc's CUDA engine here, with no GPU needed (see --engine).")
+@click.option("--engine", "engine_kind", type=click.Choice(["cuda", "tensorrt"]), default="cuda", show_default=True,
+              help="GPU targets: 'cuda' = llmc's CUDA engine (torch + ahead-of-time Triton kernels + CUDA graphs), "
+                   "which `llmc run` executes; 'tensorrt' = a TensorRT export (TensorRT for RTX builds RTX engines "
+                   "here; data-centre GPUs need full TensorRT on that GPU).")
+@click.option("--dtype", "engine_dtype", type=click.Choice(["bfloat16", "float16", "float32"]), default="bfloat16",
+              show_default=True, help="CUDA engines: the compute dtype of weights and activations.")
 @click.option("--max-batch-size", default=None, type=int, metavar="N",
               help="GPU engines: most sequences per step (KV slots)  [default: 16]")
 @click.option("--max-num-tokens", default=None, type=int, metavar="N",
@@ -144,7 +150,8 @@ def _quant_options(f):
 @click.option("-q", "--quiet", is_flag=True, help="No progress output.")
 @_quant_options
 def build(checkpoint: Path, output: Path, disabled_passes: tuple[str, ...], verify_passes: bool, target: str,
-          gpu: str | None, max_batch_size: int | None, max_num_tokens: int | None, max_seq_len: int | None,
+          gpu: str | None, engine_kind: str, engine_dtype: str, max_batch_size: int | None,
+          max_num_tokens: int | None, max_seq_len: int | None,
           block_size: int, force: bool, cache_dir: Path | None, no_cache: bool, as_json: bool, quiet: bool,
           max_ppl_increase: float | None, **quant_args) -> None:
     """Build an engine from a Hugging Face CHECKPOINT directory.
@@ -167,7 +174,8 @@ def build(checkpoint: Path, output: Path, disabled_passes: tuple[str, ...], veri
     target = _gpu_target(gpu, target)
     options = BuildOptions(target=target, block_size=block_size, force=force, disabled_passes=disabled_passes,
                            verify_passes=verify_passes, quant=QuantRecipe(**quant), max_ppl_increase=max_ppl_increase,
-                           max_batch_size=max_batch_size, max_num_tokens=max_num_tokens, max_seq_len=max_seq_len)
+                           max_batch_size=max_batch_size, max_num_tokens=max_num_tokens, max_seq_len=max_seq_len,
+                           engine=engine_kind, dtype=engine_dtype)
     try:
         result = build_cached(checkpoint, output, options, progress=progress, cache_dir=cache_dir,
                               refresh=no_cache)
@@ -226,14 +234,16 @@ def _build_json(result, target: str) -> dict:
 @click.option("--top-p", default=1.0, show_default=True, help="Nucleus sampling mass (1: off).")
 @click.option("--seed", default=None, type=int, help="Sampling seed (reproducible output).")
 @click.option("--ignore-eos", is_flag=True, help="Keep generating past end-of-sequence tokens.")
+@click.option("--device", default=None, metavar="DEV",
+              help="CUDA engines: cuda (default), cuda:N, or cpu (the same program on torch's CPU ops; slow).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object: token_ids, text, timings.")
 def run(engine: Path, prompts: tuple[str, ...], max_new_tokens: int, temperature: float, top_k: int,
-        top_p: float, seed: int | None, ignore_eos: bool, as_json: bool) -> None:
+        top_p: float, seed: int | None, ignore_eos: bool, device: str | None, as_json: bool) -> None:
     """Generate text with an ENGINE directory."""
     from llmc.runtime import Engine, SamplingParams
 
     t0 = time.perf_counter()
-    eng = Engine.load(engine)
+    eng = Engine.load(engine, device=device)
     load_s = time.perf_counter() - t0
     params = SamplingParams(max_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                             seed=seed, ignore_eos=ignore_eos)

@@ -34,6 +34,7 @@ from llmc.runtime import artifact as runtime_artifact
 # they are imported only when something is compiled: a cache hit never needs them.
 
 Progress = Callable[[str], None]
+ENGINE_KINDS = ("cuda", "tensorrt")
 
 COMPUTE_DTYPE = "float32"
 # BuildOptions fields that do not change the artifact, so they stay out of the canonical recipe
@@ -58,6 +59,10 @@ class BuildOptions:
     # quantized engine's held-out perplexity exceeds the unquantized one's by more than this percent.
     quant: QuantRecipe = field(default_factory=QuantRecipe)
     max_ppl_increase: float | None = None
+    # GPU targets: which engine ("cuda": llmc's CUDA engine, torch + ahead-of-time Triton kernels;
+    # "tensorrt": a TensorRT / TensorRT-for-RTX engine, an export) and the CUDA engine's compute dtype.
+    engine: str = "cuda"
+    dtype: str = "bfloat16"
     # GPU targets: the engine's shape limits (None: the defaults of backends.tensorrt.default_profile).
     max_batch_size: int | None = None
     max_num_tokens: int | None = None
@@ -99,6 +104,23 @@ def _validate(options: BuildOptions) -> None:
         raise LlmcError(f"--block-size {options.block_size}: must be a power of two from 1 to 1024 (default 16)")
     if options.attention not in ("native", "pyop"):
         raise LlmcError(f"attention route {options.attention!r}: must be 'native' (default) or 'pyop'")
+    if options.engine not in ENGINE_KINDS:
+        raise LlmcError(f"--engine {options.engine}: must be one of {', '.join(ENGINE_KINDS)} (default cuda)")
+    if options.dtype not in ("bfloat16", "float16", "float32"):
+        raise LlmcError(f"--dtype {options.dtype}: must be bfloat16 (default), float16 or float32")
+
+
+def _check_cuda_request(options: BuildOptions, target: Target) -> None:
+    """What llmc's CUDA engine cannot build, refused before any work."""
+    fmt = options.quant.format
+    if fmt is not None and fmt.family == "nvfp4":
+        raise UnsupportedError(f"--quant {fmt.name} on {target.flag}: the CUDA engine has no NVFP4 kernels yet; use "
+                               "--quant fp8 or int4-awq, or --engine tensorrt for a TensorRT export")
+
+
+def uses_cuda_engine(options: BuildOptions, target: Target) -> bool:
+    """Whether this build writes llmc's CUDA engine (every GPU target, unless --engine tensorrt)."""
+    return target.sm is not None and options.engine == "cuda"
 
 
 def _check_gpu_request(options: BuildOptions, target: Target) -> BuildOptions:
@@ -134,7 +156,9 @@ def _plan(out_dir: str | Path, options: BuildOptions) -> _Plan:
                         "--kv-cache-dtype) and a limit of 0 or more percent")
     quant_recipe.check_target(options.quant, options.target, TARGETS)  # before get_target: name the constraint
     target = get_target(options.target)
-    if target.backend in GPU_BACKENDS:
+    if uses_cuda_engine(options, target):
+        _check_cuda_request(options, target)
+    elif target.backend in GPU_BACKENDS:
         options = _check_gpu_request(options, target)
     if out.exists() and not options.force:
         raise LlmcError(f"{out}: output directory already exists; pass --force to replace it or choose another -o")
@@ -193,7 +217,8 @@ def _compile(ckpt: Checkpoint, digest: str, plan: _Plan, dest: Path, say: Progre
     from llmc.passes.registry import BACKEND_FUSIONS
 
     options, target = plan.options, plan.target
-    gpu = target.backend in GPU_BACKENDS
+    cuda = uses_cuda_engine(options, target)
+    gpu = cuda or target.backend in GPU_BACKENDS
     qstage = None
     if options.quant.enabled:
         from llmc.quant.stage import QuantStage
@@ -235,9 +260,18 @@ def _compile(ckpt: Checkpoint, digest: str, plan: _Plan, dest: Path, say: Progre
             entry["verified_rel_error"] = verifier.errors.get(entry["pass"])
     timings["passes"] = time.perf_counter() - t
 
-    stage(f"emit {target.backend} engine (streaming weights)", 4)
+    stage(f"emit {'cuda' if cuda else target.backend} engine (streaming weights)", 4)
     t = time.perf_counter()
-    if gpu:
+    if cuda:
+        from llmc.compiler.backends import cuda as cuda_backend
+
+        cpu_graph = traced.model.clone() if qstage is not None else None
+        sm = int(target.sm.replace(".", ""))
+        cuda_files = cuda_backend.emit(traced.model, dest, sm=sm, dtype=options.dtype, block_size=options.block_size,
+                                       say=say)
+        files = _NoOnnxFiles()
+        files.fusions = cuda_files.fusions
+    elif gpu:
         from llmc.compiler.backends import tensorrt as trt_backend
 
         # The accuracy check runs the quantized graph (before TensorRT lowering) on the CPU.
@@ -294,7 +328,20 @@ def _compile(ckpt: Checkpoint, digest: str, plan: _Plan, dest: Path, say: Progre
         },
     }
     cpu_fields = fields
-    if gpu:  # the CPU form of the same graph (for the accuracy check) keeps the ONNX Runtime fields
+    if cuda:
+        cpu_fields = {**fields, "engine": {**fields["engine"], "backend": "onnxruntime"},
+                      "target": {"name": "cpu", "backend": "onnxruntime"}, "toolchain": dict(fields["toolchain"])}
+        fields["engine"] = {
+            "backend": "cuda", "kind": "cuda", "sm": target.sm, "dtype": cuda_files.dtype,
+            "program_file": cuda_files.program, "weights_file": cuda_files.weights, "kernels": cuda_files.kernels,
+            "inputs": list(traced.inputs), "outputs": list(GRAPH_OUTPUTS), "vocab_size": traced.vocab_size,
+            **({"rope_recompute_at": traced.rope_recompute_at} if traced.rope_recompute_at else {}),
+        }
+        # The cache holds what the kernels write: the engine dtype (an fp8 cache is emulated in the graph).
+        fields["kv_cache"] = {**fields["kv_cache"], "dtype": cuda_files.dtype}
+        fields["target"] = {"name": target.name, "backend": "cuda", "sm": target.sm}
+        fields["toolchain"] = {**fields["toolchain"], **_cuda_toolchain(int(target.sm.replace(".", "")))}
+    elif gpu:  # the CPU form of the same graph (for the accuracy check) keeps the ONNX Runtime fields
         cpu_fields = {**fields, "engine": {**fields["engine"], "backend": "onnxruntime"},
                       "target": {"name": "cpu", "backend": "onnxruntime"}, "toolchain": dict(fields["toolchain"])}
         fields["engine"] = {**gpu_engine, "vocab_size": traced.vocab_size}
@@ -366,7 +413,27 @@ def build(checkpoint_dir: str | Path, out_dir: str | Path, options: BuildOptions
                        artifact_digest=digest_out)
 
 
-def _builder_toolchain(target: Target) -> dict[str, str]:
+def _cuda_toolchain(sm: int) -> dict[str, str]:
+    """What made the CUDA engine's kernels: Triton and the CUDA release of its ptxas (the driver must run it)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from llmc.compiler.backends.cuda import ptxas_cuda_version
+
+    try:
+        triton_version = version("triton")
+    except PackageNotFoundError:
+        triton_version = "absent"
+    return {"triton": triton_version, "ptxas_cuda": ptxas_cuda_version(sm) or "unknown"}
+
+
+def _builder_toolchain(target: Target, options: BuildOptions | None = None) -> dict[str, str]:
+    if options is not None and uses_cuda_engine(options, target):
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            return {"triton": version("triton")}
+        except PackageNotFoundError:
+            return {"triton": "absent"}
     if target.backend not in GPU_BACKENDS:
         return {}
     from llmc.compiler.backends import tensorrt as trt_backend
@@ -379,8 +446,9 @@ def cache_key_inputs(ckpt_digest: str, plan: _Plan) -> KeyInputs:
     return KeyInputs(
         checkpoint_digest=ckpt_digest,
         recipe=canonical_recipe(plan.options),
-        target={"name": plan.target.name, "backend": plan.target.backend, "sm": plan.target.sm},
-        toolchain={**artifact.toolchain_versions(), **_builder_toolchain(plan.target)},
+        target={"name": plan.target.name, "sm": plan.target.sm,
+                "backend": "cuda" if uses_cuda_engine(plan.options, plan.target) else plan.target.backend},
+        toolchain={**artifact.toolchain_versions(), **_builder_toolchain(plan.target, plan.options)},
         llmc_version=llmc.__version__,
         sources_digest=sources_digest(_PACKAGE_ROOT),
     )

@@ -190,6 +190,42 @@ def _gpu_problem(manifest: dict, backend: str, target: dict) -> str:
             "'onnxruntime' CPU engines so far; build with --target cpu to run here")
 
 
+def cuda_problem(manifest: dict, device: str = "cuda") -> str | None:
+    """Why this machine cannot run a CUDA engine on ``device`` (None: it can). Imports torch."""
+    engine = manifest.get("engine", {})
+    sm = engine.get("sm") or manifest.get("target", {}).get("sm")
+    name = manifest.get("target", {}).get("name", "?")
+    need = f"engine backend 'cuda' is built for target {name!r} (compute capability {sm})"
+    try:
+        import torch
+    except Exception as exc:  # noqa: BLE001 - any failure to import means it cannot load
+        return f"{need} and needs torch with CUDA, which does not import here ({type(exc).__name__}: {exc}); " \
+               "fix: pip install torch"
+    if device == "cpu":
+        return None
+    if not torch.cuda.is_available():
+        gpus = local_gpus()
+        found = ("; nvidia-smi lists " + ", ".join(f"{n} ({cc})" for n, cc in gpus) + " but torch "
+                 f"{torch.__version__} cannot use it") if gpus else ": this machine has no NVIDIA GPU"
+        return f"{need}{found}; run it on that GPU, or build with --target cpu to run here"
+    index = torch.device(device).index or 0
+    major, minor = torch.cuda.get_device_capability(index)
+    cc = f"{major}.{minor}"
+    if sm and cc != sm:
+        return (f"{need}, but this GPU ({torch.cuda.get_device_name(index)}) has compute capability {cc}; "
+                f"rebuild with --gpu auto on this machine")
+    from llmc.runtime import cuda_kernels
+
+    drv = cuda_kernels.driver_version()
+    ptxas = manifest.get("toolchain", {}).get("ptxas_cuda", "unknown")
+    if drv is not None and ptxas not in ("unknown", None):
+        major = int(str(ptxas).split(".")[0])
+        if drv[0] < major:
+            return (f"{need}; its kernels were assembled by CUDA {ptxas}'s ptxas, and this driver supports CUDA "
+                    f"{drv[0]}.{drv[1]}: upgrade the NVIDIA driver, or rebuild with an older Triton")
+    return None
+
+
 def load_problems(manifest: dict) -> list[Problem]:
     """Why this machine cannot run the engine described by ``manifest`` (empty: it can).
 
@@ -203,6 +239,9 @@ def load_problems(manifest: dict) -> list[Problem]:
     target = manifest.get("target", {})
     if backend in _GPU_BACKENDS:
         return [Problem(MANIFEST, _gpu_problem(manifest, backend, target))]
+    if backend == "cuda":
+        problem = cuda_problem(manifest)
+        return [Problem(MANIFEST, problem)] if problem else []
     if backend not in _BACKEND_MODULES:
         return [Problem(MANIFEST, f"engine backend {backend!r} is unknown to llmc {__version__}; upgrade llmc or "
                                   "rebuild the engine with --target cpu")]

@@ -142,25 +142,30 @@ class Engine:
         self._listeners: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
 
     @classmethod
-    def load(cls, path: str | Path, *, kv_cache_tokens: int = 16384, max_num_tokens: int = 2048,
+    def load(cls, path: str | Path, *, kv_cache_tokens: int | None = None, max_num_tokens: int = 2048,
              max_num_seqs: int = 256, max_waiting: int = 1024, enable_chunked_prefill: bool = True,
              max_prefill_tokens_with_decodes: int | None = None, enable_prefix_caching: bool = True,
              num_threads: int | None = None, attention_threads: int | None = 0,
-             verify: bool = True) -> Engine:
+             verify: bool = True, device: str | None = None, gpu_memory_utilization: float = 0.9,
+             cuda_graphs: bool = True) -> Engine:
         """Load the artifact at ``path``.
 
         ``kv_cache_tokens`` sizes the KV pool (tokens across all sequences, rounded up to whole
-        blocks); ``max_num_tokens`` is the token budget of one step; ``max_num_seqs`` bounds the
-        running requests and ``max_waiting`` the waiting queue. ``max_prefill_tokens_with_decodes``
-        caps the prompt tokens computed in a step that also decodes (bounds inter-token latency while
-        long prompts arrive; None: the whole budget). ``num_threads`` sizes ONNX Runtime's
-        thread pool (default: all cores); ``attention_threads`` sets the threads of the CPU
+        blocks; default 16384 for CPU engines; for CUDA engines, what fits in ``gpu_memory_utilization`` of
+        the GPU's memory after the weights); ``max_num_tokens`` is the token budget of one step;
+        ``max_num_seqs`` bounds the running requests and ``max_waiting`` the waiting queue.
+        ``max_prefill_tokens_with_decodes`` caps the prompt tokens computed in a step that also decodes
+        (bounds inter-token latency while long prompts arrive; None: the whole budget). ``num_threads``
+        sizes ONNX Runtime's thread pool (default: all cores); ``attention_threads`` sets the threads of the CPU
         PagedAttention kernel, process-wide (``None`` leaves them alone): 0 (the default) runs it on that
         same ORT pool (native op, ORT >= 1.17; the Python-op route then runs it on one thread), n >= 1 on
         n OpenMP threads of its own. A separate OpenMP team competes with ORT's workers for the same
         cores: with 2 kernel threads on 2 cores a step of 8 decodes plus an 8-token prefill chunk at 2k
         context took 46 ms instead of 3.8 ms (benchmarks/bench_serving.py). With ``verify`` (default) every
         file's sha256 is checked first and a modified or missing file is refused, naming it.
+        CUDA engines (manifest ``engine.backend == "cuda"``) run on ``device`` (default ``"cuda"``; ``"cpu"``
+        runs the same program on torch's CPU ops, for tests) with decode steps replayed from CUDA graphs
+        (``cuda_graphs``); loading one imports torch.
         Engines with length-dependent rotary factors (``longrope``; manifest ``engine.rope_recompute_at``)
         run without prefix caching, whose blocks are keyed by tokens alone.
         """
@@ -170,6 +175,19 @@ class Engine:
         if engine_info.get("backend") in ("tensorrt", "tensorrt_rtx"):  # say what this machine lacks
             problem = artifact.load_problems(manifest)[0]
             raise UnsupportedError(f"{root / problem.file}: {problem.message}")
+        if engine_info.get("backend") == "cuda":
+            return cls._load_cuda(root, manifest, kv_cache_tokens, config_args=dict(
+                max_num_tokens=max_num_tokens, max_num_seqs=max_num_seqs, max_waiting=max_waiting,
+                enable_chunked_prefill=enable_chunked_prefill,
+                max_prefill_tokens_with_decodes=max_prefill_tokens_with_decodes,
+                enable_prefix_caching=enable_prefix_caching and engine_info.get("rope_recompute_at") is None,
+                rope_recompute_at=engine_info.get("rope_recompute_at")),
+                device=device or "cuda", gpu_memory_utilization=gpu_memory_utilization, cuda_graphs=cuda_graphs)
+        if device not in (None, "cpu"):
+            raise LlmcError(f"{root / artifact.MANIFEST}: device {device!r}: this is a CPU engine (backend "
+                            f"{engine_info.get('backend')!r}); build with --gpu to run on a GPU")
+        if kv_cache_tokens is None:
+            kv_cache_tokens = 16384
         if engine_info.get("backend") != "onnxruntime":
             raise LlmcError(
                 f"{root / artifact.MANIFEST}: engine backend {engine_info.get('backend')!r} cannot run on this "
@@ -192,6 +210,37 @@ class Engine:
         tokenizer = Tokenizer(root) if (root / "tokenizer.json").is_file() else None
         blocks = BlockManager(num_blocks, block_size, enable_prefix_caching)
         return cls(root, manifest, session, pool, blocks, tokenizer, _eos_ids(root), config)
+
+    @classmethod
+    def _load_cuda(cls, root: Path, manifest: dict, kv_cache_tokens: int | None, config_args: dict, device: str,
+                   gpu_memory_utilization: float, cuda_graphs: bool) -> Engine:
+        problem = artifact.cuda_problem(manifest, device)
+        if problem:
+            raise UnsupportedError(f"{root / artifact.MANIFEST}: {problem}")
+        if not 0.0 < gpu_memory_utilization <= 1.0:
+            raise LlmcError(f"gpu_memory_utilization {gpu_memory_utilization}: must be in (0, 1]")
+        from llmc.runtime.cuda_session import CudaSession
+
+        kv = manifest["kv_cache"]
+        max_len = _max_model_len(root, manifest)
+        session = CudaSession(root, manifest, device=device, cuda_graphs=cuda_graphs, max_model_len=max_len)
+        block_size = int(kv["block_size"])
+        if kv_cache_tokens is not None:
+            num_blocks = max(1, -(-kv_cache_tokens // block_size))
+        elif session.device.type == "cuda":
+            vocab = int(manifest["engine"]["vocab_size"])
+            # room for a step's activations and float32 logits besides the pool and the weights
+            reserve = (1 << 30) + config_args["max_num_tokens"] * vocab * 8
+            num_blocks = session.blocks_that_fit(kv, gpu_memory_utilization, reserve)
+            if num_blocks < 1:
+                raise LlmcError(f"{root}: no GPU memory left for the KV cache at gpu_memory_utilization "
+                                f"{gpu_memory_utilization}; raise it or free the GPU")
+        else:
+            num_blocks = -(-16384 // block_size)
+        pool = session.allocate_pool(kv, num_blocks)
+        tokenizer = Tokenizer(root) if (root / "tokenizer.json").is_file() else None
+        blocks = BlockManager(num_blocks, block_size, config_args["enable_prefix_caching"])
+        return cls(root, manifest, session, pool, blocks, tokenizer, _eos_ids(root), SchedulerConfig(**config_args))
 
     # -- requests ---------------------------------------------------------------------------------
 

@@ -174,6 +174,23 @@ def compile_ptx(cfg, sms: tuple[int, ...] | list[int]) -> list[AotKernel]:
     return [AotKernel(**{**k, "params": tuple(k["params"])}) for k in json.loads(proc.stdout)]
 
 
+def compile_many(cfgs: list, sm: int) -> list[AotKernel]:
+    """:func:`compile_ptx` for several configurations and one SM, in one child process where one is needed."""
+    if sm not in SUPPORTED_SMS:
+        raise ValueError(f"sm_{sm}: not a target llmc builds kernels for ({', '.join(map(str, SUPPORTED_SMS))})")
+    if not cfgs:
+        return []
+    if not _needs_child():
+        return [_compile_here(cfg, sm) for cfg in cfgs]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    request = json.dumps({"configs": [dataclasses.asdict(c) for c in cfgs], "sms": [sm]})
+    proc = subprocess.run([sys.executable, "-m", "llmc.plugins.paged_attention.aot", "--request", request],
+                          env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"ahead-of-time compilation failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
+    return [AotKernel(**{**k, "params": tuple(k["params"])}) for k in json.loads(proc.stdout)]
+
+
 def assemble(ptx: str, sm: int) -> bytes:
     """Assemble PTX into a cubin with the ``ptxas`` Triton ships (a check that stripped PTX is valid)."""
     import tempfile
@@ -199,8 +216,8 @@ def main(argv: list[str] | None = None) -> int:
     from llmc.plugins.paged_attention.triton_kernel import KernelConfig
 
     request = json.loads(args.request)
-    cfg = KernelConfig(**request["config"])
-    kernels = [_compile_here(cfg, sm) for sm in request["sms"]]
+    cfgs = [KernelConfig(**c) for c in request.get("configs", [request.get("config")])]
+    kernels = [_compile_here(cfg, sm) for cfg in cfgs for sm in request["sms"]]
     json.dump([dataclasses.asdict(k) for k in kernels], sys.stdout)
     return 0
 

@@ -1,0 +1,359 @@
+"""CUDA backend: the fused graph as a torch program with ahead-of-time kernels, for llmc's CUDA engine.
+
+``emit`` writes into the artifact:
+
+- ``program.json``: the graph after the passes (and quantization) as a flat node list
+  (:mod:`llmc.runtime.torch_program` defines the format and executes it);
+- ``weights.safetensors``: every weight in the layout its op reads, streamed one tensor at a time:
+  float weights in the engine dtype (``bfloat16`` by default; ``float32`` for exact parity tests),
+  FP8 linears as E4M3 ``[N, K]`` + per-channel scales (``torch._scaled_mm``'s operand), INT4 linears
+  as two codes per byte ``[ceil(K/2), N]`` + group scales (+ zero points);
+- ``kernels/*.cubin``: the Triton PagedAttention kernel compiled for the target SM on this machine
+  (no GPU needed), one decode and one prefill specialisation per distinct attention configuration;
+  their launch metadata goes to the manifest (``engine.kernels``).
+
+Precision: values computed from the token ids (activations) run in the engine dtype, everything
+else that the graph derives from positions and constants (rotary angles) stays float32, as in a
+transformers model loaded in bfloat16. Lowering fusions (``Fp8Linear``, ``Int4Linear``) replace the
+Q/DQ patterns the quantize pass writes.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import struct
+import subprocess
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import onnx_ir as ir
+
+from llmc.errors import UnsupportedError
+from llmc.runtime import torch_program
+from llmc.runtime.cuda_session import attention_key
+
+ENGINE_DTYPES = ("bfloat16", "float16", "float32")
+KERNEL_DIR = "kernels"
+_TL = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+_ST = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "I64", "int32": "I32", "int8": "I8",
+       "uint8": "U8", "bool": "BOOL", "float8_e4m3fn": "F8_E4M3"}
+_SIZE = {"F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1}
+_IR_TO_NAME = {ir.DataType.FLOAT: "float32", ir.DataType.FLOAT16: "float16", ir.DataType.BFLOAT16: "bfloat16",
+               ir.DataType.INT64: "int64", ir.DataType.INT32: "int32", ir.DataType.INT8: "int8",
+               ir.DataType.UINT8: "uint8", ir.DataType.BOOL: "bool", ir.DataType.FLOAT8E4M3FN: "float8_e4m3fn"}
+_FLOATS = {"float32", "float16", "bfloat16"}
+# Inputs that keep their stored precision even where activations meet them (scales, zero points).
+_KEEP_PRECISION = {"QuantizeLinear": (1, 2), "DequantizeLinear": (1, 2)}
+
+
+@dataclass
+class _Weight:
+    name: str
+    dtype: str  # safetensors dtype
+    shape: tuple[int, ...]
+    produce: Callable[[], bytes]
+
+
+def _bytes(array: np.ndarray, dtype: str) -> bytes:
+    """``array`` (numpy, any float/int type incl. ml_dtypes) converted to the program dtype ``dtype``."""
+    import torch
+
+    if dtype == "float8_e4m3fn":
+        return np.ascontiguousarray(array).view(np.uint8).tobytes()
+    if dtype == "bfloat16":
+        t = torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32)).to(torch.bfloat16)
+        return t.view(torch.uint8).numpy().tobytes()
+    return np.ascontiguousarray(array, dtype=np.dtype(dtype)).tobytes()
+
+
+def write_safetensors(path: Path, weights: list[_Weight]) -> None:
+    """Stream ``weights`` into a safetensors file: the header from shapes alone, then one tensor at a time."""
+    header, offset = {}, 0
+    for w in weights:
+        n = int(np.prod(w.shape, dtype=np.int64)) * _SIZE[w.dtype]
+        header[w.name] = {"dtype": w.dtype, "shape": list(w.shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(blob)))
+        f.write(blob)
+        for w in weights:
+            data = w.produce()
+            want = header[w.name]["data_offsets"]
+            if len(data) != want[1] - want[0]:
+                raise RuntimeError(f"weight {w.name}: {len(data)} bytes, header says {want[1] - want[0]}")
+            f.write(data)
+
+
+def _attr(value):
+    if isinstance(value, tuple | list):
+        return [_attr(v) for v in value]
+    if isinstance(value, np.generic):
+        return value.item()
+    if hasattr(value, "numpy") or isinstance(value, ir.Graph):  # tensor / graph attributes
+        raise TypeError("tensor attribute")
+    return value
+
+
+def _activations(graph: ir.Graph) -> set[int]:
+    """ids of the values computed from the token ids (the activation path)."""
+    act = {id(v) for v in graph.inputs if v.name == "input_ids"}
+    for node in graph:
+        if any(v is not None and id(v) in act for v in node.inputs):
+            act.update(id(o) for o in node.outputs)
+    return act
+
+
+def _const(v: ir.Value | None) -> ir.TensorProtocol | None:
+    return None if v is None else v.const_value
+
+
+def _producer(v: ir.Value | None, op: str) -> ir.Node | None:
+    if v is None or v.producer() is None or v.producer().op_type != op:
+        return None
+    return v.producer()
+
+
+def _match_fp8_linear(node: ir.Node) -> tuple | None:
+    """``MatMul(DQ(Q(x, s)), DQ(w8 [K, N], ws [N], axis=1))`` -> (x, s, w8, ws)."""
+    a, b = node.inputs
+    dqw, dqa = _producer(b, "DequantizeLinear"), _producer(a, "DequantizeLinear")
+    if dqw is None or dqa is None or dqw.attributes.get_int("axis", 1) != 1:
+        return None
+    w8, ws = dqw.inputs[0], dqw.inputs[1]
+    if _const(w8) is None or w8.dtype != ir.DataType.FLOAT8E4M3FN or _const(ws) is None:
+        return None
+    q = _producer(dqa.inputs[0], "QuantizeLinear")
+    if q is None or _const(q.inputs[1]) is None or q.inputs[1] is not dqa.inputs[1]:
+        return None
+    if len(w8.shape) != 2 or len(ws.shape) != 1:
+        return None
+    return q.inputs[0], q.inputs[1], w8, ws
+
+
+def _match_int4_linear(node: ir.Node) -> tuple | None:
+    """``MatMul(x, DQ(codes [K, N] int4/uint4, scales [K/g, N], [zp], axis=0, block_size=g))``."""
+    x, b = node.inputs
+    dq = _producer(b, "DequantizeLinear")
+    if dq is None or dq.attributes.get_int("axis", 1) != 0 or not dq.attributes.get_int("block_size", 0):
+        return None
+    codes = dq.inputs[0]
+    if _const(codes) is None or codes.dtype not in (ir.DataType.INT4, ir.DataType.UINT4):
+        return None
+    zp = dq.inputs[2] if len(dq.inputs) > 2 else None
+    return x, codes, dq.inputs[1], zp, dq.attributes.get_int("block_size", 0)
+
+
+def _pack_int4(codes: np.ndarray) -> np.ndarray:
+    """``[K, N]`` 4-bit codes (int4 -8..7 or uint4 0..15) -> ``[ceil(K/2), N]`` uint8, row 2i in the low nibble."""
+    c = codes.astype(np.int16) & 0x0F
+    if c.shape[0] % 2:
+        c = np.concatenate([c, np.zeros((1, c.shape[1]), np.int16)])
+    return (c[0::2] | (c[1::2] << 4)).astype(np.uint8)
+
+
+class _Lowering:
+    def __init__(self, model: ir.Model, dtype: str) -> None:
+        self.graph = model.graph
+        self.dtype = dtype
+        self.act = _activations(self.graph)
+        self.nodes: list[dict] = []
+        self.weights: dict[str, _Weight] = {}
+        self.fusions = {"fp8-linear": 0, "int4-linear": 0}
+        self.fused: set[int] = set()  # ids of the MatMul nodes a lowering fusion replaced
+
+    # weights ------------------------------------------------------------------------------------
+
+    def weight(self, v: ir.Value, dtype: str | None = None) -> str:
+        """Record initializer ``v`` in ``dtype`` (default: its own) and return its name."""
+        name = v.name
+        stored = dtype or _IR_TO_NAME.get(v.dtype)
+        if stored is None:
+            raise UnsupportedError(f"the CUDA backend cannot store weight {name!r} of type {v.dtype}")
+        key = name if name not in self.weights or self.weights[name].dtype == _ST[stored] else f"{name}:{stored}"
+        if key not in self.weights:
+            tensor = v.const_value
+            shape = tuple(int(d) for d in tensor.shape)
+            self.weights[key] = _Weight(key, _ST[stored], shape, lambda t=tensor, s=stored: _bytes(t.numpy(), s))
+        return key
+
+    def derived(self, name: str, dtype: str, shape: tuple[int, ...], produce: Callable[[], np.ndarray]) -> str:
+        self.weights[name] = _Weight(name, _ST[dtype], shape, lambda: _bytes(produce(), dtype))
+        return name
+
+    # nodes --------------------------------------------------------------------------------------
+
+    def emit(self, op: str, inputs: list[str], outputs: list[str], attrs: dict | None = None) -> None:
+        self.nodes.append({"op": op, "inputs": inputs, "outputs": outputs, "attrs": attrs or {}})
+
+    def input_name(self, node: ir.Node, i: int, v: ir.Value | None) -> str:
+        if v is None:
+            return ""
+        if v.const_value is not None and v.producer() is None:
+            is_float = _IR_TO_NAME.get(v.dtype) in _FLOATS
+            meets_act = any(u is not None and id(u) in self.act for u in node.inputs)
+            if is_float and meets_act and i not in _KEEP_PRECISION.get(node.op_type, ()):
+                return self.weight(v, self.dtype)
+            return self.weight(v)
+        return v.name
+
+    def lower(self) -> None:
+        # Fused nodes are emitted where the MatMul stood, so the node order stays topological.
+        for node in self.graph:
+            if node.op_type == "MatMul" and node.domain == "" and (_match_fp8_linear(node) or
+                                                                  _match_int4_linear(node)):
+                self.fused.add(id(node))
+        dead = self._dead_after_fusion()
+        for node in self.graph:
+            if id(node) in dead:
+                continue
+            if id(node) in self.fused:
+                self._fuse_linear(node)
+            else:
+                self._generic(node)
+
+    def _fuse_linear(self, node: ir.Node) -> bool:
+        m = _match_fp8_linear(node)
+        if m is not None:
+            x, s, w8, ws = m
+            k, n = (int(d) for d in w8.shape)
+            t = _const(w8)
+            w_name = self.derived(f"{w8.name}.nk", "float8_e4m3fn", (n, k),
+                                  lambda t=t: np.ascontiguousarray(t.numpy().T))
+            self.emit("Fp8Linear", [x.name, w_name, self.weight(ws, "float32"), self.weight(s, "float32")],
+                      [node.outputs[0].name], {"mode": "scaled_mm"})
+            self.fusions["fp8-linear"] += 1
+            return True
+        m = _match_int4_linear(node)
+        if m is not None:
+            x, codes, scales, zp, g = m
+            k, n = (int(d) for d in codes.shape)
+            ct = _const(codes)
+            packed = self.derived(f"{codes.name}.packed", "uint8", ((k + 1) // 2, n),
+                                  lambda ct=ct: _pack_int4(ct.numpy()))
+            inputs = [x.name, packed, self.weight(scales, self.dtype)]
+            if zp is not None:
+                zt = _const(zp)
+                inputs.append(self.derived(f"{zp.name}.u8", "uint8", tuple(int(d) for d in zp.shape),
+                                           lambda zt=zt: zt.numpy().astype(np.uint8)))
+            self.emit("Int4Linear", inputs, [node.outputs[0].name], {"group_size": g, "k": k})
+            self.fusions["int4-linear"] += 1
+            return True
+        return False
+
+    def _dead_after_fusion(self) -> set[int]:
+        """Q/DQ nodes whose every consumer was fused away."""
+        dead: set[int] = set()
+        changed = True
+        while changed:
+            changed = False
+            for node in self.graph:
+                if id(node) in dead or node.op_type not in ("DequantizeLinear", "QuantizeLinear"):
+                    continue
+                users = [u.node if hasattr(u, "node") else u[0] for o in node.outputs for u in o.uses()]
+                if users and all(id(u) in self.fused or id(u) in dead for u in users):
+                    dead.add(id(node))
+                    changed = True
+        return dead
+
+    def _generic(self, node: ir.Node) -> None:
+        op = node.op_type
+        if op not in torch_program.supported_ops():
+            raise UnsupportedError(f"the CUDA engine has no kernel for operator {node.domain or 'ai.onnx'}."
+                                   f"{op} (node {node.name}); build this model with --target cpu")
+        attrs = {}
+        for name, a in node.attributes.items():
+            try:
+                attrs[name] = _attr(a.value)
+            except TypeError:
+                raise UnsupportedError(f"the CUDA backend cannot lower {op} node {node.name}: tensor attribute "
+                                       f"{name!r}") from None
+        if op == "Cast":
+            to = ir.DataType(attrs["to"])
+            name = _IR_TO_NAME.get(to)
+            if name is None:
+                raise UnsupportedError(f"the CUDA backend cannot Cast to {to} (node {node.name})")
+            if name == "float32" and node.inputs[0] is not None and id(node.inputs[0]) in self.act:
+                name = self.dtype
+            attrs["to"] = name
+        inputs = [self.input_name(node, i, v) for i, v in enumerate(node.inputs)]
+        self.emit(op, inputs, [o.name for o in node.outputs], attrs)
+
+
+@dataclass
+class CudaEngineFiles:
+    program: str
+    weights: str
+    kernels: list[dict]
+    fusions: dict[str, int]
+    dtype: str
+
+
+def attention_configs(nodes: list[dict]) -> dict[str, dict]:
+    """The distinct attention configurations of a program (key -> attributes)."""
+    return {attention_key(n["attrs"]): n["attrs"] for n in nodes if n["op"] == torch_program.ATTENTION_OP}
+
+
+def compile_kernels(configs: dict[str, dict], sm: int, dtype: str, cache_dtype: str, block_size: int,
+                    out_dir: Path) -> list[dict]:
+    """AOT-compile the PagedAttention kernel (decode and prefill variants) per configuration into cubins."""
+    from llmc.plugins.paged_attention import aot
+    from llmc.plugins.paged_attention.triton_kernel import KernelConfig
+
+    plan = []
+    for key, a in sorted(configs.items()):
+        for variant, block_m in (("decode", 16), ("prefill", 64)):
+            cfg = KernelConfig(num_heads=a["num_heads"], num_kv_heads=a["num_kv_heads"], head_size=a["head_size"],
+                               block_size=block_size, scale=float(a["scale"]), act_dtype=_TL[dtype],
+                               cache_dtype=_TL[cache_dtype], sliding_window=int(a.get("sliding_window", 0)),
+                               softcap=float(a.get("softcap", 0.0)), block_m=block_m, block_n=64)
+            plan.append((key, variant, cfg))
+    compiled = aot.compile_many([cfg for _, _, cfg in plan], sm)
+    (out_dir / KERNEL_DIR).mkdir(exist_ok=True)
+    entries = []
+    for i, ((key, variant, _), k) in enumerate(zip(plan, compiled, strict=True)):
+        file = f"{KERNEL_DIR}/paged_attention_{i}_{variant}.sm{sm}.cubin"
+        (out_dir / file).write_bytes(aot.assemble(k.ptx, sm))
+        entries.append({"name": k.name, "file": file, "sm": sm, "target": k.target, "num_warps": k.num_warps,
+                        "shared_mem": k.shared_mem, "block_q": k.block_q, "num_kv_heads": k.num_kv_heads,
+                        "variant": variant, "key": key, "params": list(k.params), "grid_rule": k.grid_rule,
+                        "config": {c: v for c, v in k.config.items() if c not in ("interpret",)}})
+    return entries
+
+
+def ptxas_cuda_version(sm: int) -> str | None:
+    """The CUDA release of the ``ptxas`` that assembles the cubins (the driver must support its major version)."""
+    try:
+        from triton.backends.nvidia.compiler import get_ptxas
+
+        out = subprocess.run([get_ptxas(sm).path, "--version"], capture_output=True, text=True, timeout=60).stdout
+    except Exception:  # noqa: BLE001 - no Triton here: no cubins either, reported by the caller
+        return None
+    m = re.search(r"release (\d+\.\d+)", out)
+    return m.group(1) if m else None
+
+
+def emit(model: ir.Model, out_dir: Path, *, sm: int, dtype: str = "bfloat16", cache_dtype: str | None = None,
+         block_size: int = 16, say: Callable[[str], None] | None = None) -> CudaEngineFiles:
+    """Lower ``model`` and write the CUDA engine's files into ``out_dir``."""
+    if dtype not in ENGINE_DTYPES:
+        raise UnsupportedError(f"--dtype {dtype}: the CUDA engine computes in one of {', '.join(ENGINE_DTYPES)}")
+    say = say or (lambda msg: None)
+    low = _Lowering(model, dtype)
+    low.lower()
+    outputs = [v.name for v in model.graph.outputs]
+    spec = {"format": torch_program.FORMAT, "version": torch_program.VERSION, "dtype": dtype,
+            "inputs": [v.name for v in model.graph.inputs], "outputs": outputs,
+            "weights_file": torch_program.WEIGHTS_FILE, "nodes": low.nodes}
+    (out_dir / torch_program.PROGRAM_FILE).write_text(json.dumps(spec, indent=0))
+    say(f"      writing {len(low.weights)} weights ({dtype})")
+    write_safetensors(out_dir / torch_program.WEIGHTS_FILE, list(low.weights.values()))
+    configs = attention_configs(low.nodes)
+    say(f"      compiling {2 * len(configs)} attention kernels for sm_{sm} ahead of time")
+    kernels = compile_kernels(configs, sm, dtype, cache_dtype or dtype, block_size, out_dir)
+    return CudaEngineFiles(program=torch_program.PROGRAM_FILE, weights=torch_program.WEIGHTS_FILE, kernels=kernels,
+                           fusions=low.fusions, dtype=dtype)

@@ -1,0 +1,95 @@
+"""Ahead-of-time kernels of a CUDA engine: cubins loaded and launched through the CUDA driver.
+
+The build compiles every Triton kernel an engine launches to a cubin for the target SM (no GPU
+needed) and records its launch metadata in the manifest (``engine.kernels``). Here they are
+loaded with ``cuModuleLoadData`` and launched with ``cuLaunchKernel`` on torch's current stream,
+so the launches are captured by CUDA graphs like any other work on that stream. No Triton, and
+no JIT compilation, at run time. The driver is reached through ``ctypes`` (``libcuda.so.1``):
+cuda-python would add a dependency for four calls.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from pathlib import Path
+
+_CUDA: ctypes.CDLL | None = None
+_MAX_DYNAMIC_SHARED = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+
+
+def driver() -> ctypes.CDLL:
+    global _CUDA
+    if _CUDA is None:
+        _CUDA = ctypes.CDLL("libcuda.so.1")
+    return _CUDA
+
+
+def _check(rc: int, what: str) -> None:
+    if rc != 0:
+        name = ctypes.c_char_p()
+        driver().cuGetErrorName(rc, ctypes.byref(name))
+        raise RuntimeError(f"{what} failed: {name.value.decode() if name.value else rc}")
+
+
+def driver_version() -> tuple[int, int] | None:
+    """The CUDA version the installed driver supports, e.g. (13, 0); None when there is no driver."""
+    try:
+        cuda = driver()
+    except OSError:
+        return None
+    v = ctypes.c_int()
+    if cuda.cuDriverGetVersion(ctypes.byref(v)) != 0:
+        return None
+    return v.value // 1000, (v.value % 1000) // 10
+
+
+@dataclass
+class KernelInfo:
+    """One kernel of ``engine.kernels``: the cubin file, its entry, and its launch rule."""
+
+    name: str
+    file: str
+    sm: int
+    num_warps: int
+    shared_mem: int
+    block_q: int
+    num_kv_heads: int
+    variant: str  # "decode" (block_m 16) or "prefill" (block_m 64)
+    key: str  # the attention configuration it serves (see llmc.compiler.backends.cuda.attention_key)
+
+    @classmethod
+    def from_manifest(cls, d: dict) -> KernelInfo:
+        return cls(**{k: d[k] for k in cls.__dataclass_fields__})
+
+
+class LoadedKernel:
+    """A cubin loaded into the current CUDA context."""
+
+    def __init__(self, info: KernelInfo, cubin: bytes) -> None:
+        cuda = driver()
+        self.info = info
+        self._module, self._fn = ctypes.c_void_p(), ctypes.c_void_p()
+        _check(cuda.cuModuleLoadData(ctypes.byref(self._module), ctypes.c_char_p(cubin)),
+               f"loading kernel {info.file} (cuModuleLoadData)")
+        _check(cuda.cuModuleGetFunction(ctypes.byref(self._fn), self._module, info.name.encode()),
+               f"cuModuleGetFunction({info.name})")
+        if info.shared_mem > 48 * 1024:
+            _check(cuda.cuFuncSetAttribute(self._fn, _MAX_DYNAMIC_SHARED, ctypes.c_int(info.shared_mem)),
+                   "cuFuncSetAttribute")
+
+    def launch(self, grid: tuple[int, int, int], args: list, stream: int) -> None:
+        """``args``: tensors (passed as device pointers) and Python ints (int32), in the kernel's order."""
+        holders = [ctypes.c_int32(a) if isinstance(a, int) else ctypes.c_uint64(a.data_ptr()) for a in args]
+        params = (ctypes.c_void_p * len(holders))(*[ctypes.cast(ctypes.byref(h), ctypes.c_void_p) for h in holders])
+        _check(driver().cuLaunchKernel(self._fn, *grid, self.info.num_warps * 32, 1, 1, self.info.shared_mem,
+                                       ctypes.c_void_p(stream), params, None), f"launching {self.info.name}")
+
+
+def load_kernels(root: Path, entries: list[dict]) -> dict[tuple[str, str], LoadedKernel]:
+    """Load every kernel of ``engine.kernels``; keyed by (attention key, variant)."""
+    out = {}
+    for d in entries:
+        info = KernelInfo.from_manifest(d)
+        out[(info.key, info.variant)] = LoadedKernel(info, (root / info.file).read_bytes())
+    return out

@@ -1,0 +1,217 @@
+"""The CUDA engine's session: runs a program (:mod:`.torch_program`) on a device with a paged KV pool.
+
+Used by :class:`llmc.runtime.engine.Engine` for engines whose backend is ``cuda``, exactly where an
+ONNX Runtime engine uses :class:`llmc.runtime.session.OrtSession`: the scheduler, sampler and the
+rest of the ``Engine`` API are shared. Imported only when such an engine is loaded (it imports torch).
+
+- ``device="cuda"``: weights and the KV pool in device memory; ``PagedAttention`` runs the engine's
+  ahead-of-time Triton kernels through the driver (:mod:`.cuda_kernels`); decode steps (one new
+  token per sequence, every sequence sampled) are replayed from CUDA graphs captured per padded
+  batch size (1, 2, 4, ... up to ``max_graph_batch``); prefill and mixed steps run eagerly.
+- ``device="cpu"``: the same program on torch's CPU ops with attention in plain torch: how CI tests
+  the lowering and the executor with no GPU.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from llmc.runtime import cuda_kernels
+from llmc.runtime.torch_ops import DTYPES, paged_attention_torch
+from llmc.runtime.torch_program import Program, load_weights, read_spec
+
+GRAPH_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+_META = ("input_ids", "positions", "slot_mapping", "block_tables", "context_lens", "query_start_loc",
+         "logits_indices")
+
+
+@dataclass
+class TorchKVPool:
+    """Per-layer K and V caches ``[num_blocks, num_kv_heads, block_size, head_size]`` as torch tensors."""
+
+    layers: list[tuple[torch.Tensor, torch.Tensor]]
+    block_size: int
+
+    @classmethod
+    def allocate(cls, num_layers: int, num_blocks: int, num_kv_heads: int, block_size: int, head_size: int,
+                 dtype: torch.dtype, device: torch.device) -> TorchKVPool:
+        shape = (num_blocks, num_kv_heads, block_size, head_size)
+        return cls([(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+                    for _ in range(num_layers)], block_size)
+
+    @staticmethod
+    def bytes_per_block(num_layers: int, num_kv_heads: int, block_size: int, head_size: int,
+                        dtype: torch.dtype) -> int:
+        return 2 * num_layers * num_kv_heads * block_size * head_size * torch.tensor([], dtype=dtype).element_size()
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        if not pairs:
+            return
+        dev = self.layers[0][0].device
+        src = torch.tensor([p[0] for p in pairs], dtype=torch.int64, device=dev)
+        dst = torch.tensor([p[1] for p in pairs], dtype=torch.int64, device=dev)
+        for k, v in self.layers:
+            k[dst] = k[src]
+            v[dst] = v[src]
+
+
+def attention_key(attrs: dict) -> str:
+    """The configuration an attention kernel is specialised for (the compiler names kernels by it)."""
+    return (f"h{attrs['num_heads']}-kv{attrs['num_kv_heads']}-d{attrs['head_size']}-s{float(attrs['scale']):.9g}"
+            f"-w{int(attrs.get('sliding_window', 0))}-c{float(attrs.get('softcap', 0.0)):g}")
+
+
+class CudaSession:
+    """Executes a CUDA engine's program. ``run(feeds, pool)`` as :class:`~llmc.runtime.session.OrtSession`."""
+
+    spinning = False
+    spin_reason = "CUDA engine (ONNX Runtime's thread pool is not used)"
+
+    def __init__(self, root: Path, manifest: dict, device: str = "cuda", cuda_graphs: bool = True,
+                 max_graph_batch: int = 64, max_model_len: int | None = None) -> None:
+        self.device = torch.device(device)
+        engine = manifest["engine"]
+        spec = read_spec(root)
+        self.dtype = DTYPES[spec["dtype"]]
+        self.input_names = tuple(spec["inputs"])
+        self._pool: TorchKVPool | None = None
+        on_gpu = self.device.type == "cuda"
+        if on_gpu:
+            torch.cuda.set_device(self.device)
+        self.kernels = cuda_kernels.load_kernels(root, engine.get("kernels", [])) if on_gpu else {}
+        self.attention_route = "aot-triton" if self.kernels else "torch"
+        if on_gpu and os.environ.get("LLMC_CUDA_ATTENTION") == "torch":  # debugging: the plain-torch attention
+            self.kernels, self.attention_route = {}, "torch"
+        self._kv_scales = torch.ones(2, dtype=torch.float32, device=self.device)
+        self.program = Program(spec, load_weights(root, spec, self.device), self._attention)
+        self.cuda_graphs = bool(cuda_graphs and on_gpu and self.kernels)
+        self.graph_batches = tuple(b for b in GRAPH_BATCHES if b <= max_graph_batch)
+        kv = manifest["kv_cache"]
+        self._max_blocks = -(-int(max_model_len or 4096) // int(kv["block_size"]))
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, dict[str, torch.Tensor], torch.Tensor]] = {}
+        self._graph_pool = None
+        self.graph_replays = 0
+        self.eager_steps = 0
+
+    # -- KV pool ----------------------------------------------------------------------------------
+
+    def allocate_pool(self, kv: dict, num_blocks: int) -> TorchKVPool:
+        self._graphs.clear()  # graphs hold pointers into the pool they were captured with
+        self._pool = TorchKVPool.allocate(kv["num_layers"], num_blocks, kv["num_kv_heads"], kv["block_size"],
+                                          kv["head_size"], DTYPES[kv["dtype"]], self.device)
+        return self._pool
+
+    def blocks_that_fit(self, kv: dict, gpu_memory_utilization: float, reserve_bytes: int) -> int:
+        """KV blocks that fit in ``gpu_memory_utilization`` of the device's memory after the weights."""
+        free, total = torch.cuda.mem_get_info(self.device)
+        budget = free - (1.0 - gpu_memory_utilization) * total - reserve_bytes
+        per = TorchKVPool.bytes_per_block(kv["num_layers"], kv["num_kv_heads"], kv["block_size"], kv["head_size"],
+                                          DTYPES[kv["dtype"]])
+        return max(0, int(budget // per))
+
+    # -- attention --------------------------------------------------------------------------------
+
+    def _attention(self, attrs, query, key, value, slot_mapping, block_tables, context_lens, query_start_loc):
+        k_cache, v_cache = self._pool.layers[attrs["layer_idx"]]
+        t, s = query.shape[0], context_lens.shape[0]
+        kernel = self.kernels.get((attention_key(attrs), "decode" if t <= s else "prefill"))
+        if kernel is None:
+            return paged_attention_torch(query, key, value, slot_mapping, block_tables, context_lens,
+                                         query_start_loc, k_cache, v_cache, num_heads=attrs["num_heads"],
+                                         num_kv_heads=attrs["num_kv_heads"], scale=attrs["scale"],
+                                         sliding_window=attrs.get("sliding_window", 0),
+                                         softcap=attrs.get("softcap", 0.0))
+        query, key, value = query.contiguous(), key.contiguous(), value.contiguous()
+        out = torch.empty_like(query)
+        info = kernel.info
+        grid = (-(-t // info.block_q) + s, info.num_kv_heads, 1)
+        kernel.launch(grid, [query, key, value, slot_mapping, block_tables, context_lens, query_start_loc,
+                             k_cache, v_cache, self._kv_scales, s, block_tables.shape[1], out, k_cache, v_cache],
+                      torch.cuda.current_stream(self.device).cuda_stream)
+        return out
+
+    # -- steps ------------------------------------------------------------------------------------
+
+    def run(self, feeds: dict[str, np.ndarray], pool: TorchKVPool) -> np.ndarray:
+        """Run one step; returns logits ``[n_logits, vocab]`` (float32, host)."""
+        if pool is not self._pool:
+            self._pool = pool
+            self._graphs.clear()
+        s = len(feeds["context_lens"])
+        t = len(feeds["input_ids"])
+        n = len(feeds["logits_indices"])
+        bucket = next((b for b in self.graph_batches if b >= s), None) if self.cuda_graphs else None
+        if (bucket is not None and t == s == n and feeds["block_tables"].shape[1] <= self._max_blocks
+                and set(feeds) == set(_META)):
+            logits = self._replay(bucket, feeds)[:n]
+            self.graph_replays += 1
+        else:
+            dev = self.device
+            tensors = {k: torch.from_numpy(np.ascontiguousarray(v)).to(dev) for k, v in feeds.items()}
+            with torch.inference_mode():
+                logits = self.program.run(tensors)[0]
+            self.eager_steps += 1
+        return logits.float().cpu().numpy()
+
+    def _static_feeds(self, b: int) -> dict[str, torch.Tensor]:
+        z = dict(dtype=torch.int64, device=self.device)
+        return {"input_ids": torch.zeros(b, **z), "positions": torch.zeros(b, **z),
+                "slot_mapping": torch.full((b,), -1, **z), "block_tables": torch.zeros(b, self._max_blocks, **z),
+                "context_lens": torch.ones(b, **z), "query_start_loc": torch.arange(b + 1, **z),
+                "logits_indices": torch.arange(b, **z)}
+
+    def _capture(self, b: int):
+        static = self._static_feeds(b)  # padding everywhere: slot -1 writes nothing while warming up
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.inference_mode(), torch.cuda.stream(stream):
+            for _ in range(2):
+                self.program.run(static)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        if self._graph_pool is None:
+            self._graph_pool = torch.cuda.graph_pool_handle()
+        with torch.inference_mode(), torch.cuda.graph(graph, pool=self._graph_pool):
+            out = self.program.run(static)[0]
+        return graph, static, out
+
+    def _replay(self, b: int, feeds: dict[str, np.ndarray]) -> torch.Tensor:
+        entry = self._graphs.get(b)
+        if entry is None:
+            entry = self._graphs[b] = self._capture(b)
+        graph, static, out = entry
+        s = len(feeds["context_lens"])
+        host = np.zeros((5, b), np.int64)
+        host[0, :s] = feeds["input_ids"]
+        host[1, :s] = feeds["positions"]
+        host[2, :] = -1
+        host[2, :s] = feeds["slot_mapping"]
+        host[3, :] = 1
+        host[3, :s] = feeds["context_lens"]
+        packed = torch.from_numpy(host).to(self.device, non_blocking=True)
+        static["input_ids"].copy_(packed[0])
+        static["positions"].copy_(packed[1])
+        static["slot_mapping"].copy_(packed[2])
+        static["context_lens"].copy_(packed[3])
+        bt = feeds["block_tables"]
+        static["block_tables"][:s, : bt.shape[1]].copy_(torch.from_numpy(np.ascontiguousarray(bt)))
+        graph.replay()
+        return out
+
+    def capture_all(self) -> None:
+        """Capture every decode graph now (otherwise each is captured the first time its size runs)."""
+        if self.cuda_graphs and self._pool is not None:
+            for b in self.graph_batches:
+                if b not in self._graphs:
+                    self._graphs[b] = self._capture(b)
+
+    def end_profiling(self) -> str | None:
+        return None
+
+    def set_attention_threads(self, n: int) -> None:  # the CPU kernel's threads: nothing to set here
+        del n

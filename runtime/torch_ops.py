@@ -1,0 +1,411 @@
+"""The operators of a CUDA engine's program, in torch, with ONNX semantics.
+
+A CUDA engine (:mod:`llmc.runtime.torch_program`) is the compiler's fused graph written as a flat
+list of nodes; each node's ``op`` names a function here. Every function takes the node's input
+tensors (``None`` for an omitted optional input) and its attributes as keywords, and returns a
+tuple of outputs. They run on whatever device their inputs live on: CUDA in production, the CPU
+in CI, which is how the lowering and the executor are tested without a GPU.
+
+Precision follows transformers' mixed-precision habits: normalisations, softmax and rotary run in
+float32 and round back to the activation dtype; a binary op between a low-precision activation and
+a float32 tensor computes in the activation's dtype (as transformers does once parameters are
+cast), see :func:`_align`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+# ONNX TensorProto data types -> torch (Cast's "to", and the program's dtype names)
+ONNX_DTYPES = {1: torch.float32, 2: torch.uint8, 3: torch.int8, 6: torch.int32, 7: torch.int64, 9: torch.bool,
+               10: torch.float16, 11: torch.float64, 16: torch.bfloat16, 17: torch.float8_e4m3fn}
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "int64": torch.int64,
+          "int32": torch.int32, "int8": torch.int8, "uint8": torch.uint8, "bool": torch.bool,
+          "float8_e4m3fn": torch.float8_e4m3fn}
+FP8_MAX = 448.0
+_I64_MAX = 2**63 - 1
+
+OPS: dict[str, Callable] = {}
+
+
+def op(name: str):
+    def register(fn):
+        OPS[name] = fn
+        return fn
+    return register
+
+
+def _align(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    # float32 constants meeting bf16/fp16 activations compute in the activation dtype (what a
+    # transformers model whose parameters were cast does); float32 x float32 stays float32.
+    if a.dtype != b.dtype and a.is_floating_point() and b.is_floating_point():
+        low = a.dtype if a.element_size() < b.element_size() else b.dtype
+        return a.to(low), b.to(low)
+    return a, b
+
+
+def _binary(fn):
+    def run(a, b, **_):
+        a, b = _align(a, b)
+        return (fn(a, b),)
+    return run
+
+
+for _name, _fn in {"Add": torch.add, "Sub": torch.sub, "Mul": torch.mul, "Div": torch.div,
+                   "Greater": torch.gt, "Less": torch.lt, "Equal": torch.eq, "Max": torch.maximum,
+                   "Min": torch.minimum, "GreaterOrEqual": torch.ge, "LessOrEqual": torch.le}.items():
+    OPS[_name] = _binary(_fn)
+
+for _name, _fn in {"Neg": torch.neg, "Tanh": torch.tanh, "Sigmoid": torch.sigmoid, "Cos": torch.cos,
+                   "Sin": torch.sin, "Sqrt": torch.sqrt, "Exp": torch.exp, "Relu": torch.relu, "Erf": torch.erf,
+                   "Reciprocal": torch.reciprocal, "Abs": torch.abs, "Not": torch.logical_not,
+                   "Identity": lambda x: x}.items():
+    OPS[_name] = (lambda f: lambda x, **_: (f(x),))(_fn)
+
+
+@op("Pow")
+def pow_(x, y, **_):
+    if isinstance(y, float):  # a constant exponent (the program passes scalars as floats)
+        return (torch.pow(x, y),)
+    x, y = _align(x, y)
+    return (torch.pow(x, y),)
+
+
+@op("Cast")
+def cast(x, *, to: str, **_):
+    return (x.to(DTYPES[to]),)
+
+
+@op("Where")
+def where(cond, a, b, **_):
+    a, b = _align(a, b)
+    return (torch.where(cond, a, b),)
+
+
+@op("MatMul")
+def matmul(a, b, **_):
+    a, b = _align(a, b)
+    return (torch.matmul(a, b),)
+
+
+@op("Gemm")
+def gemm(a, b, c=None, *, alpha=1.0, beta=1.0, transA=0, transB=0, **_):
+    a = a.transpose(-1, -2) if transA else a
+    b = b.transpose(-1, -2) if transB else b
+    a, b = _align(a, b)
+    y = torch.matmul(a, b)
+    if alpha != 1.0:
+        y = y * alpha
+    if c is not None:
+        y = y + (c.to(y.dtype) * beta if beta != 1.0 else c.to(y.dtype))
+    return (y,)
+
+
+@op("Gather")
+def gather(data, indices, *, axis=0, **_):
+    axis = axis % data.dim()
+    idx = torch.where(indices < 0, indices + data.shape[axis], indices) if indices.dtype.is_signed else indices
+    out = data.index_select(axis, idx.reshape(-1))
+    return (out.reshape(*data.shape[:axis], *indices.shape, *data.shape[axis + 1:]),)
+
+
+@op("GatherND")
+def gather_nd(data, indices, *, batch_dims=0, **_):
+    if batch_dims:
+        raise NotImplementedError("GatherND with batch_dims > 0")
+    r = indices.shape[-1]
+    return (data[tuple(indices[..., i] for i in range(r))],)
+
+
+@op("Split")
+def split(x, sizes=None, *, axis=0, num_outputs=None, **_):
+    if sizes is None:
+        n = x.shape[axis]
+        sizes = [-(-n // num_outputs)] * (num_outputs - 1)
+        sizes.append(n - sum(sizes))
+    return tuple(torch.split(x, [int(s) for s in sizes], dim=axis))
+
+
+def _reshape_target(x: torch.Tensor, shape, allowzero: int) -> list[int]:
+    out = [int(s) for s in shape]
+    if not allowzero:
+        out = [x.shape[i] if s == 0 else s for i, s in enumerate(out)]
+    return out
+
+
+@op("Reshape")
+def reshape(x, shape, *, allowzero=0, **_):
+    return (x.reshape(_reshape_target(x, shape, allowzero)),)
+
+
+@op("Unsqueeze")
+def unsqueeze(x, axes, **_):
+    rank = x.dim() + len(axes)
+    for a in sorted(int(a) % rank for a in axes):
+        x = x.unsqueeze(a)
+    return (x,)
+
+
+@op("Squeeze")
+def squeeze(x, axes=None, **_):
+    if axes is None:
+        return (x.squeeze(),)
+    return (x.squeeze(tuple(int(a) % x.dim() for a in axes)),)
+
+
+@op("Transpose")
+def transpose(x, *, perm=None, **_):
+    return (x.permute(*(perm if perm is not None else reversed(range(x.dim())))),)
+
+
+@op("Expand")
+def expand(x, shape, **_):
+    return (x.expand(torch.broadcast_shapes(tuple(x.shape), tuple(int(s) for s in shape))),)
+
+
+@op("Concat")
+def concat(*xs, axis=0, **_):
+    xs = [x for x in xs if x is not None]
+    floats = [x.dtype for x in xs if x.is_floating_point()]
+    if len(set(floats)) > 1:  # mixed precisions: the narrowest, as _align does
+        low = min(floats, key=lambda d: torch.tensor([], dtype=d).element_size())
+        xs = [x.to(low) if x.is_floating_point() else x for x in xs]
+    return (torch.cat(xs, dim=axis),)
+
+
+@op("Slice")
+def slice_(x, starts, ends, axes=None, steps=None, **_):
+    axes = list(range(len(starts))) if axes is None else [int(a) % x.dim() for a in axes]
+    steps = [1] * len(starts) if steps is None else [int(s) for s in steps]
+    index = [slice(None)] * x.dim()
+    for a, s, e, st in zip(axes, starts, ends, steps, strict=True):
+        if st <= 0:
+            raise NotImplementedError("Slice with a step below 1")
+        n = x.shape[a]
+        s, e = int(s), int(e)
+        s = max(0, min(n, s + n if s < 0 else s))
+        e = max(0, min(n, e + n if e < 0 else e)) if e < _I64_MAX else n
+        index[a] = slice(s, e, st)
+    return (x[tuple(index)],)
+
+
+@op("Softmax")
+def softmax(x, *, axis=-1, **_):
+    return (torch.softmax(x.float(), dim=axis).to(x.dtype),)
+
+
+@op("TopK")
+def topk(x, k, *, axis=-1, largest=1, sorted=1, **_):  # noqa: A002 - ONNX's attribute name
+    values, indices = torch.topk(x, int(k.reshape(-1)[0]) if isinstance(k, torch.Tensor) else int(k[0]),
+                                 dim=axis, largest=bool(largest), sorted=bool(sorted))
+    return values, indices
+
+
+@op("ReduceSum")
+def reduce_sum(x, axes=None, *, keepdims=1, noop_with_empty_axes=0, **_):
+    if axes is None or len(axes) == 0:
+        if noop_with_empty_axes:
+            return (x,)
+        return (x.sum().reshape([1] * x.dim()) if keepdims else x.sum(),)
+    return (x.sum(dim=tuple(int(a) for a in axes), keepdim=bool(keepdims)),)
+
+
+@op("ReduceMean")
+def reduce_mean(x, axes=None, *, keepdims=1, **_):
+    dims = tuple(range(x.dim())) if axes is None else tuple(int(a) for a in axes)
+    return (x.mean(dim=dims, keepdim=bool(keepdims)),)
+
+
+@op("Gelu")
+def gelu(x, *, approximate="none", **_):
+    return (F.gelu(x, approximate=approximate),)
+
+
+@op("SwiGLU")
+def swiglu(gate, up, **_):
+    return (F.silu(gate) * up,)
+
+
+def _rms(x: torch.Tensor, scale: torch.Tensor, eps: float, axis: int) -> torch.Tensor:
+    dims = tuple(range(axis % x.dim(), x.dim()))
+    x32 = x.float()
+    y = x32 * torch.rsqrt(x32.pow(2).mean(dim=dims, keepdim=True) + eps)
+    if scale.dtype == torch.float32:
+        return (y * scale).to(x.dtype)
+    return y.to(x.dtype) * scale
+
+
+@op("RMSNormalization")
+def rms_norm(x, scale, *, epsilon=1e-5, axis=-1, **_):
+    return (_rms(x, scale, epsilon, axis),)
+
+
+@op("SkipRMSNormalization")
+def skip_rms_norm(x, skip, scale, *, epsilon=1e-5, **_):
+    x, skip = _align(x, skip)
+    s = x + skip
+    return _rms(s, scale, epsilon, -1), s
+
+
+@op("LayerNormalization")
+def layer_norm(x, scale, bias=None, *, axis=-1, epsilon=1e-5, **_):
+    axis = axis % x.dim()
+    shape = tuple(x.shape[axis:])
+    y = F.layer_norm(x.float(), shape, scale.float(), None if bias is None else bias.float(), epsilon)
+    return (y.to(x.dtype),)
+
+
+@op("RotaryEmbedding")
+def rotary(x, cos, sin, position_ids=None, *, interleaved=0, num_heads=0, rotary_embedding_dim=0, **_):
+    """ONNX RotaryEmbedding on ``x [..., T, H*D]`` (or ``[..., T, H, D]``) with ``cos``/``sin [..., T, R/2]``."""
+    if position_ids is not None:
+        cos, sin = cos[position_ids], sin[position_ids]
+    shape = x.shape
+    d = shape[-1] // num_heads if num_heads else shape[-1]
+    xs = x.reshape(*shape[:-1], num_heads, d) if num_heads else x
+    rot = rotary_embedding_dim or d
+    half = rot // 2
+    c = cos[..., :half].float().unsqueeze(-2)
+    s = sin[..., :half].float().unsqueeze(-2)
+    xr = xs[..., :rot].float()
+    if interleaved:
+        x1, x2 = xr[..., 0::2], xr[..., 1::2]
+        out = torch.stack((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).flatten(-2)
+    else:
+        x1, x2 = xr[..., :half], xr[..., half:]
+        out = torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+    out = out.to(x.dtype)
+    if rot < d:
+        out = torch.cat((out, xs[..., rot:]), dim=-1)
+    return (out.reshape(shape),)
+
+
+def _broadcast_axis(param: torch.Tensor, x: torch.Tensor, axis: int, block_size: int) -> torch.Tensor:
+    if param.dim() == 0 or param.numel() == 1:
+        return param.reshape(())
+    if block_size:  # blocked: repeat each entry block_size times along the axis, cut to x's length
+        param = param.repeat_interleave(block_size, dim=axis).narrow(axis, 0, x.shape[axis])
+        return param
+    axis = axis % x.dim()
+    return param.reshape([-1 if i == axis else 1 for i in range(x.dim())])
+
+
+@op("DequantizeLinear")
+def dequantize(x, scale, zero_point=None, *, axis=1, block_size=0, output_dtype=0, **_):
+    y = x.float()
+    if zero_point is not None and not zero_point.dtype.is_floating_point:
+        y = y - _broadcast_axis(zero_point.float(), x, axis, block_size)
+    y = y * _broadcast_axis(scale.float(), x, axis, block_size)
+    return (y.to(scale.dtype) if scale.dtype != torch.float32 else y,)
+
+
+@op("QuantizeLinear")
+def quantize(x, scale, zero_point=None, *, axis=1, saturate=1, block_size=0, **_):
+    if zero_point is None or zero_point.dtype != torch.float8_e4m3fn:
+        raise NotImplementedError("QuantizeLinear to an integer type (llmc's graphs quantize to FP8 only)")
+    y = x.float() / _broadcast_axis(scale.float(), x, axis, block_size)
+    if saturate:
+        y = y.clamp(-FP8_MAX, FP8_MAX)  # NaN passes through clamp, as ONNX keeps NaN
+    return (y.to(torch.float8_e4m3fn),)
+
+
+# -- fused linear layers the CUDA lowering makes ------------------------------------------------
+
+
+@op("Fp8Linear")
+def fp8_linear(x, w8, w_scales, act_scale, *, mode="emulate", **_):
+    """``Q/DQ(x, act_scale) @ DQ(w8 [N, K] E4M3, w_scales [N])``: FP8 GEMM with a static activation scale.
+
+    ``mode="scaled_mm"`` runs ``torch._scaled_mm`` (sm_89+ tensor cores, float32 accumulation,
+    row-wise scales); ``"emulate"`` computes the same products in float32 (CPU, and the reference).
+    """
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    xq = (x2.float() / act_scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    if mode == "scaled_mm":
+        m = x2.shape[0]
+        y = torch._scaled_mm(xq, w8.t(), scale_a=act_scale.reshape(1, 1).expand(m, 1).contiguous(),
+                             scale_b=w_scales.reshape(1, -1), out_dtype=x.dtype if x.dtype != torch.float32
+                             else torch.bfloat16)
+    else:
+        y = (xq.float() * act_scale) @ (w8.float() * w_scales.reshape(-1, 1)).t()
+    return (y.to(x.dtype).reshape(*shape[:-1], -1),)
+
+
+@op("Int4Linear")
+def int4_linear(x, codes, scales, zeros=None, *, group_size: int, k: int, **_):
+    """``x @ W`` with ``W [K, N]`` stored as 4-bit ``codes`` (two per byte along K: ``[ceil(K/2), N]``
+    uint8, low nibble first), ``scales [K/g, N]`` and optional ``zeros [K/g, N]`` (uint8 0..15; without
+    them the codes are signed, -8..7). Dequantizes, then multiplies (W4A16)."""
+    lo = (codes & 0x0F).to(torch.int16)
+    hi = (codes >> 4).to(torch.int16)
+    q = torch.stack((lo, hi), dim=1).reshape(-1, codes.shape[1])[:k]
+    if zeros is None:
+        q = q - 16 * (q >= 8).to(torch.int16)
+        w = q.to(scales.dtype) * scales.repeat_interleave(group_size, 0)[:k]
+    else:
+        w = (q - zeros.to(torch.int16).repeat_interleave(group_size, 0)[:k]).to(scales.dtype) \
+            * scales.repeat_interleave(group_size, 0)[:k]
+    a, w = _align(x, w.to(x.dtype) if x.dtype != torch.float32 else w.float())
+    return (torch.matmul(a, w),)
+
+
+# -- attention ------------------------------------------------------------------------------------
+
+
+def paged_attention_torch(query, key, value, slot_mapping, block_tables, context_lens, query_start_loc,
+                          k_cache, v_cache, *, num_heads: int, num_kv_heads: int, scale: float,
+                          sliding_window: int = 0, softcap: float = 0.0, kv_scales=None) -> torch.Tensor:
+    """PagedAttention in plain torch (the semantics of ``plugins/paged_attention/reference.py``).
+
+    Writes the new K/V into the caches ``[num_blocks, Hkv, block_size, D]`` in place, then attends
+    causally per sequence in float32. Loops over sequences on the host: the CPU executor's kernel,
+    and the GPU's fallback where no AOT kernel was built.
+    """
+    nb, hkv, bs, d = k_cache.shape
+    t = query.shape[0]
+    fp8 = k_cache.dtype in (torch.uint8, torch.float8_e4m3fn)
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    kn = key.reshape(t, hkv, d)[keep]
+    vn = value.reshape(t, hkv, d)[keep]
+    for cache, new, i in ((k_cache, kn, 0), (v_cache, vn, 1)):
+        if fp8:
+            codes = (new.float() / kv_scales[i]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+            store = codes.view(torch.uint8) if cache.dtype == torch.uint8 else codes
+        else:
+            store = new.to(cache.dtype)
+        cache[slots // bs, :, slots % bs, :] = store
+    out = torch.zeros((t, num_heads * d), dtype=query.dtype, device=query.device)
+    group = num_heads // num_kv_heads
+    qsl = query_start_loc.tolist()
+    ctxs = context_lens.tolist()
+    for s in range(len(ctxs)):
+        start, end, ctx = qsl[s], qsl[s + 1], ctxs[s]
+        n_new = end - start
+        if n_new == 0:
+            continue
+        blocks = block_tables[s, : -(-ctx // bs)]
+        k = k_cache[blocks].permute(1, 0, 2, 3).reshape(hkv, -1, d)[:, :ctx]
+        v = v_cache[blocks].permute(1, 0, 2, 3).reshape(hkv, -1, d)[:, :ctx]
+        if fp8:
+            k = k.view(torch.float8_e4m3fn).float() * kv_scales[0]
+            v = v.view(torch.float8_e4m3fn).float() * kv_scales[1]
+        k = k.float().repeat_interleave(group, 0)
+        v = v.float().repeat_interleave(group, 0)
+        q = query[start:end].reshape(n_new, num_heads, d).float().transpose(0, 1)  # [H, n, D]
+        scores = torch.matmul(q, k.transpose(1, 2)) * scale  # [H, n, ctx]
+        if softcap:
+            scores = softcap * torch.tanh(scores / softcap)
+        qpos = torch.arange(ctx - n_new, ctx, device=query.device).unsqueeze(1)
+        kpos = torch.arange(ctx, device=query.device).unsqueeze(0)
+        mask = kpos <= qpos
+        if sliding_window:
+            mask = mask & (kpos > qpos - sliding_window)
+        scores = scores.masked_fill(~mask, float("-inf"))
+        p = torch.softmax(scores, dim=-1)
+        out[start:end] = torch.matmul(p, v).transpose(0, 1).reshape(n_new, num_heads * d).to(query.dtype)
+    return out

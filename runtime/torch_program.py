@@ -1,0 +1,146 @@
+"""A CUDA engine's program: the compiler's fused graph as a flat node list, executed with torch.
+
+On disk (written by ``llmc.compiler.backends.cuda``): ``program.json`` and ``weights.safetensors``.
+
+``program.json``::
+
+    {"format": "llmc-torch-program", "version": 1, "dtype": "bfloat16",
+     "inputs": ["input_ids", ...], "outputs": ["logits"], "weights_file": "weights.safetensors",
+     "nodes": [{"op": "MatMul", "inputs": ["x", "w"], "outputs": ["y"], "attrs": {}}, ...]}
+
+Node inputs name graph inputs, weights (tensors of the safetensors file) or earlier outputs; an
+empty name is an omitted optional input. ``op`` is a key of :data:`llmc.runtime.torch_ops.OPS` or
+``PagedAttention``, which the caller binds to the KV pool (see :class:`Program`).
+
+The executor resolves names to slots once, turns small integer constants that ops read as
+shapes or axes into Python lists, and frees every intermediate after its last use. It runs the
+same on CUDA tensors and on CPU tensors; a CUDA session captures it in CUDA graphs for decode.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from llmc.runtime.torch_ops import DTYPES, OPS
+
+FORMAT = "llmc-torch-program"
+VERSION = 1
+PROGRAM_FILE = "program.json"
+WEIGHTS_FILE = "weights.safetensors"
+ATTENTION_OP = "PagedAttention"
+# Inputs that ops read as Python integers (shapes, axes, sizes): constants become lists at load.
+HOST_INPUTS = {"Reshape": (1,), "Split": (1,), "Unsqueeze": (1,), "Squeeze": (1,), "Slice": (1, 2, 3, 4),
+               "TopK": (1,), "ReduceSum": (1,), "ReduceMean": (1,), "Expand": (1,)}
+# ... and as Python floats (a scalar exponent: no host sync inside a captured CUDA graph).
+HOST_SCALARS = {"Pow": (1,)}
+
+# attention(attrs, query, key, value, slot_mapping, block_tables, context_lens, query_start_loc) -> out
+Attention = Callable[..., torch.Tensor]
+
+
+def supported_ops() -> frozenset[str]:
+    """Every op a program may use."""
+    return frozenset(OPS) | {ATTENTION_OP}
+
+
+def read_spec(root: Path) -> dict:
+    spec = json.loads((root / PROGRAM_FILE).read_text())
+    if spec.get("format") != FORMAT or spec.get("version") != VERSION:
+        raise ValueError(f"{root / PROGRAM_FILE}: not an {FORMAT} version {VERSION} file")
+    return spec
+
+
+def load_weights(root: Path, spec: dict, device: str | torch.device) -> dict[str, torch.Tensor]:
+    """Every tensor of the program's weights file, on ``device``."""
+    from safetensors import safe_open
+
+    out = {}
+    with safe_open(str(root / spec["weights_file"]), framework="pt", device="cpu") as f:
+        for name in f.keys():  # noqa: SIM118 - safe_open has keys(), not iteration
+            out[name] = f.get_tensor(name).to(device, non_blocking=False)
+    return out
+
+
+@dataclass
+class _Step:
+    fn: Callable
+    args: list  # ("slot", i) | ("const", value) | ("none", None)
+    outs: list[int]
+    attrs: dict
+    free: list[int]
+
+
+class Program:
+    """An executable program. ``attention`` runs the ``PagedAttention`` nodes (it owns the KV pool).
+
+    :meth:`run` takes the step's graph inputs as tensors on the program's device and returns the
+    outputs named in the spec, in order.
+    """
+
+    def __init__(self, spec: dict, weights: dict[str, torch.Tensor], attention: Attention) -> None:
+        self.spec = spec
+        self.dtype = DTYPES[spec["dtype"]]
+        self.input_names: tuple[str, ...] = tuple(spec["inputs"])
+        slots: dict[str, int] = {}
+        for name in self.input_names:
+            slots[name] = len(slots)
+        last_use: dict[int, int] = {}
+        steps: list[_Step] = []
+        for i, node in enumerate(spec["nodes"]):
+            opname = node["op"]
+            fn = _bind_attention(attention) if opname == ATTENTION_OP else OPS.get(opname)
+            if fn is None:
+                raise ValueError(f"program op {opname!r} is unknown to this runtime")
+            args = []
+            for j, name in enumerate(node["inputs"]):
+                if not name:
+                    args.append(("none", None))
+                elif name in slots:
+                    args.append(("slot", slots[name]))
+                    last_use[slots[name]] = i
+                elif name in weights:
+                    w = weights[name]
+                    if j in HOST_INPUTS.get(opname, ()) and not w.is_floating_point() and w.numel() <= 64:
+                        args.append(("const", [int(v) for v in w.reshape(-1).tolist()]))
+                    elif j in HOST_SCALARS.get(opname, ()) and w.numel() == 1:
+                        args.append(("const", float(w.reshape(-1)[0])))
+                    else:
+                        args.append(("const", w))
+                else:
+                    raise ValueError(f"program node {i} ({opname}) reads {name!r}, which nothing defines")
+            outs = []
+            for name in node["outputs"]:
+                slots[name] = len(slots)
+                outs.append(slots[name])
+            steps.append(_Step(fn, args, outs, dict(node.get("attrs", {})), []))
+        self.output_slots = [slots[n] for n in spec["outputs"]]
+        keep = set(self.output_slots)
+        for slot, i in last_use.items():
+            if slot not in keep and slot >= len(self.input_names):
+                steps[i].free.append(slot)
+        self._steps = steps
+        self._num_slots = len(slots)
+
+    def run(self, feeds: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+        env: list = [None] * self._num_slots
+        for i, name in enumerate(self.input_names):
+            env[i] = feeds[name]
+        for st in self._steps:
+            args = [env[v] if kind == "slot" else v for kind, v in st.args]
+            results = st.fn(*args, **st.attrs)
+            for slot, value in zip(st.outs, results, strict=False):
+                env[slot] = value
+            for slot in st.free:
+                env[slot] = None
+        return [env[s] for s in self.output_slots]
+
+
+def _bind_attention(attention: Attention) -> Callable:
+    def run(query, key, value, slot_mapping, block_tables, context_lens, query_start_loc, **attrs):
+        return (attention(attrs, query, key, value, slot_mapping, block_tables, context_lens, query_start_loc),)
+    return run
