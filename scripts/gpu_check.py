@@ -60,7 +60,8 @@ def parse_args(argv):
     p.add_argument("--budget-s", type=float, default=420.0,
                    help="stop starting new bandwidth rows after this many seconds (default 420: under 8 min)")
     p.add_argument("--iters", type=int, default=20, help="timed iterations per bandwidth measurement")
-    p.add_argument("--skip", action="append", default=[], choices=["correctness", "aot", "bandwidth", "tensorrt"])
+    p.add_argument("--skip", action="append", default=[],
+                   choices=["engine", "correctness", "aot", "bandwidth", "tensorrt"])
     return p.parse_args(argv)
 
 
@@ -69,7 +70,9 @@ def section(name, report, fn):
     try:
         report[name] = fn()
     except Exception as exc:  # a crashed section is a failed check, reported with its traceback
-        report[name] = {"ok": False, "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
+        partial = report.get(name) if isinstance(report.get(name), dict) else {}
+        report[name] = {**partial, "ok": False, "error": f"{type(exc).__name__}: {exc}",
+                        "traceback": traceback.format_exc()}
     report[name]["seconds"] = round(time.time() - t0, 1)
 
 
@@ -354,6 +357,22 @@ def run_tensorrt():
 # ---------------------------------------------------------------------------------------------
 
 
+def print_engine(r: dict) -> None:
+    if "rows" in r:
+        table("engine: 1B shape (Llama-3.2-1B, vocab 8192), decode 128 new tokens after 128-token prompts",
+              ["who", "batch", "tok/s", "roofline frac", "note"],
+              [[x["who"], x["batch"], f"{x['tok_s']:.1f}" if x.get("tok_s") else "-",
+                f"{x['roofline_frac']:.2f}" if x.get("roofline_frac") else "-",
+                x.get("error", "") or (f"greedy agree {x['greedy_agree_with_bf16']:.2f}"
+                                       if "greedy_agree_with_bf16" in x else "")] for x in r["rows"]])
+    for k in ("parity", "batched_equals_single", "graphs_equal_eager", "attention_route", "prefill_llmc_tok_s",
+              "prefill_transformers_tok_s", "copy_bandwidth_gbs", "make_model_s"):
+        if k in r:
+            print(f"  {k}: {r[k]}")
+    for b in r.get("builds", []):
+        print(f"  build rc {b['rc']} {b.get('s')} s: {b['cmd']}" + ("" if b["rc"] == 0 else f"\n{b['tail']}"))
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     t_start = time.time()
@@ -376,26 +395,45 @@ def main(argv=None) -> int:
     }
     print(f"llmc GPU check ({report['mode']}): {report['env']['device']}, torch {torch.__version__}, "
           f"triton {triton.__version__}")
-    if "correctness" not in args.skip:
-        section("correctness", report, lambda: run_correctness(args.cpu_smoke, device))
-    if "aot" not in args.skip:
-        section("aot", report, lambda: run_aot(args.cpu_smoke, device))
+    def save():  # after every section: a run cut short still leaves what it measured
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=1)
+
+    if "engine" not in args.skip:
+        if args.cpu_smoke:
+            report["engine"] = {"ok": True, "skipped": "no GPU (--cpu-smoke)"}
+        else:
+            sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+            from gpu_engine_check import run_engine
+
+            # the kernel sections after it need about 90 s
+            section("engine", report, lambda: run_engine(args.budget_s - 90, t_start, report))
+            print_engine(report["engine"])
+        save()
     if "bandwidth" not in args.skip:
         if args.cpu_smoke:
             report["bandwidth"] = {"ok": True, "skipped": "no GPU (--cpu-smoke)"}
         else:
-            section("bandwidth", report, lambda: run_bandwidth(args, t_start))
+            section("bandwidth", report, lambda: run_bandwidth(args, time.time() - args.budget_s + 40))
+        save()
+    if "correctness" not in args.skip:
+        section("correctness", report, lambda: run_correctness(args.cpu_smoke, device))
+        save()
+    if "aot" not in args.skip:
+        section("aot", report, lambda: run_aot(args.cpu_smoke, device))
+        save()
     if "tensorrt" not in args.skip:
         if args.cpu_smoke:
             report["tensorrt"] = {"ok": True, "skipped": "no GPU (--cpu-smoke)"}
         else:
             section("tensorrt", report, run_tensorrt)
-    for name in ("correctness", "aot", "bandwidth", "tensorrt"):
+    for name in ("engine", "correctness", "aot", "bandwidth", "tensorrt"):
         r = report.get(name)
         if r is not None and ("error" in r or "skipped" in r):
             print(f"\n{name}: " + (f"ERROR {r['error']}\n{r.get('traceback', '')}" if "error" in r
                                    else f"skipped: {r['skipped']}"))
-    report["ok"] = all(report[k]["ok"] for k in ("correctness", "aot", "bandwidth", "tensorrt") if k in report)
+    report["ok"] = all(report[k]["ok"] for k in ("engine", "correctness", "aot", "bandwidth", "tensorrt")
+                       if k in report)
     report["seconds"] = round(time.time() - t_start, 1)
     with open(args.out, "w") as f:
         json.dump(report, f, indent=1)

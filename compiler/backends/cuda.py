@@ -21,6 +21,7 @@ Q/DQ patterns the quantize pass writes.
 from __future__ import annotations
 
 import json
+import os
 import re
 import struct
 import subprocess
@@ -353,7 +354,11 @@ def emit(model: ir.Model, out_dir: Path, *, sm: int, dtype: str = "bfloat16", ca
     say(f"      writing {len(low.weights)} weights ({dtype})")
     write_safetensors(out_dir / torch_program.WEIGHTS_FILE, list(low.weights.values()))
     configs = attention_configs(low.nodes)
-    say(f"      compiling {2 * len(configs)} attention kernels for sm_{sm} ahead of time")
-    kernels = compile_kernels(configs, sm, dtype, cache_dtype or dtype, block_size, out_dir)
+    if os.environ.get("LLMC_CUDA_NO_AOT") == "1":  # debugging: an engine whose attention runs in plain torch
+        say("      LLMC_CUDA_NO_AOT=1: no ahead-of-time kernels (attention in plain torch, no CUDA graphs)")
+        kernels = []
+    else:
+        say(f"      compiling {2 * len(configs)} attention kernels for sm_{sm} ahead of time")
+        kernels = compile_kernels(configs, sm, dtype, cache_dtype or dtype, block_size, out_dir)
     return CudaEngineFiles(program=torch_program.PROGRAM_FILE, weights=torch_program.WEIGHTS_FILE, kernels=kernels,
                            fusions=low.fusions, dtype=dtype)
