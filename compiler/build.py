@@ -110,12 +110,19 @@ def _validate(options: BuildOptions) -> None:
         raise LlmcError(f"--dtype {options.dtype}: must be bfloat16 (default), float16 or float32")
 
 
-def _check_cuda_request(options: BuildOptions, target: Target) -> None:
-    """What llmc's CUDA engine cannot build, refused before any work."""
+def _check_cuda_request(options: BuildOptions, target: Target) -> BuildOptions:
+    """What llmc's CUDA engine cannot build, refused before any work. Returns the options as the build runs
+    them: the CUDA engine has no block-quantized embedding gather, so INT4 builds keep the embedding table in
+    the engine dtype (the manifest's recipe says so)."""
+    import dataclasses
+
     fmt = options.quant.format
     if fmt is not None and fmt.family == "nvfp4":
         raise UnsupportedError(f"--quant {fmt.name} on {target.flag}: the CUDA engine has no NVFP4 kernels yet; use "
                                "--quant fp8 or int4-awq, or --engine tensorrt for a TensorRT export")
+    if options.quant.embeddings != "none":
+        options = dataclasses.replace(options, quant=dataclasses.replace(options.quant, embeddings="none"))
+    return options
 
 
 def uses_cuda_engine(options: BuildOptions, target: Target) -> bool:
@@ -157,7 +164,7 @@ def _plan(out_dir: str | Path, options: BuildOptions) -> _Plan:
     quant_recipe.check_target(options.quant, options.target, TARGETS)  # before get_target: name the constraint
     target = get_target(options.target)
     if uses_cuda_engine(options, target):
-        _check_cuda_request(options, target)
+        options = _check_cuda_request(options, target)
     elif target.backend in GPU_BACKENDS:
         options = _check_gpu_request(options, target)
     if out.exists() and not options.force:

@@ -75,6 +75,8 @@ class CudaSession:
     def __init__(self, root: Path, manifest: dict, device: str = "cuda", cuda_graphs: bool = True,
                  max_graph_batch: int = 64, max_model_len: int | None = None) -> None:
         self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:  # "cuda": the current device, by index
+            self.device = torch.device("cuda", torch.cuda.current_device())
         engine = manifest["engine"]
         spec = read_spec(root)
         self.dtype = DTYPES[spec["dtype"]]

@@ -319,17 +319,16 @@ def quantize(x, scale, zero_point=None, *, axis=1, saturate=1, block_size=0, **_
 def fp8_linear(x, w8, w_scales, act_scale, *, mode="emulate", **_):
     """``Q/DQ(x, act_scale) @ DQ(w8 [N, K] E4M3, w_scales [N])``: FP8 GEMM with a static activation scale.
 
-    ``mode="scaled_mm"`` runs ``torch._scaled_mm`` (sm_89+ tensor cores, float32 accumulation,
-    row-wise scales); ``"emulate"`` computes the same products in float32 (CPU, and the reference).
+    ``mode="scaled_mm"`` runs ``torch._scaled_mm`` on CUDA tensors (sm_89+ tensor cores, float32
+    accumulation, row-wise scales); CPU tensors and ``"emulate"`` compute the same products in float32.
     """
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     xq = (x2.float() / act_scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    if mode == "scaled_mm":
+    if mode == "scaled_mm" and x.is_cuda:  # tensor cores; elsewhere the same products in float32
         m = x2.shape[0]
         y = torch._scaled_mm(xq, w8.t(), scale_a=act_scale.reshape(1, 1).expand(m, 1).contiguous(),
-                             scale_b=w_scales.reshape(1, -1), out_dtype=x.dtype if x.dtype != torch.float32
-                             else torch.bfloat16)
+                             scale_b=w_scales.reshape(1, -1), out_dtype=x.dtype)
     else:
         y = (xq.float() * act_scale) @ (w8.float() * w_scales.reshape(-1, 1)).t()
     return (y.to(x.dtype).reshape(*shape[:-1], -1),)

@@ -46,9 +46,12 @@ def _trt_rtx():
      ("--quant nvfp4", "sm_100", "--gpu h100", "sm_90", "--quant fp8", "--gpu b200 / rtx5090")),
     (("--gpu", "a100", "--quant", "fp8"), 3, ("--quant fp8", "sm_89", "--gpu a100", "sm_80", "--quant int4",
                                              "--gpu h100 / l40s")),
-    (("--gpu", "rtx4090", "--kv-cache-dtype", "fp8"), 3, ("--kv-cache-dtype fp8", "TensorRT for RTX", "float16")),
-    (("--gpu", "rtx4090", "--quant", "int4"), 3, ("--quant int4", "symmetric", "--symmetric")),
-    (("--gpu", "rtx4090", "--max-num-tokens", "2", "--max-batch-size", "8"), 2, ("--max-num-tokens 2",
+    (("--gpu", "rtx4090", "--engine", "tensorrt", "--kv-cache-dtype", "fp8"), 3,
+     ("--kv-cache-dtype fp8", "TensorRT for RTX", "float16")),
+    (("--gpu", "rtx4090", "--engine", "tensorrt", "--quant", "int4"), 3,
+     ("--quant int4", "symmetric", "--symmetric")),
+    (("--gpu", "rtx4090", "--engine", "tensorrt", "--max-num-tokens", "2", "--max-batch-size", "8"), 2,
+     ("--max-num-tokens 2",
                                                                                  "--max-batch-size 8")),
     (("--gpu", "v100"), 2, ("--gpu 'v100'", "rtx4090", "auto")),
     (("--gpu", "rtx4090", "--target", "h100"), 2, ("--gpu", "--target h100")),
@@ -66,7 +69,7 @@ def test_gpu_requests_a_target_cannot_honour_are_refused_before_any_work(tmp_pat
 def test_full_tensorrt_target_says_what_to_install(tmp_path, tiny_llama):
     if importlib.util.find_spec("tensorrt") is not None:
         pytest.skip("tensorrt is installed here: the missing-TensorRT message cannot be observed")
-    rc, _, err = _llmc("build", tiny_llama, "-o", tmp_path / "out", "--gpu", "h100")
+    rc, _, err = _llmc("build", tiny_llama, "-o", tmp_path / "out", "--gpu", "h100", "--engine", "tensorrt")
     last = err.strip().splitlines()[-1]
     assert rc == 3 and "--gpu h100" in last and "pip install tensorrt-cu13==" in last and "GPU" in last, err
     assert "[2/5]" not in err and not (tmp_path / "out").exists()
@@ -203,7 +206,8 @@ def _check_engine(out: Path, trt, target: str, sm: str, quant: str | None) -> di
 def test_rtx4090_fp16_and_fp8_engines(tmp_path, tiny_llama):
     trt = _trt_rtx()
     cache = tmp_path / "cache"
-    rc, out, err = _llmc("build", tiny_llama, "-o", tmp_path / "fp16", "--gpu", "rtx4090", "--cache-dir", cache,
+    rc, out, err = _llmc("build", tiny_llama, "-o", tmp_path / "fp16", "--gpu", "rtx4090", "--engine", "tensorrt",
+                         "--cache-dir", cache,
                          "--json", *SHAPES)
     assert rc == 0, err
     fp16 = _check_engine(tmp_path / "fp16", trt, "rtx4090", "8.9", None)
@@ -213,7 +217,8 @@ def test_rtx4090_fp16_and_fp8_engines(tmp_path, tiny_llama):
     # TensorRT for RTX compiles kernels on the device and keeps no timing cache (its calls are no-ops).
     assert fp16["timing_cache"]["used"] is False and not (cache / "trt-timing").exists()
 
-    rc, out, err = _llmc("build", tiny_llama, "-o", tmp_path / "fp8", "--gpu", "rtx4090", "--cache-dir", cache,
+    rc, out, err = _llmc("build", tiny_llama, "-o", tmp_path / "fp8", "--gpu", "rtx4090", "--engine", "tensorrt",
+                         "--cache-dir", cache,
                          "--json", "--quant", "fp8", *CALIB, *SHAPES)
     assert rc == 0, err
     fp8 = _check_engine(tmp_path / "fp8", trt, "rtx4090", "8.9", "fp8")
@@ -225,7 +230,8 @@ def test_rtx4090_fp16_and_fp8_engines(tmp_path, tiny_llama):
 
 def test_rtx5090_nvfp4_engine(tmp_path, tiny_llama):
     trt = _trt_rtx()
-    rc, out, err = _llmc("build", tiny_llama, "-o", tmp_path / "nvfp4", "--gpu", "rtx5090", "--cache-dir",
+    rc, out, err = _llmc("build", tiny_llama, "-o", tmp_path / "nvfp4", "--gpu", "rtx5090", "--engine", "tensorrt",
+                         "--cache-dir",
                          tmp_path / "cache", "--json", "--quant", "nvfp4", *CALIB, *SHAPES)
     assert rc == 0, err
     nvfp4 = _check_engine(tmp_path / "nvfp4", trt, "rtx5090", "12.0", "nvfp4")

@@ -1,0 +1,146 @@
+"""llmc's CUDA engine, tested with no GPU: the lowering and the executor run on torch's CPU ops.
+
+The same program a GPU runs (``llmc build --gpu ...``) executes here with ``Engine.load(device="cpu")``;
+these tests hold it to transformers (greedy tokens, fp32) and to the ONNX Runtime engine of the same
+recipe (logits), and check what the artifact promises: AOT cubins with their launch metadata, and a
+clear refusal where the GPU is missing.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from llmc.cli.main import cli
+from llmc.compiler.build import BuildOptions, build
+from llmc.quant.recipe import QuantRecipe
+from llmc.runtime import Engine, SamplingParams
+
+PROMPTS = [[5, 17, 33, 90], list(range(3, 40)), [7] * 3 + [101, 250, 499, 2]]
+
+
+def _fresh_ids(n: int, vocab: int) -> list[int]:
+    return np.random.default_rng().integers(3, vocab, n).tolist()
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory, tiny_llama):
+    out = tmp_path_factory.mktemp("cuda-engines")
+    cuda = build(tiny_llama, out / "h100", BuildOptions(target="h100", dtype="float32"))
+    cpu = build(tiny_llama, out / "cpu", BuildOptions(target="cpu"))
+    return cuda.out_dir, cpu.out_dir, cuda.manifest
+
+
+def test_manifest_names_the_engine_and_its_aot_kernels(engines):
+    path, _, manifest = engines
+    e = manifest["engine"]
+    assert e["backend"] == "cuda" and e["sm"] == "9.0" and e["dtype"] == "float32"
+    assert {k["variant"] for k in e["kernels"]} == {"decode", "prefill"}
+    for k in e["kernels"]:
+        cubin = (path / k["file"]).read_bytes()
+        assert cubin[:4] == b"\x7fELF" and k["sm"] == 90 and k["target"] == "sm_90a"
+        assert k["name"].encode() in cubin  # the entry the runtime looks up
+        # launch metadata agrees with the kernel configuration it was compiled from
+        assert k["block_q"] == k["config"]["block_m"] // (k["config"]["num_heads"] // k["config"]["num_kv_heads"])
+        assert k["num_kv_heads"] == k["config"]["num_kv_heads"] and k["shared_mem"] <= 48 * 1024
+    assert manifest["toolchain"]["triton"] != "absent"
+
+
+def test_fp32_cuda_engine_on_cpu_matches_transformers_and_the_onnxruntime_engine(engines, tiny_llama):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    path, cpu_path, _ = engines
+    eng = Engine.load(path, device="cpu")
+    ref = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    params = SamplingParams(max_tokens=32, ignore_eos=True)
+    got = [o.token_ids for o in eng.generate(PROMPTS, params)]
+    with torch.no_grad():
+        for ids, g in zip(PROMPTS, got, strict=True):
+            want = ref.generate(torch.tensor([ids]), max_new_tokens=32, min_new_tokens=32, do_sample=False)
+            assert g == want[0, len(ids):].tolist()
+    assert [eng.generate([p], params)[0].token_ids for p in PROMPTS] == got  # batched = single
+    ort = Engine.load(cpu_path)
+    ids = _fresh_ids(70, eng.vocab_size)
+    np.testing.assert_allclose(eng.score(ids), ort.score(ids), atol=1e-4, rtol=0)
+
+
+def test_default_model_cuda_engine_matches_transformers(tmp_path):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tests.conftest import DEFAULT_MODEL
+
+    built = build(DEFAULT_MODEL, tmp_path / "e", BuildOptions(target="h200", dtype="float32"))
+    eng = Engine.load(built.out_dir, device="cpu")
+    ref = AutoModelForCausalLM.from_pretrained(DEFAULT_MODEL, dtype=torch.float32).eval()
+    prompt = eng.tokenizer.encode("The for statement")
+    out = eng.generate([prompt], SamplingParams(max_tokens=24, ignore_eos=True))[0].token_ids
+    with torch.no_grad():
+        want = ref.generate(torch.tensor([prompt]), max_new_tokens=24, min_new_tokens=24, do_sample=False)
+    assert out == want[0, len(prompt):].tolist()
+
+
+def test_fp8_cuda_engine_on_cpu_matches_the_cpu_engine_of_the_recipe(tmp_path, tiny_llama):
+    """Same FP8 weights and activation scales, two executions: the CUDA program's fused Fp8Linear against
+    ONNX Runtime's Q/DQ graph."""
+    recipe = QuantRecipe(quant="fp8", calib_samples=4, calib_seq_len=32, embeddings="none", lm_head="none")
+    cuda = build(tiny_llama, tmp_path / "g", BuildOptions(target="h100", dtype="float32", quant=recipe))
+    assert cuda.report.get("backend_fusions", {}).get("fp8-linear", 0) > 0, cuda.report.get("backend_fusions")
+    cpu = build(tiny_llama, tmp_path / "c", BuildOptions(target="cpu", quant=recipe))
+    g, c = Engine.load(cuda.out_dir, device="cpu"), Engine.load(cpu.out_dir)
+    ids = _fresh_ids(50, g.vocab_size)
+    lg, lc = g.score(ids), c.score(ids)
+    assert np.abs(lg - lc).max() / np.abs(lc).max() < 1e-3
+    assert (lg.argmax(-1) == lc.argmax(-1)).mean() >= 0.95
+
+
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_int4_linear_equals_dequantize_then_matmul(symmetric):
+    """The CUDA program's Int4Linear (codes packed two per byte) against the Q/DQ form it replaces."""
+    import torch
+
+    from llmc.compiler.backends.cuda import _pack_int4
+    from llmc.quant import int4
+    from llmc.quant.graph import _int4_arrays
+    from llmc.runtime.torch_ops import dequantize, int4_linear
+
+    rng = np.random.default_rng()
+    n, k, g = 48, 200, 64  # K not a multiple of the group: a padded last group
+    q = int4.quantize_rtn(rng.standard_normal((n, k)).astype(np.float32), g, symmetric)
+    codes, scales, *zp = _int4_arrays(q, "qdq")
+    x = torch.from_numpy(rng.standard_normal((3, k)).astype(np.float32))
+    zeros = torch.from_numpy(zp[0].astype(np.uint8)) if zp else None
+    got = int4_linear(x, torch.from_numpy(_pack_int4(codes)), torch.from_numpy(scales), zeros, group_size=g, k=k)[0]
+    w = dequantize(torch.from_numpy(codes.astype(np.int8)), torch.from_numpy(scales),
+                   zeros, axis=0, block_size=g)[0]
+    torch.testing.assert_close(got, x @ w, rtol=1e-5, atol=1e-5)
+
+
+def test_verify_and_load_say_which_gpu_a_cuda_engine_needs(engines):
+    import torch
+
+    path = engines[0]
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: the no-GPU refusal cannot be observed")
+    result = CliRunner().invoke(cli, ["verify", str(path), "--json"])
+    report = json.loads(result.stdout)
+    assert result.exit_code != 0 and not report["ok"] and not report["problems"]
+    (problem,) = report["load_problems"]
+    assert "'h100'" in problem and "9.0" in problem and "no NVIDIA GPU" in problem
+    with pytest.raises(Exception, match="compute capability 9.0"):
+        Engine.load(path)
+    rc = CliRunner().invoke(cli, ["verify", str(path), "--integrity-only"]).exit_code
+    assert rc == 0
+
+
+def test_cuda_engine_refusals_before_any_work(tmp_path, tiny_llama):
+    runner = CliRunner()
+    r = runner.invoke(cli, ["build", str(tiny_llama), "-o", str(tmp_path / "x"), "--gpu", "b200", "--quant", "nvfp4"])
+    assert r.exit_code == 3 and "NVFP4" in r.stderr and "--engine tensorrt" in r.stderr
+    assert not (tmp_path / "x").exists()
+    r = runner.invoke(cli, ["build", str(tiny_llama), "-o", str(tmp_path / "y"), "--gpu", "h100", "--dtype", "fp64"])
+    assert r.exit_code == 2 and "--dtype" in r.stderr
