@@ -196,10 +196,11 @@ def _compile(ckpt: Checkpoint, digest: str, plan: _Plan, dest: Path, say: Progre
     gpu = target.backend in GPU_BACKENDS
     qstage = None
     if options.quant.enabled:
+        from llmc.compiler.binding import param_reader
         from llmc.quant.stage import QuantStage
 
         # GPU engines take INT4 as block-wise DequantizeLinear (TensorRT's INT4 GEMM form), not MatMulNBits.
-        qstage = QuantStage(ckpt, options.quant, say, form="qdq" if gpu else "cpu")
+        qstage = QuantStage(ckpt, options.quant, say, form="qdq" if gpu else "cpu", params=param_reader(ckpt))
         for warning in quant_recipe.check_target(options.quant, target.name, TARGETS):
             say(f"      warning: {warning}")
     # The quantize pass runs after the fusions, before the final dead-code elimination.

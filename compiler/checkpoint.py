@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
+from llmc.compiler.config_check import check_config
 from llmc.errors import LlmcError, UnsupportedError
 
 # Architectures whose engines are tested against transformers end to end (tests/test_architectures.py).
@@ -177,6 +178,7 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
     tensors: dict[str, TensorEntry] = {}
     for f in files:
         tensors.update(_read_safetensors_header(f))
+    check_config(config, cfg_path, list(tensors))
     return Checkpoint(path=root, config=config, tensors=tensors, files=files)
 
 

@@ -132,13 +132,15 @@ def test_fp16_kv_cache_halves_the_pool_and_reports_its_accuracy(tmp_path, tiny_l
 
 @pytest.mark.parametrize("quant", ["int4-awq", "int4-gptq"])
 def test_same_seed_calibration_gives_byte_identical_weights(tiny_llama, quant):
+    from llmc.compiler.binding import param_reader
     from llmc.compiler.checkpoint import load_checkpoint
     from llmc.quant.stage import QuantStage
 
     ckpt = load_checkpoint(tiny_llama)
 
     def weights(seed):
-        stage = QuantStage(ckpt, QuantRecipe(quant=quant, group_size=32, calib_samples=6, calib_seq_len=48, seed=seed))
+        stage = QuantStage(ckpt, QuantRecipe(quant=quant, group_size=32, calib_samples=6, calib_seq_len=48, seed=seed),
+                           params=param_reader(ckpt))
         result = stage._calibrate()
         return {name: (lq.weights.matmulnbits_b().tobytes(), lq.weights.scales.tobytes(),
                        None if lq.input_scale is None else lq.input_scale.tobytes())
@@ -152,14 +154,14 @@ def test_same_seed_calibration_gives_byte_identical_weights(tiny_llama, quant):
 
 def test_calibration_is_memory_bounded_layer_by_layer(tiny_llama):
     """Only the layer being calibrated holds weights; the others stay empty."""
+    from llmc.compiler.binding import param_reader
     from llmc.compiler.checkpoint import load_checkpoint
     from llmc.quant.calibration import LayerwiseCalibration
-    from llmc.quant.stage import _param_reader
 
     ckpt = load_checkpoint(tiny_llama)
     from transformers import AutoConfig
 
-    run = LayerwiseCalibration(AutoConfig.from_pretrained(Path(tiny_llama)), _param_reader(ckpt),
+    run = LayerwiseCalibration(AutoConfig.from_pretrained(Path(tiny_llama)), param_reader(ckpt),
                                np.random.default_rng(0).integers(0, 500, (4, 32)))
     for stats in run.layers():
         loaded = [i for i, layer in enumerate(run.base.layers) if next(layer.parameters()).numel() > 0]
