@@ -256,8 +256,10 @@ def _compile(ckpt: Checkpoint, digest: str, plan: _Plan, dest: Path, say: Progre
     _kill_point("after-emit")
 
     stage("write artifact", 5)
-    artifact.copy_tokenizer(ckpt.path, dest)
+    copied = artifact.copy_tokenizer(ckpt.path, dest)
     report = {
+        # An engine without tokenizer.json takes token ids only (`llmc run --prompt-ids`); say so in the report.
+        "tokenizer": {"files": sorted(f for f in copied if f in artifact.TOKENIZER_FILES), "text": ckpt.has_tokenizer},
         "passes": pass_stats,
         "graph": {"nodes_traced": nodes_traced, "nodes_final": sum(1 for _ in traced.model.graph)},
         "backend_fusions": fused,

@@ -24,6 +24,9 @@ SUPPORTED_MODEL_TYPES = (
     "qwen3_moe",
 )
 
+# The runtime's tokenizer (llmc.runtime.tokenizer reads this file only).
+TOKENIZER_FILE = "tokenizer.json"
+
 _ST_DTYPES = {
     "F32": "float32",
     "F16": "float16",
@@ -62,6 +65,12 @@ class Checkpoint:
     @property
     def model_type(self) -> str:
         return self.config["model_type"]
+
+    @property
+    def has_tokenizer(self) -> bool:
+        """Whether the checkpoint has ``tokenizer.json`` (the runtime's tokenizer); without it an engine
+        takes token ids only."""
+        return (self.path / TOKENIZER_FILE).is_file()
 
     @property
     def dtype(self) -> str:
@@ -179,7 +188,12 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
     for f in files:
         tensors.update(_read_safetensors_header(f))
     check_config(config, cfg_path, list(tensors))
-    return Checkpoint(path=root, config=config, tensors=tensors, files=files)
+    checkpoint = Checkpoint(path=root, config=config, tensors=tensors, files=files)
+    if not checkpoint.has_tokenizer:
+        logging.getLogger("llmc").warning(
+            "%s: no %s; the engine will take token ids, not text (llmc run ENGINE --prompt-ids 1,2,3); copy the "
+            "model's tokenizer files into the checkpoint to build one that takes text", root, TOKENIZER_FILE)
+    return checkpoint
 
 
 def read_tensor(entry: TensorEntry) -> np.ndarray:

@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 import onnx_ir as ir
 
+from llmc.errors import LlmcError
 from llmc.passes.base import GraphPass
 from llmc.quant import evaluate
 from llmc.quant.recipe import QuantRecipe
@@ -45,6 +46,11 @@ class QuantStage:
 
     def __init__(self, checkpoint, recipe: QuantRecipe, progress: Callable[[str], None] | None = None,
                  form: str = "cpu", *, params: ParamReader | None = None) -> None:
+        if not (Path(checkpoint.path) / "tokenizer.json").is_file():
+            # Calibration and the accuracy check both run on text.
+            raise LlmcError(f"{checkpoint.path}: no tokenizer.json; quantized builds (--quant, --kv-cache-dtype) "
+                            "calibrate and measure accuracy on text: add the model's tokenizer files or build "
+                            "without quantization")
         self.checkpoint = checkpoint
         self.params = params
         self.recipe = recipe
