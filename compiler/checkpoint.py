@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from llmc.compiler.config_check import check_config
+from llmc.compiler.config_check import check_config, check_tokenizer
 from llmc.errors import LlmcError, UnsupportedError
 
 # Architectures whose engines are tested against transformers end to end (tests/test_architectures.py).
@@ -189,7 +189,9 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
         tensors.update(_read_safetensors_header(f))
     check_config(config, cfg_path, list(tensors))
     checkpoint = Checkpoint(path=root, config=config, tensors=tensors, files=files)
-    if not checkpoint.has_tokenizer:
+    if checkpoint.has_tokenizer:
+        check_tokenizer(root / TOKENIZER_FILE, config, cfg_path)
+    else:
         logging.getLogger("llmc").warning(
             "%s: no %s; the engine will take token ids, not text (llmc run ENGINE --prompt-ids 1,2,3); copy the "
             "model's tokenizer files into the checkpoint to build one that takes text", root, TOKENIZER_FILE)

@@ -99,3 +99,25 @@ def _layer_fix(key: str, tensor_names: list[str]) -> str:
     if not held:
         return " (the number of decoder layers)"
     return f" (the number of decoder layers: the checkpoint holds {max(held) + 1}, so set it to {max(held) + 1})"
+
+
+def check_tokenizer(tokenizer_path: Path, config: dict, cfg_path: Path) -> None:
+    """Every id the tokenizer can produce must have a row in the embedding (``vocab_size``): a larger
+    tokenizer belongs to another model, and its surplus ids would fail at run time."""
+    from tokenizers import Tokenizer
+
+    try:
+        vocab = Tokenizer.from_file(str(tokenizer_path)).get_vocab(with_added_tokens=True)
+    except Exception as exc:  # tokenizers raises a bare Exception for malformed files
+        reason = " ".join(str(exc).split())
+        raise LlmcError(f"{tokenizer_path}: unreadable ({reason}); use the tokenizer files the model came "
+                        "with") from None
+    section = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    size = section.get("vocab_size")
+    if not vocab or not _is_int(size):
+        return
+    token, top = max(vocab.items(), key=lambda kv: kv[1])
+    if top >= size:
+        raise LlmcError(f"{tokenizer_path}: token {token!r} has id {top} but {cfg_path.name} field 'vocab_size' is "
+                        f"{size} (ids 0..{size - 1}); use the tokenizer that came with this checkpoint or fix "
+                        "'vocab_size'")

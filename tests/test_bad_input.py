@@ -260,3 +260,19 @@ def test_known_unused_tensors_are_accepted(tmp_path, tiny_llama, tiny_engine):
     params = SamplingParams(max_tokens=6, ignore_eos=True)
     got = Engine.load(tmp_path / "out").generate([[5, 6, 7]], params)[0].token_ids
     assert got == Engine.load(tiny_engine).generate([[5, 6, 7]], params)[0].token_ids
+
+
+def test_tokenizer_larger_than_the_vocabulary(tmp_path, tiny_llama):
+    """A tokenizer whose ids run past vocab_size belongs to another model: refused before any work."""
+    ckpt = _copy(tiny_llama, tmp_path / "ckpt")
+    _edit_config(ckpt, vocab_size=500)  # the tokenizer has 512 tokens (and the embedding 512 rows)
+    code, err = _llmc("build", str(ckpt), "-o", str(tmp_path / "out"))
+    _refused_before_export(code, err, tmp_path / "out", "tokenizer.json", "id 511", "'vocab_size' is 500")
+    assert "[2/5]" not in err
+
+
+def test_unreadable_tokenizer(tmp_path, tiny_llama):
+    ckpt = _copy(tiny_llama, tmp_path / "ckpt")
+    (ckpt / "tokenizer.json").write_text('{"model": ')
+    code, err = _llmc("build", str(ckpt), "-o", str(tmp_path / "out"))
+    _refused_before_export(code, err, tmp_path / "out", "tokenizer.json", "unreadable")
