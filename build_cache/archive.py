@@ -3,8 +3,10 @@
 Packing writes a reproducible archive (sorted members, fixed owner, modes and mtime), so the
 same artifact always gives the same bytes. Unpacking treats the archive as hostile: every member
 is checked before anything is written (no absolute paths, no ``..``, no links, no device files,
-no duplicates), extraction also runs under tarfile's ``data`` filter as a second guard, into a
-temporary sibling of the target that is renamed into place only once the result verifies.
+no duplicates), and llmc writes the members itself (plain files with mode 0644, directories 0755,
+owned by the caller), into a temporary sibling of the target that is renamed into place only once
+the result verifies. These checks stand alone: tarfile's ``data`` filter, a second guard, exists
+only from Python 3.11.4, and ``requires-python`` admits 3.11.0 (Debian 12 ships 3.11.2).
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from llmc.errors import LlmcError
 from llmc.runtime import artifact
 
 _SUFFIXES = (".tar", ".tar.gz", ".tgz")
+# tarfile's extraction filters (PEP 706) arrived in 3.11.4; None before that.
+_DATA_FILTER = getattr(tarfile, "data_filter", None)
 
 
 @dataclass
@@ -121,6 +125,38 @@ def check_member(member: tarfile.TarInfo) -> str | None:
     return None
 
 
+def _second_guard(src: Path, members: list[tarfile.TarInfo], dest: Path) -> None:
+    """tarfile's ``data`` filter over every member, where this Python has it (3.11.4+)."""
+    if _DATA_FILTER is None:
+        return
+    for m in members:
+        try:
+            _DATA_FILTER(m, str(dest))
+        except tarfile.TarError as exc:  # FilterError and its subclasses
+            raise LlmcError(f"{src}: member {m.name!r}: {exc}; refusing to unpack") from None
+
+
+def _extract(src: Path, tf: tarfile.TarFile, members: list[tarfile.TarInfo], dest: Path) -> None:
+    """Write the (checked) members under ``dest``: directories and plain files only, with fixed modes,
+    so no owner, setuid bit or odd mode in the archive reaches the disk on any Python."""
+    for m in members:
+        path = dest / _normalise(m.name)
+        try:
+            if m.isdir():
+                path.mkdir(mode=0o755, parents=True, exist_ok=True)
+                continue
+            path.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
+            data = tf.extractfile(m)
+            # "x": a member never writes through or over a path an earlier member made.
+            with open(path, "xb") as fh:
+                if data is not None:
+                    shutil.copyfileobj(data, fh, 1 << 20)
+            os.chmod(path, 0o644)
+        except (FileExistsError, NotADirectoryError, IsADirectoryError):
+            raise LlmcError(f"{src}: member {m.name!r} clashes with another member's path; refusing to "
+                            "unpack") from None
+
+
 def unpack(archive: str | Path, out: str | Path, *, force: bool = False) -> artifact.Verification:
     """Extract the engine archive ``archive`` into the new directory ``out`` and verify it.
 
@@ -152,10 +188,8 @@ def unpack(archive: str | Path, out: str | Path, *, force: bool = False) -> arti
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
         try:
-            try:
-                tf.extractall(tmp, members=members, filter="data")
-            except tarfile.FilterError as exc:
-                raise LlmcError(f"{src}: {exc}; refusing to unpack") from None
+            _second_guard(src, members, tmp)
+            _extract(src, tf, members, tmp)
             result = artifact.check(tmp, loadable=False)
             if result.problems:
                 raise LlmcError(f"{src}: the unpacked engine fails verification: {result.problems[0]}",

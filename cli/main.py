@@ -7,6 +7,7 @@ Exit codes: 0 success; 1 verification found problems; 2 bad input; 3 unsupported
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 import time
@@ -56,6 +57,21 @@ def cli() -> None:
       llmc inspect engines/m                          # manifest and report
       llmc targets                                    # what can be built
     """
+    _warnings_to_stderr()
+
+
+class _Warnings(logging.Handler):
+    """llmc's logged warnings (untested model type, no tokenizer, ...) as ``warning: ...`` lines on the
+    stderr of the moment (click.echo looks it up per call, so a captured stderr gets them too)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        click.echo(f"warning: {record.getMessage()}", err=True)
+
+
+def _warnings_to_stderr() -> None:
+    logger = logging.getLogger("llmc")
+    if not any(isinstance(h, _Warnings) for h in logger.handlers):
+        logger.addHandler(_Warnings(logging.WARNING))
 
 
 def _print_passes(ctx: click.Context, _param, value: bool) -> None:
@@ -191,6 +207,17 @@ def build(checkpoint: Path, output: Path, disabled_passes: tuple[str, ...], veri
         click.echo(f"{result.out_dir} ({size / 2**20:.1f} MiB): {how} in {result.timings['total']:.1f}s")
 
 
+def _token_ids(text: str) -> list[int]:
+    """``--prompt-ids 1,2,3`` as a list of ints (the engine checks them against its vocabulary)."""
+    try:
+        ids = [int(t) for t in text.replace(" ", "").split(",") if t]
+    except ValueError:
+        ids = []
+    if not ids:
+        raise LlmcError(f"--prompt-ids {text!r}: give comma-separated token ids, e.g. --prompt-ids 1,2,3")
+    return ids
+
+
 def _gpu_target(gpu: str | None, target: str) -> str:
     """The target named by ``--gpu`` (``auto``: the local GPU), checked against ``--target``."""
     if gpu is None:
@@ -226,8 +253,11 @@ def _build_json(result, target: str) -> dict:
 
 @cli.command()
 @click.argument("engine", type=click.Path(path_type=Path))
-@click.option("-p", "--prompt", "prompts", multiple=True, required=True,
+@click.option("-p", "--prompt", "prompts", multiple=True,
               help="Prompt text; repeat for several prompts, which run batched together.")
+@click.option("--prompt-ids", "prompt_ids", multiple=True, metavar="IDS",
+              help="A prompt as comma-separated token ids (1,2,3); repeatable. Works on any engine, also one "
+                   "built without a tokenizer.")
 @click.option("-n", "--max-new-tokens", default=64, show_default=True, help="Tokens to generate per prompt.")
 @click.option("--temperature", default=0.0, show_default=True, help="0 is greedy.")
 @click.option("--top-k", default=0, show_default=True, help="Keep the k most likely tokens (0: off).")
@@ -237,33 +267,45 @@ def _build_json(result, target: str) -> dict:
 @click.option("--device", default=None, metavar="DEV",
               help="CUDA engines: cuda (default), cuda:N, or cpu (the same program on torch's CPU ops; slow).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object: token_ids, text, timings.")
-def run(engine: Path, prompts: tuple[str, ...], max_new_tokens: int, temperature: float, top_k: int,
-        top_p: float, seed: int | None, ignore_eos: bool, device: str | None, as_json: bool) -> None:
-    """Generate text with an ENGINE directory."""
+def run(engine: Path, prompts: tuple[str, ...], prompt_ids: tuple[str, ...], max_new_tokens: int,
+        temperature: float, top_k: int, top_p: float, seed: int | None, ignore_eos: bool, device: str | None,
+        as_json: bool) -> None:
+    """Generate text (or token ids) with an ENGINE directory."""
     from llmc.runtime import Engine, SamplingParams
 
+    if bool(prompts) == bool(prompt_ids):
+        raise LlmcError("llmc run: give the prompts as text (--prompt) or as token ids (--prompt-ids 1,2,3), "
+                        "one of the two")
+    inputs: list = list(prompts) or [_token_ids(p) for p in prompt_ids]
     t0 = time.perf_counter()
     eng = Engine.load(engine, device=device)
     load_s = time.perf_counter() - t0
     params = SamplingParams(max_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                             seed=seed, ignore_eos=ignore_eos)
     t1 = time.perf_counter()
-    outs = eng.generate(list(prompts), params)
+    outs = eng.generate(inputs, params)
     gen_s = time.perf_counter() - t1
     n_tokens = sum(len(o.token_ids) for o in outs)
     timings = {"load_s": round(load_s, 4), "generate_s": round(gen_s, 4),
                "ttft_s": round(max(o.ttft for o in outs), 4),
                "tokens_per_s": round(n_tokens / gen_s, 2) if gen_s > 0 else None}
     if as_json:
-        items = [{"prompt": p, "prompt_token_ids": o.prompt_token_ids, "token_ids": o.token_ids, "text": o.text,
-                  "finish_reason": o.finish_reason} for p, o in zip(prompts, outs, strict=True)]
+        # "text" is null for an engine without a tokenizer; "prompt" is the text given, if any.
+        items = [{**({"prompt": p} if isinstance(p, str) else {}), "prompt_token_ids": o.prompt_token_ids,
+                  "token_ids": o.token_ids, "text": o.text, "finish_reason": o.finish_reason}
+                 for p, o in zip(inputs, outs, strict=True)]
         obj = dict(items[0]) if len(items) == 1 else {"outputs": items}
         obj["timings"] = timings
         click.echo(json.dumps(obj))
         return
-    for p, o in zip(prompts, outs, strict=True):
-        click.echo(f"{p}{o.text}")
-        if len(prompts) > 1:
+    for p, o in zip(inputs, outs, strict=True):
+        if isinstance(p, str):
+            click.echo(f"{p}{o.text}")
+        else:  # token ids in, token ids out (and the text, where the engine has a tokenizer)
+            click.echo(",".join(map(str, o.token_ids)))
+            if o.text is not None:
+                click.echo(o.text)
+        if len(inputs) > 1:
             click.echo("---")
     click.echo(f"[{n_tokens} tokens in {gen_s:.2f}s, {timings['tokens_per_s']} tok/s; "
                f"first token {timings['ttft_s'] * 1000:.0f} ms; load {load_s:.2f}s]", err=True)
@@ -317,6 +359,10 @@ def inspect(engine: Path, as_json: bool) -> None:
         e = manifest["engine"]
         click.echo(f"engine      {e['engine_file']}: {e['builder']['product']} {e['builder']['version']}, "
                    f"sm_{e['sm'].replace('.', '')}, limits {json.dumps(e.get('limits', {}))}")
+    tok = report.get("tokenizer")
+    if tok is not None:  # engines built before llmc recorded it have no entry
+        click.echo(f"tokenizer   {', '.join(tok['files'])}" if tok["text"] else
+                   "tokenizer   none: the engine takes token ids (llmc run ENGINE --prompt-ids 1,2,3)")
     g = report.get("graph", {})
     click.echo(f"graph       {g.get('nodes_traced')} nodes traced → {g.get('nodes_final')} final")
     for p in report.get("passes", []):

@@ -228,10 +228,11 @@ def _compile(ckpt: Checkpoint, digest: str, plan: _Plan, dest: Path, say: Progre
     gpu = cuda or target.backend in GPU_BACKENDS
     qstage = None
     if options.quant.enabled:
+        from llmc.compiler.binding import param_reader
         from llmc.quant.stage import QuantStage
 
         # GPU engines take INT4 as block-wise DequantizeLinear (TensorRT's INT4 GEMM form), not MatMulNBits.
-        qstage = QuantStage(ckpt, options.quant, say, form="qdq" if gpu else "cpu")
+        qstage = QuantStage(ckpt, options.quant, say, form="qdq" if gpu else "cpu", params=param_reader(ckpt))
         for warning in quant_recipe.check_target(options.quant, target.name, TARGETS):
             say(f"      warning: {warning}")
     # The quantize pass runs after the fusions, before the final dead-code elimination.
@@ -296,8 +297,10 @@ def _compile(ckpt: Checkpoint, digest: str, plan: _Plan, dest: Path, say: Progre
     _kill_point("after-emit")
 
     stage("write artifact", 5)
-    artifact.copy_tokenizer(ckpt.path, dest)
+    copied = artifact.copy_tokenizer(ckpt.path, dest)
     report = {
+        # An engine without tokenizer.json takes token ids only (`llmc run --prompt-ids`); say so in the report.
+        "tokenizer": {"files": sorted(f for f in copied if f in artifact.TOKENIZER_FILES), "text": ckpt.has_tokenizer},
         "passes": pass_stats,
         "graph": {"nodes_traced": nodes_traced, "nodes_final": sum(1 for _ in traced.model.graph)},
         "backend_fusions": fused,

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
+from llmc.compiler.config_check import check_config, check_tokenizer
 from llmc.errors import LlmcError, UnsupportedError
 
 # Architectures whose engines are tested against transformers end to end (tests/test_architectures.py).
@@ -22,6 +23,9 @@ SUPPORTED_MODEL_TYPES = (
     "llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "gpt2", "gpt_neox", "mixtral",
     "qwen3_moe",
 )
+
+# The runtime's tokenizer (llmc.runtime.tokenizer reads this file only).
+TOKENIZER_FILE = "tokenizer.json"
 
 _ST_DTYPES = {
     "F32": "float32",
@@ -61,6 +65,12 @@ class Checkpoint:
     @property
     def model_type(self) -> str:
         return self.config["model_type"]
+
+    @property
+    def has_tokenizer(self) -> bool:
+        """Whether the checkpoint has ``tokenizer.json`` (the runtime's tokenizer); without it an engine
+        takes token ids only."""
+        return (self.path / TOKENIZER_FILE).is_file()
 
     @property
     def dtype(self) -> str:
@@ -177,7 +187,15 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
     tensors: dict[str, TensorEntry] = {}
     for f in files:
         tensors.update(_read_safetensors_header(f))
-    return Checkpoint(path=root, config=config, tensors=tensors, files=files)
+    check_config(config, cfg_path, list(tensors))
+    checkpoint = Checkpoint(path=root, config=config, tensors=tensors, files=files)
+    if checkpoint.has_tokenizer:
+        check_tokenizer(root / TOKENIZER_FILE, config, cfg_path)
+    else:
+        logging.getLogger("llmc").warning(
+            "%s: no %s; the engine will take token ids, not text (llmc run ENGINE --prompt-ids 1,2,3); copy the "
+            "model's tokenizer files into the checkpoint to build one that takes text", root, TOKENIZER_FILE)
+    return checkpoint
 
 
 def read_tensor(entry: TensorEntry) -> np.ndarray:

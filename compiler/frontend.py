@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_ir as ir
 
+from llmc.compiler.binding import account, bind
 from llmc.compiler.checkpoint import Checkpoint, TensorEntry, read_tensor
 from llmc.errors import LlmcError, UnsupportedError
 from llmc.plugins.paged_attention import INPUT_NAMES
@@ -98,7 +99,9 @@ def _build_module(checkpoint: Checkpoint, compute_dtype: str):
     try:
         config = AutoConfig.from_pretrained(checkpoint.path, local_files_only=True)
     except Exception as exc:  # transformers raises many types for a bad config
-        raise LlmcError(f"{checkpoint.path / 'config.json'}: transformers cannot read it: {exc}") from None
+        # Its messages can span lines (validator name, then the reason); the error is one line.
+        reason = " ".join(str(exc).split())
+        raise LlmcError(f"{checkpoint.path / 'config.json'}: transformers cannot read it: {reason}") from None
     config._attn_implementation = ATTN_IMPLEMENTATION
     with no_init_weights(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -206,53 +209,6 @@ def _param_name(graph_name: str) -> str:
     return graph_name[len(WRAPPER_PREFIX):] if graph_name.startswith(WRAPPER_PREFIX) else graph_name
 
 
-def _check_shapes(checkpoint: Checkpoint, module, hf) -> None:
-    """Every checkpoint tensor the model uses must have the shape the config implies."""
-    tensors, _ = _model_keys(checkpoint, hf)
-    for name, param in module.state_dict().items():
-        entry = tensors.get(_param_name(name))
-        if entry is not None and tuple(entry.shape) != tuple(param.shape):
-            raise LlmcError(
-                f"{entry.file}: tensor {name!r} has shape {list(entry.shape)} but config.json implies "
-                f"{list(param.shape)}; the weights do not belong to this config (check hidden_size, "
-                "num_attention_heads, num_key_value_heads, intermediate_size, vocab_size)"
-            )
-
-
-def _model_keys(checkpoint: Checkpoint, hf) -> tuple[dict[str, TensorEntry], bool]:
-    """Map model parameter names to checkpoint tensors through transformers' own key renamings.
-
-    Returns the map and whether some tensor needs one of transformers' weight *converters*
-    (e.g. per-expert MoE weights merged into one tensor), which llmc does not stream.
-    """
-    from transformers.conversion_mapping import get_model_conversion_mapping
-    from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
-
-    transforms = get_model_conversion_mapping(hf)
-    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
-    converters = [t for t in transforms if isinstance(t, WeightConverter)]
-    meta = dict.fromkeys(hf.state_dict())
-    out, needs_converter = {}, False
-    for key, entry in checkpoint.tensors.items():
-        renamed, converter = rename_source_key(key, renamings, converters, hf.base_model_prefix, meta)
-        if converter is not None:  # one of several source tensors of a merged weight
-            needs_converter = True
-            continue
-        out[renamed] = entry
-    return out, needs_converter
-
-
-def _source_entry(tensors: dict[str, TensorEntry], name: str, hf) -> TensorEntry | None:
-    entry = tensors.get(name)
-    if entry is None and getattr(hf.config, "tie_word_embeddings", False):
-        # A tied output embedding is stored once, under the input embedding's key.
-        out_emb, in_emb = hf.get_output_embeddings(), hf.get_input_embeddings()
-        names = {id(p): n for n, p in hf.named_parameters(remove_duplicate=False)}
-        if out_emb is not None and names.get(id(out_emb.weight)) == name:
-            entry = tensors.get(next(n for n, p in hf.named_parameters() if p is in_emb.weight))
-    return entry
-
-
 def trace(checkpoint: Checkpoint, compute_dtype: str = "float32") -> TracedModel:
     """Trace ``checkpoint`` into an ``onnx_ir.Model`` whose weights are lazily bound to the safetensors.
 
@@ -265,7 +221,9 @@ def trace(checkpoint: Checkpoint, compute_dtype: str = "float32") -> TracedModel
 
     onnx_schema.register()
     config, hf, module, rope = _build_module(checkpoint, compute_dtype)
-    _check_shapes(checkpoint, module, hf)
+    # Every checkpoint tensor bound or known unused, every weight found with its shape: before tracing.
+    binding = bind(checkpoint, hf)
+    account(checkpoint, binding)
 
     # Small, pairwise distinct sizes so that torch.export keeps every dimension symbolic.
     tokens, seqs, max_blocks = 11, 3, 5
@@ -313,10 +271,9 @@ def trace(checkpoint: Checkpoint, compute_dtype: str = "float32") -> TracedModel
     model = program.model
     buffers = {name: buf for name, buf in module.named_buffers()}
     parameters = {name for name, _ in module.named_parameters(remove_duplicate=False)}
-    tensors, needs_converter = _model_keys(checkpoint, hf)
-    loaded = _load_converted(checkpoint, compute_dtype) if needs_converter else None
+    loaded = _load_converted(checkpoint, compute_dtype) if binding.needs_converter else None
     for name, value in list(model.graph.initializers.items()):
-        entry = _source_entry(tensors, _param_name(name), hf)
+        entry = binding.source(_param_name(name))
         if loaded is not None and _param_name(name) in loaded:
             del model.graph.initializers[name]
             value.name = _param_name(name)
@@ -337,7 +294,7 @@ def trace(checkpoint: Checkpoint, compute_dtype: str = "float32") -> TracedModel
                 f"{checkpoint.path}: the model needs tensor {name!r} but no safetensors file holds it; "
                 "the checkpoint is incomplete or for another architecture"
             )
-    del hf, module, program
+    del hf, module, program, binding
     text_cfg = config
     num_heads = text_cfg.num_attention_heads
     return TracedModel(

@@ -19,8 +19,10 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import onnx_ir as ir
 
+from llmc.errors import LlmcError
 from llmc.passes.base import GraphPass
 from llmc.quant import evaluate
 from llmc.quant.recipe import QuantRecipe
@@ -30,81 +32,27 @@ EVAL_WINDOW = 256
 EVAL_TOKENS = 16384
 
 
-def _param_reader(checkpoint):
-    """A function of the transformers model giving ``name -> float32 array`` read from ``checkpoint``,
-    with the frontend's own name mapping (renamed keys, tied embeddings). A parameter that transformers
-    builds from several checkpoint tensors (per-expert MoE weights merged into one ``[E, N, K]`` tensor)
-    is assembled on demand by the same weight converter transformers applies when loading, from only
-    that parameter's source tensors: calibration still reads one layer at a time."""
-    import numpy as np
-
-    from llmc.compiler.checkpoint import read_tensor
-    from llmc.compiler.frontend import _model_keys, _source_entry
-
-    def for_model(model):
-        tensors, needs_converter = _model_keys(checkpoint, model)
-        merged = _converted_sources(checkpoint, model) if needs_converter else {}
-
-        def read(name: str) -> np.ndarray:
-            entry = _source_entry(tensors, name, model)
-            if entry is not None:
-                return np.asarray(read_tensor(entry), np.float32)
-            if name in merged:
-                return _convert(name, *merged[name], model)
-            raise RuntimeError(f"calibration: no checkpoint tensor for parameter {name!r}")
-
-        return read
-
-    return for_model
-
-
-def _converted_sources(checkpoint, model) -> dict[str, tuple[object, dict[str, list]]]:
-    """``parameter name -> (WeightConverter, {source pattern: [TensorEntry, ...]})`` for the parameters
-    transformers assembles from several checkpoint tensors, the entries in transformers' loading order."""
-    from transformers.conversion_mapping import get_model_conversion_mapping
-    from transformers.core_model_loading import WeightConverter, WeightRenaming, dot_natural_key, rename_source_key
-
-    transforms = get_model_conversion_mapping(model)
-    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
-    converters = [t for t in transforms if isinstance(t, WeightConverter)]
-    meta = dict.fromkeys(model.state_dict())
-    out: dict[str, tuple[object, dict[str, list]]] = {}
-    for key in sorted(checkpoint.tensors, key=dot_natural_key):
-        for converter in converters:
-            target, pattern = rename_source_key(key, renamings, [converter], model.base_model_prefix, meta)
-            if pattern is not None:
-                out.setdefault(target, (converter, {}))[1].setdefault(pattern, []).append(checkpoint.tensors[key])
-                break
-    return out
-
-
-def _convert(name: str, converter, sources: dict[str, list], model):
-    """One merged parameter: the converter's operations (e.g. stack the experts, concatenate gate and up)
-    applied to its source tensors, as float32 numpy."""
-    import numpy as np
-    import torch
-
-    from llmc.compiler.checkpoint import read_tensor
-
-    tensors = {pattern: [torch.from_numpy(np.array(read_tensor(e), np.float32, copy=True)) for e in entries]
-               for pattern, entries in sources.items()}
-    for op in converter.operations:
-        tensors = op.convert(tensors, source_patterns=converter.source_patterns,
-                             target_patterns=converter.target_patterns, full_layer_name=name, model=model,
-                             config=model.config, missing_keys=None)
-    if len(tensors) != 1:
-        raise RuntimeError(f"calibration: transformers' converter for {name!r} gives {len(tensors)} tensors "
-                           f"({', '.join(tensors)}); llmc handles converters that give one")
-    (value,) = tensors.values()
-    return value.detach().float().numpy()
+# For calibration: a function of the transformers model giving ``name -> float32 weight``, read from the
+# checkpoint. The compiler owns the checkpoint-to-weight binding (llmc.compiler.binding.param_reader) and
+# hands it in, so quantization never imports the layer above it.
+ParamReader = Callable[[object], Callable[[str], "np.ndarray"]]
 
 
 class QuantStage:
-    """One build's quantization. ``warnings`` are shown to the user (CPU emulation)."""
+    """One build's quantization. ``warnings`` are shown to the user (CPU emulation).
+
+    ``checkpoint`` needs a ``path`` (config.json, tokenizer.json); ``params`` is required when the recipe
+    calibrates."""
 
     def __init__(self, checkpoint, recipe: QuantRecipe, progress: Callable[[str], None] | None = None,
-                 form: str = "cpu") -> None:
+                 form: str = "cpu", *, params: ParamReader | None = None) -> None:
+        if not (Path(checkpoint.path) / "tokenizer.json").is_file():
+            # Calibration and the accuracy check both run on text.
+            raise LlmcError(f"{checkpoint.path}: no tokenizer.json; quantized builds (--quant, --kv-cache-dtype) "
+                            "calibrate and measure accuracy on text: add the model's tokenizer files or build "
+                            "without quantization")
         self.checkpoint = checkpoint
+        self.params = params
         self.recipe = recipe
         self.form = form  # quantize_model's form: "cpu" (ONNX Runtime kernels) or "qdq" (TensorRT)
         self.say = progress or (lambda msg: None)
@@ -140,7 +88,9 @@ class QuantStage:
         samples = calibration.sample_sequences(docs, r.calib_samples, seq_len, r.seed, separator=eos)
         self.say(f"      calibrate on {samples.shape[0]} x {samples.shape[1]} tokens "
                  f"({r.calib_data or 'built-in pydoc text'}, seed {r.seed})")
-        return collect(config, _param_reader(self.checkpoint), samples, r, progress=self.say)
+        if self.params is None:
+            raise RuntimeError("QuantStage(params=...) is needed to calibrate")
+        return collect(config, self.params, samples, r, progress=self.say)
 
     def _run(self, model: ir.Model) -> dict[str, int]:
         from llmc.quant.graph import quantize_model

@@ -15,7 +15,6 @@ import argparse
 import importlib.util
 import json
 import math
-import platform
 import shlex
 import sys
 import time
@@ -283,7 +282,7 @@ def write_model_card(
     card = f"""# llmc default model
 
 A tiny Llama trained from scratch by `scripts/train_default_model.py` on the English
-text of CPython's `pydoc_data.topics.topics` (Python {platform.python_version()}). It
+text of CPython's `pydoc_data.topics.topics` (Python 3.11.7, as shipped in `testing/`). It
 exists so that llmc's tests, examples and demos have a real, offline checkpoint whose
 output reads like Python documentation. It is not useful for anything else.
 

@@ -243,13 +243,69 @@ def test_unpack_refuses_hostile_members(tiny_engine, tmp_path, evil, needle):
     assert not (tmp_path / "escaped.txt").exists() and not Path("/tmp/llmc-absolute-escape.txt").exists()
 
 
-def test_data_filter_is_a_second_guard(tmp_path):
-    # Our own checks come first; tarfile's 'data' filter must still refuse what they would miss.
+@pytest.mark.skipif(not hasattr(tarfile, "data_filter"), reason="tarfile's data filter exists from Python 3.11.4")
+def test_data_filter_is_a_second_guard(tiny_engine, tmp_path, monkeypatch):
+    """With llmc's own member checks switched off, tarfile's 'data' filter still refuses a '..' member."""
+    monkeypatch.setattr(archive, "check_member", lambda member: None)
+    work = tmp_path / "work"
+    work.mkdir()
+    tar = _crafted(tmp_path, tiny_engine, lambda tf: _add_file(tf, "../escaped.txt"))
+    code, _, err = _llmc("unpack", tar, "-o", work / "engine")
+    assert code == 2 and "'../escaped.txt'" in err and "refusing" in err, err
+    assert list(work.iterdir()) == [] and not (tmp_path / "escaped.txt").exists()
+
+
+def _without_data_filter(monkeypatch) -> None:
+    """This Python as 3.11.0-3.11.3 (Debian 12 ships 3.11.2): tarfile has no extraction filters."""
+    monkeypatch.setattr(archive, "_DATA_FILTER", None)
+    for name in ("FilterError", "data_filter", "OutsideDestinationError", "AbsolutePathError"):
+        monkeypatch.delattr(tarfile, name, raising=False)
+    extractall, extract = tarfile.TarFile.extractall, tarfile.TarFile.extract
+
+    # 3.11.2's signatures: no `filter` argument, everything extracted as the archive says.
+    def old_extractall(self, path=".", members=None, *, numeric_owner=False):
+        return extractall(self, path, members, numeric_owner=numeric_owner, filter="fully_trusted")
+
+    def old_extract(self, member, path="", set_attrs=True, *, numeric_owner=False):
+        return extract(self, member, path, set_attrs, numeric_owner=numeric_owner, filter="fully_trusted")
+
+    monkeypatch.setattr(tarfile.TarFile, "extractall", old_extractall)
+    monkeypatch.setattr(tarfile.TarFile, "extract", old_extract)
+
+
+def test_unpack_on_a_python_without_the_data_filter(tiny_engine, tmp_path, monkeypatch):
+    _without_data_filter(monkeypatch)
     tar = tmp_path / "x.tar"
-    with tarfile.open(tar, "w") as tf:
-        _add_file(tf, "../x")
-    with tarfile.open(tar) as tf, pytest.raises(tarfile.FilterError):
-        tf.extractall(tmp_path / "out", filter="data")
+    archive.pack(tiny_engine, tar)
+    code, out, err = _llmc("unpack", tar, "-o", tmp_path / "engine", "--json")
+    assert code == 0 and json.loads(out)["ok"], err
+    work = tmp_path / "work"
+    work.mkdir()
+    evil = _crafted(tmp_path, tiny_engine, _two(_symlink("d", ".."), lambda tf: _add_file(tf, "d/escaped.txt")))
+    code, _, err = _llmc("unpack", evil, "-o", work / "engine")
+    assert code == 2 and "symlink" in err and "refusing" in err and "Traceback" not in err, err
+    assert list(work.iterdir()) == [] and not (tmp_path / "escaped.txt").exists()
+
+
+@pytest.mark.parametrize("data_filter", [True, False], ids=["with-filter", "without-filter"])
+def test_unpack_writes_fixed_modes(tiny_engine, tmp_path, monkeypatch, data_filter):
+    """A setuid, world-writable member owned by someone else lands as an ordinary 0644 file of the caller's."""
+    if not data_filter:
+        _without_data_filter(monkeypatch)
+    elif not hasattr(tarfile, "data_filter"):
+        pytest.skip("tarfile's data filter exists from Python 3.11.4")
+    tar, odd = tmp_path / "x.tar", tmp_path / "odd.tar"
+    archive.pack(tiny_engine, tar)
+    with tarfile.open(tar) as src, tarfile.open(odd, "w") as dst:
+        for m in src.getmembers():
+            if m.isfile():
+                m.mode, m.uid, m.gid = 0o4777, 4242, 4242
+            dst.addfile(m, src.extractfile(m) if m.isfile() else None)
+    code, _, err = _llmc("unpack", odd, "-o", tmp_path / "engine")
+    assert code == 0, err
+    files = [f for f in (tmp_path / "engine").rglob("*") if f.is_file()]
+    assert files and all(f.stat().st_mode & 0o7777 == 0o644 for f in files)
+    assert all(f.stat().st_uid == os.getuid() for f in files)
 
 
 def test_unpack_verifies_the_result(tiny_engine, tmp_path):

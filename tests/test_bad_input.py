@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 from click.testing import CliRunner
 
@@ -139,3 +140,139 @@ def test_console_script_end_to_end(tmp_path, tiny_llama):
     obj = json.loads(ran.stdout)
     assert len(obj["token_ids"]) == 8 and isinstance(obj["text"], str) and obj["timings"]["generate_s"] > 0
     assert subprocess.run([llmc, "verify", str(out)], capture_output=True).returncode == 0
+
+
+# -- checkpoint <-> config <-> graph accounting (exit 2 before tracing, one line, nothing left) ----------
+
+def _edit_config(ckpt: Path, **fields) -> None:
+    cfg = json.loads((ckpt / "config.json").read_text())
+    cfg.update(fields)
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+
+
+def _edit_tensors(ckpt: Path, edit) -> None:
+    """Rewrite model.safetensors with ``edit(dict of numpy arrays)`` applied."""
+    from safetensors.numpy import load_file, save_file
+
+    tensors = load_file(ckpt / "model.safetensors")
+    edit(tensors)
+    save_file(tensors, ckpt / "model.safetensors", metadata={"format": "pt"})
+
+
+def _refused_before_export(code: int, err: str, out: Path, *needles: str) -> None:
+    _assert_clean_failure(code, err, out, *needles)
+    assert code == 2, err
+    assert "[3/5]" not in err, "refused before the graph was traced"
+
+
+@pytest.mark.parametrize("fields, needles", [
+    ({"num_hidden_layers": -1}, ("'num_hidden_layers' is -1", "positive integer", "set it to 2")),
+    ({"num_hidden_layers": 0}, ("'num_hidden_layers' is 0", "set it to 2")),
+    ({"num_key_value_heads": 3}, ("'num_attention_heads' (4)", "'num_key_value_heads' (3)")),
+    ({"hidden_size": 66, "head_dim": None}, ("'hidden_size' (66)", "'num_attention_heads' (4)", "head_dim")),
+    ({"vocab_size": "512"}, ("'vocab_size' is \"512\"", "positive integer")),
+    ({"num_local_experts": 2, "num_experts_per_tok": 3}, ("'num_experts_per_tok' (3)", "'num_local_experts' (2)")),
+], ids=["layers-negative", "layers-zero", "kv-heads", "head-width", "vocab-string", "experts"])
+def test_config_sanity_before_any_work(tmp_path, tiny_llama, fields, needles):
+    ckpt = _copy(tiny_llama, tmp_path / "ckpt")
+    _edit_config(ckpt, **fields)
+    code, err = _llmc("build", str(ckpt), "-o", str(tmp_path / "out"))
+    _refused_before_export(code, err, tmp_path / "out", "config.json", *needles)
+    assert "[2/5]" not in err, "refused before the model was even built"
+
+
+def test_transformers_config_validation_is_one_line(tmp_path, tiny_llama):
+    """transformers' own validators (multi-line messages) still end in one error line."""
+    ckpt = _copy(tiny_llama, tmp_path / "ckpt")
+    _edit_config(ckpt, hidden_size=66)  # head_dim stays 16: llmc's check passes, transformers' does not
+    code, err = _llmc("build", str(ckpt), "-o", str(tmp_path / "out"))
+    _refused_before_export(code, err, tmp_path / "out", "config.json", "transformers cannot read it",
+                           "hidden size (66)")
+
+
+def test_checkpoint_with_an_extra_layer(tmp_path, tiny_llama):
+    """Weights of a 3-layer model under a 2-layer config: the surplus tensors and the field are named."""
+    ckpt = _copy(tiny_llama, tmp_path / "ckpt")
+
+    def add_layer(t):
+        for name in [n for n in t if n.startswith("model.layers.1.")]:
+            t[name.replace("layers.1.", "layers.2.")] = t[name].copy()
+    _edit_tensors(ckpt, add_layer)
+    code, err = _llmc("build", str(ckpt), "-o", str(tmp_path / "out"))
+    _refused_before_export(code, err, tmp_path / "out", "does not use", "'model.layers.2.", "num_hidden_layers",
+                           "layers 0..2")
+
+
+def test_checkpoint_with_an_unknown_tensor(tmp_path, tiny_llama):
+    ckpt = _copy(tiny_llama, tmp_path / "ckpt")
+    _edit_tensors(ckpt, lambda t: t.update({"model.layers.0.mlp.extra_proj.weight": np.ones((4, 4), np.float32)}))
+    code, err = _llmc("build", str(ckpt), "-o", str(tmp_path / "out"))
+    _refused_before_export(code, err, tmp_path / "out", "1 checkpoint tensor", "'model.layers.0.mlp.extra_proj.weight'",
+                           "model_type 'llama'")
+
+
+def test_checkpoint_with_a_missing_tensor(tmp_path, tiny_llama):
+    ckpt = _copy(tiny_llama, tmp_path / "ckpt")
+    _edit_tensors(ckpt, lambda t: t.pop("model.layers.1.mlp.down_proj.weight"))
+    code, err = _llmc("build", str(ckpt), "-o", str(tmp_path / "out"))
+    _refused_before_export(code, err, tmp_path / "out", "'model.layers.1.mlp.down_proj.weight'", "no safetensors")
+
+
+def test_checkpoint_missing_whole_layers_names_the_layer_count(tmp_path, tiny_llama):
+    ckpt = _copy(tiny_llama, tmp_path / "ckpt")
+    _edit_config(ckpt, num_hidden_layers=3)
+    code, err = _llmc("build", str(ckpt), "-o", str(tmp_path / "out"))
+    _refused_before_export(code, err, tmp_path / "out", "'model.layers.2.", "'num_hidden_layers' is 3",
+                           "layers 0..1")
+
+
+def test_missing_output_projection_names_tie_word_embeddings(tmp_path, tiny_llama):
+    ckpt = _copy(tiny_llama, tmp_path / "ckpt")
+    _edit_tensors(ckpt, lambda t: t.pop("lm_head.weight"))
+    code, err = _llmc("build", str(ckpt), "-o", str(tmp_path / "out"))
+    _refused_before_export(code, err, tmp_path / "out", "'lm_head.weight'", "tie_word_embeddings")
+
+
+def test_tensor_shape_disagrees_with_vocab_size(tmp_path, tiny_llama):
+    ckpt = _copy(tiny_llama, tmp_path / "ckpt")
+    _edit_config(ckpt, vocab_size=600)
+    code, err = _llmc("build", str(ckpt), "-o", str(tmp_path / "out"))
+    _refused_before_export(code, err, tmp_path / "out", "model.safetensors", "shape [512, 64]", "[600, 64]",
+                           "vocab_size gives 600, the checkpoint has 512")
+
+
+def test_integer_weights_are_refused(tmp_path, tiny_llama):
+    ckpt = _copy(tiny_llama, tmp_path / "ckpt")
+    _edit_tensors(ckpt, lambda t: t.update({"model.norm.weight": t["model.norm.weight"].astype(np.int8)}))
+    code, err = _llmc("build", str(ckpt), "-o", str(tmp_path / "out"))
+    _refused_before_export(code, err, tmp_path / "out", "'model.norm.weight'", "int8", "quantization_config")
+
+
+def test_known_unused_tensors_are_accepted(tmp_path, tiny_llama, tiny_engine):
+    """Rotary tables some checkpoints store are known unused: the engine is the same as without them."""
+    ckpt = _copy(tiny_llama, tmp_path / "ckpt")
+    _edit_tensors(ckpt, lambda t: t.update({f"model.layers.{i}.self_attn.rotary_emb.inv_freq":
+                                            np.ones(8, np.float32) for i in range(2)}))
+    code, err = _llmc("build", str(ckpt), "-o", str(tmp_path / "out"))
+    assert code == 0, err
+    from llmc.runtime import Engine, SamplingParams
+
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    got = Engine.load(tmp_path / "out").generate([[5, 6, 7]], params)[0].token_ids
+    assert got == Engine.load(tiny_engine).generate([[5, 6, 7]], params)[0].token_ids
+
+
+def test_tokenizer_larger_than_the_vocabulary(tmp_path, tiny_llama):
+    """A tokenizer whose ids run past vocab_size belongs to another model: refused before any work."""
+    ckpt = _copy(tiny_llama, tmp_path / "ckpt")
+    _edit_config(ckpt, vocab_size=500)  # the tokenizer has 512 tokens (and the embedding 512 rows)
+    code, err = _llmc("build", str(ckpt), "-o", str(tmp_path / "out"))
+    _refused_before_export(code, err, tmp_path / "out", "tokenizer.json", "id 511", "'vocab_size' is 500")
+    assert "[2/5]" not in err
+
+
+def test_unreadable_tokenizer(tmp_path, tiny_llama):
+    ckpt = _copy(tiny_llama, tmp_path / "ckpt")
+    (ckpt / "tokenizer.json").write_text('{"model": ')
+    code, err = _llmc("build", str(ckpt), "-o", str(tmp_path / "out"))
+    _refused_before_export(code, err, tmp_path / "out", "tokenizer.json", "unreadable")

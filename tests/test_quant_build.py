@@ -47,7 +47,7 @@ def test_bad_quant_requests_are_refused_before_any_work(tmp_path, tiny_llama, ar
     _refused(tmp_path, rc, err, code, *needles)
 
 
-def test_quantized_build_reports_accuracy_and_gates_it(tmp_path, tiny_llama):
+def test_quantized_build_reports_accuracy(tmp_path, tiny_llama):
     calib = tmp_path / "calib.jsonl"
     from llmc.testing.corpus import pydoc_texts
 
@@ -91,14 +91,56 @@ def test_quantized_build_reports_accuracy_and_gates_it(tmp_path, tiny_llama):
     gen = Engine.load(out).generate(["The for statement"], SamplingParams(max_tokens=8, ignore_eos=True))
     assert len(gen[0].token_ids) == 8
 
-    # The gate: RTN on this model raises perplexity by a little more than 0%, so a 0% limit fails the build.
-    rc, stdout, err = _llmc("build", tiny_llama, "-o", tmp_path / "gated", "--cache-dir", tmp_path / "cache",
-                            "--quant", "int4", "--max-ppl-increase", "0", "--json")
+
+
+@pytest.fixture(scope="module")
+def fitted_llama(tmp_path_factory) -> Path:
+    """A tiny Llama trained on the held-out windows the accuracy check scores (200 Adam steps, ~5 s).
+
+    On a random model the sign of a quantized build's perplexity change is chance: its predictions are
+    worse than uniform, so noise can lower perplexity (RTN on ``tiny_llama`` gives +0.19% here and went
+    negative with another Python's corpus; on the bundled default model, which is over-fitted, RTN gives
+    -0.23%). Fitted to the scored text, the model sits near a minimum of that text's loss, where any weight
+    perturbation raises it: RTN INT4 raised perplexity by 23.8% (3.98 -> 4.93) when this was written, so
+    the 5% gate below cannot flip with another Python, BLAS or torch build.
+    """
+    import torch
+    from transformers import LlamaForCausalLM
+
+    from llmc.quant.evaluate import heldout_windows
+    from llmc.quant.stage import EVAL_TOKENS, EVAL_WINDOW
+    from llmc.testing.checkpoints import write_tiny_llama
+
+    out = write_tiny_llama(tmp_path_factory.mktemp("fitted") / "ckpt", seed=0)
+    # The windows the accuracy check scores (the full-length ones, to batch them).
+    windows = [w for w in heldout_windows(out / "tokenizer.json", EVAL_WINDOW, EVAL_TOKENS) if len(w) == EVAL_WINDOW]
+    data = torch.tensor(windows)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM.from_pretrained(out, dtype=torch.float32).train()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for _ in range(200):
+        batch = data[torch.randint(0, len(data), (8,))]
+        loss = model(input_ids=batch, labels=batch).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    model.eval().save_pretrained(out)
+    return out
+
+
+def test_accuracy_gate_fails_and_passes_the_build(tmp_path, fitted_llama):
+    """--max-ppl-increase below the measured increase: exit 4, one line, nothing written; above it: built."""
+    rc, stdout, err = _llmc("build", fitted_llama, "-o", tmp_path / "gated", "--cache-dir", tmp_path / "cache",
+                            "--quant", "int4", "--max-ppl-increase", "5", "--json")
     assert rc == 4, err
     last = err.strip().splitlines()[-1]
-    assert last.startswith("error: --max-ppl-increase 0%") and "perplexity" in last and "top-1" in last
+    assert last.startswith("error: --max-ppl-increase 5%") and "perplexity" in last and "top-1" in last
     assert json.loads(stdout)["exit_code"] == 4
     assert not (tmp_path / "gated").exists() and not list(tmp_path.glob(".gated.tmp-*"))
+    rc, stdout, err = _llmc("build", fitted_llama, "-o", tmp_path / "passed", "--cache-dir", tmp_path / "cache",
+                            "--quant", "int4", "--max-ppl-increase", "500", "--json")
+    assert rc == 0, err
+    assert 5 < json.loads(stdout)["accuracy"]["ppl_increase_pct"] <= 500
 
 
 def test_fp16_kv_cache_halves_the_pool_and_reports_its_accuracy(tmp_path, tiny_llama, tiny_engine):
@@ -132,13 +174,15 @@ def test_fp16_kv_cache_halves_the_pool_and_reports_its_accuracy(tmp_path, tiny_l
 
 @pytest.mark.parametrize("quant", ["int4-awq", "int4-gptq"])
 def test_same_seed_calibration_gives_byte_identical_weights(tiny_llama, quant):
+    from llmc.compiler.binding import param_reader
     from llmc.compiler.checkpoint import load_checkpoint
     from llmc.quant.stage import QuantStage
 
     ckpt = load_checkpoint(tiny_llama)
 
     def weights(seed):
-        stage = QuantStage(ckpt, QuantRecipe(quant=quant, group_size=32, calib_samples=6, calib_seq_len=48, seed=seed))
+        stage = QuantStage(ckpt, QuantRecipe(quant=quant, group_size=32, calib_samples=6, calib_seq_len=48, seed=seed),
+                           params=param_reader(ckpt))
         result = stage._calibrate()
         return {name: (lq.weights.matmulnbits_b().tobytes(), lq.weights.scales.tobytes(),
                        None if lq.input_scale is None else lq.input_scale.tobytes())
@@ -152,14 +196,14 @@ def test_same_seed_calibration_gives_byte_identical_weights(tiny_llama, quant):
 
 def test_calibration_is_memory_bounded_layer_by_layer(tiny_llama):
     """Only the layer being calibrated holds weights; the others stay empty."""
+    from llmc.compiler.binding import param_reader
     from llmc.compiler.checkpoint import load_checkpoint
     from llmc.quant.calibration import LayerwiseCalibration
-    from llmc.quant.stage import _param_reader
 
     ckpt = load_checkpoint(tiny_llama)
     from transformers import AutoConfig
 
-    run = LayerwiseCalibration(AutoConfig.from_pretrained(Path(tiny_llama)), _param_reader(ckpt),
+    run = LayerwiseCalibration(AutoConfig.from_pretrained(Path(tiny_llama)), param_reader(ckpt),
                                np.random.default_rng(0).integers(0, 500, (4, 32)))
     for stats in run.layers():
         loaded = [i for i, layer in enumerate(run.base.layers) if next(layer.parameters()).numel() > 0]

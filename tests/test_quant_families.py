@@ -60,15 +60,15 @@ def _reference_grams(ckpt, ids: np.ndarray) -> dict[str, np.ndarray]:
 def test_calibration_statistics_equal_transformers_forward(family_checkpoint, family):
     from transformers import AutoConfig
 
+    from llmc.compiler.binding import param_reader
     from llmc.compiler.checkpoint import load_checkpoint
     from llmc.quant.calibration import LayerwiseCalibration
-    from llmc.quant.stage import _param_reader
 
     ckpt = family_checkpoint(family)
     # 40 tokens cross the fixtures' sliding window (24); batches of 2 leave a smaller last batch.
     ids = np.random.default_rng(17).integers(4, 500, (3, 40))
     expect = _reference_grams(ckpt, ids)
-    run = LayerwiseCalibration(AutoConfig.from_pretrained(ckpt), _param_reader(load_checkpoint(ckpt)), ids,
+    run = LayerwiseCalibration(AutoConfig.from_pretrained(ckpt), param_reader(load_checkpoint(ckpt)), ids,
                                batch_size=2)
     got: dict[str, np.ndarray] = {}
     for stats in run.layers():
@@ -208,6 +208,7 @@ def test_calibrated_int4_on_gemm_and_moe_graphs_matches_numpy(traced_family, fam
     Mul; GPTQ on Mixtral): the graph computes what the original does with the calibrated INT4 weights,
     dequantized in numpy (and divided by AWQ's input scale where the graph divides the input); expert
     weights are RTN (no per-expert statistics)."""
+    from llmc.compiler.binding import param_reader
     from llmc.compiler.checkpoint import load_checkpoint
     from llmc.quant.stage import QuantStage
 
@@ -216,7 +217,8 @@ def test_calibrated_int4_on_gemm_and_moe_graphs_matches_numpy(traced_family, fam
     # activations to int8)
     recipe = QuantRecipe(quant=quant, group_size=32, embeddings="none", lm_head="int4", calib_samples=4,
                          calib_seq_len=32, int4_accuracy_level=0, int4_kernel="mlas")
-    stage = QuantStage(load_checkpoint(ckpt), recipe)
+    checkpoint = load_checkpoint(ckpt)
+    stage = QuantStage(checkpoint, recipe, params=param_reader(checkpoint))
     q = model.clone()
     stage._run(q)
     stats, calib = stage.stats, stage.calibration
