@@ -383,11 +383,13 @@ async def _stream(state: ServerState, plan: Plan, sink: asyncio.Queue, index: di
                 return
             c = _apply(d, index, choices)
             new = d.output.new_token_ids
-            delta = c.text.add(new) if c.text is not None and new else ""
+            delta = ""
             if c.finish_reason is not None:
                 left -= 1
-                if c.text is not None:
-                    delta += c.text.finish(_choice_text(c, state.engine.tokenizer))
+                if c.text is not None:  # the engine's final text: cut before a stop string this token completed
+                    delta = c.text.finish(_choice_text(c, state.engine.tokenizer))
+            elif c.text is not None and new:
+                delta = c.text.add(new)
             if not (delta or c.finish_reason or plan.top_logprobs is not None or plan.return_token_ids):
                 continue  # text held back (a split character, a possible stop string): nothing to say yet
             lps = d.output.new_logprobs or []

@@ -31,7 +31,8 @@ class TextStream:
         return self._advance(safe)
 
     def finish(self, final_text: str) -> str:
-        """The rest of the text, given the engine's final text (cut before a stop string)."""
+        """The rest of the text, given the engine's final text (cut before a stop string), in place of :meth:`add`
+        for the last token: that token may complete a stop string that must not be shown."""
         return self._advance(final_text)
 
     def _advance(self, text: str) -> str:
