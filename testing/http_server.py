@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import socket
 import threading
 import time
@@ -13,7 +14,7 @@ import uvicorn
 
 from llmc.runtime import Engine
 from llmc.serve import ServeConfig, create_app
-from llmc.serve.server import _event_loop
+from llmc.serve.server import _event_loop, _Server
 from llmc.serve.state import ServerState
 
 
@@ -21,10 +22,16 @@ from llmc.serve.state import ServerState
 class RunningServer:
     url: str  # http://127.0.0.1:PORT
     state: ServerState
+    server: _Server
+    thread: threading.Thread
 
     @property
     def v1(self) -> str:
         return self.url + "/v1"
+
+    def terminate(self) -> None:
+        """What SIGTERM does to ``llmc serve`` (uvicorn's handler): drain, then stop. Returns at once."""
+        self.server.handle_exit(signal.SIGTERM, None)
 
 
 @contextmanager
@@ -35,8 +42,9 @@ def serve_in_thread(engine: Engine, config: ServeConfig) -> Iterator[RunningServ
     sock.bind(("127.0.0.1", 0))
     sock.listen(1024)
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, loop=_event_loop(), http="httptools", log_level="warning",
-                                           timeout_graceful_shutdown=5))
+    state: ServerState = app.state.llmc
+    server = _Server(uvicorn.Config(app, loop=_event_loop(), http="httptools", log_level="warning",
+                                    timeout_graceful_shutdown=config.drain_timeout), state)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="uvicorn", daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
@@ -45,7 +53,7 @@ def serve_in_thread(engine: Engine, config: ServeConfig) -> Iterator[RunningServ
             raise RuntimeError("the test server did not start")
         time.sleep(0.01)
     try:
-        yield RunningServer(f"http://127.0.0.1:{port}", app.state.llmc)
+        yield RunningServer(f"http://127.0.0.1:{port}", state, server, thread)
     finally:
         server.should_exit = True
         thread.join(30)
