@@ -27,7 +27,7 @@ class TextStream:
         text = self._tok.decode(self._ids)
         if text.endswith("\ufffd"):
             return ""
-        safe = text[: len(text) - self._hold] if self._hold else text
+        safe = text[: max(0, len(text) - self._hold)]
         return self._advance(safe)
 
     def finish(self, final_text: str) -> str:

@@ -191,3 +191,34 @@ def test_template_that_raises_is_a_400(server, http):
     with pytest.raises(APIError, match="unsafe"):
         sandboxed.render([{"role": "user", "content": "x"}])
     _good(http)
+
+
+def test_unknown_fields_are_ignored_as_openai_does(http):
+    r = http.post("/v1/completions", json={**GOOD, "user": "u-1", "frobnicate": {"x": [1]}, "best_of": 1})
+    assert r.status_code == 200, r.text
+    r = http.post("/v1/chat/completions", json={**CHAT, "tool_choice": "none", "parallel_tool_calls": False,
+                                                "messages": [{"role": "user", "content": "hi", "name": "bob"}]})
+    assert r.status_code == 200, r.text
+
+
+def test_cli_flags_that_cannot_work_exit_2_with_one_line(tiny_engine, tmp_path):
+    import socket
+    import subprocess
+    import sys
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "llmc.cli.main", "serve", *args], capture_output=True, text=True,
+                              timeout=120)
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        p = run(str(tiny_engine), "--port", str(port))
+        assert p.returncode == 2 and f"--port {port}: already in use" in p.stderr, p.stderr
+    p = run(str(tmp_path / "missing"))
+    assert p.returncode == 2 and "missing" in p.stderr and "Traceback" not in p.stderr
+    p = run(str(tiny_engine), "--max-body-size", "lots")
+    assert p.returncode == 2 and "--max-body-size 'lots'" in p.stderr
+    p = run(str(tiny_engine), "--max-queue", "0")
+    assert p.returncode == 2 and "--max-queue 0: must be positive" in p.stderr
