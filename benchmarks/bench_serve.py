@@ -238,12 +238,13 @@ def main() -> None:
         url = args.url.rstrip("/")
         model = args.model or httpx.get(url + "/v1/models").json()["data"][0]["id"]
         label = args.label or re.sub(r"\W+", "_", url.split("//")[-1])
-    reqs = workload(args, np.random.default_rng(args.seed))
     rows = []
     try:
         # One short warm-up so the first rate does not pay for lazy initialisation.
-        asyncio.run(run_rate(args, url, model, reqs[:4], 100.0, args.seed))
+        asyncio.run(run_rate(args, url, model, workload(args, np.random.default_rng(args.seed))[:4], 100.0, 0))
         for i, rate in enumerate(float(x) for x in args.rates.split(",")):
+            # Prompts of their own per rate: a server's prefix cache must not serve one rate from the previous.
+            reqs = workload(args, np.random.default_rng(args.seed + 1 + i))
             results = asyncio.run(run_rate(args, url, model, reqs, rate, args.seed + 1 + i))
             rows.append(summarise(rate, results, args))
             print(table(rows[-1:]).splitlines()[-1], flush=True)
