@@ -256,3 +256,28 @@ def _ready(url: str) -> bool:
         return httpx.get(url + "/ready", timeout=2).status_code == 200
     except httpx.HTTPError:
         return False
+
+
+def test_server_answers_while_a_step_computes(tiny_engine):
+    """A step holds the engine's lock for its whole forward pass; no endpoint may wait for it."""
+    engine = Engine.load(tiny_engine, num_threads=1)
+    real = engine.step
+    in_step = threading.Event()
+
+    def long_step():  # a long forward pass, as a big prefill on a real model (the lock held throughout)
+        with engine._lock:
+            in_step.set()
+            time.sleep(0.5)
+            return real()
+
+    engine.step = long_step
+    with serve_in_thread(engine, ServeConfig(model_name=MODEL)) as s, httpx.Client(timeout=30) as http:
+        body = {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 4, "ignore_eos": True, "stream": True}
+        with http.stream("POST", s.v1 + "/completions", json=body):
+            assert in_step.wait(5)
+            for method, path, payload in [("GET", "/health", None), ("GET", "/metrics", None),
+                                          ("GET", "/v1/models", None), ("POST", "/tokenize", {"prompt": "abc"}),
+                                          ("POST", "/v1/completions", {**body, "max_tokens": 10**6})]:
+                t0 = time.perf_counter()
+                r = http.request(method, s.url + path, json=payload)
+                assert r.status_code in (200, 400) and time.perf_counter() - t0 < 0.25, (path, r.status_code)
