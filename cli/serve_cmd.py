@@ -58,15 +58,17 @@ def _bind(host: str, port: int) -> socket.socket:
               help="Seconds running requests get to finish after SIGTERM before they are cancelled.")
 @click.option("--stall-timeout", default=60.0, show_default=True,
               help="GET /health answers 503 when one engine step has run longer than this (seconds).")
-@click.option("--kv-cache-tokens", default=16384, show_default=True, help="KV-cache size, in tokens.")
+@click.option("--kv-cache-tokens", default=None, type=int,
+              help="KV-cache size, in tokens (default: 16384 on CPU engines; CUDA engines: what fits the GPU).")
 @click.option("--max-num-seqs", default=256, show_default=True, help="Requests decoding together at most.")
 @click.option("--max-num-tokens", default=2048, show_default=True, help="Tokens one engine step computes at most.")
 @click.option("--threads", default=None, type=int, help="ONNX Runtime threads (default: all cores).")
+@click.option("--device", default=None, metavar="DEV", help="CUDA engines: cuda (default), cuda:N, or cpu.")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug"]))
 def serve(engine: Path, host: str, port: int, served_model_name: str | None, api_key: str | None, max_queue: int,
           max_body_size: str, max_n: int, drain_timeout: float, stall_timeout: float, kv_cache_tokens: int,
-          max_num_seqs: int, max_num_tokens: int, threads: int | None, log_level: str) -> None:
+          max_num_seqs: int, max_num_tokens: int, threads: int | None, device: str | None, log_level: str) -> None:
     """Serve ENGINE over HTTP with the OpenAI API: /v1/completions, /v1/chat/completions, /v1/models,
     /tokenize, /detokenize, /health, /ready and Prometheus /metrics.
 
@@ -85,7 +87,8 @@ def serve(engine: Path, host: str, port: int, served_model_name: str | None, api
     for name, value in (("--max-queue", max_queue), ("--max-n", max_n), ("--drain-timeout", drain_timeout),
                         ("--stall-timeout", stall_timeout), ("--kv-cache-tokens", kv_cache_tokens),
                         ("--max-num-seqs", max_num_seqs), ("--max-num-tokens", max_num_tokens)):
-        _positive(name, value)
+        if value is not None:
+            _positive(name, value)
     try:
         body_limit = parse_size(max_body_size)
     except LlmcError as exc:
@@ -94,7 +97,7 @@ def serve(engine: Path, host: str, port: int, served_model_name: str | None, api
     if api_key is not None and not api_key.strip():
         raise LlmcError("--api-key: empty; give a key, or leave the flag out to serve without one")
     eng = Engine.load(engine, kv_cache_tokens=kv_cache_tokens, max_num_seqs=max_num_seqs,
-                      max_num_tokens=max_num_tokens, max_waiting=max_queue, num_threads=threads)
+                      max_num_tokens=max_num_tokens, max_waiting=max_queue, num_threads=threads, device=device)
     name = served_model_name or Path(os.path.abspath(engine)).name
     config = ServeConfig(model_name=name, api_key=api_key, max_queue=max_queue, max_body_size=body_limit,
                          max_n=max_n, stall_timeout=stall_timeout, drain_timeout=drain_timeout)
