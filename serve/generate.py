@@ -400,7 +400,8 @@ async def _stream(state: ServerState, plan: Plan, sink: asyncio.Queue, index: di
                 ch = {"index": c.index, "delta": {"content": delta} if delta or not c.finish_reason else {},
                       "logprobs": _chat_logprobs(state, new, lps, plan.top_logprobs),
                       "finish_reason": c.finish_reason}
-            offsets[c.index] += len(delta)
+            if plan.top_logprobs is not None and state.token_strings is not None:  # as the non-streamed text_offset
+                offsets[c.index] += sum(len(state.token_strings.get(t)[0]) for t in new)
             if plan.return_token_ids:
                 ch["token_ids"] = new
             yield _sse({**head, "choices": [ch]})

@@ -165,6 +165,12 @@ def test_completion_logprobs_match_engine(client, offline):
         assert sorted(lp.top_logprobs[i].values(), reverse=True) == pytest.approx(top, abs=1e-5)
     assert "".join(lp.tokens) == out.choices[0].text
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(6)]
+    chunks = [c.choices[0].logprobs for c in client.completions.create(
+        model=MODEL, prompt=PROMPTS[2], max_tokens=6, temperature=0, logprobs=3, stream=True,
+        extra_body={"ignore_eos": True})]
+    assert [t for c in chunks for t in c.tokens] == lp.tokens
+    assert [o for c in chunks for o in c.text_offset] == lp.text_offset
+    assert [x for c in chunks for x in c.token_logprobs] == pytest.approx(lp.token_logprobs, abs=1e-5)
 
 
 def test_chat_logprobs_match_engine_in_openai_shape(client, offline, chat_ids):
