@@ -120,7 +120,13 @@ class EngineLoop:
         fut: concurrent.futures.Future = concurrent.futures.Future()
         self._inbox.append(_Submit(prompts, params, ids, sink, arrival, fut))
         self._wake.set()
-        await asyncio.wrap_future(fut)
+        try:
+            await asyncio.wrap_future(fut)
+        except asyncio.CancelledError:
+            # The handler is going away. A submission still in the inbox was cancelled with it (the loop
+            # skips it); one the loop had taken already is cancelled as soon as it is in.
+            fut.add_done_callback(lambda f: f.cancelled() or f.exception() or [self.cancel(i) for i in ids])
+            raise
         return sink
 
     def cancel(self, request_id: str) -> None:
@@ -134,10 +140,7 @@ class EngineLoop:
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout)
-        while self._inbox:  # submitted while the thread was ending
-            cmd = self._inbox.popleft()
-            if isinstance(cmd, _Submit) and not cmd.future.done():
-                cmd.future.set_exception(LoopDead(self._dead_reason()))
+        self._refuse_inbox()  # what was submitted while the thread was ending
 
     @property
     def alive(self) -> bool:
@@ -207,6 +210,8 @@ class EngineLoop:
                 self._submit(cmd)
 
     def _submit(self, cmd: _Submit) -> None:
+        if not cmd.future.set_running_or_notify_cancel():
+            return  # the handler was cancelled while this waited in the inbox (its client left): submit nothing
         waiting = len(self.engine.scheduler.waiting)
         if waiting + len(cmd.ids) > self.max_queue:
             cmd.future.set_exception(QueueFull(waiting, self.max_queue))
@@ -225,6 +230,12 @@ class EngineLoop:
         for rid in cmd.ids:
             self._tracked[rid] = _Tracked(cmd.sink, cmd.arrival)
         cmd.future.set_result(None)
+
+    def _refuse_inbox(self) -> None:
+        while self._inbox:
+            cmd = self._inbox.popleft()
+            if isinstance(cmd, _Submit) and cmd.future.set_running_or_notify_cancel():
+                cmd.future.set_exception(LoopDead(self._dead_reason()))
 
     def _deliver(self, outputs: list[RequestOutput], now: float) -> None:
         batch: list[tuple[asyncio.Queue, Delivery]] = []
@@ -254,10 +265,7 @@ class EngineLoop:
             pass
 
     def _fail_all(self, exc: BaseException) -> None:
-        while self._inbox:
-            cmd = self._inbox.popleft()
-            if isinstance(cmd, _Submit):
-                cmd.future.set_exception(LoopDead(self._dead_reason()))
+        self._refuse_inbox()
         now = time.perf_counter()
         sinks = {id(t.sink): t.sink for t in self._tracked.values()}
         batch = [(sink, Delivery(None, now, None, error=exc)) for sink in sinks.values()]
@@ -267,10 +275,7 @@ class EngineLoop:
 
     def _shutdown(self) -> None:
         """Stopping: refuse what is queued, cancel what runs (the server drained what it could)."""
-        for cmd in list(self._inbox):
-            if isinstance(cmd, _Submit):
-                cmd.future.set_exception(LoopDead(self._dead_reason()))
-        self._inbox.clear()
+        self._refuse_inbox()
         for rid in list(self._tracked):
             self.engine.cancel(rid)
         self._deliver(self.engine.step() if self.engine.has_unfinished() else [], time.perf_counter())

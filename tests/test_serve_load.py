@@ -281,3 +281,38 @@ def test_server_answers_while_a_step_computes(tiny_engine):
                 t0 = time.perf_counter()
                 r = http.request(method, s.url + path, json=payload)
                 assert r.status_code in (200, 400) and time.perf_counter() - t0 < 0.25, (path, r.status_code)
+
+
+def test_a_handler_cancelled_while_its_request_is_queued_neither_runs_it_nor_kills_the_loop(tiny_engine):
+    from llmc.serve.loop import EngineLoop
+
+    engine = Engine.load(tiny_engine, num_threads=1)
+    real = engine.step
+
+    def long_step():
+        with engine._lock:
+            time.sleep(0.3)
+            return real()
+
+    engine.step = long_step
+
+    async def main() -> None:
+        loop = EngineLoop(engine, max_queue=8)
+        loop.start(asyncio.get_running_loop())
+        try:
+            sink = await loop.submit([[5, 6, 7]], [SamplingParams(max_tokens=2, ignore_eos=True)], ["a"],
+                                     time.perf_counter())
+            await asyncio.sleep(0.05)  # the loop is inside a step now; the next submission waits in its inbox
+            late = asyncio.ensure_future(loop.submit([[8, 9]], [SamplingParams(max_tokens=50, ignore_eos=True)],
+                                                     ["b"], time.perf_counter()))
+            await asyncio.sleep(0.05)
+            late.cancel()
+            while not (await sink.get()).output.finished:
+                pass
+            await asyncio.sleep(0.4)  # a step later
+            assert loop.alive and loop.error is None
+            assert "b" not in engine.scheduler.requests and engine.stats().generated_tokens == 2
+        finally:
+            loop.stop()
+
+    asyncio.run(main())
