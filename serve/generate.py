@@ -147,6 +147,26 @@ def _sampling(state: ServerState, req: CompletionRequest | ChatCompletionRequest
     return out
 
 
+def _refuse_unsupported(req: CompletionRequest | ChatCompletionRequest) -> None:
+    unsupported = []
+    if req.logit_bias:
+        unsupported.append(("logit_bias", "logit_bias is not supported"))
+    if req.response_format and req.response_format.get("type", "text") != "text":
+        unsupported.append(("response_format", "only {\"type\": \"text\"} is supported (no JSON mode)"))
+    if isinstance(req, CompletionRequest):
+        if req.echo:
+            unsupported.append(("echo", "echo is not supported"))
+        if req.suffix:
+            unsupported.append(("suffix", "suffix (insertion) is not supported"))
+        if req.best_of is not None and req.best_of != req.n:
+            unsupported.append(("best_of", "best_of other than n is not supported; use n"))
+    elif req.tools:
+        unsupported.append(("tools", "tool calling is not supported"))
+    if unsupported:
+        name, why = unsupported[0]
+        raise APIError(400, f"{name}: {why}", param=name, code="unsupported")
+
+
 def _return_token_ids(body: dict) -> bool:
     # vLLM's extension (not an OpenAI field): token ids of the prompt and of each choice in the response.
     value = body.get("return_token_ids", False)
@@ -157,6 +177,7 @@ def _return_token_ids(body: dict) -> bool:
 
 def plan_completion(state: ServerState, req: CompletionRequest, body: dict) -> Plan:
     check_model(state, req.model)
+    _refuse_unsupported(req)
     prompts = _prompt_ids(state, req.prompt)
     max_tokens = _check_lengths(state, prompts, req.max_tokens, _DEFAULT_COMPLETION_MAX_TOKENS, "max_tokens", "prompt")
     params = _sampling(state, req, len(prompts), max_tokens, req.logprobs)
@@ -167,6 +188,7 @@ def plan_completion(state: ServerState, req: CompletionRequest, body: dict) -> P
 
 def plan_chat(state: ServerState, req: ChatCompletionRequest, body: dict) -> Plan:
     check_model(state, req.model)
+    _refuse_unsupported(req)
     if state.chat_template is None:
         raise APIError(400, f"messages: the engine {state.engine.path.name!r} has no chat template (tokenizer_config"
                        ".json chat_template or chat_template.jinja); use /v1/completions with a prompt",

@@ -44,11 +44,18 @@ class _Sampling(_Body):
     ignore_eos: bool = False
     stream: bool | None = False
     stream_options: StreamOptions | None = None
+    # OpenAI fields llmc does not implement: accepted at their neutral values, refused otherwise (a silent
+    # no-op would return something other than what was asked for).
+    logit_bias: dict | None = None
+    response_format: dict | None = None
 
 
 class CompletionRequest(_Sampling):
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: PositiveInt | None = None
 
 
 class TextPart(_Body):
@@ -70,6 +77,7 @@ class ChatCompletionRequest(_Sampling):
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict | None = None
+    tools: list | None = None
 
 
 class TokenizeRequest(_Body):

@@ -93,6 +93,14 @@ CASES = [
     ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": "x " * 2000}]}, 400, "messages",
      ["context is 512"]),
     ("/v1/chat/completions", {**CHAT, "model": "other"}, 404, "model", ["not served"]),
+    ("/v1/completions", {**GOOD, "echo": True}, 400, "echo", ["not supported"]),
+    ("/v1/completions", {**GOOD, "suffix": "x"}, 400, "suffix", ["not supported"]),
+    ("/v1/completions", {**GOOD, "best_of": 3}, 400, "best_of", ["use n"]),
+    ("/v1/completions", {**GOOD, "logit_bias": {"5": 100}}, 400, "logit_bias", ["not supported"]),
+    ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_object"}}, 400, "response_format",
+     ["no JSON mode"]),
+    ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools",
+     ["not supported"]),
     ("/detokenize", {"tokens": [1, 4096]}, 400, "tokens", ["outside the vocabulary"]),
     ("/tokenize", {}, 400, "prompt", ["exactly one of prompt or messages"]),
 ]
@@ -194,9 +202,11 @@ def test_template_that_raises_is_a_400(server, http):
 
 
 def test_unknown_fields_are_ignored_as_openai_does(http):
-    r = http.post("/v1/completions", json={**GOOD, "user": "u-1", "frobnicate": {"x": [1]}, "best_of": 1})
+    r = http.post("/v1/completions", json={**GOOD, "user": "u-1", "frobnicate": {"x": [1]}, "best_of": 1,
+                                           "echo": False, "logit_bias": {}, "response_format": {"type": "text"}})
     assert r.status_code == 200, r.text
     r = http.post("/v1/chat/completions", json={**CHAT, "tool_choice": "none", "parallel_tool_calls": False,
+                                                "tools": [],
                                                 "messages": [{"role": "user", "content": "hi", "name": "bob"}]})
     assert r.status_code == 200, r.text
 
