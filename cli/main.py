@@ -56,6 +56,7 @@ def cli() -> None:
       llmc cache ls                                   # the build cache
       llmc inspect engines/m                          # manifest and report
       llmc targets                                    # what can be built
+      llmc serve engines/m --port 8000                # OpenAI-compatible HTTP server
     """
     _warnings_to_stderr()
 
@@ -542,6 +543,10 @@ def unpack(archive: Path, output: Path, force: bool, as_json: bool) -> None:
 from llmc.cli.bench_cmd import bench as _bench  # noqa: E402 - `llmc bench` lives in its own module
 
 cli.add_command(_bench)
+
+from llmc.cli.serve_cmd import serve as _serve  # noqa: E402 - `llmc serve` too
+
+cli.add_command(_serve)
 
 
 def main() -> None:

@@ -352,7 +352,7 @@ class Engine:
 
     def _accept(self, r: Request, logits: np.ndarray, now: float) -> RequestOutput:
         p = r.params
-        token = sample(logits, p, r.rng, r.tokens if p.repetition_penalty != 1.0 else ())
+        token = sample(logits, p, r.rng, r.tokens if p.uses_history else (), r.prompt_len)
         lp = token_logprobs(logits, token, p.logprobs) if p.logprobs is not None else None
         self.scheduler.append_token(r, token)
         self._generated += 1

@@ -16,7 +16,9 @@ class SamplingParams:
 
     Logits are processed in this order: ``repetition_penalty`` (Hugging Face semantics: every token
     already in the prompt or the output has its logit divided by the penalty when positive,
-    multiplied when negative; 1 = off), ``temperature``, ``top_k`` (``<= 0`` = off), ``top_p``
+    multiplied when negative; 1 = off), ``presence_penalty`` / ``frequency_penalty`` (OpenAI semantics:
+    every token already generated, not the prompt, has ``presence_penalty`` plus ``frequency_penalty``
+    times its count subtracted from its logit; 0 = off), ``temperature``, ``top_k`` (``<= 0`` = off), ``top_p``
     (``1`` = off), ``min_p`` (drop tokens less likely than ``min_p`` times the most likely one;
     ``0`` = off). ``seed`` makes sampling reproducible per request.
 
@@ -33,6 +35,8 @@ class SamplingParams:
     top_p: float = 1.0
     min_p: float = 0.0
     repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
@@ -52,6 +56,9 @@ class SamplingParams:
             raise LlmcError(f"SamplingParams.min_p={self.min_p}: must be in [0, 1] (0 = off)")
         if self.repetition_penalty <= 0:
             raise LlmcError(f"SamplingParams.repetition_penalty={self.repetition_penalty}: must be > 0 (1 = off)")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise LlmcError(f"SamplingParams.{name}={getattr(self, name)}: must be in [-2, 2] (0 = off)")
         if self.logprobs is not None and self.logprobs < 0:
             raise LlmcError(f"SamplingParams.logprobs={self.logprobs}: must be >= 0 (or None for none)")
         if any(not s for s in self.stop):
@@ -60,6 +67,11 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def uses_history(self) -> bool:
+        """Whether sampling reads the tokens so far (a penalty is on)."""
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
 
 def apply_repetition_penalty(logits: np.ndarray, context: Sequence[int], penalty: float) -> np.ndarray:
@@ -73,11 +85,29 @@ def apply_repetition_penalty(logits: np.ndarray, context: Sequence[int], penalty
     return out
 
 
+def apply_presence_frequency_penalty(logits: np.ndarray, output: Sequence[int], presence: float,
+                                     frequency: float) -> np.ndarray:
+    """Return a copy of ``logits`` with ``presence + frequency * count`` subtracted for every token in ``output``."""
+    out = np.array(logits, dtype=np.float32, copy=True)
+    if not len(output) or (presence == 0.0 and frequency == 0.0):
+        return out
+    ids, counts = np.unique(np.asarray(output, np.int64), return_counts=True)
+    out[ids] -= np.float32(presence) + np.float32(frequency) * counts.astype(np.float32)
+    return out
+
+
 def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator,
-           context: Sequence[int] = ()) -> int:
-    """Pick one token id from ``logits`` ``[vocab]``; ``context`` (prompt + output ids) feeds the repetition penalty."""
+           context: Sequence[int] = (), prompt_len: int = 0) -> int:
+    """Pick one token id from ``logits`` ``[vocab]``.
+
+    ``context`` (prompt + output ids) feeds the penalties: all of it the repetition penalty, the part
+    after ``prompt_len`` (the output) the presence and frequency penalties.
+    """
     if params.repetition_penalty != 1.0:
         logits = apply_repetition_penalty(logits, context, params.repetition_penalty)
+    if params.presence_penalty != 0.0 or params.frequency_penalty != 0.0:
+        logits = apply_presence_frequency_penalty(logits, context[prompt_len:], params.presence_penalty,
+                                                  params.frequency_penalty)
     if params.temperature == 0:
         return int(np.argmax(logits))
     scaled = logits.astype(np.float64) / params.temperature

@@ -21,8 +21,13 @@ class Tokenizer:
         cfg_path = engine_dir / "tokenizer_config.json"
         self.config = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
 
-    def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text).ids
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        # A rendered chat template already holds its special tokens: pass add_special_tokens=False.
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def id_to_token(self, token_id: int) -> str | None:
+        """The token's string in the vocabulary (byte-level BPE: its bytes mapped to printable characters)."""
+        return self._tok.id_to_token(token_id)
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)

@@ -1,0 +1,107 @@
+"""``llmc serve``: an OpenAI-compatible server for one engine (llmc.serve; imports no compiler, no torch)."""
+
+from __future__ import annotations
+
+import errno
+import os
+import socket
+from pathlib import Path
+
+import click
+
+from llmc.errors import LlmcError
+
+
+def _positive(name: str, value: float) -> None:
+    if value <= 0:
+        raise LlmcError(f"{name} {value}: must be positive")
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    """Bind here rather than in uvicorn, so a taken port is one clear line and exit code 2."""
+    if not 0 <= port <= 65535:
+        raise LlmcError(f"--port {port}: must be in 0..65535 (0 picks a free port)")
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise LlmcError(f"--host {host!r}: cannot resolve it ({exc.strerror}); give an address such as 127.0.0.1 "
+                        "or 0.0.0.0") from exc
+    family, kind, proto, _, addr = infos[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(addr)
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            raise LlmcError(f"--port {port}: already in use on {host}; pick another port (0: any free one)") from exc
+        raise LlmcError(f"--host {host} --port {port}: cannot listen there ({exc.strerror})") from exc
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+@click.command()
+@click.argument("engine", type=click.Path(path_type=Path))
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on (0.0.0.0: all).")
+@click.option("--port", default=8000, show_default=True, help="Port to listen on (0: any free port, printed).")
+@click.option("--served-model-name", default=None, metavar="NAME",
+              help="The model name clients send and /v1/models lists (default: the engine directory's name).")
+@click.option("--api-key", default=None, envvar="LLMC_API_KEY", show_envvar=True,
+              help="Require 'Authorization: Bearer KEY' on /v1/*, /tokenize and /detokenize.")
+@click.option("--max-queue", default=512, show_default=True,
+              help="Waiting requests (each choice counts) before new ones are answered 429 with Retry-After.")
+@click.option("--max-body-size", default="8M", show_default=True, metavar="SIZE",
+              help="Largest request body (K, M: binary units); larger ones get 413.")
+@click.option("--max-n", default=16, show_default=True, help="Most choices (n) one request may ask for.")
+@click.option("--drain-timeout", default=30.0, show_default=True,
+              help="Seconds running requests get to finish after SIGTERM before they are cancelled.")
+@click.option("--stall-timeout", default=60.0, show_default=True,
+              help="GET /health answers 503 when one engine step has run longer than this (seconds).")
+@click.option("--kv-cache-tokens", default=None, type=int,
+              help="KV-cache size, in tokens (default: 16384 on CPU engines; CUDA engines: what fits the GPU).")
+@click.option("--max-num-seqs", default=256, show_default=True, help="Requests decoding together at most.")
+@click.option("--max-num-tokens", default=2048, show_default=True, help="Tokens one engine step computes at most.")
+@click.option("--threads", default=None, type=int, help="ONNX Runtime threads (default: all cores).")
+@click.option("--device", default=None, metavar="DEV", help="CUDA engines: cuda (default), cuda:N, or cpu.")
+@click.option("--log-level", default="info", show_default=True,
+              type=click.Choice(["critical", "error", "warning", "info", "debug"]))
+def serve(engine: Path, host: str, port: int, served_model_name: str | None, api_key: str | None, max_queue: int,
+          max_body_size: str, max_n: int, drain_timeout: float, stall_timeout: float, kv_cache_tokens: int,
+          max_num_seqs: int, max_num_tokens: int, threads: int | None, device: str | None, log_level: str) -> None:
+    """Serve ENGINE over HTTP with the OpenAI API: /v1/completions, /v1/chat/completions, /v1/models,
+    /tokenize, /detokenize, /health, /ready and Prometheus /metrics.
+
+    \b
+      llmc serve engines/m --port 8000
+      curl localhost:8000/v1/completions -H 'Content-Type: application/json' \\
+           -d '{"model": "m", "prompt": "The for statement", "max_tokens": 16}'
+
+    SIGTERM stops accepting connections, lets running requests finish (--drain-timeout), exits 0.
+    """
+    from llmc.build_cache.sizes import parse_size
+    from llmc.runtime import Engine
+    from llmc.serve import ServeConfig
+    from llmc.serve import serve as run_server
+
+    for name, value in (("--max-queue", max_queue), ("--max-n", max_n), ("--drain-timeout", drain_timeout),
+                        ("--stall-timeout", stall_timeout), ("--kv-cache-tokens", kv_cache_tokens),
+                        ("--max-num-seqs", max_num_seqs), ("--max-num-tokens", max_num_tokens)):
+        if value is not None:
+            _positive(name, value)
+    try:
+        body_limit = parse_size(max_body_size)
+    except LlmcError as exc:
+        raise LlmcError(str(exc).replace("--max-size", "--max-body-size")) from exc
+    _positive("--max-body-size", body_limit)
+    if api_key is not None and not api_key.strip():
+        raise LlmcError("--api-key: empty; give a key, or leave the flag out to serve without one")
+    eng = Engine.load(engine, kv_cache_tokens=kv_cache_tokens, max_num_seqs=max_num_seqs,
+                      max_num_tokens=max_num_tokens, max_waiting=max_queue, num_threads=threads, device=device)
+    name = served_model_name or Path(os.path.abspath(engine)).name
+    config = ServeConfig(model_name=name, api_key=api_key, max_queue=max_queue, max_body_size=body_limit,
+                         max_n=max_n, stall_timeout=stall_timeout, drain_timeout=drain_timeout)
+    sock = _bind(host, port)
+    bound = sock.getsockname()[1]
+    click.echo(f"llmc serve: {name!r} on http://{host}:{bound}/v1 (metrics: /metrics)", err=True)
+    run_server(eng, config, sock=sock, log_level=log_level)

@@ -1,0 +1,92 @@
+"""Request bodies of the OpenAI API, validated strictly: a wrong type is a 400, an unknown field is ignored.
+
+Strict mode keeps ``"max_tokens": "16"`` from being read as 16 (OpenAI rejects it too); limits that
+depend on the engine (context length, vocabulary, ``n``) are checked where the engine is known.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+# Logprobs alternatives returned per token: OpenAI's own cap on chat (top_logprobs <= 20).
+MAX_TOP_LOGPROBS = 20
+
+PositiveInt = Annotated[int, Field(ge=1)]
+TokenIds = Annotated[list[int], Field(min_length=1)]
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class _Sampling(_Body):
+    """Fields shared by completions and chat completions."""
+
+    model: str | None = None
+    max_tokens: PositiveInt | None = None
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    top_k: Annotated[int, Field(ge=-1)] | None = None  # -1 or 0: off (vLLM's convention)
+    min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    n: PositiveInt = 1
+    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
+    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
+    repetition_penalty: Annotated[float, Field(gt=0.0)] | None = None
+    ignore_eos: bool = False
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    # OpenAI fields llmc does not implement: accepted at their neutral values, refused otherwise (a silent
+    # no-op would return something other than what was asked for).
+    logit_bias: dict | None = None
+    response_format: dict | None = None
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: PositiveInt | None = None
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    # Not strict as a whole: tool calls and names pass through to the template untouched.
+    model_config = ConfigDict(extra="allow")
+    role: Annotated[str, Field(strict=True, min_length=1)]
+    content: Annotated[str, Field(strict=True)] | list[TextPart] | None = None
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: PositiveInt | None = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict | None = None
+    tools: list | None = None
+
+
+class TokenizeRequest(_Body):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+
+
+class DetokenizeRequest(_Body):
+    model: str | None = None
+    tokens: list[int]

@@ -1,0 +1,50 @@
+"""What the handlers share: the engine, its step loop, the metrics, the chat template and the settings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from llmc.runtime import Engine
+from llmc.runtime.tokenizer import Tokenizer
+from llmc.serve.chat import ChatTemplate
+from llmc.serve.errors import APIError
+from llmc.serve.loop import EngineLoop
+from llmc.serve.metrics import Metrics
+from llmc.serve.text import TokenStrings
+
+
+@dataclass
+class ServeConfig:
+    """Server settings (``llmc serve`` flags)."""
+
+    model_name: str
+    api_key: str | None = None
+    max_queue: int = 512  # waiting requests (choices) before new ones get 429
+    max_body_size: int = 8 << 20  # bytes of a request body
+    max_n: int = 16  # choices per request
+    stall_timeout: float = 60.0  # /health turns 503 when one step runs longer than this (seconds)
+    retry_after: int = 1  # seconds, in the Retry-After header of a 429
+    drain_timeout: float = 30.0  # after SIGTERM: seconds running requests get to finish
+
+
+@dataclass
+class ServerState:
+    engine: Engine
+    config: ServeConfig
+    loop: EngineLoop
+    metrics: Metrics
+    chat_template: ChatTemplate | None
+    token_strings: TokenStrings | None
+    draining: bool = False
+    created: int = field(default=0)  # unix time the server started (/v1/models)
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        if self.engine.tokenizer is None:
+            raise APIError(400, "prompt: this engine has no tokenizer.json; send token ids instead of text",
+                           param="prompt", code="no_tokenizer")
+        return self.engine.tokenizer
+
+    @property
+    def kv_pool_tokens(self) -> int:
+        return self.loop.snapshot.stats.kv_blocks_total * self.engine.block_size  # no engine lock taken

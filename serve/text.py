@@ -1,0 +1,79 @@
+"""Text from tokens: stream deltas that never split a character or leak a stop string; logprob token strings."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+from llmc.runtime.tokenizer import Tokenizer
+
+
+class TextStream:
+    """The text each new token adds to one choice.
+
+    Decodes the whole output each time (a token's text depends on its neighbours: merged spaces,
+    multi-byte characters split over tokens) and emits what grew since the last delta. Text is held
+    back while it ends in an incomplete UTF-8 character, and, with stop strings, the last
+    ``len(longest stop) - 1`` characters, which could be the start of a stop string the engine cuts.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, stop: list[str]) -> None:
+        self._tok = tokenizer
+        self._ids: list[int] = []
+        self._shown = ""
+        self._hold = max((len(s) for s in stop), default=1) - 1
+
+    def add(self, token_ids: list[int]) -> str:
+        self._ids += token_ids
+        text = self._tok.decode(self._ids)
+        if text.endswith("\ufffd"):
+            return ""
+        safe = text[: max(0, len(text) - self._hold)]
+        return self._advance(safe)
+
+    def finish(self, final_text: str) -> str:
+        """The rest of the text, given the engine's final text (cut before a stop string), in place of :meth:`add`
+        for the last token: that token may complete a stop string that must not be shown."""
+        return self._advance(final_text)
+
+    def _advance(self, text: str) -> str:
+        if len(text) <= len(self._shown) or not text.startswith(self._shown):
+            # Decoding more tokens changed earlier text (rare normalisers); never re-send, never go back.
+            return ""
+        delta = text[len(self._shown):]
+        self._shown = text
+        return delta
+
+
+@lru_cache(maxsize=1)
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet: the printable character standing for each byte."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(
+        range(ord("®"), ord("ÿ") + 1))
+    chars, n = printable[:], 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(printable, chars, strict=True)}
+
+
+class TokenStrings:
+    """A token's text and its bytes, as OpenAI's logprobs show them (cached per id)."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self._tok = tokenizer
+        self._cache: dict[int, tuple[str, list[int]]] = {}
+
+    def get(self, token_id: int) -> tuple[str, list[int]]:
+        hit = self._cache.get(token_id)
+        if hit is None:
+            text = self._tok.decode([token_id], skip_special_tokens=False)
+            data = list(text.encode())
+            if "\ufffd" in text:  # part of a character: the raw bytes say which part
+                raw = self._tok.id_to_token(token_id) or ""
+                table = _byte_decoder()
+                if raw and all(c in table for c in raw):
+                    data = [table[c] for c in raw]
+            hit = self._cache[token_id] = (text, data)
+        return hit
