@@ -70,6 +70,10 @@ class OrtSession:
         else:
             self.spinning, self.spin_reason = spin, "set by the caller"
         so.add_session_config_entry("session.intra_op.allow_spinning", "1" if self.spinning else "0")
+        # Block-wise INT4 DequantizeLinear + MatMul (the Q/DQ form of GPU builds, scored on the CPU) is fused by
+        # ORT's optimizer into MatMulNBits at accuracy level 4 by default: int8 activations, not the W4A16
+        # arithmetic of the engine being scored (4% of the logits' range on a tiny Llama). Level 1: float32.
+        so.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", "1")
         if self._native is not None:  # process-wide, like the attention threads: the last session loaded decides
             self._native.set_int4_parallel_min(self._native.INT4_PARALLEL_MIN[bool(self.spinning)])
         so.log_severity_level = 3

@@ -98,6 +98,23 @@ def test_fp8_cuda_engine_on_cpu_matches_the_cpu_engine_of_the_recipe(tmp_path, t
     assert (lg.argmax(-1) == lc.argmax(-1)).mean() >= 0.95
 
 
+def test_int4_cuda_engine_on_cpu_matches_onnxruntime_on_the_same_qdq_graph(tmp_path, tiny_llama, monkeypatch):
+    """The INT4 CUDA engine (fused Int4Linear) against ONNX Runtime running the block-wise Q/DQ graph it was
+    lowered from: a CPU engine built with the GPU builds' quantized form (what their accuracy figures score)."""
+    import llmc.quant.stage as stage
+
+    recipe = QuantRecipe(quant="int4", embeddings="none", lm_head="none")
+    cuda = build(tiny_llama, tmp_path / "g", BuildOptions(target="h100", dtype="float32", quant=recipe))
+    assert cuda.report["backend_fusions"]["int4-linear"] > 0
+    init = stage.QuantStage.__init__
+    monkeypatch.setattr(stage.QuantStage, "__init__", lambda self, *a, form="cpu", **k: init(self, *a, form="qdq", **k))
+    qdq = build(tiny_llama, tmp_path / "q", BuildOptions(target="cpu", quant=recipe))
+    g, c = Engine.load(cuda.out_dir, device="cpu"), Engine.load(qdq.out_dir)
+    ids = _fresh_ids(50, g.vocab_size)
+    lg, lc = g.score(ids), c.score(ids)
+    assert np.abs(lg - lc).max() / np.abs(lc).max() < 1e-4
+
+
 @pytest.mark.parametrize("symmetric", [False, True])
 def test_int4_linear_equals_dequantize_then_matmul(symmetric):
     """The CUDA program's Int4Linear (codes packed two per byte) against the Q/DQ form it replaces."""

@@ -44,7 +44,9 @@ _ST = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "I64", "
 _SIZE = {"F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1}
 _IR_TO_NAME = {ir.DataType.FLOAT: "float32", ir.DataType.FLOAT16: "float16", ir.DataType.BFLOAT16: "bfloat16",
                ir.DataType.INT64: "int64", ir.DataType.INT32: "int32", ir.DataType.INT8: "int8",
-               ir.DataType.UINT8: "uint8", ir.DataType.BOOL: "bool", ir.DataType.FLOAT8E4M3FN: "float8_e4m3fn"}
+               ir.DataType.UINT8: "uint8", ir.DataType.BOOL: "bool", ir.DataType.FLOAT8E4M3FN: "float8_e4m3fn",
+               # 4-bit codes outside a fused linear: one code per byte (DequantizeLinear reads them as integers)
+               ir.DataType.INT4: "int8", ir.DataType.UINT4: "uint8"}
 _FLOATS = {"float32", "float16", "bfloat16"}
 # Inputs that keep their stored precision even where activations meet them (scales, zero points).
 _KEEP_PRECISION = {"QuantizeLinear": (1, 2), "DequantizeLinear": (1, 2)}
