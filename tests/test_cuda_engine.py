@@ -38,11 +38,17 @@ def test_manifest_names_the_engine_and_its_aot_kernels(engines):
     path, _, manifest = engines
     e = manifest["engine"]
     assert e["backend"] == "cuda" and e["sm"] == "9.0" and e["dtype"] == "float32"
-    assert {k["variant"] for k in e["kernels"]} == {"decode", "prefill"}
+    assert {k["variant"] for k in e["kernels"]} == {"decode", "prefill", "fused"}
+    assert {k["op"] for k in e["kernels"] if k["variant"] == "fused"} == {"rms_norm", "rotary", "swiglu"}
+    spec = json.loads((path / "program.json").read_text())
+    keys = {k["key"] for k in e["kernels"]}
+    named = [n["attrs"]["kernel"] for n in spec["nodes"] if "kernel" in n["attrs"]]
+    assert named and set(named) <= keys  # every kernel a node names was compiled
     for k in e["kernels"]:
         cubin = (path / k["file"]).read_bytes()
         assert cubin[:4] == b"\x7fELF" and k["sm"] == 90 and k["target"] == "sm_90a"
         assert k["name"].encode() in cubin  # the entry the runtime looks up
+    for k in (k for k in e["kernels"] if k["variant"] != "fused"):
         # launch metadata agrees with the kernel configuration it was compiled from
         assert k["block_q"] == k["config"]["block_m"] // (k["config"]["num_heads"] // k["config"]["num_kv_heads"])
         assert k["num_kv_heads"] == k["config"]["num_kv_heads"] and k["shared_mem"] <= 48 * 1024
@@ -66,6 +72,29 @@ def test_fp32_cuda_engine_on_cpu_matches_transformers_and_the_onnxruntime_engine
     ort = Engine.load(cpu_path)
     ids = _fresh_ids(70, eng.vocab_size)
     np.testing.assert_allclose(eng.score(ids), ort.score(ids), atol=1e-4, rtol=0)
+
+
+def test_fused_kernel_launch_path_on_cpu_matches_transformers(engines, tiny_llama):
+    """The session's fused-kernel launches (RMSNorm + residual, rotary on the QKV views, SwiGLU on the gate/up
+    views), run by the Triton interpreter from the manifest's entries: the GPU's launch code minus the driver."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from llmc.runtime.cuda_session import CudaSession
+
+    path = engines[0]
+    eng = Engine.load(path, device="cpu")
+    plain = eng.score(ids := _fresh_ids(40, eng.vocab_size))
+    session = CudaSession(path, eng.manifest, device="cpu", interpret_kernels=True)
+    assert {k for k, v in session.kernels} and all(v == "fused" for _, v in session.kernels)
+    eng._pool = session.allocate_pool(eng.manifest["kv_cache"], eng._blocks.num_blocks)
+    eng._session = session
+    np.testing.assert_allclose(eng.score(ids), plain, atol=1e-4, rtol=0)
+    ref = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    got = eng.generate([PROMPTS[1]], SamplingParams(max_tokens=12, ignore_eos=True))[0].token_ids
+    with torch.no_grad():
+        want = ref.generate(torch.tensor([PROMPTS[1]]), max_new_tokens=12, min_new_tokens=12, do_sample=False)
+    assert got == want[0, len(PROMPTS[1]):].tolist()
 
 
 def test_default_model_cuda_engine_matches_transformers(tmp_path):
