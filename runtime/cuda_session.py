@@ -182,7 +182,8 @@ class CudaSession:
 
         def rotary(x, cos, sin, position_ids=None, *, kernel=None, **attrs):
             k = self._fused(kernel)
-            if (k is None or position_ids is not None or x.dtype != self.dtype or cos.dtype != torch.float32
+            if (k is None or position_ids is not None or x.dim() == 4 or x.dtype != self.dtype
+                    or cos.dtype != torch.float32
                     or sin.dtype != torch.float32):
                 return OPS["RotaryEmbedding"](x, cos, sin, position_ids, **attrs)
             x2 = rows_view(x)

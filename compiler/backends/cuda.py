@@ -310,6 +310,7 @@ class _Lowering:
         elif op == "RotaryEmbedding":
             heads = int(attrs.get("num_heads", 0))
             if (attrs.get("interleaved", 0) or not heads or last % heads or len(node.inputs) > 3
+                    or len(node.inputs[0].shape) == 4  # [B, H, T, D]: the kernel reads [tokens, H*D] rows
                     or attrs.get("rotary_embedding_dim", 0) not in (0, last // heads)):
                 return None
             req = fk.rotary_request(heads, last // heads, act)
