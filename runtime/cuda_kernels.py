@@ -86,10 +86,34 @@ class LoadedKernel:
                                        ctypes.c_void_p(stream), params, None), f"launching {self.info.name}")
 
 
-def load_kernels(root: Path, entries: list[dict]) -> dict[tuple[str, str], LoadedKernel]:
-    """Load every kernel of ``engine.kernels``; keyed by (attention key, variant)."""
+class InterpretedKernel:
+    """A manifest kernel run by the Triton interpreter on CPU tensors, with the manifest's constexprs.
+
+    Tests use it to drive the CUDA session's launch code (argument order, strides, grids) with no GPU;
+    only the driver call differs from :class:`LoadedKernel`. Needs ``TRITON_INTERPRET=1``.
+    """
+
+    def __init__(self, info: KernelInfo, entry: dict) -> None:
+        import importlib
+
+        self.info = info
+        self._fn = getattr(importlib.import_module(entry["module"]), entry["fn"])
+        self._config = dict(entry["config"])
+
+    def launch(self, grid: tuple[int, int, int], args: list, stream: int) -> None:
+        del stream
+        self._fn[grid](*args, **self._config)
+
+
+def load_kernels(root: Path, entries: list[dict], interpret: bool = False) -> dict[tuple[str, str], object]:
+    """Load every kernel of ``engine.kernels``, keyed by (key, variant). ``interpret``: the fused kernels only,
+    as :class:`InterpretedKernel` (attention then runs in torch)."""
     out = {}
     for d in entries:
         info = KernelInfo.from_manifest(d)
-        out[(info.key, info.variant)] = LoadedKernel(info, (root / info.file).read_bytes())
+        if interpret:
+            if "module" in d:
+                out[(info.key, info.variant)] = InterpretedKernel(info, d)
+        else:
+            out[(info.key, info.variant)] = LoadedKernel(info, (root / info.file).read_bytes())
     return out

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from llmc.runtime import cuda_kernels
-from llmc.runtime.torch_ops import DTYPES, paged_attention_torch
+from llmc.runtime.torch_ops import DTYPES, OPS, paged_attention_torch
 from llmc.runtime.torch_program import Program, load_weights, read_spec
 
 GRAPH_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -73,7 +73,7 @@ class CudaSession:
     spin_reason = "CUDA engine (ONNX Runtime's thread pool is not used)"
 
     def __init__(self, root: Path, manifest: dict, device: str = "cuda", cuda_graphs: bool = True,
-                 max_graph_batch: int = 64, max_model_len: int | None = None) -> None:
+                 max_graph_batch: int = 64, max_model_len: int | None = None, interpret_kernels: bool = False) -> None:
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:  # "cuda": the current device, by index
             self.device = torch.device("cuda", torch.cuda.current_device())
@@ -85,12 +85,18 @@ class CudaSession:
         on_gpu = self.device.type == "cuda"
         if on_gpu:
             torch.cuda.set_device(self.device)
-        self.kernels = cuda_kernels.load_kernels(root, engine.get("kernels", [])) if on_gpu else {}
-        self.attention_route = "aot-triton" if self.kernels else "torch"
+        if on_gpu:
+            self.kernels = cuda_kernels.load_kernels(root, engine.get("kernels", []))
+        elif interpret_kernels:  # tests: the fused kernels' launch path under the Triton interpreter
+            self.kernels = cuda_kernels.load_kernels(root, engine.get("kernels", []), interpret=True)
+        else:
+            self.kernels = {}
+        self.attention_route = "aot-triton" if on_gpu and self.kernels else "torch"
         if on_gpu and os.environ.get("LLMC_CUDA_ATTENTION") == "torch":  # debugging: the plain-torch attention
             self.kernels, self.attention_route = {}, "torch"
         self._kv_scales = torch.ones(2, dtype=torch.float32, device=self.device)
-        self.program = Program(spec, load_weights(root, spec, self.device), self._attention)
+        self.program = Program(spec, load_weights(root, spec, self.device), self._attention,
+                               self._fused_overrides() if self.kernels else None)
         self.cuda_graphs = bool(cuda_graphs and on_gpu and self.kernels)
         self.graph_batches = tuple(b for b in GRAPH_BATCHES if b <= max_graph_batch)
         kv = manifest["kv_cache"]
@@ -136,6 +142,73 @@ class CudaSession:
                              k_cache, v_cache, self._kv_scales, s, block_tables.shape[1], out, k_cache, v_cache],
                       torch.cuda.current_stream(self.device).cuda_stream)
         return out
+
+    # -- fused kernels (RMSNorm, rotary, SwiGLU) ---------------------------------------------------
+
+    def _fused(self, key: str | None):
+        return self.kernels.get((key, "fused")) if key else None
+
+    def _launch(self, kernel, grid, args) -> None:
+        stream = torch.cuda.current_stream(self.device).cuda_stream if self.device.type == "cuda" else 0
+        kernel.launch(grid, args, stream)
+
+    def _fused_overrides(self) -> dict:
+        """Program ops that launch a fused AOT kernel where the node names one (attribute ``kernel``), else torch."""
+        from llmc.plugins.fused.requests import SWIGLU_BLOCK
+
+        def rms(x, scale, *, kernel=None, **attrs):
+            k = self._fused(kernel)
+            if k is None or x.dtype != self.dtype:
+                return OPS["RMSNormalization"](x, scale, **attrs)
+            x = x.contiguous()
+            out = torch.empty_like(x)
+            rows = x.numel() // x.shape[-1]
+            self._launch(k, (rows, 1, 1), [x, x, scale, out, out, rows])
+            return (out,)
+
+        def skip_rms(x, skip, scale, *, kernel=None, **attrs):
+            k = self._fused(kernel)
+            if k is None or x.dtype != self.dtype or skip.dtype != self.dtype:
+                return OPS["SkipRMSNormalization"](x, skip, scale, **attrs)
+            x, skip = x.contiguous(), skip.contiguous()
+            out, total = torch.empty_like(x), torch.empty_like(x)
+            rows = x.numel() // x.shape[-1]
+            self._launch(k, (rows, 1, 1), [x, skip, scale, out, total, rows])
+            return out, total
+
+        def rows_view(t):  # a [rows, n] view with unit inner stride, copying only where it must
+            t2 = t.reshape(-1, t.shape[-1]) if t.dim() != 2 else t
+            return t2 if t2.stride(-1) == 1 else t2.contiguous()
+
+        def rotary(x, cos, sin, position_ids=None, *, kernel=None, **attrs):
+            k = self._fused(kernel)
+            if (k is None or position_ids is not None or x.dim() == 4 or x.dtype != self.dtype
+                    or cos.dtype != torch.float32
+                    or sin.dtype != torch.float32):
+                return OPS["RotaryEmbedding"](x, cos, sin, position_ids, **attrs)
+            x2 = rows_view(x)
+            n, heads = x2.shape[0], int(attrs["num_heads"])
+            half = x2.shape[1] // heads // 2
+            cos, sin = cos.contiguous(), sin.contiguous()
+            if cos.numel() != n * half or sin.numel() != n * half:
+                return OPS["RotaryEmbedding"](x, cos, sin, position_ids, **attrs)
+            out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+            self._launch(k, (n, heads, 1), [x2, cos, sin, out, n, x2.stride(0)])
+            return (out,)
+
+        def swiglu(gate, up, *, kernel=None, **attrs):
+            k = self._fused(kernel)
+            if k is None or gate.dtype != self.dtype or up.dtype != self.dtype or gate.shape != up.shape:
+                return OPS["SwiGLU"](gate, up, **attrs)
+            g2, u2 = rows_view(gate), rows_view(up)
+            rows, n = g2.shape
+            out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+            block = min(SWIGLU_BLOCK, 1 << max(0, (n - 1).bit_length()))
+            self._launch(k, (rows, -(-n // block), 1), [g2, u2, out, rows, g2.stride(0), u2.stride(0)])
+            return (out,)
+
+        return {"RMSNormalization": rms, "SkipRMSNormalization": skip_rms, "RotaryEmbedding": rotary,
+                "SwiGLU": swiglu}
 
     # -- steps ------------------------------------------------------------------------------------
 

@@ -260,16 +260,20 @@ def layer_norm(x, scale, bias=None, *, axis=-1, epsilon=1e-5, **_):
 
 @op("RotaryEmbedding")
 def rotary(x, cos, sin, position_ids=None, *, interleaved=0, num_heads=0, rotary_embedding_dim=0, **_):
-    """ONNX RotaryEmbedding on ``x [..., T, H*D]`` (or ``[..., T, H, D]``) with ``cos``/``sin [..., T, R/2]``."""
+    """ONNX RotaryEmbedding: ``x [B, T, H*D]`` (3D, ``num_heads`` set) or ``[B, H, T, D]`` (4D), with
+    ``cos``/``sin [B, T, R/2]`` (or ``[max_pos, R/2]`` indexed by ``position_ids [B, T]``)."""
     if position_ids is not None:
         cos, sin = cos[position_ids], sin[position_ids]
     shape = x.shape
-    d = shape[-1] // num_heads if num_heads else shape[-1]
-    xs = x.reshape(*shape[:-1], num_heads, d) if num_heads else x
+    if x.dim() == 4:  # [B, H, T, D]: the angles broadcast over the heads axis
+        xs, d, head_axis = x, shape[-1], 1
+    else:  # [B, T, H*D] -> [B, T, H, D]
+        d = shape[-1] // num_heads
+        xs, head_axis = x.reshape(*shape[:-1], num_heads, d), -2
     rot = rotary_embedding_dim or d
     half = rot // 2
-    c = cos[..., :half].float().unsqueeze(-2)
-    s = sin[..., :half].float().unsqueeze(-2)
+    c = cos[..., :half].float().unsqueeze(head_axis)
+    s = sin[..., :half].float().unsqueeze(head_axis)
     xr = xs[..., :rot].float()
     if interleaved:
         x1, x2 = xr[..., 0::2], xr[..., 1::2]

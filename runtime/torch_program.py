@@ -76,13 +76,15 @@ class _Step:
 
 
 class Program:
-    """An executable program. ``attention`` runs the ``PagedAttention`` nodes (it owns the KV pool).
+    """An executable program. ``attention`` runs the ``PagedAttention`` nodes (it owns the KV pool);
+    ``overrides`` replace the torch implementation of ops by name (the CUDA session's fused kernels).
 
     :meth:`run` takes the step's graph inputs as tensors on the program's device and returns the
     outputs named in the spec, in order.
     """
 
-    def __init__(self, spec: dict, weights: dict[str, torch.Tensor], attention: Attention) -> None:
+    def __init__(self, spec: dict, weights: dict[str, torch.Tensor], attention: Attention,
+                 overrides: dict[str, Callable] | None = None) -> None:
         self.spec = spec
         self.dtype = DTYPES[spec["dtype"]]
         self.input_names: tuple[str, ...] = tuple(spec["inputs"])
@@ -93,7 +95,10 @@ class Program:
         steps: list[_Step] = []
         for i, node in enumerate(spec["nodes"]):
             opname = node["op"]
-            fn = _bind_attention(attention) if opname == ATTENTION_OP else OPS.get(opname)
+            if opname == ATTENTION_OP:
+                fn = _bind_attention(attention)
+            else:
+                fn = (overrides or {}).get(opname, OPS.get(opname))
             if fn is None:
                 raise ValueError(f"program op {opname!r} is unknown to this runtime")
             args = []

@@ -16,6 +16,7 @@ from click.testing import CliRunner
 
 from llmc.cli.main import cli
 from llmc.compiler.build import BuildOptions, build
+from llmc.compiler.checkpoint import SUPPORTED_MODEL_TYPES
 from llmc.quant.recipe import QuantRecipe
 from llmc.runtime import Engine, SamplingParams
 
@@ -38,11 +39,17 @@ def test_manifest_names_the_engine_and_its_aot_kernels(engines):
     path, _, manifest = engines
     e = manifest["engine"]
     assert e["backend"] == "cuda" and e["sm"] == "9.0" and e["dtype"] == "float32"
-    assert {k["variant"] for k in e["kernels"]} == {"decode", "prefill"}
+    assert {k["variant"] for k in e["kernels"]} == {"decode", "prefill", "fused"}
+    assert {k["op"] for k in e["kernels"] if k["variant"] == "fused"} == {"rms_norm", "rotary", "swiglu"}
+    spec = json.loads((path / "program.json").read_text())
+    keys = {k["key"] for k in e["kernels"]}
+    named = [n["attrs"]["kernel"] for n in spec["nodes"] if "kernel" in n["attrs"]]
+    assert named and set(named) <= keys  # every kernel a node names was compiled
     for k in e["kernels"]:
         cubin = (path / k["file"]).read_bytes()
         assert cubin[:4] == b"\x7fELF" and k["sm"] == 90 and k["target"] == "sm_90a"
         assert k["name"].encode() in cubin  # the entry the runtime looks up
+    for k in (k for k in e["kernels"] if k["variant"] != "fused"):
         # launch metadata agrees with the kernel configuration it was compiled from
         assert k["block_q"] == k["config"]["block_m"] // (k["config"]["num_heads"] // k["config"]["num_kv_heads"])
         assert k["num_kv_heads"] == k["config"]["num_kv_heads"] and k["shared_mem"] <= 48 * 1024
@@ -66,6 +73,29 @@ def test_fp32_cuda_engine_on_cpu_matches_transformers_and_the_onnxruntime_engine
     ort = Engine.load(cpu_path)
     ids = _fresh_ids(70, eng.vocab_size)
     np.testing.assert_allclose(eng.score(ids), ort.score(ids), atol=1e-4, rtol=0)
+
+
+def test_fused_kernel_launch_path_on_cpu_matches_transformers(engines, tiny_llama):
+    """The session's fused-kernel launches (RMSNorm + residual, rotary on the QKV views, SwiGLU on the gate/up
+    views), run by the Triton interpreter from the manifest's entries: the GPU's launch code minus the driver."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from llmc.runtime.cuda_session import CudaSession
+
+    path = engines[0]
+    eng = Engine.load(path, device="cpu")
+    plain = eng.score(ids := _fresh_ids(40, eng.vocab_size))
+    session = CudaSession(path, eng.manifest, device="cpu", interpret_kernels=True)
+    assert {k for k, v in session.kernels} and all(v == "fused" for _, v in session.kernels)
+    eng._pool = session.allocate_pool(eng.manifest["kv_cache"], eng._blocks.num_blocks)
+    eng._session = session
+    np.testing.assert_allclose(eng.score(ids), plain, atol=1e-4, rtol=0)
+    ref = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    got = eng.generate([PROMPTS[1]], SamplingParams(max_tokens=12, ignore_eos=True))[0].token_ids
+    with torch.no_grad():
+        want = ref.generate(torch.tensor([PROMPTS[1]]), max_new_tokens=12, min_new_tokens=12, do_sample=False)
+    assert got == want[0, len(PROMPTS[1]):].tolist()
 
 
 def test_default_model_cuda_engine_matches_transformers(tmp_path):
@@ -161,3 +191,32 @@ def test_cuda_engine_refusals_before_any_work(tmp_path, tiny_llama):
     assert not (tmp_path / "x").exists()
     r = runner.invoke(cli, ["build", str(tiny_llama), "-o", str(tmp_path / "y"), "--gpu", "h100", "--dtype", "fp64"])
     assert r.exit_code == 2 and "--dtype" in r.stderr
+
+
+@pytest.mark.parametrize("model_type", sorted(SUPPORTED_MODEL_TYPES))
+def test_every_family_cuda_engine_on_cpu_matches_transformers(model_type, family_build, tmp_path, monkeypatch):
+    """Every supported family through the CUDA backend (fp32, executed on torch's CPU ops): greedy tokens equal
+    transformers', batched equals single, logits within 1e-4 of the family's ONNX Runtime engine. The AOT
+    kernels play no part on the CPU: their compilation is skipped here to keep the suite short."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    ckpt, cpu_dir = family_build(model_type)
+    monkeypatch.setenv("LLMC_CUDA_NO_AOT", "1")
+    built = build(ckpt, tmp_path / "e", BuildOptions(target="h100", dtype="float32"))
+    eng = Engine.load(built.out_dir, device="cpu")
+    hf = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+    seed = int(np.random.SeedSequence().entropy % 2**31)
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(4, 512, n).tolist() for n in (3, 20, 45)]  # across the fixtures' window of 24
+    params = SamplingParams(max_tokens=32, ignore_eos=True)
+    single = [eng.generate([p], params)[0].token_ids for p in prompts]
+    with torch.no_grad():
+        for p, got in zip(prompts, single, strict=True):
+            want = hf.generate(torch.tensor([p]), max_new_tokens=32, min_new_tokens=32, do_sample=False,
+                               eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
+            assert got == want, f"{model_type}: seed {seed}, prompt length {len(p)}"
+    assert [o.token_ids for o in eng.generate(prompts, params)] == single, f"{model_type}: seed {seed}"
+    ids = rng.integers(4, 512, 45).tolist()
+    ref = Engine.load(cpu_dir).score(ids)
+    np.testing.assert_allclose(eng.score(ids), ref, rtol=0, atol=1e-4 * max(1.0, float(np.abs(ref).max())))

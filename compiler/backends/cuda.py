@@ -48,6 +48,7 @@ _IR_TO_NAME = {ir.DataType.FLOAT: "float32", ir.DataType.FLOAT16: "float16", ir.
                # 4-bit codes outside a fused linear: one code per byte (DequantizeLinear reads them as integers)
                ir.DataType.INT4: "int8", ir.DataType.UINT4: "uint8"}
 _FLOATS = {"float32", "float16", "bfloat16"}
+_ST_TO_TL = {"F32": "fp32", "BF16": "bf16", "F16": "fp16"}
 # Inputs that keep their stored precision even where activations meet them (scales, zero points).
 _KEEP_PRECISION = {"QuantizeLinear": (1, 2), "DequantizeLinear": (1, 2)}
 
@@ -168,6 +169,7 @@ class _Lowering:
         self.weights: dict[str, _Weight] = {}
         self.fusions = {"fp8-linear": 0, "int4-linear": 0}
         self.fused: set[int] = set()  # ids of the MatMul nodes a lowering fusion replaced
+        self.kernel_requests: dict[str, dict] = {}  # fused-kernel key -> AOT request (llmc.plugins.triton_aot)
 
     # weights ------------------------------------------------------------------------------------
 
@@ -284,7 +286,42 @@ class _Lowering:
                 name = self.dtype
             attrs["to"] = name
         inputs = [self.input_name(node, i, v) for i, v in enumerate(node.inputs)]
+        key = self._fused_kernel(node, inputs, attrs)
+        if key is not None:
+            attrs["kernel"] = key
         self.emit(op, inputs, [o.name for o in node.outputs], attrs)
+
+    def _fused_kernel(self, node: ir.Node, inputs: list[str], attrs: dict) -> str | None:
+        """The fused Triton kernel (key) that runs this node on a GPU, recording its AOT request; None: torch."""
+        from llmc.plugins.fused import requests as fk
+
+        op, act = node.op_type, _TL[self.dtype]
+        last = node.inputs[0].shape[-1] if node.inputs and node.inputs[0] is not None and node.inputs[0].shape \
+            else None
+        if not isinstance(last, int):
+            return None
+        if op in ("RMSNormalization", "SkipRMSNormalization"):
+            if attrs.get("axis", -1) not in (-1, len(node.inputs[0].shape) - 1):
+                return None
+            scale = inputs[2 if op == "SkipRMSNormalization" else 1]
+            w = self.weights.get(scale)
+            if w is None:
+                return None
+            req = fk.rms_norm_request(last, float(attrs.get("epsilon", 1e-5)), op == "SkipRMSNormalization", act,
+                                      _ST_TO_TL[w.dtype])
+        elif op == "RotaryEmbedding":
+            heads = int(attrs.get("num_heads", 0))
+            if (attrs.get("interleaved", 0) or not heads or last % heads or len(node.inputs) > 3
+                    or len(node.inputs[0].shape) == 4  # [B, H, T, D]: the kernel reads [tokens, H*D] rows
+                    or attrs.get("rotary_embedding_dim", 0) not in (0, last // heads)):
+                return None
+            req = fk.rotary_request(heads, last // heads, act)
+        elif op == "SwiGLU":
+            req = fk.swiglu_request(last, act)
+        else:
+            return None
+        self.kernel_requests[req["key"]] = req
+        return req["key"]
 
 
 @dataclass
@@ -328,6 +365,26 @@ def compile_kernels(configs: dict[str, dict], sm: int, dtype: str, cache_dtype: 
     return entries
 
 
+def compile_fused(requests: dict[str, dict], sm: int, out_dir: Path) -> list[dict]:
+    """AOT-compile the fused kernels (RMSNorm, rotary, SwiGLU) a program's nodes name into cubins."""
+    from llmc.plugins import triton_aot
+    from llmc.plugins.paged_attention import aot
+
+    plan = sorted(requests.items())
+    compiled = triton_aot.compile_requests([r for _, r in plan], sm)
+    (out_dir / KERNEL_DIR).mkdir(exist_ok=True)
+    entries = []
+    for i, ((key, req), k) in enumerate(zip(plan, compiled, strict=True)):
+        file = f"{KERNEL_DIR}/{req['fn']}_{i}.sm{sm}.cubin"
+        (out_dir / file).write_bytes(aot.assemble(k["ptx"], sm))
+        entries.append({"name": k["name"], "file": file, "sm": sm, "target": k["target"], "num_warps": k["num_warps"],
+                        "shared_mem": k["shared_mem"], "block_q": 0, "num_kv_heads": 0, "variant": "fused",
+                        "key": key, "op": req["op"], "module": req["module"], "fn": req["fn"],
+                        "params": [n for n, t in req["signature"].items() if t != "constexpr"],
+                        "grid_rule": req["grid_rule"], "config": req["constexprs"]})
+    return entries
+
+
 def ptxas_cuda_version(sm: int) -> str | None:
     """The CUDA release of the ``ptxas`` that assembles the cubins (the driver must support its major version)."""
     try:
@@ -360,7 +417,9 @@ def emit(model: ir.Model, out_dir: Path, *, sm: int, dtype: str = "bfloat16", ca
         say("      LLMC_CUDA_NO_AOT=1: no ahead-of-time kernels (attention in plain torch, no CUDA graphs)")
         kernels = []
     else:
-        say(f"      compiling {2 * len(configs)} attention kernels for sm_{sm} ahead of time")
+        say(f"      compiling {2 * len(configs)} attention and {len(low.kernel_requests)} fused kernels for sm_{sm} "
+            "ahead of time")
         kernels = compile_kernels(configs, sm, dtype, cache_dtype or dtype, block_size, out_dir)
+        kernels += compile_fused(low.kernel_requests, sm, out_dir)
     return CudaEngineFiles(program=torch_program.PROGRAM_FILE, weights=torch_program.WEIGHTS_FILE, kernels=kernels,
                            fusions=low.fusions, dtype=dtype)

@@ -1,0 +1,74 @@
+"""Triton kernels that fuse a CUDA engine's small per-layer ops: RMSNorm (with the residual add), rotary, SwiGLU.
+
+Each replaces several torch kernels of :mod:`llmc.runtime.torch_ops` (an RMSNorm in torch is about
+nine launches, a rotary about twelve) with one, and computes exactly what that op computes:
+float32 arithmetic, rounded to the activation dtype where the torch op rounds. On a GPU they run as
+cubins compiled ahead of time (:mod:`llmc.plugins.triton_aot`); on the CPU, under the Triton
+interpreter, the tests hold them to the torch ops.
+
+Launch contract (the AOT entry takes exactly the non-constexpr parameters, in order):
+
+- ``rms_norm_kernel(x, skip, w, out, sum_out, n_rows)``: grid ``(n_rows,)``; rows of ``N`` contiguous
+  elements; ``HAS_SKIP`` adds ``skip`` first and stores the rounded sum to ``sum_out``.
+- ``rotary_kernel(x, cos, sin, out, n_tokens, x_stride)``: grid ``(n_tokens, H)``; ``x`` rows ``x_stride``
+  elements apart (a view of the packed QKV projection), ``cos``/``sin`` ``[n_tokens, D/2]`` float32,
+  ``out`` contiguous ``[n_tokens, H*D]``; rotate-half over the whole head.
+- ``swiglu_kernel(gate, up, out, n_rows, g_stride, u_stride)``: grid ``(n_rows, cdiv(N, BLOCK))``;
+  ``out`` contiguous ``[n_rows, N]``.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def rms_norm_kernel(x_ptr, skip_ptr, w_ptr, out_ptr, sum_ptr, n_rows,
+                    N: tl.constexpr, BLOCK: tl.constexpr, EPS: tl.constexpr, HAS_SKIP: tl.constexpr,
+                    ROUND_Y: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    ok = offs < N
+    x = tl.load(x_ptr + row * N + offs, mask=ok, other=0.0)
+    if HAS_SKIP:
+        s = (x.to(tl.float32) + tl.load(skip_ptr + row * N + offs, mask=ok, other=0.0).to(tl.float32))
+        x = s.to(sum_ptr.dtype.element_ty)
+        tl.store(sum_ptr + row * N + offs, x, mask=ok)
+    x32 = x.to(tl.float32)
+    ms = tl.sum(x32 * x32, axis=0) / N
+    y = x32 * (1.0 / tl.sqrt(ms + EPS))
+    if ROUND_Y:  # a low-precision weight: transformers rounds the normalized row first, then multiplies
+        y = y.to(out_ptr.dtype.element_ty).to(tl.float32)
+    w = tl.load(w_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * N + offs, (y * w).to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def rotary_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, n_tokens, x_stride,
+                  H: tl.constexpr, D: tl.constexpr, HALF_PAD: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    HALF: tl.constexpr = D // 2
+    offs = tl.arange(0, HALF_PAD)
+    ok = offs < HALF
+    base = x_ptr + t * x_stride + h * D
+    x1 = tl.load(base + offs, mask=ok, other=0.0).to(tl.float32)
+    x2 = tl.load(base + HALF + offs, mask=ok, other=0.0).to(tl.float32)
+    c = tl.load(cos_ptr + t * HALF + offs, mask=ok, other=0.0)
+    s = tl.load(sin_ptr + t * HALF + offs, mask=ok, other=0.0)
+    o = out_ptr + t * (H * D) + h * D
+    tl.store(o + offs, (x1 * c - x2 * s).to(out_ptr.dtype.element_ty), mask=ok)
+    tl.store(o + HALF + offs, (x2 * c + x1 * s).to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def swiglu_kernel(g_ptr, u_ptr, out_ptr, n_rows, g_stride, u_stride, N: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < N
+    g = tl.load(g_ptr + row * g_stride + offs, mask=ok, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + row * u_stride + offs, mask=ok, other=0.0).to(tl.float32)
+    # torch: silu(g) rounded to the activation dtype, then the product rounded
+    a = (g / (1.0 + tl.exp(-g))).to(out_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(out_ptr + row * N + offs, (a * u).to(out_ptr.dtype.element_ty), mask=ok)
