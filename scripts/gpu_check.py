@@ -60,6 +60,8 @@ def parse_args(argv):
     p.add_argument("--budget-s", type=float, default=420.0,
                    help="stop starting new bandwidth rows after this many seconds (default 420: under 8 min)")
     p.add_argument("--iters", type=int, default=20, help="timed iterations per bandwidth measurement")
+    p.add_argument("--quick", action="store_true",
+                   help="the bf16 CUDA engine alone (build, graphs vs eager, decode b1/8/64, prefill): a short lease")
     p.add_argument("--skip", action="append", default=[],
                    choices=["engine", "correctness", "aot", "bandwidth", "tensorrt"])
     return p.parse_args(argv)
@@ -404,10 +406,13 @@ def main(argv=None) -> int:
             report["engine"] = {"ok": True, "skipped": "no GPU (--cpu-smoke)"}
         else:
             sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-            from gpu_engine_check import run_engine
+            from gpu_engine_check import run_engine, run_quick
 
-            # the kernel sections after it need about 90 s
-            section("engine", report, lambda: run_engine(args.budget_s - 90, t_start, report))
+            if args.quick:
+                section("engine", report, lambda: run_quick(report))
+                args.skip += ["bandwidth", "correctness", "aot", "tensorrt"]
+            else:  # the kernel sections after it need about 90 s
+                section("engine", report, lambda: run_engine(args.budget_s - 90, t_start, report))
             print_engine(report["engine"])
         save()
     if "bandwidth" not in args.skip:

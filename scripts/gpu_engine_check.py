@@ -74,6 +74,69 @@ def _weight_bytes(engine_dir: Path) -> int:
     return (engine_dir / "weights.safetensors").stat().st_size
 
 
+def run_quick(report: dict) -> dict:
+    """The bf16 engine alone, for a short lease: build, CUDA graphs vs eager tokens, decode b1/8/64, prefill."""
+    import numpy as np
+    import torch
+
+    from llmc.runtime import Engine, SamplingParams
+
+    work = Path(tempfile.mkdtemp(prefix="llmc-gpu-"))
+    res: dict = {"ok": False, "builds": [], "quick": True}
+    report["engine"] = res
+    t0 = time.time()
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks/peers/make_model.py"), "1b"],
+                          env=dict(os.environ, PEERS_ROOT=str(work / "peers")), capture_output=True, text=True)
+    res["make_model_s"] = round(time.time() - t0, 1)
+    if proc.returncode:
+        res["error"] = "make_model.py failed: " + (proc.stdout + proc.stderr)[-2000:]
+        return res
+    ckpt, out = work / "peers" / "model-1b", work / "engine-bf16"
+    rc, secs, log = _llmc("build", ckpt, "--gpu", "auto", "-o", out, "--cache-dir", work / "cache", "-q",
+                          log=res["builds"])
+    print(f"build bf16: rc {rc} in {secs:.0f} s", flush=True)
+    if rc:
+        res["error"] = "bf16 build failed: " + log[-2000:]
+        return res
+    manifest = json.loads((out / "manifest.json").read_text())
+    res["kernels"] = {v: sum(1 for k in manifest["engine"]["kernels"] if k["variant"] == v)
+                      for v in ("decode", "prefill", "fused")}
+    e = Engine.load(out, max_num_tokens=max(PREFILL_LEN, max(BATCHES) * PROMPT_LEN), kv_cache_tokens=65536,
+                    verify=False)
+    eager = Engine.load(out, cuda_graphs=False, kv_cache_tokens=8192, verify=False)
+    cfg = json.loads((ckpt / "config.json").read_text())
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, cfg["vocab_size"], n).tolist() for n in (9, 40, 100)]
+    greedy = SamplingParams(max_tokens=32, ignore_eos=True)
+    got = [o.token_ids for o in e.generate(prompts, greedy)]
+    res["graphs_equal_eager"] = [o.token_ids for o in eager.generate(prompts, greedy)] == got
+    print(f"graphs == eager: {res['graphs_equal_eager']}", flush=True)
+    copy_bw = _copy_bandwidth()
+    res["copy_bandwidth_gbs"] = copy_bw / 1e9
+    layers, hkv = cfg["num_hidden_layers"], cfg["num_key_value_heads"]
+    d = cfg["hidden_size"] // cfg["num_attention_heads"]
+    wbytes = _weight_bytes(out)
+    rows = []
+    for label, engine, batches in (("llmc bf16 (CUDA graphs, fused kernels)", e, BATCHES),
+                                   ("llmc bf16 eager", eager, (1,))):
+        for b in batches:
+            ps = [rng.integers(3, cfg["vocab_size"], PROMPT_LEN).tolist() for _ in range(b)]
+            _decode_rate(engine, ps, SamplingParams(max_tokens=8, ignore_eos=True))
+            rate = _decode_rate(engine, ps, SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True))
+            step_bytes = wbytes + b * (PROMPT_LEN + NEW_TOKENS / 2) * 2 * layers * hkv * d * 2
+            rows.append({"who": label, "batch": b, "tok_s": rate, "roofline_frac": rate / b * step_bytes / copy_bw})
+            print(rows[-1], flush=True)
+    res["rows"] = rows
+    ids = rng.integers(3, cfg["vocab_size"], PREFILL_LEN).tolist()
+    e.score(ids)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    e.score(ids)
+    res["prefill_llmc_tok_s"] = PREFILL_LEN / (time.perf_counter() - t)
+    res["ok"] = res["graphs_equal_eager"]
+    return res
+
+
 def run_engine(budget_s: float, t_start: float, report: dict) -> dict:
     import numpy as np
     import torch
