@@ -258,11 +258,14 @@ def run_engine(budget_s: float, t_start: float, report: dict) -> dict:
     del eager
 
     # transformers on the same GPU: eager with a static cache, then compiled (reduce-overhead)
-    def hf_rate(b: int) -> float:
+    def hf_rate(b: int, compiled: bool = False) -> float:
+        # transformers compiles the forward by itself when the cache is static: disable_compile keeps eager
+        # eager; the compiled row warms up with the timed lengths so no compilation lands in the timing.
         x = torch.tensor([rng.integers(3, cfg["vocab_size"], PROMPT_LEN).tolist() for _ in range(b)], device="cuda")
-        kw = dict(do_sample=False, cache_implementation="static", pad_token_id=0)
+        kw = dict(do_sample=False, cache_implementation="static", pad_token_id=0, disable_compile=not compiled)
         with torch.inference_mode():
-            hf.generate(x, max_new_tokens=4, min_new_tokens=4, **kw)
+            for n in ((1, NEW_TOKENS) if compiled else (4,)):
+                hf.generate(x, max_new_tokens=n, min_new_tokens=n, **kw)
             torch.cuda.synchronize()
             t = time.perf_counter()
             hf.generate(x, max_new_tokens=1, min_new_tokens=1, **kw)
@@ -307,9 +310,8 @@ def run_engine(budget_s: float, t_start: float, report: dict) -> dict:
     res["rows"] = rows
     if time.time() - t_start < budget_s - 120:
         try:
-            hf.forward = torch.compile(hf.forward, mode="reduce-overhead")
             t = time.time()
-            rate = hf_rate(1)
+            rate = hf_rate(1, compiled=True)  # transformers' own compile of the static-cache decode step
             rows.append({"who": "transformers torch.compile reduce-overhead", "batch": 1, "tok_s": rate,
                          "compile_and_warm_s": round(time.time() - t, 1)})
         except Exception as exc:  # noqa: BLE001
