@@ -42,7 +42,7 @@ COMPUTE_DTYPE = "float32"
 # matter; resolving it to the pass list would import the pass modules on every cache hit).
 # Any other field, including ones added later, is part of the recipe: a spurious miss is safe,
 # a wrong hit is not.
-_NOT_IN_RECIPE = frozenset({"force", "extra_passes"})
+_NOT_IN_RECIPE = frozenset({"force", "extra_passes", "self_check"})
 _PACKAGE_ROOT = Path(llmc.__file__).resolve().parent
 
 
@@ -63,6 +63,12 @@ class BuildOptions:
     # "tensorrt": a TensorRT / TensorRT-for-RTX engine, an export) and the CUDA engine's compute dtype.
     engine: str = "cuda"
     dtype: str = "bfloat16"
+    # CUDA engines: compile the Triton kernels ahead of time (off: attention in plain torch, no CUDA graphs;
+    # the self-check's twins, which run on the CPU, skip them).
+    aot_kernels: bool = True
+    # The architecture self-check (compiler/selfcheck.py): a random twin of the config through the same
+    # pipeline, against transformers, before the real build. Off only for the twin itself.
+    self_check: bool = True
     # GPU targets: the engine's shape limits (None: the defaults of backends.tensorrt.default_profile).
     max_batch_size: int | None = None
     max_num_tokens: int | None = None
@@ -243,6 +249,16 @@ def _compile(ckpt: Checkpoint, digest: str, plan: _Plan, dest: Path, say: Progre
     def stage(name: str, n: int) -> None:
         say(f"[{n}/5] {name}")
 
+    check = None
+    # LLMC_SELF_CHECK=0 skips it (the test suite does, except where it tests the check: thousands of option
+    # combinations would each pay for a twin); a user's build always runs it.
+    if options.self_check and os.environ.get("LLMC_SELF_CHECK", "1") != "0":
+        check = _self_check(ckpt, plan, say)
+        timings["self_check"] = check.seconds
+        info = {**(info or {}), "self_check": {"status": check.status, "seconds": check.seconds,
+                                               "max_logprob_error": check.max_logprob_error,
+                                               "max_logit_rel_error": check.max_logit_rel_error}}
+
     stage("trace with torch.export", 2)
     t = time.perf_counter()
     traced = trace(ckpt, compute_dtype=COMPUTE_DTYPE)
@@ -276,7 +292,7 @@ def _compile(ckpt: Checkpoint, digest: str, plan: _Plan, dest: Path, say: Progre
         cpu_graph = traced.model.clone() if qstage is not None else None
         sm = int(target.sm.replace(".", ""))
         cuda_files = cuda_backend.emit(traced.model, dest, sm=sm, dtype=options.dtype, block_size=options.block_size,
-                                       say=say)
+                                       say=say, aot=options.aot_kernels)
         files = _NoOnnxFiles()
         files.fusions = cuda_files.fusions
     elif gpu:
@@ -304,6 +320,9 @@ def _compile(ckpt: Checkpoint, digest: str, plan: _Plan, dest: Path, say: Progre
         "passes": pass_stats,
         "graph": {"nodes_traced": nodes_traced, "nodes_final": sum(1 for _ in traced.model.graph)},
         "backend_fusions": fused,
+        # What the build proved (timings and cached-or-fresh go to build_info.json: they differ between builds).
+        "self_check": ({"result": "passed", "key": check.key, "twin_config": check.twin} if check is not None
+                       else {"result": "not run"}),
     }
     if qstage is not None:
         report.update(qstage.report())
@@ -387,6 +406,33 @@ def _compile(ckpt: Checkpoint, digest: str, plan: _Plan, dest: Path, say: Progre
     artifact.write_build_info(dest, build_info)
     os.chmod(dest, 0o755)
     return manifest, report
+
+
+def _self_check(ckpt: Checkpoint, plan: _Plan, say: Progress):
+    """The architecture self-check for this build (see compiler/selfcheck.py); raises UnsupportedError on a mismatch.
+
+    The twin is built unquantized, in float32, for the same target where the runtime here can execute it
+    (the CPU, or a CUDA engine on torch's CPU ops); a TensorRT export's twin is checked as a CPU engine (its
+    graph is the same up to the TensorRT lowering).
+    """
+    import dataclasses
+
+    from llmc.compiler import selfcheck
+
+    options, target = plan.options, plan.target
+    cuda = uses_cuda_engine(options, target)
+    twin_options = dataclasses.replace(
+        options, target=target.name if cuda or target.sm is None else "cpu", quant=QuantRecipe(),
+        max_ppl_increase=None, force=True, verify_passes=False, self_check=False, aot_kernels=False,
+        dtype="float32")
+    lowering = {k: v for k, v in canonical_recipe(twin_options).items() if k not in ("quant",)}
+
+    def build_twin(twin_ckpt: Path, out: Path) -> None:
+        build(twin_ckpt, out, twin_options)
+
+    return selfcheck.run(ckpt.config, ckpt.model_type, build_twin, lowering, artifact.toolchain_versions(),
+                         sources_digest(_PACKAGE_ROOT), plan.cache_root or Store(None).root, cuda,
+                         cacheable=not options.extra_passes, say=say)
 
 
 def build(checkpoint_dir: str | Path, out_dir: str | Path, options: BuildOptions | None = None,

@@ -15,6 +15,9 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 # xdist workers share the cores: ORT threads that spin would steal them from each other (see
 # runtime/spin_policy.py, tested on its own in test_spin_policy.py).
 os.environ.setdefault("LLMC_ORT_SPIN", "0")
+# Builds skip the architecture self-check (compiler/selfcheck.py) unless a test turns it on: each distinct
+# configuration and option set would build a twin; tests/test_selfcheck.py tests the check itself.
+os.environ.setdefault("LLMC_SELF_CHECK", "0")
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_MODEL = REPO / "assets" / "default-model"

@@ -398,7 +398,7 @@ def ptxas_cuda_version(sm: int) -> str | None:
 
 
 def emit(model: ir.Model, out_dir: Path, *, sm: int, dtype: str = "bfloat16", cache_dtype: str | None = None,
-         block_size: int = 16, say: Callable[[str], None] | None = None) -> CudaEngineFiles:
+         block_size: int = 16, say: Callable[[str], None] | None = None, aot: bool = True) -> CudaEngineFiles:
     """Lower ``model`` and write the CUDA engine's files into ``out_dir``."""
     if dtype not in ENGINE_DTYPES:
         raise UnsupportedError(f"--dtype {dtype}: the CUDA engine computes in one of {', '.join(ENGINE_DTYPES)}")
@@ -413,8 +413,8 @@ def emit(model: ir.Model, out_dir: Path, *, sm: int, dtype: str = "bfloat16", ca
     say(f"      writing {len(low.weights)} weights ({dtype})")
     write_safetensors(out_dir / torch_program.WEIGHTS_FILE, list(low.weights.values()))
     configs = attention_configs(low.nodes)
-    if os.environ.get("LLMC_CUDA_NO_AOT") == "1":  # debugging: an engine whose attention runs in plain torch
-        say("      LLMC_CUDA_NO_AOT=1: no ahead-of-time kernels (attention in plain torch, no CUDA graphs)")
+    if not aot or os.environ.get("LLMC_CUDA_NO_AOT") == "1":  # an engine whose ops all run in plain torch
+        say("      no ahead-of-time kernels (attention in plain torch, no CUDA graphs)")
         kernels = []
     else:
         say(f"      compiling {2 * len(configs)} attention and {len(low.kernel_requests)} fused kernels for sm_{sm} "

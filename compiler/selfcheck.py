@@ -1,0 +1,200 @@
+"""The architecture self-check: every build proves, on a shrunk random twin of its checkpoint, that llmc's
+lowering of this exact configuration computes what transformers computes.
+
+The twin keeps the checkpoint's model class and every semantic field of its config (layer types, sliding
+windows, sinks, biases, norms, rope scaling, MoE routing, head sizes) and shrinks what is only size:
+hidden width, heads (keeping the grouped-query ratio), intermediate widths, experts, layer count (keeping
+every layer type that occurs). It gets random weights from a fixed seed, goes through the same frontend,
+passes and backend as the real build (unquantized: quantization error is the accuracy report's business),
+and is executed by the runtime (a CUDA engine on torch's CPU ops). Two prompts are generated greedily; at
+every generated position the engine's log-probability of its own token must equal transformers' on the
+same sequence (so the decode path is checked, and near-ties cannot make the check flaky), and one
+prefill's logits must match. A mismatch stops the build (exit 3).
+
+A passing result is cached by (model type, the twin's config, the lowering options, llmc version and
+sources, toolchain) under the build cache root, so a family costs seconds once, not every build.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import llmc
+from llmc.errors import UnsupportedError
+
+LOGPROB_ATOL = 2e-3  # nats; float32 engines agree with transformers to ~1e-5
+LOGIT_RTOL = 2e-3  # of the logits' largest magnitude
+PROMPT_LENGTHS = (5, 37)  # the second crosses the twin's sliding windows (at most 24)
+NEW_TOKENS = 8
+_WIDTH_FIELDS = ("hidden_size", "n_embd", "d_model")
+_SIZE_ONLY = {"torch_dtype", "dtype", "quantization_config", "_name_or_path", "architectures", "transformers_version",
+              "use_cache", "auto_map"}
+
+
+@dataclasses.dataclass
+class SelfCheckResult:
+    status: str  # "passed" | "cached"
+    key: str
+    seconds: float
+    twin: dict
+    max_logprob_error: float | None = None
+    max_logit_rel_error: float | None = None
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _pick(c: dict, *names, default=None):
+    for n in names:
+        if c.get(n) is not None:
+            return n, c[n]
+    return None, default
+
+
+def shrink_config(config: dict) -> dict:
+    """A small config with the same semantics as ``config`` (a ``config.json`` dict)."""
+    c = {k: v for k, v in config.items() if k not in _SIZE_ONLY}
+    hkey, heads = _pick(c, "num_attention_heads", "n_head", "num_heads")
+    wkey, width = _pick(c, *_WIDTH_FIELDS)
+    if heads and width:
+        kvkey, kv = _pick(c, "num_key_value_heads", "num_kv_heads", default=heads)
+        kv = kv or heads
+        group = max(1, heads // kv)
+        new_kv = min(kv, 2)
+        new_heads = new_kv * min(group, 4)
+        head_dim = c.get("head_dim") or width // heads
+        new_dim = min(head_dim, 32)
+        c[hkey] = new_heads
+        if kvkey:
+            c[kvkey] = new_kv
+        c[wkey] = new_heads * new_dim if c.get("head_dim") is None else max(32, new_heads * new_dim // 2)
+        if c.get("head_dim") is not None:
+            c["head_dim"] = new_dim
+    for key in ("intermediate_size", "n_inner", "ffn_dim"):
+        if isinstance(c.get(key), int):
+            c[key] = 2 * c[wkey] if wkey else 64
+    for key in ("moe_intermediate_size", "shared_expert_intermediate_size"):
+        if isinstance(c.get(key), int):
+            c[key] = c[wkey] if wkey else 32
+    top_k = c.get("num_experts_per_tok") or 1
+    for key in ("num_local_experts", "num_experts", "n_routed_experts"):
+        if isinstance(c.get(key), int) and c[key] > 1:
+            c[key] = max(top_k, min(c[key], 4))
+    lkey, layers = _pick(c, "num_hidden_layers", "n_layer", "num_layers")
+    if isinstance(layers, int) and layers > 0:
+        keep = 2
+        types = c.get("layer_types")
+        if isinstance(types, list) and types:
+            seen: set = set()
+            for i, t in enumerate(types):  # up to the first layer of the last type to appear
+                if t not in seen:
+                    seen.add(t)
+                    keep = max(keep, i + 1)
+            c["layer_types"] = types[:min(layers, keep)]
+        c[lkey] = min(layers, keep)
+        for key in ("mlp_only_layers",):
+            if isinstance(c.get(key), list):
+                c[key] = [i for i in c[key] if i < c[lkey]]
+    if isinstance(c.get("sliding_window"), int) and c["sliding_window"] > 24:
+        c["sliding_window"] = 24
+    return c
+
+
+def check_key(model_type: str, twin: dict, lowering: dict, toolchain: dict, sources: str) -> str:
+    blob = json.dumps({"model_type": model_type, "twin": twin, "lowering": lowering, "toolchain": toolchain,
+                       "llmc": llmc.__version__, "sources": sources}, sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def write_twin(config: dict, out: Path, seed: int = 0) -> Path:
+    """Write a random checkpoint of ``config`` to ``out`` (weights drawn so that logits are not flat)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps({**config, "torch_dtype": "float32"}))
+    cfg = AutoConfig.from_pretrained(out)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.08 if ("embed" in name or "lm_head" in name or "wte" in name) else 0.15)
+            else:  # norms around 1, biases around 0, neither exactly
+                p.uniform_(0.8, 1.2) if "norm" in name or "ln" in name else p.normal_(0.0, 0.1)
+    model.save_pretrained(out, safe_serialization=True)
+    return out
+
+
+def compare(engine_dir: Path, twin_dir: Path, cuda: bool, seed: int = 0) -> tuple[float, float, str | None]:
+    """(max |logprob error| over generated tokens, max relative logit error of one prefill, failure or None)."""
+    import numpy as np
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from llmc.runtime import Engine, SamplingParams
+
+    hf = AutoModelForCausalLM.from_pretrained(twin_dir, dtype=torch.float32).eval()
+    engine = Engine.load(engine_dir, device="cpu" if cuda else None, kv_cache_tokens=512, verify=False)
+    rng = np.random.default_rng(seed)
+    vocab = min(engine.vocab_size, int(hf.config.vocab_size))
+    worst_lp = 0.0
+    for n in PROMPT_LENGTHS:
+        prompt = rng.integers(1, vocab, n).tolist()
+        out = engine.generate([prompt], SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0))[0]
+        with torch.no_grad():
+            ref = torch.log_softmax(hf(torch.tensor([prompt + out.token_ids])).logits[0].double(), -1)
+        for i, (tok, lp) in enumerate(zip(out.token_ids, out.logprobs, strict=True)):
+            want = float(ref[n - 1 + i, tok])
+            err = abs(want - float(lp[tok]))
+            worst_lp = max(worst_lp, err)
+            if not err <= LOGPROB_ATOL:
+                return worst_lp, float("nan"), (f"generated token {i} of a {n}-token prompt: log-probability "
+                                                f"{float(lp[tok]):.5f} vs transformers {want:.5f}")
+    ids = rng.integers(1, vocab, max(PROMPT_LENGTHS)).tolist()
+    got = engine.score(ids)
+    with torch.no_grad():
+        want = hf(torch.tensor([ids])).logits[0].numpy()
+    rel = float(np.abs(got[:, :want.shape[1]] - want).max() / max(1e-6, float(np.abs(want).max())))
+    if not rel <= LOGIT_RTOL:
+        return worst_lp, rel, f"prefill logits differ from transformers' by {rel:.3g} of their range"
+    return worst_lp, rel, None
+
+
+def run(config: dict, model_type: str, build_twin, lowering: dict, toolchain: dict, sources: str,
+        cache_root: Path | None, cuda: bool, cacheable: bool, say) -> SelfCheckResult:
+    """Run (or find cached) the self-check. ``build_twin(twin_ckpt, out_dir)`` builds the twin's engine the way
+    the real build will. Raises :class:`UnsupportedError` (exit 3) on a mismatch."""
+    t0 = time.perf_counter()
+    twin = shrink_config(config)
+    key = check_key(model_type, twin, lowering, toolchain, sources)
+    record = (cache_root / "selfcheck" / f"{key}.json") if cache_root is not None else None
+    if cacheable and record is not None and record.is_file():
+        return SelfCheckResult("cached", key, round(time.perf_counter() - t0, 3), twin)
+    say(f"      self-check: a {twin.get('num_hidden_layers', '?')}-layer random twin of this {model_type} config "
+        "through the same pipeline, against transformers")
+    with tempfile.TemporaryDirectory(prefix="llmc-selfcheck-") as tmp:
+        ckpt = write_twin(twin, Path(tmp) / "twin")
+        engine_dir = Path(tmp) / "engine"
+        build_twin(ckpt, engine_dir)
+        lp, rel, failure = compare(engine_dir, ckpt, cuda)
+    if failure is not None:
+        raise UnsupportedError(
+            f"architecture self-check failed for model_type {model_type!r}: on a random twin of this config, "
+            f"llmc's engine differs from transformers ({failure}); llmc {llmc.__version__} cannot build this "
+            "configuration correctly, so it stops here rather than write a wrong engine (please report it)")
+    result = SelfCheckResult("passed", key, round(time.perf_counter() - t0, 3), twin, lp, rel)
+    if cacheable and record is not None:
+        try:
+            record.parent.mkdir(parents=True, exist_ok=True)
+            tmp_record = record.with_suffix(".tmp")
+            tmp_record.write_text(json.dumps(result.to_json(), sort_keys=True))
+            tmp_record.replace(record)
+        except OSError:
+            pass  # an unwritable cache costs the check again next time, nothing more
+    return result

@@ -1,0 +1,88 @@
+"""The architecture self-check every build runs (compiler/selfcheck.py): a random twin of the checkpoint's
+config through the same pipeline, against transformers."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import onnx_ir as ir
+import pytest
+from click.testing import CliRunner
+
+from llmc.cli.main import cli
+from llmc.compiler import selfcheck
+from llmc.compiler.build import BuildOptions, build
+from llmc.errors import UnsupportedError
+from llmc.passes.base import GraphPass, replace_value
+
+
+@pytest.fixture
+def checked(monkeypatch, tmp_path):
+    monkeypatch.setenv("LLMC_SELF_CHECK", "1")
+    monkeypatch.setenv("LLMC_CACHE_DIR", str(tmp_path / "cache"))
+
+
+def test_every_build_checks_its_architecture_once_then_from_the_cache(checked, tmp_path, tiny_llama):
+    first = build(tiny_llama, tmp_path / "a", BuildOptions())
+    assert first.report["self_check"]["result"] == "passed"
+    info = first.build_info["self_check"]
+    assert info["status"] == "passed" and info["max_logprob_error"] < 1e-4 and info["max_logit_rel_error"] < 1e-4
+    twin = first.report["self_check"]["twin_config"]
+    assert twin["model_type"] == "llama" and twin["num_hidden_layers"] == 2
+    t = time.perf_counter()
+    again = build(tiny_llama, tmp_path / "b", BuildOptions(block_size=16))
+    assert again.build_info["self_check"]["status"] == "cached" and time.perf_counter() - t < 60
+    assert again.report["self_check"] == first.report["self_check"]  # sealed files stay deterministic
+    # another lowering (a CUDA engine) is another check
+    cuda = build(tiny_llama, tmp_path / "c", BuildOptions(target="h100", dtype="float32", aot_kernels=False))
+    assert cuda.build_info["self_check"]["status"] == "passed"
+
+
+def _drop_biases(model: ir.Model) -> dict[str, int]:
+    """Test-only: delete every Add of a bias initializer (a lowering that forgets biases)."""
+    n = 0
+    for node in list(model.graph):
+        if node.op_type != "Add":
+            continue
+        consts = [v for v in node.inputs if v is not None and v.const_value is not None and "bias" in v.name]
+        if consts:
+            other = next(v for v in node.inputs if v is not consts[0])
+            replace_value(node.outputs[0], other)
+            model.graph.remove(node, safe=True)
+            n += 1
+    return {"matches": n}
+
+
+def test_a_lowering_that_drops_a_bias_is_stopped_and_named(checked, tmp_path):
+    from llmc.testing.checkpoints import write_tiny_llama
+
+    ckpt = write_tiny_llama(tmp_path / "ckpt", attention_bias=True, seed=4)
+    broken = GraphPass("test-only-drop-biases", _drop_biases, "forgets biases on purpose")
+    with pytest.raises(UnsupportedError) as err:
+        build(ckpt, tmp_path / "e", BuildOptions(extra_passes=(broken,)))
+    msg = str(err.value)
+    assert err.value.exit_code == 3 and "self-check failed" in msg and "'llama'" in msg, msg
+    assert not (tmp_path / "e").exists()
+
+
+def test_cli_build_records_the_check_in_the_report(checked, tmp_path, tiny_llama):
+    r = CliRunner().invoke(cli, ["build", str(tiny_llama), "-o", str(tmp_path / "e"), "--json", "-q"])
+    assert r.exit_code == 0, r.output
+    report = json.loads((tmp_path / "e" / "report.json").read_text())
+    assert report["self_check"]["result"] == "passed"
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gemma3_text", "mixtral", "qwen3_moe", "gpt2", "phi3"])
+def test_shrunk_twin_keeps_the_semantics_and_loses_the_size(model_type, family_checkpoint):
+    config = json.loads((family_checkpoint(model_type) / "config.json").read_text())
+    twin = selfcheck.shrink_config(config)
+    assert twin["model_type"] == model_type
+    for key in ("rope_parameters", "rope_scaling", "hidden_act", "tie_word_embeddings", "attention_bias",
+                "num_experts_per_tok", "vocab_size"):
+        assert twin.get(key) == config.get(key), key
+    if isinstance(config.get("layer_types"), list):  # every layer type survives
+        assert set(twin["layer_types"]) == set(config["layer_types"][: config["num_hidden_layers"]])
+    heads = twin.get("num_attention_heads") or twin.get("n_head")
+    kv = twin.get("num_key_value_heads") or heads
+    assert heads % kv == 0
