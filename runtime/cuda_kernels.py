@@ -11,7 +11,7 @@ cuda-python would add a dependency for four calls.
 from __future__ import annotations
 
 import ctypes
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 _CUDA: ctypes.CDLL | None = None
@@ -56,11 +56,12 @@ class KernelInfo:
     block_q: int
     num_kv_heads: int
     variant: str  # "decode" (block_m 16) or "prefill" (block_m 64)
-    key: str  # the attention configuration it serves (see llmc.compiler.backends.cuda.attention_key)
+    key: str  # the configuration it serves (attention: llmc.runtime.cuda_session.attention_key; fused: the node's)
+    config: dict = field(default_factory=dict)  # compile-time constants (tiles, splits) the launch rule uses
 
     @classmethod
     def from_manifest(cls, d: dict) -> KernelInfo:
-        return cls(**{k: d[k] for k in cls.__dataclass_fields__})
+        return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
 
 
 class LoadedKernel:

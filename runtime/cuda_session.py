@@ -207,8 +207,22 @@ class CudaSession:
             self._launch(k, (rows, -(-n // block), 1), [g2, u2, out, rows, g2.stride(0), u2.stride(0)])
             return (out,)
 
+        def int4_linear(x, codes, scales, zeros=None, *, kernel=None, **attrs):
+            k = self._fused(kernel)
+            rows = x.numel() // x.shape[-1]
+            if k is None or x.dtype != self.dtype or scales.dtype != self.dtype or rows > k.info.config["BLOCK_M"]:
+                return OPS["Int4Linear"](x, codes, scales, zeros, **attrs)
+            x2 = rows_view(x)
+            n, split = codes.shape[1], k.info.config["SPLIT_K"]
+            out = torch.empty((split, rows, n) if split > 1 else (rows, n),
+                              dtype=torch.float32 if split > 1 else x.dtype, device=x.device)
+            self._launch(k, (-(-n // k.info.config["BLOCK_N"]), split, 1),
+                         [x2, codes, scales, zeros if zeros is not None else codes, out, rows, x2.stride(0)])
+            y = out.sum(0).to(x.dtype) if split > 1 else out
+            return (y.reshape(*x.shape[:-1], n),)
+
         return {"RMSNormalization": rms, "SkipRMSNormalization": skip_rms, "RotaryEmbedding": rotary,
-                "SwiGLU": swiglu}
+                "SwiGLU": swiglu, "Int4Linear": int4_linear}
 
     # -- steps ------------------------------------------------------------------------------------
 

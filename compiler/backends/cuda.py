@@ -245,7 +245,14 @@ class _Lowering:
                 zt = _const(zp)
                 inputs.append(self.derived(f"{zp.name}.u8", "uint8", tuple(int(d) for d in zp.shape),
                                            lambda zt=zt: zt.numpy().astype(np.uint8)))
-            self.emit("Int4Linear", inputs, [node.outputs[0].name], {"group_size": g, "k": k})
+            attrs = {"group_size": g, "k": k}
+            if g % min(g, 128) == 0 and min(g, 128) >= 16:  # the W4A16 kernel's tiling (else: torch dequantizes)
+                from llmc.plugins.fused import requests as fk
+
+                req = fk.int4_matmul_request(n, k, g, zp is not None, _TL[self.dtype])
+                self.kernel_requests[req["key"]] = req
+                attrs["kernel"] = req["key"]
+            self.emit("Int4Linear", inputs, [node.outputs[0].name], attrs)
             self.fusions["int4-linear"] += 1
             return True
         return False

@@ -9,6 +9,10 @@ from __future__ import annotations
 MODULE = "llmc.plugins.fused.triton_kernels"
 
 
+def _ceil(a: int, b: int) -> int:
+    return -(-a // b)
+
+
 def _pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
@@ -52,4 +56,40 @@ def swiglu_request(n: int, act: str) -> dict:
                       "g_stride": "i32", "u_stride": "i32", "N": "constexpr", "BLOCK": "constexpr"},
         "constexprs": {"N": n, "BLOCK": block},
         "num_warps": 4, "divisible": ["out_ptr"], "grid_rule": "(n_rows, cdiv(N, BLOCK), 1)",
+    }
+
+
+INT4_BLOCK_M = 16  # decode rows per launch; more rows dequantize into a torch matmul instead
+INT4_BLOCK_N = 64
+
+
+def int4_split_k(n: int, k: int, block_k: int, num_sms: int = 132) -> int:
+    """Split K so that about two programs run per SM (a power of two, each split at least one K block)."""
+    tiles = -(-n // INT4_BLOCK_N)
+    want = max(1, (2 * num_sms) // tiles)
+    most = max(1, k // block_k)
+    split = 1
+    while split * 2 <= min(want, most):
+        split *= 2
+    return split
+
+
+def int4_matmul_request(n: int, k: int, group: int, has_zero: bool, act: str) -> dict:
+    """W4A16 matmul for ``M <= INT4_BLOCK_M`` rows (decode); split-K sized for a 132-SM GPU."""
+    block_k = min(group, 128)
+    if group % block_k or block_k < 16:
+        raise ValueError(f"int4 group size {group}: the W4A16 kernel needs a multiple of 16 up to 128, or of 128")
+    split = int4_split_k(n, k, block_k)
+    out = "fp32" if split > 1 else act
+    return {
+        "key": f"int4_matmul-n{n}-k{k}-g{group}-z{int(has_zero)}-{act}", "op": "int4_matmul", "module": MODULE,
+        "fn": "int4_matmul_kernel",
+        "signature": {"x_ptr": f"*{act}", "q_ptr": "*u8", "s_ptr": f"*{act}", "z_ptr": "*u8", "out_ptr": f"*{out}",
+                      "m_rows": "i32", "x_stride": "i32", "N": "constexpr", "K": "constexpr", "GROUP": "constexpr",
+                      "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "SPLIT_K": "constexpr",
+                      "CHUNK": "constexpr", "HAS_ZERO": "constexpr"},
+        "constexprs": {"N": n, "K": k, "GROUP": group, "BLOCK_M": INT4_BLOCK_M, "BLOCK_N": INT4_BLOCK_N,
+                       "BLOCK_K": block_k, "SPLIT_K": split, "CHUNK": _ceil(_ceil(k, split), block_k) * block_k,
+                       "HAS_ZERO": bool(has_zero)},
+        "num_warps": 4, "divisible": ["q_ptr", "s_ptr", "out_ptr"], "grid_rule": "(cdiv(N, BLOCK_N), SPLIT_K, 1)",
     }

@@ -72,3 +72,47 @@ def swiglu_kernel(g_ptr, u_ptr, out_ptr, n_rows, g_stride, u_stride, N: tl.const
     # torch: silu(g) rounded to the activation dtype, then the product rounded
     a = (g / (1.0 + tl.exp(-g))).to(out_ptr.dtype.element_ty).to(tl.float32)
     tl.store(out_ptr + row * N + offs, (a * u).to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def int4_matmul_kernel(x_ptr, q_ptr, s_ptr, z_ptr, out_ptr, m_rows, x_stride,
+                       N: tl.constexpr, K: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, CHUNK: tl.constexpr,
+                       HAS_ZERO: tl.constexpr):
+    """W4A16: ``out[M, N] = x[M, K] @ W`` with ``W`` as two 4-bit codes per byte ``q [ceil(K/2), N]`` (row 2i
+    in the low nibble), group scales ``s [ceil(K/G), N]`` and (``HAS_ZERO``) zero points ``z`` (uint8); without
+    them the codes are signed. ``SPLIT_K > 1`` writes float32 partial sums ``out [SPLIT_K, M, N]``, each over
+    ``CHUNK`` (a multiple of ``BLOCK_K``, which divides ``GROUP``) rows of ``K``."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_h = tl.arange(0, BLOCK_K // 2)
+    m_ok = offs_m < m_rows
+    n_ok = offs_n < N
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    k_lo = pid_k * CHUNK
+    for k0 in range(k_lo, k_lo + CHUNK, BLOCK_K):
+        rows = k0 // 2 + offs_h
+        packed = tl.load(q_ptr + rows[:, None] * N + offs_n[None, :],
+                         mask=(rows[:, None] < (K + 1) // 2) & n_ok[None, :], other=0)
+        lo = (packed & 0x0F).to(tl.int32)
+        hi = (packed >> 4).to(tl.int32)
+        w = tl.reshape(tl.permute(tl.join(lo, hi), (0, 2, 1)), (BLOCK_K, BLOCK_N))
+        g = k0 // GROUP
+        s = tl.load(s_ptr + g * N + offs_n, mask=n_ok & (k0 < K), other=0.0).to(tl.float32)
+        if HAS_ZERO:
+            z = tl.load(z_ptr + g * N + offs_n, mask=n_ok & (k0 < K), other=0).to(tl.int32)
+            wf = (w - z[None, :]).to(tl.float32) * s[None, :]
+        else:
+            wf = tl.where(w >= 8, w - 16, w).to(tl.float32) * s[None, :]
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + offs_m[:, None] * x_stride + offs_k[None, :],
+                    mask=m_ok[:, None] & (offs_k[None, :] < K), other=0.0)
+        acc += tl.dot(x, wf.to(x_ptr.dtype.element_ty))
+    o = offs_m[:, None] * N + offs_n[None, :]
+    ok = m_ok[:, None] & n_ok[None, :]
+    if SPLIT_K == 1:
+        tl.store(out_ptr + o, acc.to(out_ptr.dtype.element_ty), mask=ok)
+    else:
+        tl.store(out_ptr + pid_k * m_rows * N + o, acc, mask=ok)
