@@ -104,7 +104,7 @@ def test_default_model_cuda_engine_matches_transformers(tmp_path):
 
     from tests.conftest import DEFAULT_MODEL
 
-    built = build(DEFAULT_MODEL, tmp_path / "e", BuildOptions(target="h200", dtype="float32"))
+    built = build(DEFAULT_MODEL, tmp_path / "e", BuildOptions(target="h200", dtype="float32", aot_kernels=False))
     eng = Engine.load(built.out_dir, device="cpu")
     ref = AutoModelForCausalLM.from_pretrained(DEFAULT_MODEL, dtype=torch.float32).eval()
     prompt = eng.tokenizer.encode("The for statement")
@@ -118,7 +118,8 @@ def test_fp8_cuda_engine_on_cpu_matches_the_cpu_engine_of_the_recipe(tmp_path, t
     """Same FP8 weights and activation scales, two executions: the CUDA program's fused Fp8Linear against
     ONNX Runtime's Q/DQ graph."""
     recipe = QuantRecipe(quant="fp8", calib_samples=4, calib_seq_len=32, embeddings="none", lm_head="none")
-    cuda = build(tiny_llama, tmp_path / "g", BuildOptions(target="h100", dtype="float32", quant=recipe))
+    cuda = build(tiny_llama, tmp_path / "g", BuildOptions(target="h100", dtype="float32", quant=recipe,
+                                                          aot_kernels=False))
     assert cuda.report.get("backend_fusions", {}).get("fp8-linear", 0) > 0, cuda.report.get("backend_fusions")
     cpu = build(tiny_llama, tmp_path / "c", BuildOptions(target="cpu", quant=recipe))
     g, c = Engine.load(cuda.out_dir, device="cpu"), Engine.load(cpu.out_dir)
@@ -134,7 +135,8 @@ def test_int4_cuda_engine_on_cpu_matches_onnxruntime_on_the_same_qdq_graph(tmp_p
     import llmc.quant.stage as stage
 
     recipe = QuantRecipe(quant="int4", embeddings="none", lm_head="none")
-    cuda = build(tiny_llama, tmp_path / "g", BuildOptions(target="h100", dtype="float32", quant=recipe))
+    cuda = build(tiny_llama, tmp_path / "g", BuildOptions(target="h100", dtype="float32", quant=recipe,
+                                                          aot_kernels=False))
     assert cuda.report["backend_fusions"]["int4-linear"] > 0
     init = stage.QuantStage.__init__
     monkeypatch.setattr(stage.QuantStage, "__init__", lambda self, *a, form="cpu", **k: init(self, *a, form="qdq", **k))
@@ -194,7 +196,7 @@ def test_cuda_engine_refusals_before_any_work(tmp_path, tiny_llama):
 
 
 @pytest.mark.parametrize("model_type", sorted(SUPPORTED_MODEL_TYPES))
-def test_every_family_cuda_engine_on_cpu_matches_transformers(model_type, family_build, tmp_path, monkeypatch):
+def test_every_family_cuda_engine_on_cpu_matches_transformers(model_type, family_build, tmp_path):
     """Every supported family through the CUDA backend (fp32, executed on torch's CPU ops): greedy tokens equal
     transformers', batched equals single, logits within 1e-4 of the family's ONNX Runtime engine. The AOT
     kernels play no part on the CPU: their compilation is skipped here to keep the suite short."""
@@ -202,8 +204,7 @@ def test_every_family_cuda_engine_on_cpu_matches_transformers(model_type, family
     from transformers import AutoModelForCausalLM
 
     ckpt, cpu_dir = family_build(model_type)
-    monkeypatch.setenv("LLMC_CUDA_NO_AOT", "1")
-    built = build(ckpt, tmp_path / "e", BuildOptions(target="h100", dtype="float32"))
+    built = build(ckpt, tmp_path / "e", BuildOptions(target="h100", dtype="float32", aot_kernels=False))
     eng = Engine.load(built.out_dir, device="cpu")
     hf = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
     seed = int(np.random.SeedSequence().entropy % 2**31)
