@@ -369,8 +369,14 @@ def inspect(engine: Path, as_json: bool) -> None:
     for p in report.get("passes", []):
         stats = ", ".join(f"{k}={v}" for k, v in p.items() if k != "pass")
         click.echo(f"  pass      {p['pass']}: {stats}")
-    for name, n in report.get("backend_fusions", {}).items():  # fused while the ONNX Runtime engine was written
+    for name, n in report.get("backend_fusions", {}).items():  # fused while the engine was written
         click.echo(f"  backend   {name}: matches={n}")
+    check = report.get("self_check")
+    if check:  # engines built before the self-check existed have none
+        twin = check.get("twin_config") or {}
+        layers = twin.get("num_hidden_layers") or twin.get("n_layer")
+        click.echo(f"self-check  {check.get('result')}" + (f" (a {layers}-layer random twin of this config "
+                                                          "against transformers)" if layers else ""))
     q, acc = report.get("quantization"), report.get("accuracy")
     if q:
         emulated = " (emulated on the CPU)" if q.get("emulated_on_cpu") else ""
