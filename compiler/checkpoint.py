@@ -24,6 +24,15 @@ SUPPORTED_MODEL_TYPES = (
     "qwen3_moe",
 )
 
+# Architectures whose layers keep recurrent state (state-space, linear attention, convolution caches): the
+# KV design has pages of keys and values only, so they are refused before any work.
+RECURRENT_MODEL_TYPES = (
+    "mamba", "mamba2", "falcon_mamba", "jamba", "zamba", "zamba2", "bamba", "rwkv", "recurrent_gemma", "lfm2",
+    "granitemoehybrid", "falcon_h1", "nemotron_h", "qwen3_next", "minimax", "xlstm",
+)
+_RECURRENT_FIELDS = ("state_size", "ssm_state_size", "mamba_d_state", "d_state", "conv_kernel",
+                     "linear_conv_kernel_dim")
+
 # The runtime's tokenizer (llmc.runtime.tokenizer reads this file only).
 TOKENIZER_FILE = "tokenizer.json"
 
@@ -156,6 +165,14 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
         raise LlmcError(
             f"{cfg_path}: field 'model_type' is missing; add it (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
         )
+    recurrent = [f for f in _RECURRENT_FIELDS if f in config]
+    if model_type in RECURRENT_MODEL_TYPES or (model_type not in SUPPORTED_MODEL_TYPES and recurrent):
+        why = f"field {recurrent[0]!r}" if recurrent else "its model type"
+        raise UnsupportedError(
+            f"{cfg_path}: model_type {model_type!r} keeps recurrent state between tokens ({why}: state-space, "
+            "linear-attention or convolution layers); llmc's KV cache holds keys and values only, so it cannot run "
+            f"this model yet. Supported model types: {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
     if model_type not in SUPPORTED_MODEL_TYPES and not _is_causal_lm(model_type):
         raise UnsupportedError(
             f"{cfg_path}: model_type {model_type!r} is not supported; supported model types: "
@@ -164,8 +181,8 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
 
     if model_type not in SUPPORTED_MODEL_TYPES:
         logging.getLogger("llmc").warning(
-            "%s: model_type %r is untested in llmc; building it through the generic path (compare its output "
-            "with transformers before relying on it). Tested: %s",
+            "%s: model_type %r is untested in llmc; building it through the generic path (the build's "
+            "self-check holds a random twin of this config to transformers and stops if they differ). Tested: %s",
             cfg_path, model_type, ", ".join(SUPPORTED_MODEL_TYPES),
         )
 

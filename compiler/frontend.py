@@ -220,6 +220,28 @@ def trace(checkpoint: Checkpoint, compute_dtype: str = "float32") -> TracedModel
     from llmc.plugins.paged_attention import onnx_schema, torch_op
 
     onnx_schema.register()
+    try:
+        return _trace(checkpoint, compute_dtype, torch, torch_op)
+    except LlmcError:
+        raise
+    except Exception as exc:  # a supported family failing here is llmc's bug (exit 70); another is a refusal
+        from llmc.compiler.checkpoint import SUPPORTED_MODEL_TYPES
+
+        if checkpoint.model_type in SUPPORTED_MODEL_TYPES:
+            raise
+        root = exc
+        while root.__cause__ is not None:  # torch.export wraps the cause in a generic "step 1/3" message
+            root = root.__cause__
+        first = (str(root).strip().splitlines() or [""])[0][:300]
+        exc = root
+        raise UnsupportedError(
+            f"{checkpoint.path}: model_type {checkpoint.model_type!r} cannot be traced by llmc's generic path "
+            f"({type(exc).__name__}: {first}); its attention or layers use something llmc does not lower yet. "
+            f"Supported model types: {', '.join(SUPPORTED_MODEL_TYPES)}"
+        ) from None
+
+
+def _trace(checkpoint: Checkpoint, compute_dtype: str, torch, torch_op) -> TracedModel:
     config, hf, module, rope = _build_module(checkpoint, compute_dtype)
     # Every checkpoint tensor bound or known unused, every weight found with its shape: before tracing.
     binding = bind(checkpoint, hf)

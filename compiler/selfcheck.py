@@ -181,7 +181,11 @@ def run(config: dict, model_type: str, build_twin, lowering: dict, toolchain: di
     with tempfile.TemporaryDirectory(prefix="llmc-selfcheck-") as tmp:
         ckpt = write_twin(twin, Path(tmp) / "twin")
         engine_dir = Path(tmp) / "engine"
-        build_twin(ckpt, engine_dir)
+        try:
+            build_twin(ckpt, engine_dir)
+        except UnsupportedError as exc:  # the twin's refusal is this config's: say so without the temporary path
+            raise UnsupportedError(str(exc).replace(f"{ckpt}:", f"a random twin of this {model_type} config:")
+                                   .replace(str(ckpt), "the twin")) from None
         lp, rel, failure = compare(engine_dir, ckpt, cuda)
     if failure is not None:
         raise UnsupportedError(
