@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import logging
 import tempfile
 import time
 from pathlib import Path
@@ -181,11 +182,16 @@ def run(config: dict, model_type: str, build_twin, lowering: dict, toolchain: di
     with tempfile.TemporaryDirectory(prefix="llmc-selfcheck-") as tmp:
         ckpt = write_twin(twin, Path(tmp) / "twin")
         engine_dir = Path(tmp) / "engine"
+        quiet = logging.getLogger("llmc")
+        level = quiet.level
+        quiet.setLevel(logging.ERROR)  # the twin's own warnings (no tokenizer, untested type) are not the user's
         try:
             build_twin(ckpt, engine_dir)
         except UnsupportedError as exc:  # the twin's refusal is this config's: say so without the temporary path
             raise UnsupportedError(str(exc).replace(f"{ckpt}:", f"a random twin of this {model_type} config:")
                                    .replace(str(ckpt), "the twin")) from None
+        finally:
+            quiet.setLevel(level)
         lp, rel, failure = compare(engine_dir, ckpt, cuda)
     if failure is not None:
         raise UnsupportedError(
