@@ -10,25 +10,32 @@ from llmc.runtime.tokenizer import Tokenizer
 class TextStream:
     """The text each new token adds to one choice.
 
-    Decodes the whole output each time (a token's text depends on its neighbours: merged spaces,
-    multi-byte characters split over tokens) and emits what grew since the last delta. Text is held
-    back while it ends in an incomplete UTF-8 character, and, with stop strings, the last
-    ``len(longest stop) - 1`` characters, which could be the start of a stop string the engine cuts.
+    A token's text depends on its neighbours (a merged leading space, a character whose bytes span
+    tokens), so each new token is decoded together with the tokens since the last clean cut: the delta is
+    ``decode(window + new) - decode(window)``, held back while it ends in an incomplete UTF-8 character
+    (the incremental detokenizer of TGI and vLLM; the cost per token stays constant however long the
+    output). With stop strings the last ``len(longest stop) - 1`` characters are held back too: they could
+    be the start of a stop string the engine cuts.
     """
 
     def __init__(self, tokenizer: Tokenizer, stop: list[str]) -> None:
         self._tok = tokenizer
         self._ids: list[int] = []
+        self._start = 0  # the window: tokens [start, read) are decoded into text already, read.. are new
+        self._read = 0
+        self._text = ""  # the output's text so far (complete characters only)
         self._shown = ""
         self._hold = max((len(s) for s in stop), default=1) - 1
 
     def add(self, token_ids: list[int]) -> str:
         self._ids += token_ids
-        text = self._tok.decode(self._ids)
-        if text.endswith("\ufffd"):
-            return ""
-        safe = text[: max(0, len(text) - self._hold)]
-        return self._advance(safe)
+        before = self._tok.decode(self._ids[self._start:self._read]) if self._read > self._start else ""
+        after = self._tok.decode(self._ids[self._start:])
+        if after.endswith("\ufffd") or len(after) <= len(before) or not after.startswith(before):
+            return ""  # an incomplete character (or nothing new yet): wait for the next token
+        self._text += after[len(before):]
+        self._start, self._read = self._read, len(self._ids)
+        return self._advance(self._text[: max(0, len(self._text) - self._hold)])
 
     def finish(self, final_text: str) -> str:
         """The rest of the text, given the engine's final text (cut before a stop string), in place of :meth:`add`

@@ -63,3 +63,16 @@ def test_chat_template_renders_like_transformers(tiny_engine, tok):
     for gen in (True, False):
         assert template.render(messages, add_generation_prompt=gen) == hf.apply_chat_template(
             messages, add_generation_prompt=gen, tokenize=False)
+
+
+def test_incremental_deltas_equal_the_full_decode_on_random_token_streams(tok):
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        ids = rng.integers(0, 512, size=200).tolist()  # byte tokens included: broken characters on purpose
+        full = tok.decode(ids)
+        stream = TextStream(tok, [])
+        streamed = "".join(stream.add([t]) for t in ids)
+        assert full.startswith(streamed) and len(streamed) >= len(full) - 4  # all but a trailing partial char
+        assert streamed + stream.finish(full) == full
