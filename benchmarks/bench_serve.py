@@ -17,7 +17,7 @@ Servers:
 Prompts are token ids of CPython's pydoc text (``pydoc_data.topics``) in the engine's tokenizer
 (``--tokenizer``, default ENGINE/tokenizer.json), so two servers of one checkpoint get identical prompts.
 
-Prints a table and writes benchmarks/results/bench_serve_<label>.json.
+Prints a table and writes benchmarks/results/bench_serve_<label>.json and .md (or --out FILE.json and FILE.md).
 """
 
 from __future__ import annotations
@@ -252,12 +252,15 @@ def main() -> None:
         if proc is not None:
             proc.terminate()
             proc.wait(60)
-    print(f"\n{label} ({model}) at {url}: {args.num_requests} requests per rate, prompts {args.prompt_len[0]}-"
-          f"{args.prompt_len[1]} tokens, outputs {args.output_len[0]}-{args.output_len[1]}, SLO TTFT <= "
-          f"{args.slo_ttft} s and TPOT <= {args.slo_tpot} s\n")
+    title = (f"{label} ({model}, engine {args.engine}) at {url}: {args.num_requests} requests per rate, prompts "
+             f"{args.prompt_len[0]}-{args.prompt_len[1]} tokens, outputs {args.output_len[0]}-{args.output_len[1]}, "
+             f"SLO TTFT <= {args.slo_ttft} s and TPOT <= {args.slo_tpot} s; {os.cpu_count()} cores, load average "
+             f"{os.getloadavg()[0]:.1f} at the end")
+    print(f"\n{title}\n")
     print(table(rows))
     out = args.out or REPO / "benchmarks" / "results" / f"bench_serve_{label}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".md").write_text(f"# bench_serve: {title}\n\n{table(rows)}\n")
     out.write_text(json.dumps({
         "label": label, "model": model, "url": url, "engine": str(args.engine) if args.engine else None,
         "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
