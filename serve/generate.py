@@ -382,8 +382,15 @@ def _top(lp: dict[int, float], k: int) -> list[tuple[int, float]]:
 # -- streaming --------------------------------------------------------------------------------------
 
 
-def _sse(obj: dict) -> bytes:
-    return b"data: " + json.dumps(obj, ensure_ascii=False, allow_nan=False).encode() + b"\n\n"
+# Characters that JSON leaves raw but str.splitlines() breaks lines at: SSE clients that split with it (httpx's
+# iter_lines, so the openai client's raw streams too) would cut an event in two. Escaped, the JSON is the same.
+_SPLITLINES_SAFE = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
+def sse_event(obj: dict) -> bytes:
+    """One Server-Sent Event ``data: {json}`` on a single line for every line splitter."""
+    text = json.dumps(obj, ensure_ascii=False, allow_nan=False).translate(_SPLITLINES_SAFE)
+    return b"data: " + text.encode() + b"\n\n"
 
 
 async def _stream(state: ServerState, plan: Plan, sink: asyncio.Queue, index: dict[str, int],
@@ -395,13 +402,13 @@ async def _stream(state: ServerState, plan: Plan, sink: asyncio.Queue, index: di
         if plan.kind == "chat":  # OpenAI opens every choice with its role
             chunk = [{"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                       "finish_reason": None} for c in choices]
-            yield _sse({**head, "choices": chunk})
+            yield sse_event({**head, "choices": chunk})
         left = len(choices)
         while left:
             d = await sink.get()
             if d.error is not None:
                 err = APIError(500, f"the engine failed: {type(d.error).__name__}: {d.error}", code="engine_error")
-                yield _sse(err.body())
+                yield sse_event(err.body())
                 return
             c = _apply(d, index, choices)
             new = d.output.new_token_ids
@@ -426,9 +433,9 @@ async def _stream(state: ServerState, plan: Plan, sink: asyncio.Queue, index: di
                 offsets[c.index] += sum(len(state.token_strings.get(t)[0]) for t in new)
             if plan.return_token_ids:
                 ch["token_ids"] = new
-            yield _sse({**head, "choices": [ch]})
+            yield sse_event({**head, "choices": [ch]})
         if plan.include_usage:
-            yield _sse({**head, "choices": [], "usage": _usage(plan, choices)})
+            yield sse_event({**head, "choices": [], "usage": _usage(plan, choices)})
         yield b"data: [DONE]\n\n"
     finally:  # also when the client disconnected (Starlette cancels this generator)
         _cancel_unfinished(state, plan, choices)

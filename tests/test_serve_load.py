@@ -230,7 +230,13 @@ def test_sigterm_during_load_finishes_running_requests_and_exits_0_without_torch
                         reason = ch["finish_reason"] or reason
             results[i] = (events, reason if len(tokens) == max_tokens else f"{len(tokens)} tokens")
 
-        threads = [threading.Thread(target=client, args=(i,)) for i in range(n)]
+        def safe_client(i: int) -> None:
+            try:
+                client(i)
+            except Exception as exc:  # recorded, so the assertion below shows it with the server's log
+                results[i] = ([repr(exc)], None)
+
+        threads = [threading.Thread(target=safe_client, args=(i,)) for i in range(n)]
         for t in threads:
             t.start()
         started.wait()  # every client has tokens
@@ -242,9 +248,11 @@ def test_sigterm_during_load_finishes_running_requests_and_exits_0_without_torch
             httpx.get(url + "/health", timeout=5)
         for t in threads:
             t.join(60)
-        assert proc.wait(60) == 0, proc.stderr.read()
+        code = proc.wait(60)
+        log = proc.stderr.read()
+        assert code == 0, log
         for events, reason in results:
-            assert reason == "length" and events[-1] == "data: [DONE]"
+            assert reason == "length" and events[-1] == "data: [DONE]", (reason, events[-2:], log)
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -76,3 +76,17 @@ def test_incremental_deltas_equal_the_full_decode_on_random_token_streams(tok):
         streamed = "".join(stream.add([t]) for t in ids)
         assert full.startswith(streamed) and len(streamed) >= len(full) - 4  # all but a trailing partial char
         assert streamed + stream.finish(full) == full
+
+
+def test_sse_event_is_one_line_for_every_splitter():
+    import json
+
+    from llmc.serve.generate import sse_event
+
+    text = "a\u2028b\u2029c\x85d\x1ce\n\r\"é世🙂"
+    raw = sse_event({"choices": [{"text": text}]})
+    assert raw.endswith(b"\n\n") and raw.startswith(b"data: ")
+    line = raw[:-2].decode()
+    assert line.splitlines() == [line]  # httpx's iter_lines splits as str.splitlines does
+    assert json.loads(line.removeprefix("data: "))["choices"][0]["text"] == text
+    assert "é世🙂" in line  # UTF-8 stays UTF-8 (no \\u escapes for ordinary text)
