@@ -237,6 +237,11 @@ async def run(state: ServerState, plan: Plan, request: Request, arrival: float) 
     if state.draining:
         raise APIError(503, "the server is shutting down; retry on another replica", code="shutting_down")
     prompts = [p for p in plan.prompts for _ in range(plan.n)]
+    if len(prompts) > state.loop.max_queue:  # would never fit, however long the client waits: not a 429
+        field_name = "prompt" if len(plan.prompts) > 1 else "n"
+        raise APIError(400, f"{field_name}: {len(plan.prompts)} prompts x n={plan.n} = {len(prompts)} choices exceed "
+                       f"the server's queue of {state.loop.max_queue} (--max-queue); send fewer at once",
+                       param=field_name)
     try:
         sink = await state.loop.submit(prompts, plan.params, plan.choice_ids, arrival)
     except QueueFull as exc:

@@ -101,6 +101,7 @@ CASES = [
      ["no JSON mode"]),
     ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools",
      ["not supported"]),
+    ("/v1/completions", {**GOOD, "prompt": [[5]] * 600}, 400, "prompt", ["600 choices", "--max-queue"]),
     ("/detokenize", {"tokens": [1, 4096]}, 400, "tokens", ["outside the vocabulary"]),
     ("/tokenize", {}, 400, "prompt", ["exactly one of prompt or messages"]),
 ]
