@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import logging
 import time
 from contextlib import asynccontextmanager
 
@@ -34,6 +35,13 @@ def create_app(engine: Engine, config: ServeConfig) -> FastAPI:
                         chat_template=ChatTemplate.from_engine(engine.path, tok_config),
                         token_strings=TokenStrings(engine.tokenizer) if engine.tokenizer is not None else None,
                         created=int(time.time()))
+
+    log = logging.getLogger("llmc.serve")
+    if state.chat_template is None:
+        log.warning("%s has no chat template: /v1/chat/completions answers 400", engine.path)
+    elif state.chat_template.error:
+        log.warning("%s: the chat template does not compile (%s): /v1/chat/completions answers 400", engine.path,
+                    state.chat_template.error)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

@@ -62,8 +62,13 @@ class ChatTemplate:
         env.filters["tojson"] = _tojson
         env.globals["raise_exception"] = _raise
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-        self._template = env.from_string(source)
         self._special = special_tokens
+        try:
+            self._template: jinja2.Template | None = env.from_string(source)
+            self.error: str | None = None
+        except jinja2.exceptions.TemplateSyntaxError as exc:  # the engine's file: completions still serve
+            self._template = None
+            self.error = f"line {exc.lineno}: {exc.message}"
 
     @classmethod
     def from_engine(cls, engine_dir: Path, tokenizer_config: dict) -> ChatTemplate | None:
@@ -85,6 +90,9 @@ class ChatTemplate:
     def render(self, messages: list[dict], *, add_generation_prompt: bool = True,
                extra: dict[str, Any] | None = None) -> str:
         """The prompt text; a template that rejects the conversation (``raise_exception``) is a 400."""
+        if self._template is None:
+            raise APIError(400, f"messages: the engine's chat template does not compile ({self.error}); use "
+                           "/v1/completions with a prompt", param="messages", code="bad_chat_template")
         context = {**self._special, **(extra or {}), "messages": messages,
                    "add_generation_prompt": add_generation_prompt}
         try:

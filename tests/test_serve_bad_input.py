@@ -196,6 +196,10 @@ def test_template_that_raises_is_a_400(server, http):
                      {})
     with pytest.raises(APIError, match="first must be user"):
         t.render([{"role": "assistant", "content": "x"}])
+    broken = ChatTemplate("{% for m in messages %}{{ m['content'] }", {})
+    assert broken.error and "line 1" in broken.error
+    with pytest.raises(APIError, match="does not compile"):
+        broken.render([{"role": "user", "content": "x"}])
     sandboxed = ChatTemplate("{{ messages.__class__.__mro__ }}", {})
     with pytest.raises(APIError, match="unsafe"):
         sandboxed.render([{"role": "user", "content": "x"}])
