@@ -58,6 +58,13 @@ def create_app(engine: Engine, config: ServeConfig) -> FastAPI:
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
         return exc.response()
 
+    @app.exception_handler(Exception)
+    async def _bug(request: Request, exc: Exception) -> JSONResponse:
+        # A bug, not the client's doing: still the error object, so clients report it instead of failing to parse.
+        # (Starlette re-raises it after this response, and uvicorn logs the traceback.)
+        return APIError(500, f"internal error: {type(exc).__name__}: {exc} (a bug in llmc serve: please report it)",
+                        code="internal_error").response()
+
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         # Unknown paths and methods answer in the same shape as everything else.

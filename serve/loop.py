@@ -16,7 +16,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from llmc.errors import LlmcError
 from llmc.runtime import Engine, EngineStats, GenerationOutput, RequestOutput, SamplingParams
 
 
@@ -221,7 +220,7 @@ class EngineLoop:
             for prompt, params, rid in zip(cmd.prompts, cmd.params, cmd.ids, strict=True):
                 self.engine.submit(prompt, params, request_id=rid)
                 done.append(rid)
-        except LlmcError as exc:
+        except Exception as exc:  # LlmcError: the engine refused the request (400); anything else is a bug (500)
             for rid in done:  # all or nothing
                 self.engine.cancel(rid)
                 self.engine.result(rid)

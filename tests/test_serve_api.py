@@ -313,3 +313,25 @@ def test_health_turns_503_when_a_step_hangs_or_the_loop_dies(tiny_engine):
         with pytest.raises(openai.APIStatusError) as e:
             c.completions.create(model=MODEL, prompt="a", max_tokens=2)
         assert e.value.status_code == 503
+
+
+def test_a_bug_in_one_request_is_a_500_error_object_and_the_server_goes_on(tiny_engine):
+    engine = Engine.load(tiny_engine, num_threads=1)
+    real_submit = engine.submit
+    calls = {"n": 0}
+
+    def submit_failing_once(*args, **kwargs):  # fault injection: the engine raises something unexpected once
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("injected submit failure")
+        return real_submit(*args, **kwargs)
+
+    engine.submit = submit_failing_once
+    with serve_in_thread(engine, ServeConfig(model_name=MODEL)) as s:
+        r = httpx.post(s.v1 + "/completions", json={"model": MODEL, "prompt": "a", "max_tokens": 2})
+        assert r.status_code == 500
+        err = r.json()["error"]
+        assert err["type"] == "server_error" and "injected submit failure" in err["message"]
+        assert httpx.get(s.url + "/health").status_code == 200
+        ok = httpx.post(s.v1 + "/completions", json={"model": MODEL, "prompt": "a", "max_tokens": 2})
+        assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] >= 1
