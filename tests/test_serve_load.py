@@ -160,9 +160,9 @@ def test_full_queue_answers_429_with_retry_after(tiny_engine):
         _wait(lambda: engine.stats().kv_blocks_used == 0 and engine.stats().num_waiting == 0, 5, "cancellations")
         ok = httpx.post(s.v1 + "/completions", json={**body, "stream": False, "max_tokens": 3}, timeout=30)
         assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3
-        # n counts against the queue too: 3 choices never fit in a queue of 2
+        # n counts against the queue too: 3 choices never fit in a queue of 2, which no retry can change (400)
         r = httpx.post(s.v1 + "/completions", json={**body, "stream": False, "max_tokens": 3, "n": 3}, timeout=30)
-        assert r.status_code == 429
+        assert r.status_code == 400 and r.json()["error"]["param"] == "n"
 
 
 def test_drain_timeout_bounds_shutdown_and_nothing_leaks(tiny_engine):
