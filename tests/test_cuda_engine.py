@@ -241,3 +241,19 @@ def test_int4_engine_kernel_launch_path_on_cpu_matches_the_torch_ops(tmp_path, t
     eng._session = session
     np.testing.assert_allclose(eng.score(ids), plain, atol=1e-4, rtol=0)  # 12 rows: the W4A16 kernel runs
     assert eng.generate([prompt], SamplingParams(max_tokens=6, ignore_eos=True))[0].token_ids == plain_tokens
+
+
+def test_cli_builds_quantized_gpu_engines_here_and_verify_names_the_gpu(tmp_path, tiny_llama):
+    import torch
+
+    runner = CliRunner()
+    out = tmp_path / "awq"
+    r = runner.invoke(cli, ["build", str(tiny_llama), "-o", str(out), "--gpu", "h200", "--quant", "int4-awq",
+                            "--calib-samples", "4", "--calib-seq-len", "32", "-q", "--json"])
+    assert r.exit_code == 0, r.output
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["engine"]["backend"] == "cuda" and manifest["target"]["name"] == "h200"
+    assert any(k["op"] == "int4_matmul" for k in manifest["engine"]["kernels"] if k["variant"] == "fused")
+    if not torch.cuda.is_available():
+        v = runner.invoke(cli, ["verify", str(out)])
+        assert v.exit_code != 0 and "'h200'" in v.stderr and "9.0" in v.stderr, v.stderr
