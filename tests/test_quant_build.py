@@ -118,12 +118,18 @@ def fitted_llama(tmp_path_factory) -> Path:
     torch.manual_seed(0)
     model = LlamaForCausalLM.from_pretrained(out, dtype=torch.float32).train()
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    for _ in range(200):
-        batch = data[torch.randint(0, len(data), (8,))]
-        loss = model(input_ids=batch, labels=batch).loss
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+    # One thread: with xdist workers (and other jobs) on the cores, torch's spinning pool made this 180 s.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for _ in range(200):
+            batch = data[torch.randint(0, len(data), (8,))]
+            loss = model(input_ids=batch, labels=batch).loss
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    finally:
+        torch.set_num_threads(threads)
     model.eval().save_pretrained(out)
     return out
 
