@@ -17,21 +17,38 @@ from llmc.quant import int4
 BLOCK = 128
 
 
-def quantize(w: np.ndarray, hessian: np.ndarray, group_size: int, symmetric: bool,
-             damp: float = 0.01) -> int4.Int4Weights:
-    """GPTQ of ``w [N, K]`` given ``hessian [K, K]``; returns the INT4 weights (groups along K)."""
+def inverse_factor(hessian: np.ndarray, damp: float = 0.01) -> tuple[np.ndarray, np.ndarray]:
+    """``(u, dead)``: the upper Cholesky factor of the damped ``H^-1`` (row i holds the update coefficients
+    of column i onto later columns) and the mask of dead input channels. Linears that share an input
+    (Q/K/V, gate/up) share it: compute it once.
+
+    ``H^-1 = uᵀ u`` with ``u = r^-1`` where ``H = r rᵀ``, ``r`` upper triangular: the ordinary Cholesky
+    factor of ``H`` with rows and columns reversed. One Cholesky and one triangular solve (~1.3 K³ flops)
+    instead of Cholesky, inverse, product and a second Cholesky (~4.7 K³): 8192 x 8192 is the down
+    projection of a 1B model.
+    """
+    import torch
+
+    h = np.array(hessian, np.float64)
+    k = h.shape[0]
+    dead = np.diag(h) == 0
+    h[dead, dead] = 1.0
+    h[np.diag_indices(k)] += damp * np.mean(np.diag(h))
+    flipped = torch.from_numpy(np.ascontiguousarray(h[::-1, ::-1]))
+    r = torch.linalg.cholesky(flipped).flip(0, 1)  # upper, H = r rᵀ
+    u = torch.linalg.solve_triangular(r, torch.eye(k, dtype=torch.float64), upper=True)
+    return u.numpy(), dead
+
+
+def quantize(w: np.ndarray, hessian: np.ndarray | None, group_size: int, symmetric: bool,
+             damp: float = 0.01, factor: tuple[np.ndarray, np.ndarray] | None = None) -> int4.Int4Weights:
+    """GPTQ of ``w [N, K]`` given ``hessian [K, K]`` (or its :func:`inverse_factor`); returns the INT4
+    weights (groups along K). Rows are independent: linears sharing an input can be stacked into one call."""
     int4.check_group_size(group_size)
     w = np.array(w, np.float64)
     n, k = w.shape
-    h = np.array(hessian, np.float64)
-    dead = np.diag(h) == 0
-    h[dead, dead] = 1.0
+    u, dead = factor if factor is not None else inverse_factor(hessian, damp)
     w[:, dead] = 0.0
-    h[np.diag_indices(k)] += damp * np.mean(np.diag(h))
-    # Upper Cholesky factor of H^-1: row i holds the update coefficients of column i onto later columns.
-    h_inv = np.linalg.inv(np.linalg.cholesky(h))
-    h_inv = h_inv.T @ h_inv
-    u = np.linalg.cholesky(h_inv).T
 
     n_groups = -(-k // group_size)
     codes = np.zeros((n, n_groups * group_size), np.uint8)

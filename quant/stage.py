@@ -99,6 +99,10 @@ class QuantStage:
         t = time.perf_counter()
         if self.recipe.needs_calibration():
             self.calibration = self._calibrate()
+            # Per-layer times go to build_info.json's timings (unsealed: report.json depends on the inputs only).
+            *layers, head = self.calibration.layer_seconds
+            self.timings.update({f"calibrate_layer_{i}": v for i, v in enumerate(layers)})
+            self.timings["calibrate_head"] = head
         self.timings["calibrate"] = time.perf_counter() - t
         self.stats = quantize_model(model, self.recipe, self.calibration, self.recipe.int4_accuracy_level,
                                     form=self.form)
