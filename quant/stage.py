@@ -122,7 +122,7 @@ class QuantStage:
             reference = Engine.load(tmp, verify=False, kv_cache_tokens=2 * EVAL_WINDOW)
             quantized = Engine.load(engine_dir, verify=False, kv_cache_tokens=2 * EVAL_WINDOW)
             windows = evaluate.heldout_windows(engine_dir / "tokenizer.json", EVAL_WINDOW, EVAL_TOKENS)
-            self.accuracy = evaluate.compare(reference, quantized, windows)
+            self.accuracy = evaluate.compare(reference, quantized, windows, progress=self.say)
         self.reference = None
         self.timings["evaluate"] = time.perf_counter() - t
         self.say(f"      {self.accuracy.summary()}")

@@ -50,6 +50,19 @@ def test_scale_search_picks_the_alpha_of_the_float64_objective(symmetric):
         assert got.loss_rtn == pytest.approx(losses[0], rel=1e-5)
 
 
+def test_bf16_screen_error_is_far_below_the_screen_tolerance():
+    import torch
+
+    w, h, abs_mean = _layer(4, n=128, k=512, outliers=8)
+    h_bf16 = awq.torch_hessian(h).bfloat16()
+    for alpha in (0.0, 0.3, 0.6, 0.95):
+        s = np.maximum(abs_mean, 1e-4) ** alpha
+        w_hat = int4.quantize_rtn((w * s).astype(np.float32), 128, False).dequantize() / s
+        e = torch.from_numpy((w - w_hat).astype(np.float32))
+        exact = _output_error_f64(w, w_hat, h)
+        assert abs(awq._bf16_output_error(e, h_bf16) / exact - 1) < awq.SCREEN_TOLERANCE / 10
+
+
 @pytest.mark.parametrize("symmetric", [False, True])
 def test_clip_search_equals_the_einsum_form(symmetric):
     w, h, _ = _layer(5)
