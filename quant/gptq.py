@@ -15,56 +15,85 @@ import numpy as np
 from llmc.quant import int4
 
 BLOCK = 128
+SUB = 16  # divides every group size (int4.GROUP_SIZES)
 
 
-def quantize(w: np.ndarray, hessian: np.ndarray, group_size: int, symmetric: bool,
-             damp: float = 0.01) -> int4.Int4Weights:
-    """GPTQ of ``w [N, K]`` given ``hessian [K, K]``; returns the INT4 weights (groups along K)."""
+def inverse_factor(hessian: np.ndarray, damp: float = 0.01) -> tuple[np.ndarray, np.ndarray]:
+    """``(u, dead)``: the upper Cholesky factor of the damped ``H^-1`` (row i holds the update coefficients
+    of column i onto later columns) and the mask of dead input channels. Linears that share an input
+    (Q/K/V, gate/up) share it: compute it once.
+
+    ``H^-1 = uᵀ u`` with ``u = r^-1`` where ``H = r rᵀ``, ``r`` upper triangular: the ordinary Cholesky
+    factor of ``H`` with rows and columns reversed. One Cholesky and one triangular solve (~1.3 K³ flops)
+    instead of Cholesky, inverse, product and a second Cholesky (~4.7 K³): 8192 x 8192 is the down
+    projection of a 1B model.
+    """
+    import torch
+
+    h = np.array(hessian, np.float64)
+    k = h.shape[0]
+    dead = np.diag(h) == 0
+    h[dead, dead] = 1.0
+    h[np.diag_indices(k)] += damp * np.mean(np.diag(h))
+    flipped = torch.from_numpy(np.ascontiguousarray(h[::-1, ::-1]))
+    r = torch.linalg.cholesky(flipped).flip(0, 1)  # upper, H = r rᵀ
+    u = torch.linalg.solve_triangular(r, torch.eye(k, dtype=torch.float64), upper=True)
+    return u.numpy(), dead
+
+
+def quantize(w: np.ndarray, hessian: np.ndarray | None, group_size: int, symmetric: bool,
+             damp: float = 0.01, factor: tuple[np.ndarray, np.ndarray] | None = None) -> int4.Int4Weights:
+    """GPTQ of ``w [N, K]`` given ``hessian [K, K]`` (or its :func:`inverse_factor`); returns the INT4
+    weights (groups along K). Rows are independent: linears sharing an input can be stacked into one call."""
     int4.check_group_size(group_size)
     w = np.array(w, np.float64)
     n, k = w.shape
-    h = np.array(hessian, np.float64)
-    dead = np.diag(h) == 0
-    h[dead, dead] = 1.0
+    u, dead = factor if factor is not None else inverse_factor(hessian, damp)
     w[:, dead] = 0.0
-    h[np.diag_indices(k)] += damp * np.mean(np.diag(h))
-    # Upper Cholesky factor of H^-1: row i holds the update coefficients of column i onto later columns.
-    h_inv = np.linalg.inv(np.linalg.cholesky(h))
-    h_inv = h_inv.T @ h_inv
-    u = np.linalg.cholesky(h_inv).T
 
     n_groups = -(-k // group_size)
     codes = np.zeros((n, n_groups * group_size), np.uint8)
     scales = np.zeros((n, n_groups), np.float32)
     zps = None if symmetric else np.zeros((n, n_groups), np.uint8)
     block = max(BLOCK, group_size)
+    # Transposed, so that a column is a contiguous row. Within a block, each column's error feedback goes
+    # only to the rest of its sub-block of SUB columns; a sub-block's errors reach the rest of the block in one
+    # GEMM, and a block's the rest of the matrix in one GEMM: the same updates, summed in another order,
+    # with a fraction of the memory traffic of rank-1 updates over the whole block.
+    wt = np.ascontiguousarray(w.T)
     for b0 in range(0, k, block):
         b1 = min(b0 + block, k)
-        wb = w[:, b0:b1].copy()
+        wb = wt[b0:b1]  # a view: updates land in wt
         err = np.zeros_like(wb)
         ub = u[b0:b1, b0:b1]
-        scale = zp = None
-        for i in range(b1 - b0):
-            col = b0 + i
-            if col % group_size == 0:
-                g = col // group_size
-                # The group lies inside this block (block is a multiple of the group size): use its current values.
-                cols = wb[:, i : i + group_size]
-                if cols.shape[1] < group_size:
-                    cols = np.concatenate([cols, np.zeros((n, group_size - cols.shape[1]))], axis=1)
-                scale, zp = int4.group_params(cols[:, None, :], symmetric)
-                scale, zp = scale[:, 0], None if zp is None else zp[:, 0]
-                scales[:, g] = scale
-                if zps is not None:
-                    zps[:, g] = zp
-            q = int4.quantize_groups(wb[:, i : i + 1], scale, zp)[:, 0]
-            codes[:, col] = q
-            zero = np.float32(8.0) if zp is None else zp.astype(np.float32)
-            w_hat = (q.astype(np.float32) - zero) * scale
-            e = (wb[:, i] - w_hat) / ub[i, i]
-            wb[:, i:] -= np.outer(e, ub[i, i:])
-            err[:, i] = e
-        w[:, b1:] -= err @ u[b0:b1, b1:]
+        scale = zp = zero = None
+        for s0 in range(0, b1 - b0, SUB):
+            s1 = min(s0 + SUB, b1 - b0)
+            for i in range(s0, s1):
+                col = b0 + i
+                if col % group_size == 0:
+                    g = col // group_size
+                    # The group lies inside this block (block and sub-block sizes divide the group size) and
+                    # every earlier column's feedback has reached it: use its current values.
+                    cols = wb[i : i + group_size].T
+                    if cols.shape[1] < group_size:
+                        cols = np.concatenate([cols, np.zeros((n, group_size - cols.shape[1]))], axis=1)
+                    scale, zp = int4.group_params(cols[:, None, :], symmetric)
+                    scale, zp = scale[:, 0], None if zp is None else zp[:, 0]
+                    scales[:, g] = scale
+                    if zps is not None:
+                        zps[:, g] = zp
+                    zero = np.float32(8.0) if zp is None else zp.astype(np.float32)
+                q = int4.quantize_groups(wb[i][:, None], scale, zp)[:, 0]
+                codes[:, col] = q
+                w_hat = (q.astype(np.float32) - zero) * scale
+                e = (wb[i] - w_hat) / ub[i, i]
+                wb[i + 1 : s1] -= np.outer(ub[i, i + 1 : s1], e)
+                err[i] = e
+            if s1 < b1 - b0:
+                wb[s1:] -= ub[s0:s1, s1:].T @ err[s0:s1]
+        if b1 < k:
+            wt[b1:] -= u[b0:b1, b1:].T @ err
     if zps is not None and k % group_size:  # padding columns: any code decodes them; keep them at the zero point
         codes[:, k:] = np.repeat(zps, group_size, axis=1)[:, k:]
     elif k % group_size:

@@ -125,6 +125,12 @@ def quantize_rtn(w: np.ndarray, group_size: int = 128, symmetric: bool = False,
     return Int4Weights(q.reshape(w.shape[0], -1), scale, zp, group_size, w.shape[1])
 
 
+def rows(w: Int4Weights, start: int, stop: int) -> Int4Weights:
+    """Output channels ``start:stop`` of ``w`` (the inverse of :func:`concat`)."""
+    zps = None if w.zero_points is None else w.zero_points[start:stop].copy()
+    return Int4Weights(w.q[start:stop].copy(), w.scales[start:stop].copy(), zps, w.group_size, w.k)
+
+
 def concat(parts: list[Int4Weights]) -> Int4Weights:
     """Stack along N (output channels): the weights of projections packed into one matmul."""
     first = parts[0]

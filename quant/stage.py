@@ -99,6 +99,10 @@ class QuantStage:
         t = time.perf_counter()
         if self.recipe.needs_calibration():
             self.calibration = self._calibrate()
+            # Per-layer times go to build_info.json's timings (unsealed: report.json depends on the inputs only).
+            *layers, head = self.calibration.layer_seconds
+            self.timings.update({f"calibrate_layer_{i}": v for i, v in enumerate(layers)})
+            self.timings["calibrate_head"] = head
         self.timings["calibrate"] = time.perf_counter() - t
         self.stats = quantize_model(model, self.recipe, self.calibration, self.recipe.int4_accuracy_level,
                                     form=self.form)
@@ -118,7 +122,7 @@ class QuantStage:
             reference = Engine.load(tmp, verify=False, kv_cache_tokens=2 * EVAL_WINDOW)
             quantized = Engine.load(engine_dir, verify=False, kv_cache_tokens=2 * EVAL_WINDOW)
             windows = evaluate.heldout_windows(engine_dir / "tokenizer.json", EVAL_WINDOW, EVAL_TOKENS)
-            self.accuracy = evaluate.compare(reference, quantized, windows)
+            self.accuracy = evaluate.compare(reference, quantized, windows, progress=self.say)
         self.reference = None
         self.timings["evaluate"] = time.perf_counter() - t
         self.say(f"      {self.accuracy.summary()}")

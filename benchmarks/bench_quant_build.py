@@ -1,0 +1,76 @@
+"""Wall time of quantized builds, end to end (accuracy report included), with the per-stage and per-layer
+calibration times each build records, its accuracy figures, and its weights' digest (each calibrated
+format built twice: the same seed must give the same bytes).
+
+    python benchmarks/bench_quant_build.py [--model assets/default-model] [--formats int4,int4-awq,int4-gptq]
+    python benchmarks/bench_quant_build.py --model ~/.cache/llmc-peers/model-1b      # issue 19's targets
+
+Writes ``benchmarks/results/bench_quant_build_<model>.json`` and prints the table. The targets (issue 19,
+1B shape, 2 cores): int4-awq and int4-gptq <= 300 s, int4 <= 90 s. The machine's load average is recorded
+with every row: on a shared machine it moves the times more than anything else.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+from llmc.compiler.build import BuildOptions, build
+from llmc.quant.recipe import QuantRecipe
+
+REPO = Path(__file__).resolve().parent.parent
+TARGETS_1B = {"int4": 90.0, "int4-awq": 300.0, "int4-gptq": 300.0}
+
+
+def digest(engine: Path) -> str:
+    return hashlib.sha256((engine / "model.onnx.data").read_bytes()).hexdigest()
+
+
+def one(model: Path, out: Path, quant: str) -> dict:
+    t = time.perf_counter()
+    result = build(model, out, BuildOptions(quant=QuantRecipe(quant=quant)))
+    wall = time.perf_counter() - t
+    timings = json.loads((out / "build_info.json").read_text())["timings_s"]
+    layers = [v for k, v in sorted(timings.items(), key=lambda kv: kv[0]) if k.startswith("quant_calibrate_layer_")]
+    return {"build_s": round(wall, 1), "load_avg_1m": round(os.getloadavg()[0], 2),
+            "stages_s": {k: v for k, v in timings.items() if not k.startswith("quant_calibrate_layer_")},
+            "calibrate_layer_s": layers, "accuracy": result.report.get("accuracy"), "weights_sha256": digest(out)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", type=Path, default=REPO / "assets" / "default-model")
+    ap.add_argument("--formats", default="int4,int4-awq,int4-gptq")
+    ap.add_argument("--no-repeat", action="store_true",
+                    help="Build each calibrated format once (no determinism check).")
+    args = ap.parse_args()
+    rows = {}
+    with tempfile.TemporaryDirectory(prefix="bench-quant-build-") as tmp:
+        for quant in args.formats.split(","):
+            rows[quant] = one(args.model, Path(tmp) / quant, quant)
+            if quant != "int4" and not args.no_repeat:
+                again = one(args.model, Path(tmp) / f"{quant}-again", quant)
+                rows[quant]["same_seed_identical_weights"] = again["weights_sha256"] == rows[quant]["weights_sha256"]
+                rows[quant]["build_s_again"] = again["build_s"]
+            print(f"built {quant} in {rows[quant]['build_s']}s (load {rows[quant]['load_avg_1m']})", flush=True)
+    print(f"\n{'format':10} | {'build_s':>8} | {'calibrate_s':>11} | {'evaluate_s':>10} | {'ppl':>9} | "
+          f"{'kl_mean':>9} | {'load':>5} | same seed, same bytes")
+    for quant, r in rows.items():
+        acc = r["accuracy"] or {}
+        st = r["stages_s"]
+        print(f"{quant:10} | {r['build_s']:8.1f} | {st.get('quant_calibrate', 0):11.1f} | "
+              f"{st.get('quant_evaluate', 0):10.1f} | {acc.get('ppl', 0):9.4f} | {acc.get('kl_mean', 0):9.6f} | "
+              f"{r['load_avg_1m']:5.1f} | {r.get('same_seed_identical_weights', '-')}")
+    out = REPO / "benchmarks" / "results" / f"bench_quant_build_{args.model.name}.json"
+    out.write_text(json.dumps({"model": args.model.name, "cpus": os.cpu_count(), "rows": rows,
+                               "targets_1b_s": TARGETS_1B}, indent=1) + "\n")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

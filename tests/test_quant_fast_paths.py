@@ -1,0 +1,187 @@
+"""The fast forms of AWQ's and GPTQ's arithmetic against the plain forms they replaced (same decisions up to
+float rounding), and the per-layer progress lines of a calibrated build."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from llmc.cli.main import cli
+from llmc.quant import awq, gptq, int4
+
+
+def _layer(seed: int, n: int = 80, k: int = 320, outliers: int = 5):
+    """Random weights and correlated activations with a few large channels (K not a multiple of 128)."""
+    rng = np.random.default_rng(seed)
+    w = (rng.standard_normal((n, k)) * 0.05).astype(np.float32)
+    x = rng.standard_normal((1024, k)) @ (np.eye(k) + 0.3 * rng.standard_normal((k, k)))
+    x[:, rng.choice(k, outliers, replace=False)] *= 15
+    return w, x.T @ x / len(x), np.abs(x).mean(0)
+
+
+def _output_error_f64(w, w_hat, h) -> float:
+    e = np.asarray(w, np.float64) - np.asarray(w_hat, np.float64)
+    return float(np.einsum("nk,nk->", e @ h, e))
+
+
+def test_output_error_matches_the_float64_form():
+    w, h, _ = _layer(0)
+    w_hat = int4.quantize_rtn(w, 64, False).dequantize()
+    assert awq.output_error(w, w_hat, h) == pytest.approx(_output_error_f64(w, w_hat, h), rel=1e-5)
+
+
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_scale_search_picks_the_alpha_of_the_float64_objective(symmetric):
+    for seed in range(3):
+        w, h, abs_mean = _layer(seed)
+        got = awq.search_scales(w, abs_mean, h, 64, symmetric)
+        x_mean = np.maximum(abs_mean, 1e-4)
+        losses = []
+        for alpha in np.arange(awq.ALPHA_GRID) / awq.ALPHA_GRID:
+            s = x_mean**alpha
+            s = s / np.sqrt(s.max() * s.min())
+            w_hat = int4.quantize_rtn((w * s).astype(np.float32), 64, symmetric).dequantize() / s
+            losses.append(_output_error_f64(w, w_hat, h))
+        assert got.alpha == np.argmin(losses) / awq.ALPHA_GRID
+        assert got.loss == pytest.approx(min(losses), rel=1e-5)
+        assert got.loss_rtn == pytest.approx(losses[0], rel=1e-5)
+
+
+def test_bf16_screen_error_is_far_below_the_screen_tolerance():
+    import torch
+
+    w, h, abs_mean = _layer(4, n=128, k=512, outliers=8)
+    h_bf16 = awq.torch_hessian(h).bfloat16()
+    for alpha in (0.0, 0.3, 0.6, 0.95):
+        s = np.maximum(abs_mean, 1e-4) ** alpha
+        w_hat = int4.quantize_rtn((w * s).astype(np.float32), 128, False).dequantize() / s
+        e = torch.from_numpy((w - w_hat).astype(np.float32))
+        exact = _output_error_f64(w, w_hat, h)
+        assert abs(awq._bf16_output_error(e, h_bf16) / exact - 1) < awq.SCREEN_TOLERANCE / 10
+
+
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_clip_search_equals_the_einsum_form(symmetric):
+    w, h, _ = _layer(5)
+    gs = 64
+    groups = int4.padded_groups(w, gs)
+    n_groups = groups.shape[1]
+    pad = n_groups * gs - w.shape[1]
+    hp = np.pad(h, ((0, pad), (0, pad)))
+    blocks = np.stack([hp[g * gs:(g + 1) * gs, g * gs:(g + 1) * gs] for g in range(n_groups)])
+    best_loss = np.full(groups.shape[:2], np.inf)
+    want = np.ones(groups.shape[:2], np.float32)
+    for ratio in awq.CLIP_RATIOS:
+        scale, zp = int4.group_params(groups, symmetric, ratio)
+        q = int4.quantize_groups(groups, scale, zp).astype(np.float32)
+        zero = np.float32(8.0) if zp is None else zp[..., None].astype(np.float32)
+        e = ((q - zero) * scale[..., None] - groups).astype(np.float64)
+        loss = np.einsum("ngi,gij,ngj->ng", e, blocks, e)
+        better = loss < best_loss
+        best_loss = np.where(better, loss, best_loss)
+        want = np.where(better, np.float32(ratio), want)
+    np.testing.assert_array_equal(awq.search_clip(w, h, gs, symmetric), want)
+
+
+def test_gptq_inverse_factor_equals_cholesky_of_the_inverse():
+    _, h, _ = _layer(6)
+    h[:, 7] = h[7, :] = 0.0
+    u, dead = gptq.inverse_factor(h, damp=0.01)
+    ref = h.copy()
+    ref[dead, dead] = 1.0
+    ref[np.diag_indices(len(ref))] += 0.01 * np.mean(np.diag(ref))
+    inv = np.linalg.inv(np.linalg.cholesky(ref))
+    want = np.linalg.cholesky(inv.T @ inv).T
+    assert dead.tolist() == [i == 7 for i in range(len(h))]
+    np.testing.assert_allclose(u, want, rtol=1e-9, atol=1e-9 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_gptq_of_stacked_linears_equals_each_alone(symmetric):
+    w, h, _ = _layer(7, n=96)
+    parts = [w[:32], w[32:40], w[40:]]
+    stacked = gptq.quantize(w, h, 64, symmetric)
+    start = 0
+    for part in parts:
+        alone = gptq.quantize(part, h, 64, symmetric)
+        mine = int4.rows(stacked, start, start + len(part))
+        start += len(part)
+        np.testing.assert_array_equal(mine.q, alone.q)
+        np.testing.assert_array_equal(mine.scales, alone.scales)
+        if not symmetric:
+            np.testing.assert_array_equal(mine.zero_points, alone.zero_points)
+
+
+@pytest.fixture(scope="module")
+def four_layer_llama(tmp_path_factory):
+    from llmc.testing.checkpoints import write_tiny_llama
+
+    return write_tiny_llama(tmp_path_factory.mktemp("four-layers") / "ckpt", seed=3, num_hidden_layers=4)
+
+
+def test_calibration_progress_has_a_line_per_layer_with_an_eta_and_none_under_quiet(tmp_path, four_layer_llama):
+    args = ["build", str(four_layer_llama), "--cache-dir", str(tmp_path / "cache"), "--quant", "int4-gptq",
+            "--calib-samples", "4", "--calib-seq-len", "32"]
+    loud = CliRunner().invoke(cli, [*args, "-o", str(tmp_path / "a")])
+    assert loud.exit_code == 0, loud.stderr
+    lines = [ln for ln in loud.stderr.splitlines() if re.search(r"\] layer \d+/4 \(gptq\)", ln)]
+    assert [re.search(r"layer (\d)/4", ln).group(1) for ln in lines] == ["1", "2", "3", "4"], loud.stderr
+    assert all(re.search(r"s/layer, .* elapsed, ETA \d+(m\d\ds|s)", ln) for ln in lines), lines
+    assert "ETA 0s" in lines[-1] and "[" + "#" * 20 + "]" in lines[-1]
+    assert loud.stdout.strip()  # the summary line
+    quiet = CliRunner().invoke(cli, [*args, "-o", str(tmp_path / "b"), "--no-cache", "-q"])
+    assert quiet.exit_code == 0, quiet.stderr
+    assert quiet.stderr == "" and quiet.stdout == ""
+
+
+def _gptq_plain(w, h, group_size, symmetric, damp=0.01):
+    """The column loop as it was (rank-1 updates over [N, 128] blocks, the inverse factor via inverse and
+    a second Cholesky): the reference for the blocked, transposed form."""
+    w = np.array(w, np.float64)
+    n, k = w.shape
+    h = np.array(h, np.float64)
+    dead = np.diag(h) == 0
+    h[dead, dead] = 1.0
+    w[:, dead] = 0.0
+    h[np.diag_indices(k)] += damp * np.mean(np.diag(h))
+    h_inv = np.linalg.inv(np.linalg.cholesky(h))
+    u = np.linalg.cholesky(h_inv.T @ h_inv).T
+    n_groups = -(-k // group_size)
+    codes = np.zeros((n, n_groups * group_size), np.uint8)
+    scales = np.zeros((n, n_groups), np.float32)
+    for b0 in range(0, k, 128):
+        b1 = min(b0 + 128, k)
+        wb = w[:, b0:b1].copy()
+        err = np.zeros_like(wb)
+        ub = u[b0:b1, b0:b1]
+        for i in range(b1 - b0):
+            col = b0 + i
+            if col % group_size == 0:
+                cols = wb[:, i : i + group_size]
+                if cols.shape[1] < group_size:
+                    cols = np.concatenate([cols, np.zeros((n, group_size - cols.shape[1]))], axis=1)
+                scale, zp = int4.group_params(cols[:, None, :], symmetric)
+                scale, zp = scale[:, 0], None if zp is None else zp[:, 0]
+                scales[:, col // group_size] = scale
+            q = int4.quantize_groups(wb[:, i : i + 1], scale, zp)[:, 0]
+            codes[:, col] = q
+            zero = np.float32(8.0) if zp is None else zp.astype(np.float32)
+            e = (wb[:, i] - (q.astype(np.float32) - zero) * scale) / ub[i, i]
+            wb[:, i:] -= np.outer(e, ub[i, i:])
+            err[:, i] = e
+        w[:, b1:] -= err @ u[b0:b1, b1:]
+    return codes[:, :k], scales
+
+
+@pytest.mark.parametrize("symmetric", [False, True])
+@pytest.mark.parametrize("group", [32, 128])
+def test_blocked_gptq_equals_the_plain_column_loop(symmetric, group):
+    w, h, _ = _layer(8, n=64, k=320)
+    got = gptq.quantize(w, h, group, symmetric)
+    codes, scales = _gptq_plain(w, h, group, symmetric)
+    # Summing the same updates in another order moves a weight across a rounding boundary at most rarely.
+    assert np.mean(got.q[:, :320] != codes) < 1e-3
+    np.testing.assert_allclose(got.scales, scales, rtol=1e-5)
