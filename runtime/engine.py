@@ -284,7 +284,8 @@ class Engine:
     def _tokenize(self, prompt: Prompt, label: str) -> list[int]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise LlmcError(f"{self.path}: engine has no tokenizer.json; pass token ids instead of text")
+                raise LlmcError(f"{self.path}: engine has no tokenizer.json; pass token ids instead of text "
+                                "(llmc run ENGINE --prompt-ids 1,2,3)")
             ids = self.tokenizer.encode(prompt)
         else:
             ids = [int(t) for t in prompt]

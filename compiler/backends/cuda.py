@@ -68,7 +68,7 @@ def _bytes(array: np.ndarray, dtype: str) -> bytes:
     if dtype == "float8_e4m3fn":
         return np.ascontiguousarray(array).view(np.uint8).tobytes()
     if dtype == "bfloat16":
-        t = torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32)).to(torch.bfloat16)
+        t = torch.from_numpy(np.array(array, dtype=np.float32)).to(torch.bfloat16)  # a copy: weights may be read-only
         return t.view(torch.uint8).numpy().tobytes()
     return np.ascontiguousarray(array, dtype=np.dtype(dtype)).tobytes()
 
