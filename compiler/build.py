@@ -121,11 +121,15 @@ def _check_cuda_request(options: BuildOptions, target: Target) -> BuildOptions:
     them: the CUDA engine has no block-quantized embedding gather, so INT4 builds keep the embedding table in
     the engine dtype (the manifest's recipe says so)."""
     import dataclasses
+    import importlib.util
 
     fmt = options.quant.format
     if fmt is not None and fmt.family == "nvfp4":
         raise UnsupportedError(f"--quant {fmt.name} on {target.flag}: the CUDA engine has no NVFP4 kernels yet; use "
                                "--quant fp8 or int4-awq, or --engine tensorrt for a TensorRT export")
+    if options.aot_kernels and importlib.util.find_spec("triton") is None:
+        raise UnsupportedError(f"{target.flag}: the CUDA engine's kernels are compiled ahead of time with Triton, "
+                               "which is not installed here; pip install 'llmc[gpu]' (or triton) and build again")
     if options.quant.embeddings != "none":
         options = dataclasses.replace(options, quant=dataclasses.replace(options.quant, embeddings="none"))
     return options

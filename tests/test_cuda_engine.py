@@ -257,3 +257,15 @@ def test_cli_builds_quantized_gpu_engines_here_and_verify_names_the_gpu(tmp_path
     if not torch.cuda.is_available():
         v = runner.invoke(cli, ["verify", str(out)])
         assert v.exit_code != 0 and "'h200'" in v.stderr and "9.0" in v.stderr, v.stderr
+
+
+def test_gpu_build_without_triton_is_refused_before_any_work(tmp_path, tiny_llama, monkeypatch):
+    import importlib.util
+
+    from llmc.errors import UnsupportedError
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "triton" else real(name, *a))
+    with pytest.raises(UnsupportedError, match=r"llmc\[gpu\]"):
+        build(tiny_llama, tmp_path / "e", BuildOptions(target="h100"))
+    assert not (tmp_path / "e").exists()
