@@ -179,6 +179,19 @@ def run(config: dict, model_type: str, build_twin, lowering: dict, toolchain: di
         return SelfCheckResult("cached", key, round(time.perf_counter() - t0, 3), twin)
     say(f"      self-check: a {twin.get('num_hidden_layers', '?')}-layer random twin of this {model_type} config "
         "through the same pipeline, against transformers")
+    from transformers.utils import logging as hf_logging
+
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # the twin's save/load bars are not the user's build progress
+    try:
+        return _run_twin(twin, model_type, key, record, build_twin, cuda, cacheable, t0)
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
+
+
+def _run_twin(twin: dict, model_type: str, key: str, record: Path | None, build_twin, cuda: bool, cacheable: bool,
+              t0: float) -> SelfCheckResult:
     with tempfile.TemporaryDirectory(prefix="llmc-selfcheck-") as tmp:
         ckpt = write_twin(twin, Path(tmp) / "twin")
         engine_dir = Path(tmp) / "engine"
