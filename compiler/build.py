@@ -473,27 +473,25 @@ def build(checkpoint_dir: str | Path, out_dir: str | Path, options: BuildOptions
                        artifact_digest=digest_out)
 
 
-def _cuda_toolchain(sm: int) -> dict[str, str]:
-    """What made the CUDA engine's kernels: Triton and the CUDA release of its ptxas (the driver must run it)."""
+def _triton_version() -> str:
     from importlib.metadata import PackageNotFoundError, version
 
+    try:
+        return version("triton")
+    except PackageNotFoundError:
+        return "absent"
+
+
+def _cuda_toolchain(sm: int) -> dict[str, str]:
+    """What made the CUDA engine's kernels: Triton and the CUDA release of its ptxas (the driver must run it)."""
     from llmc.compiler.backends.cuda import ptxas_cuda_version
 
-    try:
-        triton_version = version("triton")
-    except PackageNotFoundError:
-        triton_version = "absent"
-    return {"triton": triton_version, "ptxas_cuda": ptxas_cuda_version(sm) or "unknown"}
+    return {"triton": _triton_version(), "ptxas_cuda": ptxas_cuda_version(sm) or "unknown"}
 
 
 def _builder_toolchain(target: Target, options: BuildOptions | None = None) -> dict[str, str]:
     if options is not None and uses_cuda_engine(options, target):
-        from importlib.metadata import PackageNotFoundError, version
-
-        try:
-            return {"triton": version("triton")}
-        except PackageNotFoundError:
-            return {"triton": "absent"}
+        return {"triton": _triton_version()}
     if target.backend not in GPU_BACKENDS:
         return {}
     from llmc.compiler.backends import tensorrt as trt_backend

@@ -154,8 +154,6 @@ class CudaSession:
 
     def _fused_overrides(self) -> dict:
         """Program ops that launch a fused AOT kernel where the node names one (attribute ``kernel``), else torch."""
-        from llmc.plugins.fused.requests import SWIGLU_BLOCK
-
         def rms(x, scale, *, kernel=None, **attrs):
             k = self._fused(kernel)
             if k is None or x.dtype != self.dtype:
@@ -203,7 +201,7 @@ class CudaSession:
             g2, u2 = rows_view(gate), rows_view(up)
             rows, n = g2.shape
             out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
-            block = min(SWIGLU_BLOCK, 1 << max(0, (n - 1).bit_length()))
+            block = k.info.config["BLOCK"]
             self._launch(k, (rows, -(-n // block), 1), [g2, u2, out, rows, g2.stride(0), u2.stride(0)])
             return (out,)
 

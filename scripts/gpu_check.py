@@ -136,32 +136,17 @@ def run_correctness(smoke: bool, device: str):
 
 
 def _cuda_launch(kernel, args, grid, sm):
-    """Launch the AOT PTX through the CUDA driver with TensorRT's argument layout (no Triton launcher)."""
-    import ctypes
-
+    """Launch the AOT PTX through the CUDA driver with TensorRT's argument layout (no Triton launcher), by the
+    CUDA engine's own loader (llmc.runtime.cuda_kernels)."""
     import torch
 
     from llmc.plugins.paged_attention import aot
+    from llmc.runtime.cuda_kernels import KernelInfo, LoadedKernel
 
-    cubin = aot.assemble(kernel.ptx, sm)
-    cuda = ctypes.CDLL("libcuda.so.1")
-
-    def check(rc, what):
-        if rc != 0:
-            raise RuntimeError(f"{what} failed with CUresult {rc}")
-
-    module, fn = ctypes.c_void_p(), ctypes.c_void_p()
-    check(cuda.cuModuleLoadData(ctypes.byref(module), ctypes.c_char_p(cubin)), "cuModuleLoadData")
-    check(cuda.cuModuleGetFunction(ctypes.byref(fn), module, kernel.name.encode()), "cuModuleGetFunction")
-    if kernel.shared_mem > 48 * 1024:  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-        check(cuda.cuFuncSetAttribute(fn, 8, ctypes.c_int(kernel.shared_mem)), "cuFuncSetAttribute")
-    holders = [ctypes.c_int32(a) if isinstance(a, int) else ctypes.c_uint64(a.data_ptr()) for a in args]
-    params = (ctypes.c_void_p * len(holders))(*[ctypes.cast(ctypes.byref(h), ctypes.c_void_p) for h in holders])
-    stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
-    check(cuda.cuLaunchKernel(fn, *grid, kernel.threads, 1, 1, kernel.shared_mem, stream, params, None),
-          "cuLaunchKernel")
+    info = KernelInfo(name=kernel.name, file="", sm=sm, num_warps=kernel.num_warps, shared_mem=kernel.shared_mem,
+                      block_q=kernel.block_q, num_kv_heads=kernel.num_kv_heads, variant="", key="")
+    LoadedKernel(info, aot.assemble(kernel.ptx, sm)).launch(grid, args, torch.cuda.current_stream().cuda_stream)
     torch.cuda.synchronize()
-    cuda.cuModuleUnload(module)
 
 
 def run_aot(smoke: bool, device: str):

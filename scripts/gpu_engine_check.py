@@ -74,24 +74,42 @@ def _weight_bytes(engine_dir: Path) -> int:
     return (engine_dir / "weights.safetensors").stat().st_size
 
 
-def run_quick(report: dict) -> dict:
-    """The bf16 engine alone, for a short lease: build, CUDA graphs vs eager tokens, decode b1/8/64, prefill."""
-    import numpy as np
-    import torch
-
-    from llmc.runtime import Engine, SamplingParams
-
-    work = Path(tempfile.mkdtemp(prefix="llmc-gpu-"))
-    res: dict = {"ok": False, "builds": [], "quick": True}
-    report["engine"] = res
+def _make_checkpoint(work: Path, res: dict) -> Path | None:
+    """The 1B-shape random checkpoint under ``work`` (None, with ``res["error"]``, when make_model.py fails)."""
     t0 = time.time()
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks/peers/make_model.py"), "1b"],
                           env=dict(os.environ, PEERS_ROOT=str(work / "peers")), capture_output=True, text=True)
     res["make_model_s"] = round(time.time() - t0, 1)
     if proc.returncode:
         res["error"] = "make_model.py failed: " + (proc.stdout + proc.stderr)[-2000:]
+        return None
+    return work / "peers" / "model-1b"
+
+
+def _prefill_rate(engine, ids: list[int]) -> float:
+    """Tokens per second of one warm ``score`` of ``ids`` (a single prefill step)."""
+    import torch
+
+    engine.score(ids)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    engine.score(ids)
+    return len(ids) / (time.perf_counter() - t)
+
+
+def run_quick(report: dict) -> dict:
+    """The bf16 engine alone, for a short lease: build, CUDA graphs vs eager tokens, decode b1/8/64, prefill."""
+    import numpy as np
+
+    from llmc.runtime import Engine, SamplingParams
+
+    work = Path(tempfile.mkdtemp(prefix="llmc-gpu-"))
+    res: dict = {"ok": False, "builds": [], "quick": True}
+    report["engine"] = res
+    ckpt = _make_checkpoint(work, res)
+    if ckpt is None:
         return res
-    ckpt, out = work / "peers" / "model-1b", work / "engine-bf16"
+    out = work / "engine-bf16"
     rc, secs, log = _llmc("build", ckpt, "--gpu", "auto", "-o", out, "--cache-dir", work / "cache", "-q",
                           log=res["builds"])
     print(f"build bf16: rc {rc} in {secs:.0f} s", flush=True)
@@ -128,11 +146,7 @@ def run_quick(report: dict) -> dict:
             print(rows[-1], flush=True)
     res["rows"] = rows
     ids = rng.integers(3, cfg["vocab_size"], PREFILL_LEN).tolist()
-    e.score(ids)
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    e.score(ids)
-    res["prefill_llmc_tok_s"] = PREFILL_LEN / (time.perf_counter() - t)
+    res["prefill_llmc_tok_s"] = _prefill_rate(e, ids)
     res["ok"] = res["graphs_equal_eager"]
     return res
 
@@ -146,15 +160,9 @@ def run_engine(budget_s: float, t_start: float, report: dict) -> dict:
     work = Path(tempfile.mkdtemp(prefix="llmc-gpu-"))
     res: dict = {"ok": False, "builds": [], "workdir": str(work)}
     report["engine"] = res
-    env = dict(os.environ, PEERS_ROOT=str(work / "peers"))
-    t0 = time.time()
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks/peers/make_model.py"), "1b"], env=env,
-                          capture_output=True, text=True)
-    res["make_model_s"] = round(time.time() - t0, 1)
-    if proc.returncode:
-        res["error"] = "make_model.py failed: " + (proc.stdout + proc.stderr)[-2000:]
+    ckpt = _make_checkpoint(work, res)
+    if ckpt is None:
         return res
-    ckpt = work / "peers" / "model-1b"
     cache = work / "cache"
     eng = {q: work / f"engine-{q}" for q in ("bf16", "fp8", "int4")}
     rc, secs, out = _llmc("build", ckpt, "--gpu", "auto", "-o", eng["bf16"], "--cache-dir", cache, "-q",
@@ -249,11 +257,7 @@ def run_engine(budget_s: float, t_start: float, report: dict) -> dict:
                          "roofline_frac": rate / b * step_bytes / copy_bw})
             print(rows[-1], flush=True)
     ids = rng.integers(3, cfg["vocab_size"], PREFILL_LEN).tolist()
-    e.score(ids)
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    e.score(ids)
-    res["prefill_llmc_tok_s"] = PREFILL_LEN / (time.perf_counter() - t)
+    res["prefill_llmc_tok_s"] = _prefill_rate(e, ids)
     res["graph_replays"], res["eager_steps"] = e._session.graph_replays, e._session.eager_steps
     del eager
 

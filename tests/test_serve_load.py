@@ -23,6 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from llmc.runtime import Engine, SamplingParams
 from llmc.serve import ServeConfig
 from llmc.testing.http_server import serve_in_thread
+from tests.test_runtime_without_torch import BLOCKER as NO_COMPILER_STACK
 
 MODEL = "tiny"
 
@@ -186,13 +187,8 @@ def test_drain_timeout_bounds_shutdown_and_nothing_leaks(tiny_engine):
     assert stats.kv_blocks_used == 0 and stats.num_running == stats.num_waiting == 0
 
 
-BLOCKER = """
-import sys, importlib.abc
-class Block(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path=None, target=None):
-        if name.split('.')[0] in ('torch', 'transformers', 'onnx', 'onnxscript', 'onnx_ir', 'safetensors'):
-            raise ImportError(f'{name} is blocked in this test')
-sys.meta_path.insert(0, Block())
+# The llmc CLI in a process where torch and the compiler stack cannot be imported (test_runtime_without_torch's).
+BLOCKER = NO_COMPILER_STACK + """
 from llmc.cli.main import main
 sys.argv = ['llmc'] + sys.argv[1:]
 main()
