@@ -4,7 +4,6 @@ config through the same pipeline, against transformers."""
 from __future__ import annotations
 
 import json
-import time
 
 import onnx_ir as ir
 import pytest
@@ -30,9 +29,8 @@ def test_every_build_checks_its_architecture_once_then_from_the_cache(checked, t
     assert info["status"] == "passed" and info["max_logprob_error"] < 1e-4 and info["max_logit_rel_error"] < 1e-4
     twin = first.report["self_check"]["twin_config"]
     assert twin["model_type"] == "llama" and twin["num_hidden_layers"] == 2
-    t = time.perf_counter()
     again = build(tiny_llama, tmp_path / "b", BuildOptions(block_size=16))
-    assert again.build_info["self_check"]["status"] == "cached" and time.perf_counter() - t < 60
+    assert again.build_info["self_check"]["status"] == "cached"  # no twin built: the record answered
     assert again.report["self_check"] == first.report["self_check"]  # sealed files stay deterministic
     # another lowering (a CUDA engine) is another check
     cuda = build(tiny_llama, tmp_path / "c", BuildOptions(target="h100", dtype="float32", aot_kernels=False))
