@@ -431,8 +431,11 @@ def _self_check(ckpt: Checkpoint, plan: _Plan, say: Progress):
         dtype="float32")
     lowering = {k: v for k, v in canonical_recipe(twin_options).items() if k not in ("quant",)}
 
-    def build_twin(twin_ckpt: Path, out: Path) -> None:
-        build(twin_ckpt, out, twin_options)
+    def build_twin(twin_ckpt: Path, out: Path, **overrides) -> None:
+        # overrides: the diagnosis's variants of the same build (verified passes, fusions off)
+        if "disabled_passes" in overrides:
+            overrides["disabled_passes"] = (*twin_options.disabled_passes, *overrides["disabled_passes"])
+        build(twin_ckpt, out, dataclasses.replace(twin_options, **overrides))
 
     return selfcheck.run(ckpt.config, ckpt.model_type, build_twin, lowering, artifact.toolchain_versions(),
                          sources_digest(_PACKAGE_ROOT), plan.cache_root or Store(None).root, cuda,

@@ -173,6 +173,10 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
             "linear-attention or convolution layers); llmc's KV cache holds keys and values only, so it cannot run "
             f"this model yet. Supported model types: {', '.join(SUPPORTED_MODEL_TYPES)}"
         )
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        from llmc.compiler.mechanisms import refuse_unlowered
+
+        refuse_unlowered(config, model_type, cfg_path)
     if model_type not in SUPPORTED_MODEL_TYPES and not _is_causal_lm(model_type):
         raise UnsupportedError(
             f"{cfg_path}: model_type {model_type!r} is not supported; supported model types: "

@@ -35,6 +35,9 @@ _POSITIVE = (
     ("qk_rope_head_dim",),
     ("v_head_dim",),
 )
+# 0 is transformers' own default for these where the feature is off (qwen2_moe: sliding_window 0 with
+# use_sliding_window false), and the attention lowering reads 0 as "no window".
+_ZERO_MEANS_OFF = frozenset({"sliding_window"})
 _LAYER_INDEX = re.compile(r"\.(?:layers|h|blocks|layer)\.(\d+)\.")
 
 
@@ -68,8 +71,10 @@ def _check_section(config: dict, cfg_path: Path, prefix: str, tensor_names: list
         if hit is None:
             continue
         name, value = hit
-        if not _is_int(value) or value < 1:
-            raise LlmcError(f"{cfg_path}: field '{prefix}{name}' is {json.dumps(value)}; it must be a positive "
+        least = 0 if name in _ZERO_MEANS_OFF else 1
+        if not _is_int(value) or value < least:
+            kind = "a non-negative" if least == 0 else "a positive"
+            raise LlmcError(f"{cfg_path}: field '{prefix}{name}' is {json.dumps(value)}; it must be {kind} "
                             f"integer{_layer_fix(names[0], tensor_names)}")
         found[names[0]] = (prefix + name, value)
 

@@ -58,19 +58,29 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
 
     _, num_heads, tokens, head_size = query.shape
     num_kv_heads = key.shape[1]
+    value_size = value.shape[-1]
+    if value_size < head_size:
+        # Multi-head latent attention: value heads narrower than query/key heads. Zero columns appended
+        # to V give zero output columns, cut off below: exact, at the cost of a wider V cache (what
+        # transformers' flash-attention path does too).
+        value = torch.nn.functional.pad(value, (0, head_size - value_size))
+    elif value_size > head_size:
+        raise LlmcError(f"value heads ({value_size}) wider than query/key heads ({head_size}): not lowered")
+    ATTENTION_SHAPES.append((int(num_heads), int(num_kv_heads), int(head_size)))
     q = query[0].transpose(0, 1).reshape(tokens, num_heads * head_size)
     k = key[0].transpose(0, 1).reshape(tokens, num_kv_heads * head_size)
     v = value[0].transpose(0, 1).reshape(tokens, num_kv_heads * head_size)
     window = kwargs.get("sliding_window") or getattr(module, "sliding_window", None) or 0
     softcap = kwargs.get("softcap") or 0.0
+    step = {name: kwargs.get(name, _STEP.get(name)) for name in _STEP_FIELDS}
     out = torch.ops.llmc.paged_attention(
         q,
         k,
         v,
-        kwargs["slot_mapping"],
-        kwargs["block_tables"],
-        kwargs["context_lens"],
-        kwargs["query_start_loc"],
+        step["slot_mapping"],
+        step["block_tables"],
+        step["context_lens"],
+        step["query_start_loc"],
         int(module.layer_idx),
         int(num_heads),
         int(num_kv_heads),
@@ -79,7 +89,18 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
         int(window),
         float(softcap),
     )
-    return out.reshape(1, tokens, num_heads, head_size), None
+    return out.reshape(1, tokens, num_heads, head_size)[..., :value_size], None
+
+
+# The step's paging tensors, for attention modules that do not pass the model's keyword arguments through to
+# the attention function (falcon): set by the traced wrapper's forward around the model call, so torch.export
+# sees the very input tensors either way.
+_STEP_FIELDS = ("slot_mapping", "block_tables", "context_lens", "query_start_loc")
+_STEP: dict = {}
+
+# (heads, kv heads, head size) of every attention call of the current trace: the KV pool's geometry as
+# the model computes it, which configs do not always state (MLA's head_dim is its rotary part only).
+ATTENTION_SHAPES: list[tuple[int, int, int]] = []
 
 
 def _register_attention() -> None:
@@ -131,16 +152,19 @@ def _build_module(checkpoint: Checkpoint, compute_dtype: str):
                     logits_indices, rope_lengths=None):
             if rope is not None:
                 rope.lengths = rope_lengths
-            out = self.inner(
-                input_ids=input_ids[None],
-                position_ids=positions[None],
-                use_cache=False,
-                logits_to_keep=logits_indices,
-                slot_mapping=slot_mapping,
-                block_tables=block_tables,
-                context_lens=context_lens,
-                query_start_loc=query_start_loc,
-            )
+            paging = dict(slot_mapping=slot_mapping, block_tables=block_tables, context_lens=context_lens,
+                          query_start_loc=query_start_loc)
+            _STEP.update(paging)
+            try:
+                out = self.inner(
+                    input_ids=input_ids[None],
+                    position_ids=positions[None],
+                    use_cache=False,
+                    logits_to_keep=logits_indices,
+                    **paging,
+                )
+            finally:
+                _STEP.clear()
             return out.logits[0].float()
 
     return config, hf, PackedCausalLM(hf).eval(), rope
@@ -243,6 +267,11 @@ def trace(checkpoint: Checkpoint, compute_dtype: str = "float32") -> TracedModel
 
 def _trace(checkpoint: Checkpoint, compute_dtype: str, torch, torch_op) -> TracedModel:
     config, hf, module, rope = _build_module(checkpoint, compute_dtype)
+    sink = next((n for n, _ in hf.named_parameters() if n.rsplit(".", 1)[-1] in ("sinks", "sink")), None)
+    if sink is not None:  # the config rules (compiler/mechanisms.py) know gpt_oss; this catches the rest
+        raise UnsupportedError(f"{checkpoint.path}: model_type {checkpoint.model_type!r} has attention sinks "
+                               f"({sink}: a learned logit in every softmax denominator); llmc's paged attention "
+                               "has no sink term, so it stops before tracing")
     # Every checkpoint tensor bound or known unused, every weight found with its shape: before tracing.
     binding = bind(checkpoint, hf)
     account(checkpoint, binding)
@@ -274,6 +303,7 @@ def _trace(checkpoint: Checkpoint, compute_dtype: str, torch, torch_op) -> Trace
         dynamic[ROPE_LENGTHS] = {0: t}
         inputs = (*GRAPH_INPUTS, ROPE_LENGTHS)
     logging.getLogger("torch.onnx").setLevel(logging.ERROR)
+    ATTENTION_SHAPES.clear()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         program = torch.onnx.export(
@@ -319,12 +349,21 @@ def _trace(checkpoint: Checkpoint, compute_dtype: str, torch, torch_op) -> Trace
     del hf, module, program, binding
     text_cfg = config
     num_heads = text_cfg.num_attention_heads
+    num_kv_heads = getattr(text_cfg, "num_key_value_heads", None) or num_heads
+    head_size = getattr(text_cfg, "head_dim", None) or text_cfg.hidden_size // num_heads
+    shapes = set(ATTENTION_SHAPES)
+    if len(shapes) > 1:
+        raise UnsupportedError(f"{checkpoint.path}: model_type {checkpoint.model_type!r} has attention layers of "
+                               f"different shapes (heads, kv heads, head size: {sorted(shapes)}); llmc's KV pool "
+                               "has one geometry for every layer")
+    if shapes:
+        num_heads, num_kv_heads, head_size = shapes.pop()
     return TracedModel(
         model=model,
         num_layers=text_cfg.num_hidden_layers,
         num_heads=num_heads,
-        num_kv_heads=getattr(text_cfg, "num_key_value_heads", None) or num_heads,
-        head_size=getattr(text_cfg, "head_dim", None) or text_cfg.hidden_size // num_heads,
+        num_kv_heads=num_kv_heads,
+        head_size=head_size,
         vocab_size=text_cfg.vocab_size,
         compute_dtype=compute_dtype,
         inputs=inputs,

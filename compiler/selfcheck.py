@@ -86,9 +86,26 @@ def shrink_config(config: dict) -> dict:
     for key in ("num_local_experts", "num_experts", "n_routed_experts"):
         if isinstance(c.get(key), int) and c[key] > 1:
             c[key] = max(top_k, min(c[key], 4))
+    if isinstance(c.get("n_group"), int) and c["n_group"] > 1 and isinstance(c.get("n_routed_experts"), int):
+        # Grouped routing: experts split evenly into groups, top-k drawn from the best topk_group groups.
+        groups = min(c["n_group"], 2)
+        chosen = min(c.get("topk_group") or 1, groups)
+        per_group = max(2, -(-top_k // chosen))
+        c["n_group"], c["topk_group"], c["n_routed_experts"] = groups, chosen, groups * per_group
+    # Multi-head latent attention: low ranks and head parts are sizes; their existence is the semantics.
+    rope_dim = c.get("qk_rope_head_dim")
+    for key, cap in (("kv_lora_rank", 32), ("q_lora_rank", 48), ("qk_nope_head_dim", 16), ("qk_rope_head_dim", 8),
+                     ("v_head_dim", 16)):
+        if isinstance(c.get(key), int) and c[key] > cap:
+            c[key] = cap
+    if isinstance(rope_dim, int) and config.get("head_dim") == rope_dim:
+        c["head_dim"] = c["qk_rope_head_dim"]  # DeepSeek's head_dim is its rotary part
     lkey, layers = _pick(c, "num_hidden_layers", "n_layer", "num_layers")
     if isinstance(layers, int) and layers > 0:
         keep = 2
+        for key in ("first_k_dense_replace", "decoder_sparse_step", "interleave_moe_layer_step"):
+            if isinstance(c.get(key), int) and c[key] > 0:  # keep a layer of each kind: dense and MoE
+                keep = max(keep, c[key] + 1)
         types = c.get("layer_types")
         if isinstance(types, list) and types:
             seen: set = set()
@@ -167,6 +184,56 @@ def compare(engine_dir: Path, twin_dir: Path, cuda: bool, seed: int = 0) -> tupl
     return worst_lp, rel, None
 
 
+def _layer_count_key(twin: dict) -> str | None:
+    return _pick(twin, "num_hidden_layers", "n_layer", "num_layers")[0]
+
+
+def diagnose(twin: dict, ckpt: Path, tmp: Path, build_twin, cuda: bool) -> str:
+    """Where a failing twin first differs, as a clause for the error (``""`` when it cannot tell).
+
+    Only runs after a mismatch, on the tiny twin, so its extra builds cost seconds. In order:
+    (1) the same build with every graph pass verified against the graph before it (compiler/verify.py)
+    names the first pass that changes the numerics; (2) otherwise the graph as traced (every fusion, graph
+    and backend, disabled) is checked: if it matches, the fault is in a fusion's lowering; (3) twins cut to
+    the first k decoder layers, k = 1, 2, …, name the first layer whose output differs.
+    """
+    from llmc.errors import LlmcError
+    from llmc.passes.registry import BACKEND_FUSIONS, BY_NAME
+
+    log = logging.getLogger("llmc")
+    try:
+        build_twin(ckpt, tmp / "diag-verified", verify_passes=True)
+    except LlmcError as exc:
+        msg = str(exc)
+        if "--verify-passes: pass " in msg:
+            name = msg.split("--verify-passes: pass ", 1)[1].split(" ", 1)[0].strip("'")
+            hint = f" (build with --disable-pass {name} to leave it out)" if name in BY_NAME else ""
+            return f"; the graph first differs after pass {name!r}{hint}"
+        log.debug("self-check diagnosis: verified build failed: %s", msg)
+        return ""
+    unfused = ("all-fusions", *BACKEND_FUSIONS)
+    try:
+        build_twin(ckpt, tmp / "diag-unfused", disabled_passes=unfused)
+        if compare(tmp / "diag-unfused", ckpt, cuda)[2] is None:
+            return "; the graph as traced matches, so a fusion's lowering is at fault (every pass verified exact)"
+        lkey = _layer_count_key(twin)
+        layers = twin.get(lkey) if lkey else None
+        for k in range(1, layers if isinstance(layers, int) else 1):
+            cut = {**twin, lkey: k}
+            if isinstance(twin.get("layer_types"), list):
+                cut["layer_types"] = twin["layer_types"][:k]
+            cut_ckpt = write_twin(cut, tmp / f"diag-cut{k}")
+            build_twin(cut_ckpt, tmp / f"diag-cut{k}-engine", disabled_passes=unfused)
+            if compare(tmp / f"diag-cut{k}-engine", cut_ckpt, cuda)[2] is not None:
+                kind = f" ({twin['layer_types'][k - 1]})" if isinstance(twin.get("layer_types"), list) else ""
+                return f"; the traced graph already differs, first in decoder layer {k - 1}{kind}"
+        last = layers - 1 if isinstance(layers, int) else "?"
+        return f"; the traced graph already differs, first in decoder layer {last} or after the last layer"
+    except LlmcError as exc:
+        log.debug("self-check diagnosis stopped: %s", exc)
+        return ""
+
+
 def run(config: dict, model_type: str, build_twin, lowering: dict, toolchain: dict, sources: str,
         cache_root: Path | None, cuda: bool, cacheable: bool, say) -> SelfCheckResult:
     """Run (or find cached) the self-check. ``build_twin(twin_ckpt, out_dir)`` builds the twin's engine the way
@@ -206,11 +273,18 @@ def _run_twin(twin: dict, model_type: str, key: str, record: Path | None, build_
         finally:
             quiet.setLevel(level)
         lp, rel, failure = compare(engine_dir, ckpt, cuda)
+        where = ""
+        if failure is not None:
+            quiet.setLevel(logging.ERROR)
+            try:
+                where = diagnose(twin, ckpt, Path(tmp), build_twin, cuda)
+            finally:
+                quiet.setLevel(level)
     if failure is not None:
         raise UnsupportedError(
             f"architecture self-check failed for model_type {model_type!r}: on a random twin of this config, "
-            f"llmc's engine differs from transformers ({failure}); llmc {llmc.__version__} cannot build this "
-            "configuration correctly, so it stops here rather than write a wrong engine (please report it)")
+            f"llmc's engine differs from transformers ({failure}){where}; llmc {llmc.__version__} cannot build "
+            "this configuration correctly, so it stops here rather than write a wrong engine (please report it)")
     result = SelfCheckResult("passed", key, round(time.perf_counter() - t0, 3), twin, lp, rel)
     if cacheable and record is not None:
         try:

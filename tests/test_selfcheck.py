@@ -61,6 +61,7 @@ def test_a_lowering_that_drops_a_bias_is_stopped_and_named(checked, tmp_path):
         build(ckpt, tmp_path / "e", BuildOptions(extra_passes=(broken,)))
     msg = str(err.value)
     assert err.value.exit_code == 3 and "self-check failed" in msg and "'llama'" in msg, msg
+    assert "first differs after pass 'test-only-drop-biases'" in msg, msg  # named, not just refused
     assert not (tmp_path / "e").exists()
 
 
@@ -84,3 +85,17 @@ def test_shrunk_twin_keeps_the_semantics_and_loses_the_size(model_type, family_c
     heads = twin.get("num_attention_heads") or twin.get("n_head")
     kv = twin.get("num_key_value_heads") or heads
     assert heads % kv == 0
+
+
+def test_shrunk_deepseek_twin_keeps_a_moe_layer_and_valid_grouped_routing():
+    """DeepSeek-V3's own config (671B shape, from transformers' defaults): the twin still has a MoE layer after
+    the dense ones, routing groups that divide the experts, and enough experts for its top-k."""
+    from transformers import AutoConfig
+
+    config = {k: v for k, v in AutoConfig.for_model("deepseek_v3").to_dict().items() if not k.startswith("_")}
+    twin = selfcheck.shrink_config(config)
+    assert twin["first_k_dense_replace"] < twin["num_hidden_layers"] <= config["num_hidden_layers"]
+    assert twin["n_routed_experts"] % twin["n_group"] == 0 and twin["topk_group"] <= twin["n_group"]
+    per_group = twin["n_routed_experts"] // twin["n_group"]
+    assert twin["num_experts_per_tok"] == config["num_experts_per_tok"] <= per_group * twin["topk_group"]
+    assert twin["kv_lora_rank"] < config["kv_lora_rank"] and twin["head_dim"] == twin["qk_rope_head_dim"]
