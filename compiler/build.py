@@ -328,6 +328,8 @@ def _compile(ckpt: Checkpoint, digest: str, plan: _Plan, dest: Path, say: Progre
         "self_check": ({"result": "passed", "key": check.key, "twin_config": check.twin} if check is not None
                        else {"result": "not run"}),
     }
+    if ckpt.source_quantization is not None:  # a pre-quantized checkpoint, dequantized exactly on the way in
+        report["source_quantization"] = ckpt.source_quantization
     if qstage is not None:
         report.update(qstage.report())
     artifact.write_json(dest / "report.json", report)

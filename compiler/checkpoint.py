@@ -46,8 +46,10 @@ _ST_DTYPES = {
     "I8": "int8",
     "U8": "uint8",
     "BOOL": "bool",
+    "F8_E4M3": "float8_e4m3fn",  # pre-quantized checkpoints only (compiler/prequantized.py)
 }
-_ST_ITEMSIZE = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8, "I64": 8, "I32": 4, "I8": 1, "U8": 1, "BOOL": 1}
+_ST_ITEMSIZE = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8, "I64": 8, "I32": 4, "I8": 1, "U8": 1, "BOOL": 1,
+                "F8_E4M3": 1}
 
 
 @dataclass(frozen=True)
@@ -60,6 +62,8 @@ class TensorEntry:
     shape: tuple[int, ...]
     offset: int
     nbytes: int
+    # A pre-quantized FP8 weight (compiler/prequantized.py): stored E4M3, read as float32 codes x scales.
+    fp8_scale: object | None = None
 
 
 @dataclass
@@ -70,6 +74,8 @@ class Checkpoint:
     config: dict
     tensors: dict[str, TensorEntry]
     files: list[Path] = field(default_factory=list)
+    # How a pre-quantized checkpoint was converted (compiler/prequantized.py), for report.json; None if plain.
+    source_quantization: dict | None = None
 
     @property
     def model_type(self) -> str:
@@ -208,8 +214,11 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
     tensors: dict[str, TensorEntry] = {}
     for f in files:
         tensors.update(_read_safetensors_header(f))
+    from llmc.compiler import prequantized
+
+    tensors, source_quant = prequantized.plan(config, tensors, cfg_path)
     check_config(config, cfg_path, list(tensors))
-    checkpoint = Checkpoint(path=root, config=config, tensors=tensors, files=files)
+    checkpoint = Checkpoint(path=root, config=config, tensors=tensors, files=files, source_quantization=source_quant)
     if checkpoint.has_tokenizer:
         check_tokenizer(root / TOKENIZER_FILE, config, cfg_path)
     else:
@@ -222,6 +231,13 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
 def read_tensor(entry: TensorEntry) -> np.ndarray:
     """Read one tensor from disk (memory-mapped); bfloat16 is returned as float32."""
     mm = np.memmap(entry.file, dtype=np.uint8, mode="r", offset=entry.offset, shape=(entry.nbytes,))
+    if entry.fp8_scale is not None:
+        import ml_dtypes
+
+        from llmc.compiler.prequantized import dequantize
+
+        codes = np.frombuffer(mm, dtype=ml_dtypes.float8_e4m3fn).reshape(entry.shape).astype(np.float32)
+        return dequantize(codes, read_tensor(entry.fp8_scale.scale), entry.fp8_scale.block)
     if entry.dtype == "bfloat16":
         u16 = np.frombuffer(mm, dtype=np.uint16).astype(np.uint32) << 16
         return u16.view(np.float32).reshape(entry.shape)
