@@ -449,6 +449,8 @@ class Engine:
 
     def _finish(self, r: Request, reason: str, now: float) -> None:
         self.scheduler.finish(r, reason)
+        if self.speculator is not None:
+            self.speculator.release(r)
         r.finish_time = now
         if r.request_id in self._retain:
             self._retain.discard(r.request_id)

@@ -308,6 +308,11 @@ class DraftProposer:
             active, counts = nxt, [1] * len(nxt)
         return {sid: (toks, np.stack(probs) if probs else None) for sid, (toks, probs) in out.items()}
 
+    def release(self, seq_id: int) -> None:
+        if self.blocks.has_sequence(seq_id):
+            self.blocks.free_sequence(seq_id)
+        self._known.discard(seq_id)
+
     def reset(self) -> None:
         """Free every draft sequence (the target's prefix cache was reset, or the engine is idle)."""
         for sid in list(self._known):
@@ -473,6 +478,11 @@ class Speculator:
         """Tokens emitted by verify chunk ``chunk`` (a ``ScheduledChunk`` with drafts) from its logits rows."""
         r = chunk.request
         return verify(logits, chunk.draft, chunk.draft_probs, r.params, r.rng, r.tokens, r.prompt_len)
+
+    def release(self, r: Request) -> None:
+        """``r`` finished: free its draft sequence now (its blocks are the draft pool's)."""
+        if self.draft is not None:
+            self.draft.release(r.seq_id)
 
     def reset(self) -> None:
         if self.draft is not None:
