@@ -119,7 +119,8 @@ def main(argv: list[str] | None = None) -> int:
                 row["speedup"] = round(row["tok_s"] / base[0], 3)
                 row["identical_to_plain"] = ids == base[1]
                 rows.append(row)
-                print(f"{wl:7s} b{batch}  {m:6s} {row['tok_s']:8.1f} tok/s  x{row['speedup']:.2f}  steps {row['steps']:5d}"
+                print(f"{wl:7s} b{batch}  {m:6s} {row['tok_s']:8.1f} tok/s  x{row['speedup']:.2f}"
+                      f"  steps {row['steps']:5d}"
                       f"  accept {row['acceptance_rate']}  mean_len {row['mean_accepted_length']}"
                       f"  identical {row['identical_to_plain']}  fit {row.get('target_step_fit_ms')}", flush=True)
 
