@@ -7,6 +7,7 @@ and vocabulary, different weights), so drafts are kept sometimes and rejected of
 
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
@@ -318,3 +319,32 @@ def test_sampled_tokens_follow_the_plain_distribution(tiny_engine, tiny_engine_b
         sp.accept_or_resample = original
     assert any(chi2_homogeneity(a, b)[0] > chi2_critical(chi2_homogeneity(a, b)[1])
                for a, b in zip(plain, biased, strict=True))
+
+
+def test_server_streams_speculative_tokens_and_exports_metrics(tiny_engine):
+    """Through the HTTP server: streamed text equals the plain engine's, and the spec counters agree with stats()."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from llmc.serve import ServeConfig
+    from llmc.testing.http_server import serve_in_thread
+
+    prompt = _loop_prompts(np.random.default_rng(6), 1)[0]
+    plain = Engine.load(tiny_engine).generate([prompt], SamplingParams(max_tokens=40, ignore_eos=True))[0]
+    engine = Engine.load(tiny_engine, num_threads=1, speculative=_spec("ngram", num_tokens=5, adaptive=False))
+    with serve_in_thread(engine, ServeConfig(model_name="m")) as server:
+        body = {"model": "m", "prompt": prompt, "max_tokens": 40, "temperature": 0, "ignore_eos": True,
+                "stream": True, "return_token_ids": True}
+        ids: list[int] = []
+        with httpx.stream("POST", server.v1 + "/completions", json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    ids += json.loads(line[6:])["choices"][0].get("token_ids") or []
+        assert ids == plain.token_ids
+        text = httpx.get(server.url + "/metrics").text
+    got = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples
+           if s.labels.get("model_name") == "m"}
+    st = engine.stats()
+    assert got["llmc:spec_decode_num_draft_tokens_total"] == st.spec_num_draft_tokens > 0
+    assert got["llmc:spec_decode_num_accepted_tokens_total"] == st.spec_num_accepted_tokens
+    assert got["llmc:spec_decode_num_drafts_total"] == st.spec_num_verify_steps
