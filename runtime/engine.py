@@ -379,6 +379,9 @@ class Engine:
             if self._rope_lengths:
                 feeds["rope_lengths"] = np.repeat(np.asarray([len(c.request.tokens) for c in chunks], np.int64),
                                                   [c.num_tokens for c in chunks])
+            # Whole decode/verify steps (proposals and verification included; prefill chunks cost another
+            # amount per token) feed the cost model that sizes the drafts. Decided now: sampling changes tokens.
+            pure = self.speculator is not None and all(c.samples and c.num_tokens == 1 + len(c.draft) for c in chunks)
             logits = self._session.run(feeds, self._pool)
             self.scheduler.complete(sched)
             now = time.perf_counter()
@@ -389,9 +392,7 @@ class Engine:
                 else:
                     outputs.append(self._accept(chunk.request, logits[row], now))
                 row += 1 + len(chunk.draft)
-            if self.speculator is not None and all(c.samples and c.num_tokens == 1 + len(c.draft) for c in chunks):
-                # Whole decode/verify steps (proposals and verification included; prefill chunks cost
-                # another amount per token) feed the cost model that sizes the drafts.
+            if pure:
                 self.speculator.target_cost.observe(len(ids), len(chunks), time.perf_counter() - t0)
             self._busy += time.perf_counter() - t0
             return outputs
