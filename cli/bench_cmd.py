@@ -52,6 +52,10 @@ def format_table(result: dict) -> str:
         step = f"{r['ms_per_step']:9.2f}" if "ms_per_step" in r else f"{'-':>9}"
         lines.append(f"{r['workload']:14} {r['tok_s']:10.1f} {step} {r['ttft_ms']:9.1f} {gbps} {frac}  "
                      f"{r['tokens_generated']}/{r['tokens_requested']}")
+        if "spec_acceptance_rate" in r:
+            lines.append(f"{'':14} speculative ({result['config'].get('speculative')}): acceptance "
+                         f"{100 * r['spec_acceptance_rate']:.1f}% of {r['spec_draft_tokens']} drafts, mean accepted "
+                         f"length {r['spec_mean_accepted_length']:.2f}")
     for r in result["rows"]:
         if r["workload"] == "stream":
             lines += ["", f"request stream: {r['requests']} requests at {r['rate_per_s']}/s, {r['input_len']} in / "
@@ -80,13 +84,15 @@ def format_table(result: dict) -> str:
 @click.option("--stream-requests", default=16, show_default=True, help="Requests in the request-stream workload.")
 @click.option("--stream-rate", default=4.0, show_default=True, help="Request arrivals per second (Poisson).")
 @click.option("--seed", default=0, show_default=True, help="Seed of the random prompts and arrival times.")
+@click.option("--speculative", default=None, metavar="ngram|draft:PATH",
+              help="Speculative decoding: prompt lookup, or a draft engine at PATH (acceptance in the table).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the table.")
 @click.option("-o", "--out", "out", type=click.Path(path_type=Path), default=None,
               help="Also save the JSON to this file (parent directories are created).")
 @click.option("-q", "--quiet", is_flag=True, help="No progress output.")
 def bench(engine: Path, workloads: str, batches: tuple[str, ...], input_len: int, output_len: int, prefill_len: int,
           repeats: int, warmup: int, threads: int | None, stream_requests: int, stream_rate: float, seed: int,
-          as_json: bool, out: Path | None, quiet: bool) -> None:
+          speculative: str | None, as_json: bool, out: Path | None, quiet: bool) -> None:
     """Benchmark an ENGINE: prefill, decode at each batch size, a request stream; report tok/s and the
     achieved memory bandwidth as a fraction of this machine's measured read bandwidth.
 
@@ -104,7 +110,7 @@ def bench(engine: Path, workloads: str, batches: tuple[str, ...], input_len: int
     cfg = BenchConfig(workloads=_workloads(workloads), batches=_int_list("--batch", batches), input_len=input_len,
                       output_len=output_len, prefill_len=prefill_len, repeats=repeats, warmup=warmup,
                       threads=threads if threads is not None else (os.cpu_count() or 1),
-                      stream_requests=stream_requests, stream_rate=stream_rate, seed=seed)
+                      stream_requests=stream_requests, stream_rate=stream_rate, seed=seed, speculative=speculative)
     cfg.validate()
     start = time.perf_counter()
 

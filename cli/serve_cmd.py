@@ -64,11 +64,16 @@ def _bind(host: str, port: int) -> socket.socket:
 @click.option("--max-num-tokens", default=2048, show_default=True, help="Tokens one engine step computes at most.")
 @click.option("--threads", default=None, type=int, help="ONNX Runtime threads (default: all cores).")
 @click.option("--device", default=None, metavar="DEV", help="CUDA engines: cuda (default), cuda:N, or cpu.")
+@click.option("--speculative", default=None, metavar="ngram|draft:PATH",
+              help="Speculative decoding: prompt lookup, or a draft engine at PATH (same tokenizer).")
+@click.option("--num-speculative-tokens", default=4, show_default=True,
+              help="With --speculative: the most draft tokens per request per step.")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug"]))
 def serve(engine: Path, host: str, port: int, served_model_name: str | None, api_key: str | None, max_queue: int,
           max_body_size: str, max_n: int, drain_timeout: float, stall_timeout: float, kv_cache_tokens: int,
-          max_num_seqs: int, max_num_tokens: int, threads: int | None, device: str | None, log_level: str) -> None:
+          max_num_seqs: int, max_num_tokens: int, threads: int | None, device: str | None, speculative: str | None,
+          num_speculative_tokens: int, log_level: str) -> None:
     """Serve ENGINE over HTTP with the OpenAI API: /v1/completions, /v1/chat/completions, /v1/models,
     /tokenize, /detokenize, /health, /ready and Prometheus /metrics.
 
@@ -96,8 +101,12 @@ def serve(engine: Path, host: str, port: int, served_model_name: str | None, api
     _positive("--max-body-size", body_limit)
     if api_key is not None and not api_key.strip():
         raise LlmcError("--api-key: empty; give a key, or leave the flag out to serve without one")
+    from llmc.runtime.speculative import SpeculativeConfig
+
+    spec = SpeculativeConfig.parse(speculative, num_speculative_tokens) if speculative else None
     eng = Engine.load(engine, kv_cache_tokens=kv_cache_tokens, max_num_seqs=max_num_seqs,
-                      max_num_tokens=max_num_tokens, max_waiting=max_queue, num_threads=threads, device=device)
+                      max_num_tokens=max_num_tokens, max_waiting=max_queue, num_threads=threads, device=device,
+                      speculative=spec)
     name = served_model_name or Path(os.path.abspath(engine)).name
     config = ServeConfig(model_name=name, api_key=api_key, max_queue=max_queue, max_body_size=body_limit,
                          max_n=max_n, stall_timeout=stall_timeout, drain_timeout=drain_timeout)

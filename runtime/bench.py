@@ -60,9 +60,14 @@ class BenchConfig:
     stream_requests: int = 16
     stream_rate: float = 4.0
     seed: int = 0
+    speculative: str | None = None  # "ngram" or "draft:PATH": speculative decoding (SpeculativeConfig.parse)
 
     def validate(self, max_model_len: int | None = None, source: str = "") -> None:
         """Raise :class:`LlmcError` naming the flag, the constraint and the fix."""
+        if self.speculative:
+            from llmc.runtime.speculative import SpeculativeConfig
+
+            SpeculativeConfig.parse(self.speculative)  # raises naming --speculative
         bad = [w for w in self.workloads if w not in WORKLOADS]
         if bad or not self.workloads:
             raise LlmcError(f"--workloads: unknown workload {bad[0] if bad else '(none)'!r}; choose from "
@@ -343,6 +348,18 @@ def request_stream(engine: Engine, prompts: list[list[int]], new_tokens: int, ra
             "itl_p50_ms": pct(itl, 50), "itl_p99_ms": pct(itl, 99)}
 
 
+def _spec_figures(before, after) -> dict:
+    """Speculative decoding's figures between two ``EngineStats`` (empty without speculation)."""
+    drafted = after.spec_num_draft_tokens - before.spec_num_draft_tokens
+    if not drafted:
+        return {}
+    accepted = after.spec_num_accepted_tokens - before.spec_num_accepted_tokens
+    verifies = after.spec_num_verify_steps - before.spec_num_verify_steps
+    return {"spec_draft_tokens": drafted, "spec_accepted_tokens": accepted,
+            "spec_acceptance_rate": round(accepted / drafted, 4),
+            "spec_mean_accepted_length": round(accepted / verifies, 4) if verifies else 0.0}
+
+
 def run(engine_dir: str | Path, config: BenchConfig | None = None,
         progress: Callable[[str], None] | None = None) -> BenchResult:
     """Run the workloads of ``config`` on the engine at ``engine_dir``; returns the table rows.
@@ -358,8 +375,12 @@ def run(engine_dir: str | Path, config: BenchConfig | None = None,
                       cfg.stream_requests * (cfg.input_len + cfg.output_len)) + 64
     # Prefix caching off: every workload repeats its prompts, and a cached prompt would measure a
     # cache lookup instead of a prefill.
+    from llmc.runtime.speculative import SpeculativeConfig
+
+    spec = SpeculativeConfig.parse(cfg.speculative) if cfg.speculative else None
     engine = Engine.load(engine_dir, num_threads=cfg.threads, kv_cache_tokens=pool_tokens,
-                         max_num_seqs=max(256, max(cfg.batches), cfg.stream_requests), enable_prefix_caching=False)
+                         max_num_seqs=max(256, max(cfg.batches), cfg.stream_requests), enable_prefix_caching=False,
+                         speculative=spec)
     cfg.validate(engine.max_model_len, f"{engine_dir / 'hf_config.json'}: ")
     manifest = engine.manifest
     vocab = engine.vocab_size
@@ -406,7 +427,9 @@ def run(engine_dir: str | Path, config: BenchConfig | None = None,
             for _ in range(cfg.warmup):  # same shapes, fewer tokens: warms ORT's allocations for this batch
                 decode_run(engine, prompts, min(cfg.output_len, 8))
             before = probe()
+            s0 = engine.stats()
             runs = [decode_run(engine, prompts, cfg.output_len) for _ in range(cfg.repeats)]
+            s1 = engine.stats()
             after = probe()
             for r in runs:
                 if r["tokens"] != b * cfg.output_len:
@@ -430,7 +453,7 @@ def run(engine_dir: str | Path, config: BenchConfig | None = None,
                     before.read_GBps, after.read_GBps],
                 "roofline_fraction": round(achieved / bandwidth, 4),
                 "roofline_tok_s": round(bandwidth * 1e9 / per_token, 1),
-                "runs_tok_s": [round(r["tok_s"], 2) for r in runs]})
+                "runs_tok_s": [round(r["tok_s"], 2) for r in runs], **_spec_figures(s0, s1)})
     if "stream" in cfg.workloads:
         say(f"request stream: {cfg.stream_requests} requests at {cfg.stream_rate}/s")
         prompts = _prompts(vocab, cfg.stream_requests, cfg.input_len, cfg.seed + 1)

@@ -202,6 +202,20 @@ class ReferenceBlockManager:
             raise ValueError("append_token: token id out of range")
         self._get(seq_id).tokens.append(token)
 
+    def rewind(self, seq_id: int, num_tokens: int) -> None:
+        s = self._get(seq_id)
+        if not 1 <= num_tokens <= len(s.tokens):
+            raise ValueError("rewind: num_tokens must be in [1, number of tokens]")
+        del s.tokens[num_tokens:]
+        s.num_computed = min(s.num_computed, num_tokens)
+        while len(s.blocks) > self._ceil(num_tokens):
+            self._release(s.blocks.pop())
+        full = num_tokens // self.block_size
+        del s.hashes[full:]
+        # The partly kept block gets its tail overwritten: out of the prefix cache unless shared.
+        if num_tokens % self.block_size and len(s.blocks) > full and self._blocks[s.blocks[full]].ref == 1:
+            self._unregister(s.blocks[full])
+
     def fork(self, parent_id: int, child_id: int) -> None:
         if child_id in self._seqs:
             raise ValueError(f"fork: sequence {child_id} exists")

@@ -31,6 +31,7 @@ from llmc.runtime.kv_cache import BlockManager, KVPool
 from llmc.runtime.sampler import SamplingParams, sample, token_logprobs
 from llmc.runtime.scheduler import Request, Scheduler, SchedulerConfig, SchedulerOutput
 from llmc.runtime.session import OrtSession, custom_ops_of
+from llmc.runtime.speculative import SpeculativeConfig, Speculator
 from llmc.runtime.tokenizer import Tokenizer
 
 Prompt = str | Sequence[int]
@@ -103,6 +104,15 @@ class EngineStats:
     num_steps: int
     busy_seconds: float  # time spent in steps
     tokens_per_s: float  # generated tokens per busy second
+    # Speculative decoding (zeros without it): draft tokens verified, of which accepted, verify chunks;
+    # acceptance rate = accepted / draft; mean accepted length = accepted / verify chunks (the target's own
+    # token per chunk not counted); draft_seconds = time in the draft model's steps.
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_num_verify_steps: int = 0
+    spec_acceptance_rate: float = 0.0
+    spec_mean_accepted_length: float = 0.0
+    spec_draft_seconds: float = 0.0
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -140,6 +150,7 @@ class Engine:
         self._generated = 0
         self._driver: asyncio.Task | None = None
         self._listeners: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self.speculator: Speculator | None = None  # set by load(speculative=...)
 
     @classmethod
     def load(cls, path: str | Path, *, kv_cache_tokens: int | None = None, max_num_tokens: int = 2048,
@@ -147,7 +158,7 @@ class Engine:
              max_prefill_tokens_with_decodes: int | None = None, enable_prefix_caching: bool = True,
              num_threads: int | None = None, attention_threads: int | None = 0,
              verify: bool = True, device: str | None = None, gpu_memory_utilization: float = 0.9,
-             cuda_graphs: bool = True) -> Engine:
+             cuda_graphs: bool = True, speculative: SpeculativeConfig | None = None) -> Engine:
         """Load the artifact at ``path``.
 
         ``kv_cache_tokens`` sizes the KV pool (tokens across all sequences, rounded up to whole
@@ -168,7 +179,26 @@ class Engine:
         (``cuda_graphs``); loading one imports torch.
         Engines with length-dependent rotary factors (``longrope``; manifest ``engine.rope_recompute_at``)
         run without prefix caching, whose blocks are keyed by tokens alone.
+        ``speculative`` turns on speculative decoding for every request that does not opt out
+        (``SamplingParams.speculative``): see :class:`~llmc.runtime.speculative.SpeculativeConfig`; a draft
+        model is loaded here, as a CPU engine with the same thread settings.
         """
+        engine = cls._load(path, kv_cache_tokens, max_num_tokens, max_num_seqs, max_waiting, enable_chunked_prefill,
+                           max_prefill_tokens_with_decodes, enable_prefix_caching, num_threads, attention_threads,
+                           verify, device, gpu_memory_utilization, cuda_graphs)
+        if speculative is not None:
+            draft = None
+            if speculative.method == "draft":
+                draft = Engine.load(speculative.draft_model, kv_cache_tokens=speculative.draft_kv_cache_tokens or
+                                    engine._blocks.num_blocks * engine.block_size, max_num_tokens=max_num_tokens,
+                                    num_threads=num_threads, attention_threads=attention_threads, verify=verify)
+            engine.speculator = Speculator(speculative, engine.vocab_size, draft)
+        return engine
+
+    @classmethod
+    def _load(cls, path, kv_cache_tokens, max_num_tokens, max_num_seqs, max_waiting, enable_chunked_prefill,
+              max_prefill_tokens_with_decodes, enable_prefix_caching, num_threads, attention_threads, verify, device,
+              gpu_memory_utilization, cuda_graphs) -> Engine:
         root = Path(path)
         manifest = artifact.require_valid(root) if verify else artifact.read_manifest(root)
         engine_info, kv = manifest["engine"], manifest["kv_cache"]
@@ -278,6 +308,8 @@ class Engine:
                 logprobs=[] if params.logprobs is not None else None,
                 text="" if params.stop else None,
             )
+            if self.speculator is not None and params.speculative:
+                req.spec = self.speculator.new_state()
             self.scheduler.add(req)
         return req
 
@@ -324,6 +356,8 @@ class Engine:
             if not self.scheduler.has_work():
                 return outputs
             t0 = time.perf_counter()
+            if self.speculator is not None:  # drafts for decoding requests, consumed by schedule()
+                self.speculator.propose(self.scheduler.running)
             sched = self.scheduler.schedule()
             self.last_schedule = sched
             if not sched.chunks:
@@ -337,44 +371,88 @@ class Engine:
             ids, pos, slots, tables, ctx, qsl = self._blocks.prepare_step(
                 [c.request.seq_id for c in chunks], [c.num_tokens for c in chunks])
             sampling = [c for c in chunks if c.samples]
-            rows = np.asarray([qsl[i + 1] - 1 for i, c in enumerate(chunks) if c.samples], np.int64)
+            # One logits row per sampling chunk; a verify chunk (drafts) needs all of its 1 + k rows.
+            rows = np.concatenate([np.arange(qsl[i + 1] - 1 - len(c.draft), qsl[i + 1], dtype=np.int64)
+                                   for i, c in enumerate(chunks) if c.samples] or [np.zeros(0, np.int64)])
             feeds = {"input_ids": ids, "positions": pos, "slot_mapping": slots, "block_tables": tables,
                      "context_lens": ctx, "query_start_loc": qsl, "logits_indices": rows}
             if self._rope_lengths:
                 feeds["rope_lengths"] = np.repeat(np.asarray([len(c.request.tokens) for c in chunks], np.int64),
                                                   [c.num_tokens for c in chunks])
+            # Whole decode/verify steps (proposals and verification included; prefill chunks cost another
+            # amount per token) feed the cost model that sizes the drafts. Decided now: sampling changes tokens.
+            pure = self.speculator is not None and all(c.samples and c.num_tokens == 1 + len(c.draft) for c in chunks)
             logits = self._session.run(feeds, self._pool)
             self.scheduler.complete(sched)
             now = time.perf_counter()
-            for row, chunk in enumerate(sampling):
-                outputs.append(self._accept(chunk.request, logits[row], now))
+            row = 0
+            for chunk in sampling:
+                if chunk.draft:
+                    outputs.append(self._accept_draft(chunk, logits[row: row + 1 + len(chunk.draft)], now))
+                else:
+                    outputs.append(self._accept(chunk.request, logits[row], now))
+                row += 1 + len(chunk.draft)
+            if pure:
+                self.speculator.target_cost.observe(len(ids), len(chunks), time.perf_counter() - t0)
             self._busy += time.perf_counter() - t0
             return outputs
 
-    def _accept(self, r: Request, logits: np.ndarray, now: float) -> RequestOutput:
+    def _accept_draft(self, chunk, logits: np.ndarray, now: float) -> RequestOutput:
+        """A verify chunk's ``[1 + k, vocab]`` logits: emit the kept drafts and one more token, in order."""
+        r, p = chunk.request, chunk.request.params
+        emitted = self.speculator.verify(chunk, logits)
+        kept = len(emitted) - 1
+        self.scheduler.accept_draft(chunk, kept)
+        r.spec.record(len(chunk.draft), kept)
+        new: list[int] = []
+        lps: list[dict[int, float]] = []
+        reason = None
+        for i, token in enumerate(emitted):
+            lp = token_logprobs(logits[i], token, p.logprobs) if p.logprobs is not None else None
+            if i < kept:
+                self.scheduler.extend_accepted(r, token)
+            else:
+                self.scheduler.append_token(r, token)
+            new.append(token)
+            if lp is not None:
+                lps.append(lp)
+            reason = self._record(r, token, lp, now)
+            if reason is not None:  # a stop among the drafts: the tokens after it were never generated
+                self._finish(r, reason, now)
+                break
+        return RequestOutput(r.request_id, new, lps if p.logprobs is not None else None, reason is not None, reason)
+
+    def _record(self, r: Request, token: int, lp: dict[int, float] | None, now: float) -> str | None:
+        """Book one token that is already in ``r.tokens``; returns the finish reason it causes, if any."""
         p = r.params
-        token = sample(logits, p, r.rng, r.tokens if p.uses_history else (), r.prompt_len)
-        lp = token_logprobs(logits, token, p.logprobs) if p.logprobs is not None else None
-        self.scheduler.append_token(r, token)
         self._generated += 1
         if r.first_token_time is None:
             r.first_token_time = now
         r.token_times.append(now)
         if lp is not None:
             r.logprobs.append(lp)
-        reason = None
         if (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids:
-            reason = "stop"
-        elif p.stop and self._hit_stop_string(r):
-            reason = "stop"
-        elif len(r.tokens) - r.prompt_len >= p.max_tokens:
-            reason = "length"
+            return "stop"
+        if p.stop and self._hit_stop_string(r):
+            return "stop"
+        if len(r.tokens) - r.prompt_len >= p.max_tokens:
+            return "length"
+        return None
+
+    def _accept(self, r: Request, logits: np.ndarray, now: float) -> RequestOutput:
+        p = r.params
+        token = sample(logits, p, r.rng, r.tokens if p.uses_history else (), r.prompt_len)
+        lp = token_logprobs(logits, token, p.logprobs) if p.logprobs is not None else None
+        self.scheduler.append_token(r, token)
+        reason = self._record(r, token, lp, now)
         if reason is not None:
             self._finish(r, reason, now)
         return RequestOutput(r.request_id, [token], [lp] if lp is not None else None, reason is not None, reason)
 
     def _finish(self, r: Request, reason: str, now: float) -> None:
         self.scheduler.finish(r, reason)
+        if self.speculator is not None:
+            self.speculator.release(r)
         r.finish_time = now
         if r.request_id in self._retain:
             self._retain.discard(r.request_id)
@@ -529,11 +607,19 @@ class Engine:
                 recomputed_tokens=c.recomputed_tokens, generated_tokens=self._generated,
                 num_preemptions=c.num_preemptions, num_steps=c.num_steps, busy_seconds=self._busy,
                 tokens_per_s=self._generated / self._busy if self._busy > 0 else 0.0,
+                spec_num_draft_tokens=c.spec_draft_tokens, spec_num_accepted_tokens=c.spec_accepted_tokens,
+                spec_num_verify_steps=c.spec_verify_steps,
+                spec_acceptance_rate=c.spec_accepted_tokens / c.spec_draft_tokens if c.spec_draft_tokens else 0.0,
+                spec_mean_accepted_length=(c.spec_accepted_tokens / c.spec_verify_steps
+                                           if c.spec_verify_steps else 0.0),
+                spec_draft_seconds=self.speculator.draft_seconds if self.speculator is not None else 0.0,
             )
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached block not in use (e.g. between benchmark runs)."""
         with self._lock:
+            if self.speculator is not None:
+                self.speculator.reset()
             self._blocks.reset_prefix_cache()
 
     def score(self, token_ids: list[int]) -> np.ndarray:
@@ -580,9 +666,18 @@ class _TextDeltas:
         self._shown = [""] * len(reqs)
 
     def events(self, i: int, o: RequestOutput) -> Iterator[StreamEvent]:
+        """One event per new token (a speculative step can bring several); the last one carries ``finished``."""
         if not o.new_token_ids:
             yield StreamEvent(i, o.request_id, None, None, None, o.finished, o.finish_reason)
             return
+        n = len(o.new_token_ids)
+        for j, token in enumerate(o.new_token_ids):
+            last = j == n - 1
+            lps = [o.new_logprobs[j]] if o.new_logprobs else None
+            yield from self._event(i, RequestOutput(o.request_id, [token], lps, o.finished and last,
+                                                    o.finish_reason if last else None))
+
+    def _event(self, i: int, o: RequestOutput) -> Iterator[StreamEvent]:
         self._ids[i] += o.new_token_ids
         text = None
         if self._tok is not None:

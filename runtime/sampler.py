@@ -42,6 +42,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
+    speculative: bool = True  # False: this request never speculates (when the engine has speculative decoding)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -25,6 +25,11 @@ Policy (continuous batching with chunked prefill, as in vLLM's scheduler):
   younger one, so it always progresses. Nothing is admitted in a step that preempted.
 - A request that cannot fit even alone in the pool is rejected when submitted, saying how many
   blocks it needs.
+- Speculative decoding (``runtime/speculative.py``): a decoding request that carries draft tokens
+  (``Request.draft``, proposed by the engine before the step) computes its last token and the drafts
+  in one chunk, within the same budget as everything else; drafts are trimmed to the budget and
+  dropped when their slots would need a preemption (speculation never preempts). After the step,
+  :meth:`Scheduler.accept_draft` keeps the accepted drafts and rewinds the rest out of the sequence.
 - Rotary recompute (``rope_recompute_at``, engines with ``longrope`` rotary factors): a sequence's
   factors depend on its length, short up to ``rope_recompute_at`` tokens and long beyond. When a
   running request whose KV was computed with the short factors grows past it, its blocks are freed
@@ -37,12 +42,16 @@ from __future__ import annotations
 import enum
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from llmc.errors import LlmcError
 from llmc.runtime.kv_cache import BlockManager, hash_block
 from llmc.runtime.sampler import SamplingParams
+
+if TYPE_CHECKING:
+    from llmc.runtime.speculative import SpecState
 
 
 @dataclass
@@ -104,6 +113,11 @@ class Request:
     logprobs: list[dict[int, float]] | None = None
     text: str | None = None  # detokenised output, kept up to date only when stop strings need it
     _hashes: tuple[int, list[int]] | None = None  # (len(tokens), chained hashes of the cacheable blocks)
+    # Speculative decoding: drafts proposed for the next step (consumed by schedule()), the draft's
+    # distributions ``[len(draft), vocab]`` (None: point masses), and the per-request state (None: off).
+    draft: list[int] = field(default_factory=list)
+    draft_probs: np.ndarray | None = None
+    spec: SpecState | None = None
 
     @property
     def prompt_token_ids(self) -> list[int]:
@@ -130,11 +144,14 @@ class ScheduledChunk:
     request: Request
     start: int
     num_tokens: int
+    # Draft tokens computed after the last known token (speculative decoding), and their distributions.
+    draft: list[int] = field(default_factory=list)
+    draft_probs: np.ndarray | None = None
 
     @property
     def samples(self) -> bool:
         """Whether the chunk reaches the request's last known token, whose logits pick the next token."""
-        return self.start + self.num_tokens == len(self.request.tokens)
+        return self.start + self.num_tokens - len(self.draft) == len(self.request.tokens)
 
 
 @dataclass
@@ -161,6 +178,9 @@ class SchedulerCounters:
     recomputed_tokens: int = 0  # output positions computed again after a preemption or a rotary recompute
     rope_recomputes: int = 0  # requests whose KV was recomputed on crossing rope_recompute_at
     decode_tokens: int = 0
+    spec_draft_tokens: int = 0  # draft tokens verified (speculative decoding)
+    spec_accepted_tokens: int = 0  # of which accepted
+    spec_verify_steps: int = 0  # verify chunks (one per speculating request per step)
     admitted_prompt_tokens: int = 0  # prompt tokens of first admissions
     cached_prompt_tokens: int = 0  # of which served by the prefix cache
 
@@ -267,7 +287,10 @@ class Scheduler:
             n = min(r.num_remaining, budget)
             if n < r.num_remaining and not cfg.enable_chunked_prefill:
                 continue
-            while (copies := self.blocks.append_slots(r.seq_id, n)) is None:
+            draft, draft_probs, copies = self._take_draft(r, budget)
+            if draft:
+                n += len(draft)
+            while copies is None and (copies := self.blocks.append_slots(r.seq_id, n)) is None:
                 victim = self.running[-1]
                 self._preempt(victim, out)
                 chunk = scheduled.pop(id(victim), None)
@@ -278,7 +301,7 @@ class Scheduler:
             if copies is None:
                 continue
             out.copies += copies
-            scheduled[id(r)] = ScheduledChunk(r, r.num_computed, n)
+            scheduled[id(r)] = ScheduledChunk(r, r.num_computed, n, draft, draft_probs)
             budget -= n
 
         if prefill_cap is None:
@@ -287,6 +310,46 @@ class Scheduler:
             self._admit(out, scheduled, budget)
         out.chunks = list(scheduled.values())
         return out
+
+    def _take_draft(self, r: Request, budget: int) -> tuple[list[int], np.ndarray | None, list | None]:
+        """Reserve the slots of ``r``'s drafts (trimmed to the budget): (drafts, probs, copies or None).
+
+        The drafts join the block manager's copy of the sequence (not ``r.tokens``) so that the step
+        feeds them; when their slots are short they are dropped instead of preempting anyone.
+        """
+        draft, probs = r.draft, r.draft_probs
+        r.draft, r.draft_probs = [], None
+        if not draft or r.num_remaining != 1 or budget < 2:
+            return [], None, None
+        draft = draft[: budget - 1]
+        for t in draft:
+            self.blocks.append_token(r.seq_id, t)
+        copies = self.blocks.append_slots(r.seq_id, 1 + len(draft))
+        if copies is None:
+            self.blocks.rewind(r.seq_id, len(r.tokens))
+            return [], None, None
+        return draft, (probs[: len(draft)] if probs is not None else None), copies
+
+    def accept_draft(self, chunk: ScheduledChunk, num_accepted: int) -> None:
+        """After a verify step: keep the first ``num_accepted`` drafts' KV, rewind the rest away.
+
+        The block manager's sequence keeps ``r.tokens`` plus the accepted drafts, all computed; the
+        caller appends the accepted drafts to ``r.tokens`` (token by token, checking stops) with
+        :meth:`extend_accepted`, then the token sampled after them with :meth:`append_token`.
+        """
+        r = chunk.request
+        if r.finished:
+            return
+        keep = chunk.start + chunk.num_tokens - len(chunk.draft) + num_accepted
+        self.blocks.rewind(r.seq_id, keep)
+        r.num_computed = keep
+        self.counters.spec_draft_tokens += len(chunk.draft)
+        self.counters.spec_accepted_tokens += num_accepted
+        self.counters.spec_verify_steps += 1
+
+    def extend_accepted(self, r: Request, token: int) -> None:
+        """Append an accepted draft to ``r.tokens`` (the block manager already holds it)."""
+        r.tokens.append(token)
 
     def _prefill_cap(self, decodes_scheduled: int, budget: int) -> int:
         cap = self.config.max_prefill_tokens_with_decodes
@@ -360,6 +423,7 @@ class Scheduler:
         self.running.remove(r)
         self.blocks.free_sequence(r.seq_id)
         r.num_computed = 0
+        r.draft, r.draft_probs = [], None
         r.status = RequestStatus.WAITING
         self._forget_inflight(r)
         self.waiting.appendleft(r)  # it arrived before everything still waiting
@@ -384,7 +448,7 @@ class Scheduler:
             decode = int(chunk.samples and len(r.tokens) > r.prompt_len)
             c.prompt_tokens_computed += prompt
             c.decode_tokens += decode
-            c.recomputed_tokens += n - prompt - decode
+            c.recomputed_tokens += n - prompt - decode - len(chunk.draft)
 
     def append_token(self, r: Request, token: int) -> None:
         r.tokens.append(token)

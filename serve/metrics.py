@@ -58,6 +58,12 @@ class _EngineCollector(Collector):
                       snap.admitted_prompt_tokens)
         yield counter("generation_tokens", "Generated tokens.", s.generated_tokens)
         yield counter("num_preemptions", "Requests preempted (KV blocks freed, recomputed later).", s.num_preemptions)
+        # Speculative decoding (as vLLM names them; zero when the engine does not speculate).
+        yield counter("spec_decode_num_drafts", "Verify chunks: one per speculating request per step.",
+                      s.spec_num_verify_steps)
+        yield counter("spec_decode_num_draft_tokens", "Draft tokens proposed and verified.", s.spec_num_draft_tokens)
+        yield counter("spec_decode_num_accepted_tokens", "Draft tokens accepted by the target.",
+                      s.spec_num_accepted_tokens)
 
 
 class Metrics:

@@ -59,8 +59,8 @@ def test_random_operations_match_reference(seed, prefix_caching):
     raw: list[list[int]] = []
     next_id = 0
     for _ in range(400):
-        op = rng.choice(["alloc", "free", "add", "append", "compute", "token", "fork", "drop", "step", "reset"],
-                        p=[0.06, 0.05, 0.17, 0.17, 0.17, 0.1, 0.06, 0.1, 0.1, 0.02])
+        op = rng.choice(["alloc", "free", "add", "append", "compute", "token", "fork", "drop", "step", "reset",
+                         "rewind"], p=[0.06, 0.05, 0.15, 0.16, 0.16, 0.1, 0.06, 0.09, 0.1, 0.02, 0.05])
         if op == "alloc":
             n = int(rng.integers(0, 5))
             got = _same(lambda n=n: cpp.allocate(n), lambda n=n: ref.allocate(n))
@@ -105,6 +105,10 @@ def test_random_operations_match_reference(seed, prefix_caching):
             _same(lambda c=chosen, n=counts: cpp.prepare_step(c, n), lambda c=chosen, n=counts: ref.prepare_step(c, n))
         elif op == "reset":
             _same(cpp.reset_prefix_cache, ref.reset_prefix_cache)
+        elif op == "rewind" and seqs:  # speculative decoding drops rejected tokens (0 and too many raise)
+            sid = seqs[int(rng.integers(len(seqs)))]
+            n = int(rng.integers(0, ref.num_tokens(sid) + 2))
+            _same(lambda s=sid, n=n: cpp.rewind(s, n), lambda s=sid, n=n: ref.rewind(s, n))
         assert _state(cpp, seqs) == _state(ref, seqs)
         # Reference counts are exactly the holders: sequences' block tables plus raw allocations.
         holders = np.zeros(num_blocks, int)

@@ -22,7 +22,8 @@
 //   number of tokens whose KV is computed. `add_sequence` reuses every cached block of the
 //   prompt's prefix (never the block holding the last prompt token, whose logits must be
 //   computed), `append_slots` reserves slots for the next tokens, `mark_computed` advances the
-//   computed count and registers newly full blocks. `fork` shares the parent's computed blocks
+//   computed count and registers newly full blocks, `rewind` drops a sequence's trailing tokens
+//   (rejected speculative tokens) and the blocks that held only them. `fork` shares the parent's computed blocks
 //   with a child (reference counts); the first write into a shared partially filled block
 //   copies it (copy-on-write): `append_slots` returns the (src, dst) pairs whose KV the caller
 //   must copy before running the step.
@@ -287,6 +288,30 @@ class BlockManager {
         get(seq_id).tokens.push_back(static_cast<int32_t>(token));
     }
 
+    // Speculative decoding: keep the first `num_tokens` tokens and drop the rest (rejected draft
+    // tokens). The computed count drops to at most `num_tokens`; blocks past the last kept token are
+    // released (a registered one keeps its hash: its KV is right for the tokens it was hashed with).
+    // The block holding the last kept token and some dropped ones will have its tail overwritten, so it
+    // leaves the prefix cache if this sequence alone holds it (a shared one is copied on the next write).
+    void rewind(int64_t seq_id, int64_t num_tokens) {
+        Sequence& s = get(seq_id);
+        if (num_tokens < 1 || num_tokens > static_cast<int64_t>(s.tokens.size()))
+            throw py::value_error("rewind: num_tokens must be in [1, number of tokens]");
+        s.tokens.resize(static_cast<size_t>(num_tokens));
+        s.num_computed = std::min(s.num_computed, num_tokens);
+        const size_t keep = static_cast<size_t>(ceil_div(num_tokens));
+        while (s.blocks.size() > keep) {
+            release(s.blocks.back());
+            s.blocks.pop_back();
+        }
+        const int64_t full = num_tokens / block_size_;
+        if (static_cast<int64_t>(s.hashes.size()) > full) s.hashes.resize(static_cast<size_t>(full));
+        if (num_tokens % block_size_ != 0 && static_cast<int64_t>(s.blocks.size()) > full) {
+            const int32_t b = s.blocks[static_cast<size_t>(full)];
+            if (blocks_[b].ref == 1) unregister(b);
+        }
+    }
+
     void fork(int64_t parent_id, int64_t child_id) {
         if (seqs_.count(child_id)) throw py::value_error("fork: sequence " + std::to_string(child_id) + " exists");
         const Sequence& p = get(parent_id);
@@ -517,6 +542,8 @@ PYBIND11_MODULE(_block_manager, m) {
         .def("append_slots", &BlockManager::append_slots, py::arg("seq_id"), py::arg("n"))
         .def("mark_computed", &BlockManager::mark_computed, py::arg("seq_id"), py::arg("n"))
         .def("append_token", &BlockManager::append_token, py::arg("seq_id"), py::arg("token"))
+        .def("rewind", &BlockManager::rewind, py::arg("seq_id"), py::arg("num_tokens"),
+             "Keep the first num_tokens tokens (speculative decoding drops rejected ones).")
         .def("fork", &BlockManager::fork, py::arg("parent_id"), py::arg("child_id"))
         .def("free_sequence", &BlockManager::free_sequence, py::arg("seq_id"))
         .def("has_sequence", &BlockManager::has_sequence, py::arg("seq_id"))

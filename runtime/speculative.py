@@ -1,0 +1,489 @@
+"""Speculative decoding: propose a few tokens cheaply, verify them in one packed step of the target.
+
+A decoding request that speculates feeds its last token plus ``k`` proposed (draft) tokens to the
+target in one chunk; the chunk's ``k + 1`` logits rows decide how many drafts are kept (see
+:func:`verify`), and one more token is always sampled, so a step emits 1 to ``k + 1`` tokens. The
+scheduler schedules such chunks beside ordinary decodes and prefills and rewinds the KV of rejected
+drafts (``BlockManager.rewind``); this module holds what is specific to speculation:
+
+- :class:`SpeculativeConfig`: the method and its limits, given to ``Engine.load``.
+- Proposers: :func:`ngram_propose` (prompt lookup: the tokens that followed the latest earlier
+  occurrence of the sequence's last n-gram, over prompt and output) and :class:`DraftProposer` (a
+  second, smaller llmc engine with the same tokenizer, its own KV pool, driven step by step).
+- :func:`verify`: greedy verification (exact: keeps drafts while they equal the target's choice) and
+  rejection sampling (Leviathan et al. 2023, Chen et al. 2023) for ``temperature > 0``, which makes
+  the emitted tokens' distribution exactly the target's (after penalties, temperature, top-k/p, min-p).
+- :class:`SpecState` and :class:`StepCost`: the per-request number of drafts adapts to the request's
+  acceptance rate and to what a step costs per extra token, dropping to zero where speculation does
+  not pay.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from llmc.errors import LlmcError
+from llmc.runtime.sampler import SamplingParams, apply_presence_frequency_penalty, apply_repetition_penalty
+
+if TYPE_CHECKING:
+    from llmc.runtime.engine import Engine
+    from llmc.runtime.scheduler import Request
+
+METHODS = ("ngram", "draft")
+
+
+@dataclass
+class SpeculativeConfig:
+    """How an engine speculates. ``num_tokens`` is the most draft tokens per request per step.
+
+    ``method="ngram"`` (prompt lookup): the draft is what followed the latest earlier occurrence of
+    the sequence's last n-gram, for n from ``prompt_lookup_max`` down to ``prompt_lookup_min``.
+    ``method="draft"``: ``draft_model`` is an llmc CPU engine with the target's vocabulary (a smaller
+    model trained with the same tokenizer), loaded beside the target with ``draft_kv_cache_tokens`` of
+    KV pool of its own (default: the target's). With ``adaptive`` (default) each request's number of
+    drafts follows its acceptance rate and the measured cost of a step's extra tokens (0 when it does
+    not pay); without it every step proposes ``num_tokens`` when it can.
+    """
+
+    method: str = "ngram"
+    num_tokens: int = 4
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 4
+    draft_model: str | Path | None = None
+    draft_kv_cache_tokens: int | None = None
+    adaptive: bool = True
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise LlmcError(f"SpeculativeConfig.method={self.method!r}: must be one of {', '.join(METHODS)}")
+        if not 1 <= self.num_tokens <= 32:
+            raise LlmcError(f"SpeculativeConfig.num_tokens={self.num_tokens}: must be in [1, 32]")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise LlmcError(f"SpeculativeConfig.prompt_lookup_min={self.prompt_lookup_min}, prompt_lookup_max="
+                            f"{self.prompt_lookup_max}: need 1 <= prompt_lookup_min <= prompt_lookup_max")
+        if self.method == "draft" and self.draft_model is None:
+            raise LlmcError("SpeculativeConfig.draft_model: method 'draft' needs the path of a draft llmc engine "
+                            "(llmc build SMALL_CHECKPOINT -o DRAFT), or use method 'ngram'")
+        if self.method == "ngram" and self.draft_model is not None:
+            raise LlmcError("SpeculativeConfig.draft_model is set but method is 'ngram'; use method='draft'")
+
+    @classmethod
+    def parse(cls, spec: str, num_tokens: int = 4) -> SpeculativeConfig:
+        """``"ngram"`` or ``"draft:PATH"`` (the ``--speculative`` option of ``llmc bench`` / ``llmc serve``)."""
+        if spec == "ngram":
+            return cls("ngram", num_tokens)
+        if spec.startswith("draft:") and len(spec) > len("draft:"):
+            return cls("draft", num_tokens, draft_model=spec[len("draft:"):])
+        raise LlmcError(f"--speculative {spec!r}: must be 'ngram' or 'draft:PATH' (PATH: a draft llmc engine)")
+
+
+# -- target distribution and verification ----------------------------------------------------------
+
+
+def target_probs(logits: np.ndarray, params: SamplingParams, context: Sequence[int] = (),
+                 prompt_len: int = 0) -> np.ndarray:
+    """The distribution ``[vocab]`` (float64) that ``sampler.sample`` draws from, for ``temperature > 0``.
+
+    Same processing, same order and same float arithmetic as ``sample`` (tests/test_speculative.py
+    checks that both draw the same token from the same generator state).
+    """
+    if params.repetition_penalty != 1.0:
+        logits = apply_repetition_penalty(logits, context, params.repetition_penalty)
+    if params.presence_penalty != 0.0 or params.frequency_penalty != 0.0:
+        logits = apply_presence_frequency_penalty(logits, context[prompt_len:], params.presence_penalty,
+                                                  params.frequency_penalty)
+    scaled = logits.astype(np.float64) / params.temperature
+    if params.top_k > 0 and params.top_k < scaled.size:
+        kth = np.partition(scaled, -params.top_k)[-params.top_k]
+        scaled = np.where(scaled < kth, -np.inf, scaled)
+    probs = np.exp(scaled - scaled.max())
+    probs /= probs.sum()
+    if params.top_p < 1.0:
+        order = np.argsort(-probs, kind="stable")
+        cumulative = np.cumsum(probs[order])
+        keep = order[: int(np.searchsorted(cumulative, params.top_p)) + 1]
+        mask = np.zeros_like(probs)
+        mask[keep] = probs[keep]
+        probs = mask / mask.sum()
+    if params.min_p > 0.0:
+        probs = np.where(probs < params.min_p * probs.max(), 0.0, probs)
+        probs /= probs.sum()
+    return probs
+
+
+def greedy_token(logits: np.ndarray, params: SamplingParams, context: Sequence[int], prompt_len: int) -> int:
+    """The token ``sample`` picks at ``temperature == 0`` (penalties applied)."""
+    if params.repetition_penalty != 1.0:
+        logits = apply_repetition_penalty(logits, context, params.repetition_penalty)
+    if params.presence_penalty != 0.0 or params.frequency_penalty != 0.0:
+        logits = apply_presence_frequency_penalty(logits, context[prompt_len:], params.presence_penalty,
+                                                  params.frequency_penalty)
+    return int(np.argmax(logits))
+
+
+def accept_or_resample(p: np.ndarray, q: np.ndarray | None, draft: int, rng: np.random.Generator) -> int | None:
+    """One step of speculative sampling: ``None`` keeps ``draft``, else the replacement token.
+
+    ``p`` ``[vocab]`` is the target's distribution, ``q`` the draft's (``None``: a point mass on
+    ``draft``, as for prompt lookup). The draft is kept with probability ``min(1, p[d] / q[d])``;
+    otherwise a token is drawn from ``norm(max(p - q, 0))``. Whatever ``q`` is, the result is
+    distributed exactly as ``p`` (Leviathan et al. 2023, theorem 3.5).
+    """
+    qd = 1.0 if q is None else float(q[draft])
+    pd = float(p[draft])
+    if qd > 0.0 and rng.random() * qd < pd:  # u < p/q, without dividing by a tiny q
+        return None
+    if q is None:
+        residual = p.copy()
+        residual[draft] = 0.0
+    else:
+        residual = np.maximum(p - q, 0.0)
+    total = residual.sum()
+    if total <= 0.0:  # p == q: rejection had probability 0; numerically, fall back to p
+        residual, total = p, p.sum()
+    return int(rng.choice(residual.size, p=residual / total))
+
+
+def verify(logits: np.ndarray, draft: Sequence[int], draft_probs: np.ndarray | None, params: SamplingParams,
+           rng: np.random.Generator, context: list[int], prompt_len: int) -> list[int]:
+    """The tokens a verify step emits: the kept drafts, then one token from the target.
+
+    ``logits`` ``[k + 1, vocab]`` are the target's rows for the last known token and the ``k`` drafts;
+    ``draft_probs`` ``[k, vocab]`` the draft's distributions (``None``: point masses). ``context`` is the
+    sequence so far (prompt + output), extended here by the emitted tokens for the penalties. Greedy:
+    a draft is kept while it is the target's argmax, so the output is the non-speculative one.
+    """
+    k = len(draft)
+    out: list[int] = []
+    ctx = list(context)
+    for i in range(k + 1):
+        if params.greedy:
+            tok = greedy_token(logits[i], params, ctx, prompt_len)
+            out.append(tok)
+            if i == k or tok != draft[i]:
+                return out
+        else:
+            p = target_probs(logits[i], params, ctx, prompt_len)
+            if i == k:  # every draft kept: the bonus token comes straight from the target
+                out.append(int(rng.choice(p.size, p=p)))
+                return out
+            q = draft_probs[i] if draft_probs is not None else None
+            tok = accept_or_resample(p, q, int(draft[i]), rng)
+            if tok is not None:
+                out.append(tok)
+                return out
+            out.append(int(draft[i]))
+        ctx.append(out[-1])
+    return out
+
+
+# -- proposers -------------------------------------------------------------------------------------
+
+
+def ngram_propose(tokens: Sequence[int], k: int, min_n: int, max_n: int) -> list[int]:
+    """Prompt lookup: up to ``k`` tokens that followed the latest earlier occurrence of the last n-gram.
+
+    Tries ``n = max_n .. min_n`` (longer matches predict better) and returns ``[]`` without a match.
+    O(len(tokens) * n) per call, vectorised.
+    """
+    size = len(tokens)
+    if k < 1 or size < min_n + 1:
+        return []
+    arr = np.asarray(tokens, np.int64)
+    for n in range(min(max_n, size - 1), min_n - 1, -1):
+        suffix = arr[size - n:]
+        # Windows starting at 0 .. size-n-1: each has at least one token after it, and excludes the suffix itself.
+        hay = np.lib.stride_tricks.sliding_window_view(arr[: size - 1], n)
+        hits = np.flatnonzero((hay == suffix).all(axis=1))
+        if hits.size:
+            start = int(hits[-1]) + n
+            return arr[start: start + k].tolist()
+    return []
+
+
+class DraftProposer:
+    """Proposes tokens with a draft engine: one sequence per target request in the draft's own KV pool.
+
+    Each call first catches every draft sequence up with its request's tokens (rewinding what the
+    target rejected, then computing the new tokens in one packed step), then runs one step per further
+    draft token. Draft sequences of requests that stopped running are freed; a request the draft pool
+    has no room for just gets no proposal (speculation never preempts anything).
+    """
+
+    def __init__(self, draft: Engine, target_vocab: int) -> None:
+        if draft.vocab_size != target_vocab:
+            raise LlmcError(f"SpeculativeConfig.draft_model {draft.path}: vocabulary of {draft.vocab_size} tokens, "
+                            f"the target has {target_vocab}; the draft must use the target's tokenizer")
+        self.engine = draft
+        self.blocks = draft._blocks
+        self.seconds = 0.0  # time in draft steps
+        self.steps = 0
+        self.cost = StepCost()
+        self._known: set[int] = set()  # seq ids with a draft sequence
+
+    def _run(self, seq_ids: list[int], counts: list[int]) -> np.ndarray:
+        e = self.engine
+        ids, pos, slots, tables, ctx, qsl = self.blocks.prepare_step(seq_ids, counts)
+        feeds = {"input_ids": ids, "positions": pos, "slot_mapping": slots, "block_tables": tables,
+                 "context_lens": ctx, "query_start_loc": qsl, "logits_indices": qsl[1:] - 1}
+        if e._rope_lengths:
+            feeds["rope_lengths"] = np.repeat(ctx, counts)
+        t0 = time.perf_counter()
+        logits = e._session.run(feeds, e._pool)
+        dt = time.perf_counter() - t0
+        self.seconds += dt
+        self.steps += 1
+        self.cost.observe(len(ids), len(seq_ids), dt)
+        for sid, n in zip(seq_ids, counts, strict=True):
+            self.blocks.mark_computed(sid, n)
+        return logits
+
+    def _sync(self, r: Request) -> bool:
+        """Make the draft sequence of ``r`` a prefix-consistent copy of ``r.tokens``; False if no room."""
+        sid, b = r.seq_id, self.blocks
+        if b.has_sequence(sid):
+            have = b.sequence_tokens(sid)
+            n = min(len(have), len(r.tokens))
+            same = np.asarray(have[:n]) == np.asarray(r.tokens[:n])
+            common = n if same.all() else int(np.argmin(same))
+            if common == 0:
+                b.free_sequence(sid)
+            else:
+                if common < len(have):
+                    b.rewind(sid, common)
+                for t in r.tokens[common:]:
+                    b.append_token(sid, t)
+                if b.append_slots(sid, len(r.tokens) - b.num_computed(sid)) is None:
+                    b.free_sequence(sid)
+                    return False
+                return True
+        return b.add_sequence(sid, list(r.tokens), len(r.tokens) - b.cached_prefix_tokens(r.tokens)) >= 0
+
+    def propose(self, wanted: dict[int, tuple[Request, int]], running_ids: set[int]
+                ) -> dict[int, tuple[list[int], np.ndarray | None]]:
+        """Drafts for ``wanted`` (seq_id -> (request, k)): seq_id -> (tokens, probs ``[k, vocab]`` or None).
+
+        ``probs`` are the draft's sampling distributions (for requests with ``temperature > 0``).
+        """
+        b = self.blocks
+        for sid in [s for s in self._known if s not in running_ids]:  # finished, cancelled or preempted
+            if b.has_sequence(sid):
+                b.free_sequence(sid)
+            self._known.discard(sid)
+        active = []
+        for sid, (r, k) in wanted.items():
+            if k > 0 and self._sync(r):
+                self._known.add(sid)
+                active.append((r, k))
+            elif b.has_sequence(sid):
+                b.free_sequence(sid)
+                self._known.discard(sid)
+        out: dict[int, tuple[list[int], list[np.ndarray]]] = {r.seq_id: ([], []) for r, _ in active}
+        counts = [len(r.tokens) - b.num_computed(r.seq_id) for r, _ in active]
+        while active:
+            logits = self._run([r.seq_id for r, _ in active], counts)
+            nxt = []
+            for row, (r, k) in enumerate(active):
+                toks, probs = out[r.seq_id]
+                p = r.params
+                ctx = r.tokens + toks
+                if p.greedy:
+                    tok = greedy_token(logits[row], p, ctx, r.prompt_len)
+                else:
+                    q = target_probs(logits[row], p, ctx, r.prompt_len)
+                    tok = int(r.rng.choice(q.size, p=q))
+                    probs.append(q)
+                toks.append(tok)
+                b.append_token(r.seq_id, tok)
+                if len(toks) < k and b.append_slots(r.seq_id, 1) is not None:
+                    nxt.append((r, k))
+            active, counts = nxt, [1] * len(nxt)
+        return {sid: (toks, np.stack(probs) if probs else None) for sid, (toks, probs) in out.items()}
+
+    def release(self, seq_id: int) -> None:
+        if self.blocks.has_sequence(seq_id):
+            self.blocks.free_sequence(seq_id)
+        self._known.discard(seq_id)
+
+    def reset(self) -> None:
+        """Free every draft sequence (the target's prefix cache was reset, or the engine is idle)."""
+        for sid in list(self._known):
+            if self.blocks.has_sequence(sid):
+                self.blocks.free_sequence(sid)
+        self._known.clear()
+
+
+# -- adapting the number of drafts ------------------------------------------------------------------
+
+
+class StepCost:
+    """Fits ``seconds = a + b * tokens`` to recent steps of one model (least squares over a window).
+
+    ``a`` is the fixed cost of a step (weights read once, launch and framework overhead), ``b`` the
+    cost of each token in it. Until the window holds steps of different sizes, ``b`` follows a prior
+    ratio ``b / a`` (steps of one size cannot separate the two).
+    """
+
+    def __init__(self, window: int = 256, prior_ratio: float = 0.05) -> None:
+        self._obs: deque[tuple[int, float]] = deque(maxlen=window)
+        self.prior_ratio = prior_ratio
+
+    def observe(self, tokens: int, seqs: int, seconds: float) -> None:
+        del seqs  # kept in the signature: a per-sequence term may be worth fitting on other backends
+        self._obs.append((tokens, seconds))
+
+    def fit(self) -> tuple[float, float]:
+        """``(a, b)`` in seconds and seconds per token; ``(0, 0)`` before any step."""
+        if not self._obs:
+            return 0.0, 0.0
+        x = np.asarray([o[0] for o in self._obs], np.float64)
+        y = np.asarray([o[1] for o in self._obs], np.float64)
+        if x.std() < 0.5:  # one step size: split its time by the prior ratio
+            t = float(np.median(y))
+            xm = float(x.mean())
+            a = t / (1.0 + self.prior_ratio * xm)
+            return a, a * self.prior_ratio
+        b, a = np.polyfit(x, y, 1)
+        b = max(float(b), 0.0)
+        a = max(float(a), 1e-6)
+        return a, b
+
+
+@dataclass
+class SpecState:
+    """Per-request speculation state: the acceptance statistics the number of drafts follows."""
+
+    max_tokens: int
+    accepted: float = 2.0  # decayed counts; the prior says "a draft is kept 2 times in 3"
+    rejected: float = 1.0
+    idle_steps: int = 0  # steps since the last proposal while adaptation chose 0 drafts
+    num_draft: int = 0  # totals for this request
+    num_accepted: int = 0
+    num_verify: int = 0
+    decay: float = field(default=0.8, repr=False)
+
+    @property
+    def acceptance(self) -> float:
+        """Estimated probability that a draft token is kept, given the ones before it were."""
+        return self.accepted / (self.accepted + self.rejected)
+
+    def record(self, proposed: int, kept: int) -> None:
+        self.accepted = self.decay * self.accepted + kept
+        self.rejected = self.decay * self.rejected + (1.0 if kept < proposed else 0.0)
+        self.num_draft += proposed
+        self.num_accepted += kept
+        self.num_verify += 1
+
+    def choose(self, relative_cost: float, probe_every: int = 16) -> int:
+        """Drafts to propose next: maximises expected tokens per unit of step time.
+
+        With acceptance ``a``, ``k`` drafts emit ``(1 - a^(k+1)) / (1 - a)`` tokens on average (each
+        draft is kept only if those before it were, plus the target's own token), for a step that
+        costs ``1 + relative_cost * k`` times a plain one. When 0 wins, one draft is still proposed
+        every ``probe_every`` steps so that a request whose text starts to repeat is noticed.
+        """
+        a = min(self.acceptance, 0.999)
+        best_k, best = 0, 1.0
+        for k in range(1, self.max_tokens + 1):
+            gain = (1.0 - a ** (k + 1)) / (1.0 - a) / (1.0 + relative_cost * k)
+            if gain > best * 1.0001:
+                best_k, best = k, gain
+        if best_k == 0:
+            self.idle_steps += 1
+            if self.idle_steps >= probe_every:
+                self.idle_steps = 0
+                return 1
+        else:
+            self.idle_steps = 0
+        return best_k
+
+
+def expected_tokens(acceptance: float, k: int) -> float:
+    """Mean tokens a verify step with ``k`` drafts emits when each draft is kept with ``acceptance``."""
+    if acceptance >= 1.0:
+        return float(k + 1)
+    return (1.0 - acceptance ** (k + 1)) / (1.0 - acceptance) if k else 1.0
+
+
+def relative_cost(target: StepCost, draft: StepCost | None, batch: int) -> float:
+    """The cost of one more draft token per request, as a fraction of a plain decode step of ``batch``.
+
+    A step of ``batch`` decodes costs ``a + b * batch``; ``k`` drafts for every request add ``b * batch *
+    k`` to the verify step and, with a draft model, ``k`` draft steps of ``a_d + b_d * batch`` each.
+    """
+    a, b = target.fit()
+    base = a + b * batch
+    if base <= 0.0:
+        return 0.0
+    extra = b * batch
+    if draft is not None:
+        ad, bd = draft.fit()
+        extra += ad + bd * batch
+    return extra / base if math.isfinite(extra) else 0.0
+
+
+class Speculator:
+    """The engine's speculation: proposes drafts for decoding requests and verifies them after the step."""
+
+    def __init__(self, config: SpeculativeConfig, vocab_size: int, draft: Engine | None = None) -> None:
+        self.config = config
+        self.draft = DraftProposer(draft, vocab_size) if draft is not None else None
+        self.target_cost = StepCost()
+
+    @property
+    def draft_seconds(self) -> float:
+        return self.draft.seconds if self.draft is not None else 0.0
+
+    def new_state(self) -> SpecState:
+        return SpecState(max_tokens=self.config.num_tokens)
+
+    def num_drafts(self, r: Request, cost: float) -> int:
+        """How many drafts ``r`` gets this step: adaptive choice, capped so no draft passes ``max_tokens``."""
+        room = r.params.max_tokens - (len(r.tokens) - r.prompt_len) - 1  # the target's own token always comes
+        k = r.spec.choose(cost) if self.config.adaptive else self.config.num_tokens
+        return max(0, min(k, room))
+
+    def propose(self, running: list[Request]) -> None:
+        """Set ``draft`` (and ``draft_probs``) of every decoding request that speculates this step."""
+        decoding = [r for r in running if r.num_remaining == 1]
+        cost = relative_cost(self.target_cost, self.draft.cost if self.draft else None, max(1, len(decoding)))
+        wanted: dict[int, tuple[Request, int]] = {}
+        cfg = self.config
+        for r in decoding:
+            if r.spec is None:
+                continue
+            k = self.num_drafts(r, cost)
+            if k == 0:
+                continue
+            if self.draft is None:
+                r.draft = ngram_propose(r.tokens, k, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+                r.draft_probs = None
+            else:
+                wanted[r.seq_id] = (r, k)
+        if self.draft is not None:
+            got = self.draft.propose(wanted, {r.seq_id for r in running})
+            for sid, (r, _) in wanted.items():
+                if sid in got:
+                    r.draft, r.draft_probs = got[sid]
+
+    def verify(self, chunk, logits: np.ndarray) -> list[int]:
+        """Tokens emitted by verify chunk ``chunk`` (a ``ScheduledChunk`` with drafts) from its logits rows."""
+        r = chunk.request
+        return verify(logits, chunk.draft, chunk.draft_probs, r.params, r.rng, r.tokens, r.prompt_len)
+
+    def release(self, r: Request) -> None:
+        """``r`` finished: free its draft sequence now (its blocks are the draft pool's)."""
+        if self.draft is not None:
+            self.draft.release(r.seq_id)
+
+    def reset(self) -> None:
+        if self.draft is not None:
+            self.draft.reset()

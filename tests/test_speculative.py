@@ -1,0 +1,350 @@
+"""Speculative decoding: exact greedy output, the sampled distribution, rewinds, adaptation, config errors.
+
+Target engines are the tiny random Llama fixtures (random weights loop a lot, so prompt lookup
+proposes often); the draft engine for ``method="draft"`` is the other tiny fixture (same tokenizer
+and vocabulary, different weights), so drafts are kept sometimes and rejected often: both paths run.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from llmc.errors import LlmcError
+from llmc.runtime import Engine, SamplingParams
+from llmc.runtime.sampler import sample
+from llmc.runtime.speculative import (
+    SpecState,
+    SpeculativeConfig,
+    accept_or_resample,
+    expected_tokens,
+    ngram_propose,
+    target_probs,
+    verify,
+)
+
+# Chi-square tests run at a false-alarm rate of 1e-4 per test (z below), on seeded generators, so a
+# correct sampler fails with probability 1e-4 only if the seed is changed; each test also checks that a
+# plausible wrong sampler is caught at the same threshold with the same sample count (the test's power).
+Z_1E4 = 3.719  # the standard normal's upper 1e-4 quantile
+
+
+def chi2_critical(df: int, z: float = Z_1E4) -> float:
+    """Upper quantile of chi-square with ``df`` degrees of freedom (Wilson-Hilferty; within 2% for df >= 3)."""
+    return df * (1.0 - 2.0 / (9 * df) + z * math.sqrt(2.0 / (9 * df))) ** 3
+
+
+def chi2_goodness(counts: np.ndarray, probs: np.ndarray) -> tuple[float, int]:
+    """Pearson's statistic of ``counts`` against ``probs``; categories expecting < 5 are pooled."""
+    n = counts.sum()
+    expected = probs * n
+    big = expected >= 5
+    obs = np.append(counts[big], counts[~big].sum())
+    exp = np.append(expected[big], expected[~big].sum())
+    keep = exp > 0
+    return float(((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum()), int(keep.sum()) - 1
+
+
+def chi2_homogeneity(a: np.ndarray, b: np.ndarray) -> tuple[float, int]:
+    """Two-sample chi-square statistic over shared categories (pooled where the expected count is < 5)."""
+    total = a + b
+    na, nb, n = a.sum(), b.sum(), total.sum()
+    big = total * min(na, nb) / n >= 5
+    rows = np.stack([np.append(a[big], a[~big].sum()), np.append(b[big], b[~big].sum())])
+    rows = rows[:, rows.sum(axis=0) > 0]
+    exp = rows.sum(axis=1, keepdims=True) * rows.sum(axis=0, keepdims=True) / rows.sum()
+    return float(((rows - exp) ** 2 / exp).sum()), rows.shape[1] - 1
+
+
+# -- the sampler level ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0.8),
+    SamplingParams(temperature=1.3, top_k=7, top_p=0.9, min_p=0.05),
+    SamplingParams(temperature=1.0, repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.3),
+])
+def test_target_probs_is_what_sample_draws_from(params):
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        logits = rng.normal(0, 2, 64).astype(np.float32)
+        ctx = rng.integers(0, 64, 12).tolist()
+        seed = int(rng.integers(1 << 30))
+        p = target_probs(logits, params, ctx, 5)
+        assert sample(logits, params, np.random.default_rng(seed), ctx, 5) == \
+            int(np.random.default_rng(seed).choice(p.size, p=p))
+
+
+@pytest.mark.parametrize("draft_kind", ["point", "distribution"])
+def test_rejection_sampling_gives_the_target_distribution(draft_kind):
+    """One speculative step, many times: the emitted token follows p, whatever the draft's q."""
+    rng = np.random.default_rng(1)
+    vocab, n = 8, 40_000
+    p = rng.dirichlet(np.ones(vocab))
+    q = rng.dirichlet(np.ones(vocab) * 0.5)  # far from p, so rejections are common
+    counts = np.zeros(vocab, np.int64)
+    naive = np.zeros(vocab, np.int64)  # negative control: always keep the draft
+    for _ in range(n):
+        if draft_kind == "point":
+            d = 2  # prompt lookup always proposes the same token here
+            tok = accept_or_resample(p, None, d, rng)
+        else:
+            d = int(rng.choice(vocab, p=q))
+            tok = accept_or_resample(p, q, d, rng)
+        counts[d if tok is None else tok] += 1
+        naive[d] += 1
+    stat, df = chi2_goodness(counts, p)
+    assert stat < chi2_critical(df), (stat, df, counts, p)
+    stat_naive, df_naive = chi2_goodness(naive, p)
+    assert stat_naive > chi2_critical(df_naive)  # the test has the power to see a wrong sampler
+
+
+def test_verify_multi_token_joint_distribution():
+    """k = 2 drafts from a draft distribution: the emitted pair follows the target's joint distribution."""
+    rng = np.random.default_rng(2)
+    vocab, n = 5, 30_000
+    logits_rows = rng.normal(0, 1.5, (3, vocab)).astype(np.float32)  # position-wise targets (context-free)
+    params = SamplingParams(temperature=1.0)
+    p = [target_probs(row, params) for row in logits_rows]
+    q = rng.dirichlet(np.ones(vocab), size=2)
+    pairs = np.zeros((vocab, vocab), np.int64)
+    for _ in range(n):
+        d = [int(rng.choice(vocab, p=q[0])), int(rng.choice(vocab, p=q[1]))]
+        out = verify(logits_rows, d, q, params, rng, [], 0)
+        assert 1 <= len(out) <= 3 and out[: len(out) - 1] == d[: len(out) - 1]
+        if len(out) >= 2:
+            pairs[out[0], out[1]] += 1
+        else:  # the second token would come from the next step, i.e. from the target's row 1
+            pairs[out[0], int(rng.choice(vocab, p=p[1]))] += 1
+    stat, df = chi2_goodness(pairs.ravel(), np.outer(p[0], p[1]).ravel())
+    assert stat < chi2_critical(df), (stat, df)
+
+
+def test_greedy_verify_keeps_drafts_while_they_are_the_argmax():
+    logits = np.full((4, 6), -1.0, np.float32)
+    for i, t in enumerate([3, 1, 4, 5]):
+        logits[i, t] = 1.0
+    g = SamplingParams()
+    assert verify(logits, [3, 1, 4], None, g, np.random.default_rng(), [0], 1) == [3, 1, 4, 5]
+    assert verify(logits, [3, 2, 4], None, g, np.random.default_rng(), [0], 1) == [3, 1]
+    assert verify(logits, [0, 1, 4], None, g, np.random.default_rng(), [0], 1) == [3]
+
+
+def test_ngram_propose_uses_the_latest_longest_match():
+    toks = [1, 2, 3, 9, 9, 1, 2, 3, 7, 8, 5, 2, 3]
+    assert ngram_propose(toks, 3, 1, 3) == [7, 8, 5]  # "2 3" last seen before "7 8 5"
+    assert ngram_propose(toks, 1, 1, 3) == [7]
+    assert ngram_propose([1, 2, 3, 4], 3, 1, 3) == []
+    assert ngram_propose([5, 5], 4, 1, 2) == [5]
+
+
+def test_adaptation_drops_to_zero_and_probes():
+    s = SpecState(max_tokens=6)
+    assert s.choose(0.05) >= 3  # prior acceptance 2/3 and cheap drafts: speculate
+    for _ in range(12):
+        s.record(4, 0)
+    ks = [s.choose(0.3) for _ in range(32)]
+    assert ks.count(0) >= 30 and 1 in ks  # pays no more; one probe every 16 steps
+    for _ in range(20):
+        s.record(4, 4)
+    assert s.choose(0.1) == 6
+    assert expected_tokens(0.5, 2) == pytest.approx(1.75)
+
+
+def test_config_errors_name_the_field():
+    with pytest.raises(LlmcError, match="SpeculativeConfig.method"):
+        SpeculativeConfig("medusa")
+    with pytest.raises(LlmcError, match="num_tokens"):
+        SpeculativeConfig("ngram", 0)
+    with pytest.raises(LlmcError, match="draft_model"):
+        SpeculativeConfig("draft")
+    with pytest.raises(LlmcError, match="prompt_lookup_min"):
+        SpeculativeConfig("ngram", prompt_lookup_min=3, prompt_lookup_max=2)
+    with pytest.raises(LlmcError, match="--speculative"):
+        SpeculativeConfig.parse("draft:")
+    assert SpeculativeConfig.parse("draft:/x", 3).draft_model == "/x"
+
+
+# -- end to end -------------------------------------------------------------------------------------
+
+
+def _loop_prompts(rng, n: int) -> list[list[int]]:
+    """Prompts that repeat a phrase (prompt lookup finds matches at once), of assorted lengths."""
+    out = []
+    for _ in range(n):
+        phrase = rng.integers(3, 500, size=int(rng.integers(3, 9))).tolist()
+        tail = rng.integers(3, 500, size=int(rng.integers(1, 30))).tolist()
+        out.append(tail + phrase * int(rng.integers(2, 5)))
+    return out
+
+
+def _spec(method: str, draft_dir=None, **kw) -> SpeculativeConfig:
+    return SpeculativeConfig(method, draft_model=draft_dir if method == "draft" else None, **kw)
+
+
+@pytest.fixture(params=["ngram", "draft"])
+def method(request, tiny_engine):
+    """Greedy tests draft with a second copy of the target engine (own KV pool): every draft should be kept,
+    so a draft-side KV or rewind bug shows as lost acceptance besides any output difference."""
+    return request.param, tiny_engine
+
+
+def _check_invariants(engine: Engine) -> None:
+    """Between steps, no sequence holds a block or a token beyond its own (rewinds returned them)."""
+    b, bs = engine._blocks, engine.block_size
+    for r in engine.scheduler.running:
+        assert b.sequence_tokens(r.seq_id) == r.tokens
+        assert len(b.block_table(r.seq_id)) == -(-max(r.num_computed, len(r.tokens) - 1) // bs)
+        assert r.num_computed <= len(r.tokens)
+
+
+def test_greedy_is_identical_single_and_batched(tiny_engine, method):
+    name, draft = method
+    rng = np.random.default_rng(3)
+    prompts = _loop_prompts(rng, 6)
+    params = [SamplingParams(max_tokens=int(m), ignore_eos=True, logprobs=2 if i % 2 else None,
+                             repetition_penalty=1.1 if i == 3 else 1.0)
+              for i, m in enumerate(rng.integers(8, 40, size=6))]
+    plain = Engine.load(tiny_engine, enable_prefix_caching=False)
+    expected = plain.generate(prompts, params)
+    spec = Engine.load(tiny_engine, speculative=_spec(name, draft, num_tokens=5, adaptive=False))
+    single = [spec.generate([p], sp)[0] for p, sp in zip(prompts, params, strict=True)]
+    reqs = [spec.submit(p, sp) for p, sp in zip(prompts, params, strict=True)]  # batched, stepped by hand
+    while spec.has_unfinished():
+        spec.step()
+        _check_invariants(spec)
+    batched = [spec.result(r) for r in reqs]
+    for e, s, b in zip(expected, single, batched, strict=True):
+        assert s.token_ids == e.token_ids and b.token_ids == e.token_ids
+        if e.logprobs is not None:
+            for le, ls in zip(e.logprobs, b.logprobs, strict=True):
+                assert le.keys() == ls.keys()
+                assert np.allclose(list(le.values()), [ls[k] for k in le], atol=1e-4)
+    st = spec.stats()
+    assert st.spec_num_draft_tokens > 0 and 0 < st.spec_num_accepted_tokens <= st.spec_num_draft_tokens
+    assert st.kv_blocks_used == 0 and st.generated_tokens == 2 * sum(len(e.token_ids) for e in expected)
+    if name == "draft":
+        assert spec.speculator.draft.blocks.num_used_blocks == 0  # draft sequences freed with their requests
+        assert st.spec_acceptance_rate > 0.95  # the draft is the target: only float noise can reject
+
+
+def test_greedy_identical_through_preemption_and_prefix_hits(tiny_engine, method):
+    name, draft = method
+    rng = np.random.default_rng(4)
+    prompts = _loop_prompts(rng, 12)
+    prompts += [prompts[0] + prompts[1][:20], prompts[0][:40]]  # prefix-cache hits on computed blocks
+    params = [SamplingParams(max_tokens=40, ignore_eos=True, stop_token_ids=[7]) for _ in prompts]
+    expected = Engine.load(tiny_engine, enable_prefix_caching=False).generate(prompts, params)
+    need = sum(len(p) for p in prompts) + 40 * len(prompts)
+    spec = Engine.load(tiny_engine, kv_cache_tokens=need // 3,
+                       speculative=_spec(name, draft, num_tokens=4, adaptive=False))
+    out = spec.generate(prompts, params)
+    assert [o.token_ids for o in out] == [e.token_ids for e in expected]
+    assert [o.finish_reason for o in out] == [e.finish_reason for e in expected]
+    st = spec.stats()
+    assert st.num_preemptions > 0 and st.spec_num_accepted_tokens > 0
+    # A second round of the first outputs as prompts hits blocks that were written by verify steps.
+    again = [list(o.prompt_token_ids) + list(o.token_ids) for o in out[:4]]
+    short = [SamplingParams(max_tokens=10, ignore_eos=True) for _ in again]
+    exp2 = Engine.load(tiny_engine, enable_prefix_caching=False).generate(again, short)
+    hits_before = spec.stats().cached_prompt_tokens
+    assert [o.token_ids for o in spec.generate(again, short)] == [e.token_ids for e in exp2]
+    assert spec.stats().cached_prompt_tokens > hits_before
+    st = spec.stats()
+    assert st.kv_blocks_used == 0 and st.num_running == 0
+    spec.reset_prefix_cache()
+    assert spec.stats().kv_blocks_free == st.kv_blocks_total
+
+
+def test_opt_out_and_stop_inside_accepted_drafts(tiny_engine):
+    """A request opting out never speculates; a stop token among accepted drafts ends the output there."""
+    rng = np.random.default_rng(5)
+    prompt = _loop_prompts(rng, 1)[0]
+    plain = Engine.load(tiny_engine).generate([prompt], SamplingParams(max_tokens=48, ignore_eos=True))[0]
+    spec = Engine.load(tiny_engine, speculative=_spec("ngram", num_tokens=6, adaptive=False))
+    off = spec.generate([prompt], SamplingParams(max_tokens=48, ignore_eos=True, speculative=False))[0]
+    assert off.token_ids == plain.token_ids and spec.stats().spec_num_draft_tokens == 0
+    for stop_at in range(5, 45, 7):  # stop on a token emitted late in the run, likely inside a verify chunk
+        stop = plain.token_ids[stop_at]
+        first = plain.token_ids.index(stop)
+        got = spec.generate([prompt], SamplingParams(max_tokens=48, ignore_eos=True, stop_token_ids=[stop]))[0]
+        assert got.token_ids == plain.token_ids[: first + 1] and got.finish_reason == "stop"
+        got = spec.generate([prompt], SamplingParams(max_tokens=first + 1, ignore_eos=True))[0]
+        assert got.token_ids == plain.token_ids[: first + 1] and got.finish_reason == "length"
+    assert spec.stats().spec_num_accepted_tokens > 0
+
+
+def test_sampled_tokens_follow_the_plain_distribution(tiny_engine, tiny_engine_bf16):
+    """End to end at temperature 0.4: tokens 2..4 of many seeded requests, speculative vs plain engine.
+
+    The draft is the other tiny model (its distribution differs: about one draft in five is kept), so
+    acceptance, residual resampling, bonus tokens, rewinds and batching all run. Both engines draw from
+    the same distribution if rejection sampling is right; a two-sample chi-square test per position
+    compares them. 600 requests per engine (their tokens pooled into categories expecting >= 5) make a
+    shift of a few percent of mass visible: the negative control below, a speculator that keeps every
+    draft, is rejected at the same threshold (the temperature concentrates the random model's mass
+    enough for ~15 categories per position). (Prompt lookup rarely matches on a random model when
+    sampling; its point-mass drafts go through the same ``verify``, tested above at the sampler level.)
+    """
+    prompt = [5, 17, 33, 41, 5, 17, 33, 41, 5, 17]
+    n = 600
+
+    def params(offset):
+        return [SamplingParams(max_tokens=4, temperature=0.4, ignore_eos=True, seed=offset + s) for s in range(n)]
+
+    def run(engine, offset):
+        outs = engine.generate([prompt] * n, params(offset))
+        return [np.bincount([o.token_ids[pos] for o in outs], minlength=engine.vocab_size) for pos in (1, 2, 3)]
+
+    cfg = SpeculativeConfig("draft", 3, draft_model=tiny_engine_bf16, adaptive=False)
+    plain = run(Engine.load(tiny_engine), 0)
+    spec_engine = Engine.load(tiny_engine, speculative=cfg)
+    spec = run(spec_engine, 10_000)
+    st = spec_engine.stats()
+    assert st.spec_num_draft_tokens > n and 0.05 < st.spec_acceptance_rate < 0.9, st  # both paths ran
+    for pos, (a, b) in enumerate(zip(plain, spec, strict=True)):
+        stat, df = chi2_homogeneity(a, b)
+        assert df >= 5 and stat < chi2_critical(df), (pos + 1, stat, df)
+    # Power: keeping every draft (no rejection sampling) shifts the distribution visibly.
+    import llmc.runtime.speculative as sp
+
+    original = sp.accept_or_resample
+    sp.accept_or_resample = lambda p, q, d, rng: None
+    try:
+        biased = run(Engine.load(tiny_engine, speculative=cfg), 10_000)
+    finally:
+        sp.accept_or_resample = original
+    assert any(chi2_homogeneity(a, b)[0] > chi2_critical(chi2_homogeneity(a, b)[1])
+               for a, b in zip(plain, biased, strict=True))
+
+
+def test_server_streams_speculative_tokens_and_exports_metrics(tiny_engine):
+    """Through the HTTP server: streamed text equals the plain engine's, and the spec counters agree with stats()."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from llmc.serve import ServeConfig
+    from llmc.testing.http_server import serve_in_thread
+
+    prompt = _loop_prompts(np.random.default_rng(6), 1)[0]
+    plain = Engine.load(tiny_engine).generate([prompt], SamplingParams(max_tokens=40, ignore_eos=True))[0]
+    engine = Engine.load(tiny_engine, num_threads=1, speculative=_spec("ngram", num_tokens=5, adaptive=False))
+    with serve_in_thread(engine, ServeConfig(model_name="m")) as server:
+        body = {"model": "m", "prompt": prompt, "max_tokens": 40, "temperature": 0, "ignore_eos": True,
+                "stream": True, "return_token_ids": True}
+        ids: list[int] = []
+        with httpx.stream("POST", server.v1 + "/completions", json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    ids += json.loads(line[6:])["choices"][0].get("token_ids") or []
+        assert ids == plain.token_ids
+        text = httpx.get(server.url + "/metrics").text
+    got = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples
+           if s.labels.get("model_name") == "m"}
+    st = engine.stats()
+    assert got["llmc:spec_decode_num_draft_tokens_total"] == st.spec_num_draft_tokens > 0
+    assert got["llmc:spec_decode_num_accepted_tokens_total"] == st.spec_num_accepted_tokens
+    assert got["llmc:spec_decode_num_drafts_total"] == st.spec_num_verify_steps
