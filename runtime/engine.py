@@ -31,6 +31,7 @@ from llmc.runtime.kv_cache import BlockManager, KVPool
 from llmc.runtime.sampler import SamplingParams, sample, token_logprobs
 from llmc.runtime.scheduler import Request, Scheduler, SchedulerConfig, SchedulerOutput
 from llmc.runtime.session import OrtSession, custom_ops_of
+from llmc.runtime.structured import StructuredRuntime
 from llmc.runtime.tokenizer import Tokenizer
 
 Prompt = str | Sequence[int]
@@ -54,6 +55,10 @@ class GenerationOutput:
     logprobs: list[dict[int, float]] | None = None
     num_cached_tokens: int = 0
     num_preemptions: int = 0
+    # Structured outputs (SamplingParams.structured): the output stopped before its structure was
+    # complete (by max_tokens, a stop string, cancellation), or the constraint failed (then why).
+    structured_incomplete: bool = False
+    structured_error: str | None = None
 
 
 @dataclass
@@ -140,6 +145,7 @@ class Engine:
         self._generated = 0
         self._driver: asyncio.Task | None = None
         self._listeners: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._structured: StructuredRuntime | None = None  # made by the first constrained request
 
     @classmethod
     def load(cls, path: str | Path, *, kv_cache_tokens: int | None = None, max_num_tokens: int = 2048,
@@ -269,6 +275,8 @@ class Engine:
                 f"{self.max_model_len} tokens (max_position_embeddings); shorten the prompt or lower max_tokens"
             )
         seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(4), "little")
+        # Compiled here, outside the lock, so a slow constraint holds up no step; refused before it runs.
+        matcher = self.structured.compiler.compile(params.structured) if params.structured is not None else None
         with self._lock:
             seq_id = next(self._ids)
             req = Request(
@@ -279,6 +287,8 @@ class Engine:
                 text="" if params.stop else None,
             )
             self.scheduler.add(req)
+            if matcher is not None:
+                self.structured.attach(req, matcher)
         return req
 
     def _tokenize(self, prompt: Prompt, label: str) -> list[int]:
@@ -338,6 +348,8 @@ class Engine:
                 [c.request.seq_id for c in chunks], [c.num_tokens for c in chunks])
             sampling = [c for c in chunks if c.samples]
             rows = np.asarray([qsl[i + 1] - 1 for i, c in enumerate(chunks) if c.samples], np.int64)
+            # Constrained requests' token masks, computed while the forward pass runs.
+            masks = self._structured.start_masks([c.request for c in sampling]) if self._structured else None
             feeds = {"input_ids": ids, "positions": pos, "slot_mapping": slots, "block_tables": tables,
                      "context_lens": ctx, "query_start_loc": qsl, "logits_indices": rows}
             if self._rope_lengths:
@@ -347,13 +359,19 @@ class Engine:
             self.scheduler.complete(sched)
             now = time.perf_counter()
             for row, chunk in enumerate(sampling):
-                outputs.append(self._accept(chunk.request, logits[row], now))
+                outputs.append(self._accept(chunk.request, logits[row], now, masks))
             self._busy += time.perf_counter() - t0
             return outputs
 
-    def _accept(self, r: Request, logits: np.ndarray, now: float) -> RequestOutput:
+    def _accept(self, r: Request, logits: np.ndarray, now: float, masks=None) -> RequestOutput:
         p = r.params
-        token = sample(logits, p, r.rng, r.tokens if p.uses_history else (), r.prompt_len)
+        allowed = self._structured.allowed(masks, r) if masks is not None else None
+        if allowed is not None and not self._structured.usable(r, allowed):  # never sample unconstrained
+            self._finish(r, "error", now)
+            return RequestOutput(r.request_id, [], [] if p.logprobs is not None else None, True, "error")
+        # Masking copies the row once; logprobs below stay the model's own distribution.
+        picked = np.where(allowed, logits, np.float32(-np.inf)) if allowed is not None else logits
+        token = sample(picked, p, r.rng, r.tokens if p.uses_history else (), r.prompt_len)
         lp = token_logprobs(logits, token, p.logprobs) if p.logprobs is not None else None
         self.scheduler.append_token(r, token)
         self._generated += 1
@@ -362,11 +380,15 @@ class Engine:
         r.token_times.append(now)
         if lp is not None:
             r.logprobs.append(lp)
+        # "stop": the structure is complete (nothing but EOS may follow); "error": its matcher failed.
+        structured = self._structured.advance(r, token, self.eos_token_ids) if allowed is not None else None
         reason = None
         if (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids:
             reason = "stop"
         elif p.stop and self._hit_stop_string(r):
             reason = "stop"
+        elif structured is not None:
+            reason = structured
         elif len(r.tokens) - r.prompt_len >= p.max_tokens:
             reason = "length"
         if reason is not None:
@@ -375,6 +397,8 @@ class Engine:
 
     def _finish(self, r: Request, reason: str, now: float) -> None:
         self.scheduler.finish(r, reason)
+        if self._structured is not None:
+            self._structured.finish(r, reason)
         r.finish_time = now
         if r.request_id in self._retain:
             self._retain.discard(r.request_id)
@@ -428,12 +452,13 @@ class Engine:
         else:
             text = self.tokenizer.decode(r.output_token_ids) if self.tokenizer else None
         end = r.finish_time or time.perf_counter()
+        incomplete, error = self._structured.outcome(r) if self._structured is not None else (False, None)
         return GenerationOutput(
             prompt_token_ids=r.prompt_token_ids, token_ids=r.output_token_ids, text=text,
             finish_reason=r.finish_reason or "length",
             ttft=(r.first_token_time or end) - r.arrival_time, latency=end - r.arrival_time,
             request_id=r.request_id, logprobs=r.logprobs, num_cached_tokens=r.num_cached_tokens,
-            num_preemptions=r.num_preemptions,
+            num_preemptions=r.num_preemptions, structured_incomplete=incomplete, structured_error=error,
         )
 
     def result(self, request_id: str) -> GenerationOutput | None:
@@ -515,6 +540,17 @@ class Engine:
                 q.put_nowait(exc)
 
     # -- other ------------------------------------------------------------------------------------
+
+    @property
+    def structured(self) -> StructuredRuntime:
+        """Structured outputs' state (compiled-grammar cache, matchers, mask timings); made on first use.
+
+        Raises ``LlmcError`` if the engine has no tokenizer.json or llguidance is not installed.
+        """
+        with self._lock:
+            if self._structured is None:
+                self._structured = StructuredRuntime.for_engine(self.path, self.vocab_size, self.eos_token_ids)
+            return self._structured
 
     def stats(self) -> EngineStats:
         """Running/waiting requests, KV blocks, prefix-cache hit rate, preemptions and throughput."""
