@@ -154,8 +154,9 @@ def _import_llguidance():
 
 
 def _first_line(message: str) -> str:
-    lines = [ln.strip() for ln in str(message).strip().splitlines() if ln.strip()]
-    return " / ".join(lines[:3])[:300] if lines else "unknown error"
+    """llguidance's multi-line message on one line: caret markers dropped, at most 300 characters."""
+    lines = [ln.strip() for ln in str(message).strip().splitlines() if ln.strip().strip("^ ")]
+    return " / ".join(lines)[:300] if lines else "unknown error"
 
 
 class GrammarCompiler:
