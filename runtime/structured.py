@@ -23,10 +23,11 @@ import hashlib
 import json
 import os
 import threading
+import time
 import weakref
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -118,8 +119,11 @@ class StructuredConfig:
     ``initial_lexer_fuel`` ~50k/ms for building the lexer): a step whose mask would exceed them puts the
     request's matcher in an error state and the request ends with ``finish_reason == "error"``; it never
     goes on unconstrained. ``cache_size`` compiled grammars are kept (least recently used evicted).
-    ``overlap``: compute a step's masks in a worker thread while the forward pass runs.
-    ``mask_threads``: llguidance's pool for a batch's masks (None: up to half the cores).
+    ``overlap``: compute a step's masks in worker threads while the forward pass runs.
+    ``mask_threads``: those workers (None: half the cores). ``mask_timeout_s``: how long a step waits,
+    after its forward pass, for a request's mask; a later one ends that request (``"error"``), so a
+    hostile grammar delays the requests batched with it by at most this much (the overlap-free path,
+    ``overlap=False``, has no deadline: only the llguidance limits bound it).
     """
 
     max_spec_bytes: int = 256 * 1024
@@ -133,6 +137,7 @@ class StructuredConfig:
     cache_size: int = 256
     overlap: bool = True
     mask_threads: int | None = None
+    mask_timeout_s: float = 0.2
 
     def limits(self):
         import llguidance
@@ -280,35 +285,31 @@ class _State:
 
 @dataclass
 class PendingMasks:
-    """Masks being computed for one step: ``rows[i]`` of ``bitmask`` is the mask of ``requests[i]``."""
+    """Masks being computed for one step: row ``index[id(request)]`` of ``bitmask`` is that request's."""
 
-    requests: list
-    bitmask: np.ndarray  # int32 [len(requests), ceil(vocab / 32)]
-    future: concurrent.futures.Future | None
-    index: dict = field(default_factory=dict)  # id(request) -> row
-
-    def wait(self) -> None:
-        if self.future is not None:
-            self.future.result()
-            self.future = None
+    bitmask: np.ndarray  # int32 [constrained requests, ceil(vocab / 32)]
+    index: dict[int, int]  # id(request) -> row
+    futures: list[concurrent.futures.Future] | None  # one per row; None: computed already
+    deadline: float | None = None  # set when the caller first waits (after its forward pass)
 
 
 class StructuredRuntime:
     """The engine's side of structured outputs: matchers per request, masks per step, how requests end."""
 
     def __init__(self, compiler: GrammarCompiler) -> None:
-        llg = _import_llguidance()
+        _import_llguidance()
         self.compiler = compiler
         self.config = compiler.config
         self.vocab_size = compiler.vocab_size
         self._words = (self.vocab_size + 31) // 32
         threads = self.config.mask_threads or max(1, (os.cpu_count() or 2) // 2)
-        self._executor = llg.LLExecutor(threads)
-        self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="llmc-mask")
+        # One task per request (not llguidance's batched call) so that each has its own deadline: a
+        # request whose mask is late fails alone, and the others in the step go on.
+        self._pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="llmc-mask")
         # Keyed by the request object (weakly): the state goes when the request does, and the
         # scheduler's Request needs no field of its own.
         self._states: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-        self.mask_seconds = 0.0  # wall time spent computing masks (in the worker when overlapped)
+        self.mask_seconds = 0.0  # summed time of mask computations (in workers when overlapped)
         self.masks = 0
 
     def attach(self, request, matcher) -> None:
@@ -321,41 +322,49 @@ class StructuredRuntime:
     def start_masks(self, requests: Sequence) -> PendingMasks | None:
         """Begin computing the next-token masks of the constrained ones among ``requests``.
 
-        With ``config.overlap`` the work runs in a worker thread (llguidance drops the GIL), so the
-        caller can run the forward pass meanwhile; :meth:`mask_of` waits for it.
+        With ``config.overlap`` each runs as a task of the mask pool (llguidance drops the GIL), so
+        the caller runs the forward pass meanwhile; :meth:`allowed` waits for one request's mask.
         """
         reqs = [r for r in requests if (s := self._states.get(r)) is not None and not s.done]
         if not reqs:
             return None
         bitmask = np.zeros((len(reqs), self._words), np.int32)
-        pending = PendingMasks(reqs, bitmask, None, {id(r): i for i, r in enumerate(reqs)})
-        pairs = [(self._states[r].matcher, i) for i, r in enumerate(reqs)]
+        index = {id(r): i for i, r in enumerate(reqs)}
+        matchers = [self._states[r].matcher for r in reqs]
         if self.config.overlap:
-            pending.future = self._worker.submit(self._fill, pairs, bitmask)
-        else:
-            self._fill(pairs, bitmask)
-        return pending
+            futures = [self._pool.submit(self._fill, m, bitmask[i]) for i, m in enumerate(matchers)]
+            return PendingMasks(bitmask, index, futures)
+        for i, m in enumerate(matchers):
+            self._fill(m, bitmask[i])
+        return PendingMasks(bitmask, index, None)
 
-    def _fill(self, pairs: list, bitmask: np.ndarray) -> None:
-        import time
-
-        import llguidance.numpy as lnp
-
+    def _fill(self, matcher, row: np.ndarray) -> None:
         t0 = time.perf_counter()
-        lnp.fill_next_token_bitmask_par(self._executor, pairs, bitmask)
+        matcher.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)  # writes row in place; drops the GIL
         self.mask_seconds += time.perf_counter() - t0
-        self.masks += len(pairs)
+        self.masks += 1
 
     def allowed(self, pending: PendingMasks | None, request) -> np.ndarray | None:
-        """Boolean ``[vocab]`` of the tokens ``request`` may produce next, or None if it is unconstrained.
+        """Boolean ``[vocab]`` of the tokens ``request`` may produce next; None if it is unconstrained.
 
-        Raises nothing: a matcher that failed (a limit hit while computing the mask) yields None and
-        :meth:`failed` says why; the caller must then end the request.
+        Waits for its mask until ``config.mask_timeout_s`` after the first wait of the step (the end of
+        the forward pass). A late mask fails the request: an all-False row, which :meth:`usable` refuses;
+        its matcher is left to the worker still computing and never used again.
         """
         if pending is None or id(request) not in pending.index:
             return None
-        pending.wait()
-        row = pending.bitmask[pending.index[id(request)]]
+        i = pending.index[id(request)]
+        if pending.futures is not None:
+            now = time.perf_counter()
+            if pending.deadline is None:
+                pending.deadline = now + self.config.mask_timeout_s
+            try:
+                pending.futures[i].result(timeout=max(0.0, pending.deadline - now))
+            except concurrent.futures.TimeoutError:
+                self._fail(self._states[request], f"computing its token mask took longer than "
+                           f"{self.config.mask_timeout_s} s (StructuredConfig.mask_timeout_s)")
+                return np.zeros(self.vocab_size, bool)
+        row = pending.bitmask[i]
         return np.unpackbits(row.view(np.uint8), count=self.vocab_size, bitorder="little").view(bool)
 
     def failed(self, request) -> str | None:
@@ -411,6 +420,8 @@ class StructuredRuntime:
         """Whether ``request`` can go on under its mask; if not, records why (its matcher failed, or no
         token is allowed) and the caller ends it with ``finish_reason == "error"``."""
         s = self._states[request]
+        if s.error is not None:  # failed already (a late mask): its matcher may still be in a worker's hands
+            return False
         why = self.failed(request) or (None if allowed.any() else "no token is allowed here")
         if why is None:
             return True
