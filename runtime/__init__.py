@@ -3,6 +3,7 @@
 from llmc.runtime.engine import Engine, EngineStats, GenerationOutput, RequestOutput, StreamEvent
 from llmc.runtime.sampler import SamplingParams
 from llmc.runtime.scheduler import SchedulerConfig
+from llmc.runtime.structured import StructuredConfig, StructuredOutputs
 
 __all__ = ["Engine", "EngineStats", "GenerationOutput", "RequestOutput", "SamplingParams", "SchedulerConfig",
-           "StreamEvent"]
+           "StreamEvent", "StructuredConfig", "StructuredOutputs"]

@@ -32,6 +32,7 @@ from llmc.runtime.sampler import SamplingParams, sample, token_logprobs
 from llmc.runtime.scheduler import Request, Scheduler, SchedulerConfig, SchedulerOutput
 from llmc.runtime.session import OrtSession, custom_ops_of
 from llmc.runtime.speculative import SpeculativeConfig, Speculator
+from llmc.runtime.structured import StructuredRuntime
 from llmc.runtime.tokenizer import Tokenizer
 
 Prompt = str | Sequence[int]
@@ -55,6 +56,10 @@ class GenerationOutput:
     logprobs: list[dict[int, float]] | None = None
     num_cached_tokens: int = 0
     num_preemptions: int = 0
+    # Structured outputs (SamplingParams.structured): the output stopped before its structure was
+    # complete (by max_tokens, a stop string, cancellation), or the constraint failed (then why).
+    structured_incomplete: bool = False
+    structured_error: str | None = None
 
 
 @dataclass
@@ -151,6 +156,7 @@ class Engine:
         self._driver: asyncio.Task | None = None
         self._listeners: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self.speculator: Speculator | None = None  # set by load(speculative=...)
+        self._structured: StructuredRuntime | None = None  # made by the first constrained request
 
     @classmethod
     def load(cls, path: str | Path, *, kv_cache_tokens: int | None = None, max_num_tokens: int = 2048,
@@ -299,6 +305,8 @@ class Engine:
                 f"{self.max_model_len} tokens (max_position_embeddings); shorten the prompt or lower max_tokens"
             )
         seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(4), "little")
+        # Compiled here, outside the lock, so a slow constraint holds up no step; refused before it runs.
+        matcher = self.structured.compiler.compile(params.structured) if params.structured is not None else None
         with self._lock:
             seq_id = next(self._ids)
             req = Request(
@@ -308,9 +316,13 @@ class Engine:
                 logprobs=[] if params.logprobs is not None else None,
                 text="" if params.stop else None,
             )
-            if self.speculator is not None and params.speculative:
+            # Constrained requests decode one token a step: verifying drafts under a grammar needs a mask per
+            # draft position and a matcher rollback for the rejected ones, which is not built yet.
+            if self.speculator is not None and params.speculative and params.structured is None:
                 req.spec = self.speculator.new_state()
             self.scheduler.add(req)
+            if matcher is not None:
+                self.structured.attach(req, matcher)
         return req
 
     def _tokenize(self, prompt: Prompt, label: str) -> list[int]:
@@ -374,6 +386,9 @@ class Engine:
             # One logits row per sampling chunk; a verify chunk (drafts) needs all of its 1 + k rows.
             rows = np.concatenate([np.arange(qsl[i + 1] - 1 - len(c.draft), qsl[i + 1], dtype=np.int64)
                                    for i, c in enumerate(chunks) if c.samples] or [np.zeros(0, np.int64)])
+            # Constrained requests' token masks, computed while the forward pass runs (constrained requests
+            # never carry drafts: see Speculator.propose).
+            masks = self._structured.start_masks([c.request for c in sampling]) if self._structured else None
             feeds = {"input_ids": ids, "positions": pos, "slot_mapping": slots, "block_tables": tables,
                      "context_lens": ctx, "query_start_loc": qsl, "logits_indices": rows}
             if self._rope_lengths:
@@ -390,7 +405,7 @@ class Engine:
                 if chunk.draft:
                     outputs.append(self._accept_draft(chunk, logits[row: row + 1 + len(chunk.draft)], now))
                 else:
-                    outputs.append(self._accept(chunk.request, logits[row], now))
+                    outputs.append(self._accept(chunk.request, logits[row], now, masks))
                 row += 1 + len(chunk.draft)
             if pure:
                 self.speculator.target_cost.observe(len(ids), len(chunks), time.perf_counter() - t0)
@@ -422,8 +437,10 @@ class Engine:
                 break
         return RequestOutput(r.request_id, new, lps if p.logprobs is not None else None, reason is not None, reason)
 
-    def _record(self, r: Request, token: int, lp: dict[int, float] | None, now: float) -> str | None:
-        """Book one token that is already in ``r.tokens``; returns the finish reason it causes, if any."""
+    def _record(self, r: Request, token: int, lp: dict[int, float] | None, now: float,
+                structured: str | None = None) -> str | None:
+        """Book one token that is already in ``r.tokens``; returns the finish reason it causes, if any
+        (``structured``: what the request's constraint matcher says after this token, if it has one)."""
         p = r.params
         self._generated += 1
         if r.first_token_time is None:
@@ -435,16 +452,25 @@ class Engine:
             return "stop"
         if p.stop and self._hit_stop_string(r):
             return "stop"
+        if structured is not None:  # "stop": the structure is complete; "error": its matcher failed
+            return structured
         if len(r.tokens) - r.prompt_len >= p.max_tokens:
             return "length"
         return None
 
-    def _accept(self, r: Request, logits: np.ndarray, now: float) -> RequestOutput:
+    def _accept(self, r: Request, logits: np.ndarray, now: float, masks=None) -> RequestOutput:
         p = r.params
-        token = sample(logits, p, r.rng, r.tokens if p.uses_history else (), r.prompt_len)
+        allowed = self._structured.allowed(masks, r) if masks is not None else None
+        if allowed is not None and not self._structured.usable(r, allowed):  # never sample unconstrained
+            self._finish(r, "error", now)
+            return RequestOutput(r.request_id, [], [] if p.logprobs is not None else None, True, "error")
+        # Masking copies the row once; logprobs below stay the model's own distribution.
+        picked = np.where(allowed, logits, np.float32(-np.inf)) if allowed is not None else logits
+        token = sample(picked, p, r.rng, r.tokens if p.uses_history else (), r.prompt_len)
         lp = token_logprobs(logits, token, p.logprobs) if p.logprobs is not None else None
         self.scheduler.append_token(r, token)
-        reason = self._record(r, token, lp, now)
+        structured = self._structured.advance(r, token, self.eos_token_ids) if allowed is not None else None
+        reason = self._record(r, token, lp, now, structured)
         if reason is not None:
             self._finish(r, reason, now)
         return RequestOutput(r.request_id, [token], [lp] if lp is not None else None, reason is not None, reason)
@@ -453,6 +479,8 @@ class Engine:
         self.scheduler.finish(r, reason)
         if self.speculator is not None:
             self.speculator.release(r)
+        if self._structured is not None:
+            self._structured.finish(r, reason)
         r.finish_time = now
         if r.request_id in self._retain:
             self._retain.discard(r.request_id)
@@ -506,12 +534,13 @@ class Engine:
         else:
             text = self.tokenizer.decode(r.output_token_ids) if self.tokenizer else None
         end = r.finish_time or time.perf_counter()
+        incomplete, error = self._structured.outcome(r) if self._structured is not None else (False, None)
         return GenerationOutput(
             prompt_token_ids=r.prompt_token_ids, token_ids=r.output_token_ids, text=text,
             finish_reason=r.finish_reason or "length",
             ttft=(r.first_token_time or end) - r.arrival_time, latency=end - r.arrival_time,
             request_id=r.request_id, logprobs=r.logprobs, num_cached_tokens=r.num_cached_tokens,
-            num_preemptions=r.num_preemptions,
+            num_preemptions=r.num_preemptions, structured_incomplete=incomplete, structured_error=error,
         )
 
     def result(self, request_id: str) -> GenerationOutput | None:
@@ -593,6 +622,17 @@ class Engine:
                 q.put_nowait(exc)
 
     # -- other ------------------------------------------------------------------------------------
+
+    @property
+    def structured(self) -> StructuredRuntime:
+        """Structured outputs' state (compiled-grammar cache, matchers, mask timings); made on first use.
+
+        Raises ``LlmcError`` if the engine has no tokenizer.json or llguidance is not installed.
+        """
+        with self._lock:
+            if self._structured is None:
+                self._structured = StructuredRuntime.for_engine(self.path, self.vocab_size, self.eos_token_ids)
+            return self._structured
 
     def stats(self) -> EngineStats:
         """Running/waiting requests, KV blocks, prefix-cache hit rate, preemptions and throughput."""

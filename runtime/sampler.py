@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from llmc.errors import LlmcError
+from llmc.runtime.structured import StructuredOutputs
 
 
 @dataclass
@@ -27,6 +28,10 @@ class SamplingParams:
     the stop string; the token ids keep the token that completed it). ``logprobs`` = N returns, per
     generated token, the log-probability of the chosen token and of the N most likely tokens under
     the model's distribution (before any processing); ``None`` returns none.
+
+    ``structured`` (a :class:`~llmc.runtime.structured.StructuredOutputs`, or a dict of its fields)
+    constrains the output to a JSON Schema, any JSON object, a regex, a choice or a grammar: tokens the
+    constraint forbids are masked out before the steps above (logprobs stay the model's own).
     """
 
     max_tokens: int = 64
@@ -43,8 +48,11 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     speculative: bool = True  # False: this request never speculates (when the engine has speculative decoding)
+    structured: StructuredOutputs | None = None
 
     def __post_init__(self) -> None:
+        if self.structured is not None:
+            self.structured = StructuredOutputs.coerce(self.structured)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if self.max_tokens < 1:

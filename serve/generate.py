@@ -23,6 +23,7 @@ from llmc.serve.errors import APIError
 from llmc.serve.loop import Delivery, LoopDead, QueueFull
 from llmc.serve.protocol import ChatCompletionRequest, CompletionRequest
 from llmc.serve.state import ServerState
+from llmc.serve.structured import precompile, requested
 from llmc.serve.text import TextStream
 
 # OpenAI's stand-in for a log-probability too small for a float (JSON has no -Infinity).
@@ -45,6 +46,7 @@ class Plan:
     top_logprobs: int | None  # None: no logprobs
     return_token_ids: bool
     created: int = field(default_factory=lambda: int(time.time()))
+    structured_field: str | None = None  # the request field a constraint came from (serve/structured.py)
 
     @property
     def choice_ids(self) -> list[str]:
@@ -110,7 +112,7 @@ def _check_lengths(state: ServerState, prompts: list[list[int]], max_tokens: int
 
 
 def _sampling(state: ServerState, req: CompletionRequest | ChatCompletionRequest, n_prompts: int,
-              max_tokens: int, top_logprobs: int | None) -> list[SamplingParams]:
+              max_tokens: int, top_logprobs: int | None, structured=None) -> list[SamplingParams]:
     if req.n > state.config.max_n:
         raise APIError(400, f"n: {req.n} choices, this server allows at most {state.config.max_n} (--max-n)",
                        param="n")
@@ -139,7 +141,7 @@ def _sampling(state: ServerState, req: CompletionRequest | ChatCompletionRequest
                     frequency_penalty=req.frequency_penalty or 0.0,
                     seed=None if req.seed is None else (req.seed + j) % (1 << 63),
                     stop=stop, stop_token_ids=list(req.stop_token_ids or []), ignore_eos=req.ignore_eos,
-                    logprobs=top_logprobs,
+                    logprobs=top_logprobs, structured=structured,
                 ))
             except LlmcError as exc:  # a range SamplingParams checks that the request model does not
                 field_name = str(exc).split("=", 1)[0].removeprefix("SamplingParams.")
@@ -151,8 +153,6 @@ def _refuse_unsupported(req: CompletionRequest | ChatCompletionRequest) -> None:
     unsupported = []
     if req.logit_bias:
         unsupported.append(("logit_bias", "logit_bias is not supported"))
-    if req.response_format and req.response_format.get("type", "text") != "text":
-        unsupported.append(("response_format", "only {\"type\": \"text\"} is supported (no JSON mode)"))
     if isinstance(req, CompletionRequest):
         if req.echo:
             unsupported.append(("echo", "echo is not supported"))
@@ -180,10 +180,11 @@ def plan_completion(state: ServerState, req: CompletionRequest, body: dict) -> P
     _refuse_unsupported(req)
     prompts = _prompt_ids(state, req.prompt)
     max_tokens = _check_lengths(state, prompts, req.max_tokens, _DEFAULT_COMPLETION_MAX_TOKENS, "max_tokens", "prompt")
-    params = _sampling(state, req, len(prompts), max_tokens, req.logprobs)
+    spec, where = requested(req.response_format, req.structured_outputs)
+    params = _sampling(state, req, len(prompts), max_tokens, req.logprobs, spec)
     return Plan("completion", f"cmpl-{uuid.uuid4().hex}", state.config.model_name, prompts, req.n, params,
                 bool(req.stream), bool(req.stream_options and req.stream_options.include_usage), req.logprobs,
-                _return_token_ids(body))
+                _return_token_ids(body), structured_field=where if spec is not None else None)
 
 
 def plan_chat(state: ServerState, req: ChatCompletionRequest, body: dict) -> Plan:
@@ -200,10 +201,11 @@ def plan_chat(state: ServerState, req: ChatCompletionRequest, body: dict) -> Pla
     which = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     max_tokens = _check_lengths(state, prompts, limit, None, which, "messages")
     top = (req.top_logprobs or 0) if req.logprobs else None
-    params = _sampling(state, req, 1, max_tokens, top)
+    spec, where = requested(req.response_format, req.structured_outputs)
+    params = _sampling(state, req, 1, max_tokens, top, spec)
     return Plan("chat", f"chatcmpl-{uuid.uuid4().hex}", state.config.model_name, prompts, req.n, params,
                 bool(req.stream), bool(req.stream_options and req.stream_options.include_usage), top,
-                _return_token_ids(body))
+                _return_token_ids(body), structured_field=where if spec is not None else None)
 
 
 def chat_prompt_ids(state: ServerState, messages, add_generation_prompt: bool, extra: dict | None) -> list[int]:
@@ -236,6 +238,8 @@ class _Choice:
 async def run(state: ServerState, plan: Plan, request: Request, arrival: float) -> Response:
     if state.draining:
         raise APIError(503, "the server is shutting down; retry on another replica", code="shutting_down")
+    if plan.structured_field is not None:  # refused here (400), before the step loop sees it
+        await precompile(state.engine, plan.params[0].structured, plan.structured_field)
     prompts = [p for p in plan.prompts for _ in range(plan.n)]
     if len(prompts) > state.loop.max_queue:  # would never fit, however long the client waits: not a 429
         field_name = "prompt" if len(plan.prompts) > 1 else "n"
@@ -330,10 +334,21 @@ def _response(state: ServerState, plan: Plan, choices: list[_Choice]) -> dict:
         if plan.return_token_ids:
             ch["token_ids"] = c.token_ids
             ch["prompt_token_ids"] = plan.prompts[c.index // plan.n]
+        _structured_fields(plan, c, ch)
         out.append(ch)
     obj = "text_completion" if plan.kind == "completion" else "chat.completion"
     return {"id": plan.id, "object": obj, "created": plan.created, "model": plan.model, "choices": out,
             "usage": _usage(plan, choices)}
+
+
+def _structured_fields(plan: Plan, c: _Choice, ch: dict) -> None:
+    """A constrained choice says whether its structure is complete (``structured_incomplete``: it ended by
+    max_tokens, a stop string or an error first, so its text does not parse), and why a constraint failed."""
+    if plan.structured_field is None or c.final is None:
+        return
+    ch["structured_incomplete"] = c.final.structured_incomplete
+    if c.final.structured_error is not None:
+        ch["structured_error"] = c.final.structured_error
 
 
 def _usage(plan: Plan, choices: list[_Choice]) -> dict:
@@ -438,6 +453,8 @@ async def _stream(state: ServerState, plan: Plan, sink: asyncio.Queue, index: di
                 offsets[c.index] += sum(len(state.token_strings.get(t)[0]) for t in new)
             if plan.return_token_ids:
                 ch["token_ids"] = new
+            if c.finish_reason is not None:
+                _structured_fields(plan, c, ch)
             yield sse_event({**head, "choices": [ch]})
         if plan.include_usage:
             yield sse_event({**head, "choices": [], "usage": _usage(plan, choices)})

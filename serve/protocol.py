@@ -47,7 +47,10 @@ class _Sampling(_Body):
     # OpenAI fields llmc does not implement: accepted at their neutral values, refused otherwise (a silent
     # no-op would return something other than what was asked for).
     logit_bias: dict | None = None
+    # Structured outputs (serve/structured.py): OpenAI's response_format, and vLLM's structured_outputs
+    # for the kinds OpenAI has no field for (regex, choice, grammar).
     response_format: dict | None = None
+    structured_outputs: dict | None = None
 
 
 class CompletionRequest(_Sampling):

@@ -1,0 +1,114 @@
+#!/usr/bin/env python3
+"""Structured outputs: mask cost per token and decode tok/s with and without a JSON Schema.
+
+For each engine and batch size (1, 8): B requests decode ``--tokens`` tokens each (EOS ignored), once
+unconstrained and once under a JSON Schema whose structure cannot complete within that many tokens (an
+array of at least 100 records), so both runs decode the same number of tokens at the same batch size and
+differ only by the masks. Constrained runs twice: masks computed while the forward pass runs (the
+default, ``overlap``) and after it (``overlap=False``), which shows what the overlap buys.
+``mask us/token`` is the mean time of one mask computation (llguidance, in the workers).
+
+usage: bench_structured.py [--engine DIR ...] [--tokens 128] [--rounds 3] [--out FILE]
+(default engine: the bundled default model, built into a temporary directory)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from llmc.runtime import Engine, SamplingParams
+from llmc.runtime.structured import StructuredConfig, StructuredRuntime
+
+REPO = Path(__file__).resolve().parent.parent
+
+SCHEMA = {
+    "type": "array", "minItems": 100,
+    "items": {"type": "object", "additionalProperties": False, "required": ["id", "name", "kind", "tags"],
+              "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 100000},
+                             "name": {"type": "string", "maxLength": 16},
+                             "kind": {"enum": ["function", "class", "module", "statement"]},
+                             "tags": {"type": "array", "items": {"type": "string", "pattern": "^[a-z]{1,8}$"},
+                                      "maxItems": 3}}},
+}
+PROMPT = "A list of Python objects as JSON records:"
+
+
+def _run(engine: Engine, batch: int, tokens: int, structured: bool) -> float:
+    params = SamplingParams(max_tokens=tokens, ignore_eos=True, structured={"json": SCHEMA} if structured else None)
+    engine.reset_prefix_cache()
+    t0 = time.perf_counter()
+    outs = engine.generate([f"{PROMPT} {i}" for i in range(batch)], params)
+    dt = time.perf_counter() - t0
+    n = sum(len(o.token_ids) for o in outs)
+    if structured:
+        assert all(o.structured_error is None and o.finish_reason == "length" for o in outs), outs[0]
+        assert n == batch * tokens
+    return n / dt
+
+
+def bench_engine(path: Path, tokens: int, rounds: int) -> list[dict]:
+    rows = []
+    for overlap in (True, False):
+        engine = Engine.load(path)
+        engine._structured = StructuredRuntime.for_engine(engine.path, engine.vocab_size, engine.eos_token_ids,
+                                                          StructuredConfig(overlap=overlap))
+        for batch in (1, 8):
+            _run(engine, batch, 16, False)  # warm both paths (and compile the schema once)
+            _run(engine, batch, 16, True)
+            plain, cons = [], []
+            rt = engine.structured
+            m0, s0 = rt.masks, rt.mask_seconds
+            for _ in range(rounds):  # interleaved, so load drifts hit both alike
+                plain.append(_run(engine, batch, tokens, False))
+                cons.append(_run(engine, batch, tokens, True))
+            mask_us = (rt.mask_seconds - s0) / max(1, rt.masks - m0) * 1e6
+            rows.append({"engine": path.name if path.name != "engine" else path.parent.name,
+                         "batch": batch, "overlap": overlap, "tokens": tokens, "rounds": rounds,
+                         "plain_tok_s": statistics.median(plain), "json_schema_tok_s": statistics.median(cons),
+                         # per round, constrained over the unconstrained run just before it (load drifts cancel)
+                         "ratio": statistics.median(c / p for c, p in zip(cons, plain, strict=True)),
+                         "mask_us_per_token": mask_us})
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--engine", action="append", type=Path, help="engine directory (repeatable)")
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "bench_structured.json")
+    args = ap.parse_args()
+    engines = args.engine
+    tmp = None
+    if not engines:
+        from llmc.compiler.build import BuildOptions, build
+
+        tmp = tempfile.TemporaryDirectory()
+        target = Path(tmp.name) / "default-model"
+        build(REPO / "assets" / "default-model", target, BuildOptions())
+        engines = [target]
+    rows = []
+    for e in engines:
+        rows += bench_engine(e, args.tokens, args.rounds)
+    print(f"{'engine':<16}{'batch':>6}{'masks':>10}{'plain tok/s':>13}{'schema tok/s':>14}{'ratio':>7}"
+          f"{'mask us/tok':>13}")
+    for r in rows:
+        print(f"{r['engine']:<16}{r['batch']:>6}{'overlap' if r['overlap'] else 'after':>10}{r['plain_tok_s']:>13.1f}"
+              f"{r['json_schema_tok_s']:>14.1f}{r['ratio']:>7.2f}{r['mask_us_per_token']:>13.1f}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    meta = {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+            "note": "llama.cpp json_schema/GBNF column not run: llama-cpp-python is not installed on this machine "
+                    "and builds from source for ~15 min on its 2 shared cores (benchmarks/peers/setup.sh)"}
+    args.out.write_text(json.dumps({"meta": meta, "schema": SCHEMA, "rows": rows}, indent=2) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
