@@ -1,7 +1,9 @@
 """Generate the architecture coverage matrix (docs/coverage.md + docs/coverage.json) by running it.
 
 For every supported ``model_type`` (``llmc.compiler.checkpoint.SUPPORTED_MODEL_TYPES``), on its
-tiny random fixture (``llmc.testing.checkpoints.write_tiny_model``, the architecture tests' seed):
+tiny random fixture (``llmc.testing.checkpoints.write_tiny_model``, the architecture tests' seed), and
+every family tried outside that list (``llmc.testing.tried_families``; a refusal is recorded with its
+reason), with the architecture self-check on (its result is a column):
 
 1. build the fp32 CPU engine and compare 32 greedy tokens with transformers' ``generate`` for 3
    prompts (3, 20 and 45 tokens), then run the 3 prompts as one packed batch and compare with
@@ -62,6 +64,27 @@ def _fixture(family: str, work: Path) -> Path:
     return path
 
 
+def _tried_fixture(family: str, work: Path) -> Path:
+    """A family outside the tested list, as tests/test_mechanisms.py tries it (llmc.testing.tried_families)."""
+    from llmc.testing.tried_families import TRIED_FAMILIES, write_tried_family
+
+    spec = json.dumps({"config": TRIED_FAMILIES[family][0], "seed": 0}, sort_keys=True)
+    path = work / "checkpoints" / f"{family}-tried-{hashlib.sha256(spec.encode()).hexdigest()[:12]}"
+    if not (path / ".done").exists():
+        write_tried_family(family, path)
+        (path / ".done").touch()
+    return path
+
+
+def _self_check(engine_dir: Path) -> dict:
+    """What the build's architecture self-check found (report.json; its errors from build_info.json)."""
+    report = json.loads((engine_dir / "report.json").read_text()).get("self_check", {})
+    info_file = engine_dir / "build_info.json"
+    info = json.loads(info_file.read_text()).get("self_check", {}) if info_file.is_file() else {}
+    return {"result": report.get("result", "not run"), "status": info.get("status"),
+            "max_logprob_error": info.get("max_logprob_error"), "max_logit_rel_error": info.get("max_logit_rel_error")}
+
+
 def _build(ckpt: Path, out: Path, quant: str | None, cache_dir: str | None) -> tuple[Path, dict]:
     from llmc.compiler.build import BuildOptions, build_cached
     from llmc.quant.recipe import QuantRecipe
@@ -101,17 +124,26 @@ def run_family(family: str, work: Path, cache_dir: str | None) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
+    from llmc.errors import UnsupportedError
     from llmc.runtime import Engine, SamplingParams
+    from llmc.testing.tried_families import TRIED_FAMILIES
 
     t0 = time.perf_counter()
-    row: dict = {"model_type": family}
+    row: dict = {"model_type": family, "tried": family in TRIED_FAMILIES}
+    if row["tried"]:
+        row["mechanism"] = TRIED_FAMILIES[family][1]
     try:
-        ckpt = _fixture(family, work)
+        ckpt = _tried_fixture(family, work) if row["tried"] else _fixture(family, work)
         fp32_dir, row["fp32_build"] = _build(ckpt, work / "engines" / f"{family}-fp32", None, cache_dir)
+    except UnsupportedError as exc:  # a refusal with its reason: a result, not a failure
+        row["refused"] = str(exc).replace(str(ckpt), "<checkpoint>").split(": ", 1)[-1]
+        row["seconds"] = round(time.perf_counter() - t0, 1)
+        return row
     except Exception as exc:  # noqa: BLE001 - recorded in the matrix
         row["fp32_error"] = _error(exc)
         traceback.print_exc()
         return row
+    row["self_check"] = _self_check(fp32_dir)
     row["fusions"] = _fusions(fp32_dir)
     row["rope_recompute_at"] = json.loads((fp32_dir / "manifest.json").read_text())["engine"].get("rope_recompute_at")
 
@@ -233,24 +265,52 @@ def render_markdown(data: dict) -> str:
         "- **fusions fired**: fusion passes with at least one match in the fp32 build (`report.json`), with counts; "
         "`rotary-attention` is the ONNX Runtime backend's fusion into `llmc.RotaryPagedAttention` (per layer).",
         "",
-        "| model_type | fp32 = transformers | batch = single | int4 top-1 | fp8 (emulated) top-1 | fusions fired |",
-        "|---|---|---|---|---|---|",
+        "- **self-check**: the fp32 build's architecture self-check (`compiler/selfcheck.py`: a random twin of "
+        "the config through the same pipeline, held to transformers), with its largest log-probability error "
+        "(nats) where this run computed it (a cached check shows `passed (cached)`).",
+        "",
+        "The second table lists families outside the tested list, tried as a new user would "
+        "(`llmc.testing.tried_families`, one per mechanism current models use): each either builds an engine "
+        "that matches transformers (same columns) or is refused before any work, with the reason shown.",
+        "",
+        "| model_type | fp32 = transformers | batch = single | self-check | int4 top-1 | fp8 (emulated) top-1 | "
+        "fusions fired |",
+        "|---|---|---|---|---|---|---|",
     ]
-    for row in data["rows"]:
-        family = row["model_type"]
-        if "fp32_error" in row:
-            lines.append(f"| {family} | build failed: {row['fp32_error'][:120]} | | | | |")
-            continue
-        check = row["fp32_vs_transformers"]
-        fp32 = "yes" if check["match"] else "NO (first difference at token " + ", ".join(
-            f"{i} for the {n}-token prompt" for n, i in check["first_difference"].items()) + ")"
-        if row.get("rope_recompute_at"):
-            fp32 += f" (longrope: KV recomputed past {row['rope_recompute_at']} tokens)"
-        fusions = ", ".join(f"{k} ×{v}" for k, v in row["fusions"].items()) or "none"
-        lines.append(f"| {family} | {fp32} | {'yes' if row['batch_equals_single'] else 'NO'} | "
-                     f"{_cell_quant(row.get('int4'), 'int4')} | {_cell_quant(row.get('fp8'), 'fp8')} | {fusions} |")
+    tried = [r for r in data["rows"] if r.get("tried")]
+    for row in [r for r in data["rows"] if not r.get("tried")]:
+        lines.append(_row_markdown(row))
+    if tried:
+        lines += ["", "| model_type (mechanism) | fp32 = transformers | batch = single | self-check | int4 top-1 | "
+                  "fp8 (emulated) top-1 | fusions fired |", "|---|---|---|---|---|---|---|"]
+        lines += [_row_markdown(r) for r in tried]
     lines.append("")
     return "\n".join(lines)
+
+
+def _self_check_cell(row: dict) -> str:
+    check = row.get("self_check") or {}
+    if check.get("result") != "passed":
+        return check.get("result", "not run")
+    if check.get("status") == "cached" or check.get("max_logprob_error") is None:
+        return "passed (cached)"
+    return f"passed ({check['max_logprob_error']:.1e})"
+
+
+def _row_markdown(row: dict) -> str:
+    family = row["model_type"] + (f" ({row['mechanism']})" if row.get("tried") else "")
+    if "refused" in row:
+        return f"| {family} | refused: {row['refused']} | | | | | |"
+    if "fp32_error" in row:
+        return f"| {family} | build failed: {row['fp32_error'][:120]} | | | | | |"
+    check = row["fp32_vs_transformers"]
+    fp32 = "yes" if check["match"] else "NO (first difference at token " + ", ".join(
+        f"{i} for the {n}-token prompt" for n, i in check["first_difference"].items()) + ")"
+    if row.get("rope_recompute_at"):
+        fp32 += f" (longrope: KV recomputed past {row['rope_recompute_at']} tokens)"
+    fusions = ", ".join(f"{k} ×{v}" for k, v in row["fusions"].items()) or "none"
+    return (f"| {family} | {fp32} | {'yes' if row['batch_equals_single'] else 'NO'} | {_self_check_cell(row)} | "
+            f"{_cell_quant(row.get('int4'), 'int4')} | {_cell_quant(row.get('fp8'), 'fp8')} | {fusions} |")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -267,10 +327,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jobs", type=int, default=1, help="families measured in parallel processes")
     args = parser.parse_args(argv)
 
-    families = args.families.split(",") if args.families else list(SUPPORTED_MODEL_TYPES)
-    unknown = [f for f in families if f not in SUPPORTED_MODEL_TYPES]
+    from llmc.testing.tried_families import TRIED_FAMILIES
+
+    known = [*SUPPORTED_MODEL_TYPES, *sorted(TRIED_FAMILIES)]
+    families = args.families.split(",") if args.families else known
+    unknown = [f for f in families if f not in known]
     if unknown:
-        parser.error(f"--families: {', '.join(unknown)} not supported; choose from {', '.join(SUPPORTED_MODEL_TYPES)}")
+        parser.error(f"--families: {', '.join(unknown)} unknown; choose from {', '.join(known)}")
+    os.environ["LLMC_SELF_CHECK"] = "1"  # the matrix reports the self-check: never skip it
     args.work_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     with ProcessPoolExecutor(max_workers=max(1, args.jobs)) as pool:
@@ -302,8 +366,8 @@ def main(argv: list[str] | None = None) -> int:
     args.out_json.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
     args.out_md.parent.mkdir(parents=True, exist_ok=True)
     args.out_md.write_text(render_markdown(data))
-    failed = [r["model_type"] for r in rows
-              if "fp32_error" in r or not r["fp32_vs_transformers"]["match"] or not r["batch_equals_single"]]
+    failed = [r["model_type"] for r in rows if "refused" not in r and (
+              "fp32_error" in r or not r["fp32_vs_transformers"]["match"] or not r["batch_equals_single"])]
     print(f"wrote {args.out_md} and {args.out_json} in {data['meta']['seconds']} s"
           + (f"; fp32 mismatches: {', '.join(failed)}" if failed else ""), file=sys.stderr)
     return 1 if failed else 0

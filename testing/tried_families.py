@@ -6,20 +6,20 @@ from __future__ import annotations
 
 from pathlib import Path
 
-BASE = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+BASE = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=256)
 MLA = dict(kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16)
 # model_type -> (config overrides, mechanism, expected: "builds" or a phrase of the refusal)
 TRIED_FAMILIES = {
-    "bloom": (dict(vocab_size=256, hidden_size=64, n_layer=2, n_head=4), "ALiBi position bias", "ALiBi"),
+    "bloom": (dict(vocab_size=512, hidden_size=64, n_layer=2, n_head=4), "ALiBi position bias", "ALiBi"),
     "gpt_oss": (dict(BASE, num_local_experts=4, num_experts_per_tok=2, head_dim=16, sliding_window=16,
                      layer_types=["sliding_attention", "full_attention"]), "attention sinks", "attention sinks"),
     "llama4_text": (dict(BASE, intermediate_size_mlp=128, num_local_experts=4, num_experts_per_tok=1, head_dim=16,
                          attention_chunk_size=16, no_rope_layers=[1, 0], interleave_moe_layer_step=2),
                     "chunked local attention, layers without rotary, complex rotary", "chunked local attention"),
-    "falcon": (dict(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, parallel_attn=True),
+    "falcon": (dict(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, parallel_attn=True),
                "parallel attention + MLP, attention without keyword pass-through", "builds"),
-    "mamba": (dict(vocab_size=256, hidden_size=64, num_hidden_layers=2, state_size=8), "state-space layers",
+    "mamba": (dict(vocab_size=512, hidden_size=64, num_hidden_layers=2, state_size=8), "state-space layers",
               "recurrent state"),
     "cohere": (BASE, "parallel attention + MLP, LayerNorm", "builds"),
     "olmo2": (BASE, "post-norm, Q/K norms", "builds"),
@@ -38,8 +38,14 @@ def write_tried_family(model_type: str, out: Path) -> Path:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from llmc.testing.corpus import save_tokenizer, train_bpe_tokenizer
+
     overrides = TRIED_FAMILIES[model_type][0]
-    cfg = AutoConfig.for_model(model_type, **overrides)
+    # A tokenizer as real checkpoints have one (quantized builds calibrate on text).
+    tokenizer = train_bpe_tokenizer(vocab_size=overrides["vocab_size"], model_max_length=256)
+    cfg = AutoConfig.for_model(model_type, **overrides, bos_token_id=tokenizer.bos_token_id,
+                               eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(cfg).save_pretrained(out)
+    save_tokenizer(tokenizer, out)
     return out
