@@ -253,15 +253,12 @@ def _compile(ckpt: Checkpoint, digest: str, plan: _Plan, dest: Path, say: Progre
     def stage(name: str, n: int) -> None:
         say(f"[{n}/5] {name}")
 
-    check = None
+    check = pending = None
     # LLMC_SELF_CHECK=0 skips it (the test suite does, except where it tests the check: thousands of option
-    # combinations would each pay for a twin); a user's build always runs it.
+    # combinations would each pay for a twin); a user's build always runs it. It runs in a second process
+    # beside tracing and the passes, and is joined before anything is emitted.
     if options.self_check and os.environ.get("LLMC_SELF_CHECK", "1") != "0":
-        check = _self_check(ckpt, plan, say)
-        timings["self_check"] = check.seconds
-        info = {**(info or {}), "self_check": {"status": check.status, "seconds": check.seconds,
-                                               "max_logprob_error": check.max_logprob_error,
-                                               "max_logit_rel_error": check.max_logit_rel_error}}
+        pending = _PendingSelfCheck.start(ckpt, plan, say)
 
     stage("trace with torch.export", 2)
     t = time.perf_counter()
@@ -287,6 +284,15 @@ def _compile(ckpt: Checkpoint, digest: str, plan: _Plan, dest: Path, say: Progre
         for entry in pass_stats:
             entry["verified_rel_error"] = verifier.errors.get(entry["pass"])
     timings["passes"] = time.perf_counter() - t
+    if pending is not None:
+        t = time.perf_counter()
+        check = pending.result()  # raises UnsupportedError (exit 3) on a mismatch, before any output
+        timings["self_check"] = check.seconds
+        timings["self_check_wait"] = time.perf_counter() - t  # what it added to this build's wall time
+        info = {**(info or {}), "self_check": {"status": check.status, "seconds": check.seconds,
+                                               "waited_s": round(timings["self_check_wait"], 3),
+                                               "max_logprob_error": check.max_logprob_error,
+                                               "max_logit_rel_error": check.max_logit_rel_error}}
 
     stage(f"emit {'cuda' if cuda else target.backend} engine (streaming weights)", 4)
     t = time.perf_counter()
@@ -414,7 +420,53 @@ def _compile(ckpt: Checkpoint, digest: str, plan: _Plan, dest: Path, say: Progre
     return manifest, report
 
 
-def _self_check(ckpt: Checkpoint, plan: _Plan, say: Progress):
+def _self_check_child(ckpt: Checkpoint, plan: _Plan) -> tuple[str, object]:
+    """The self-check in a worker process: ("ok", SelfCheckResult) or ("refused", message)."""
+    try:
+        return "ok", _self_check(ckpt, plan, lambda _msg: None)
+    except UnsupportedError as exc:
+        return "refused", str(exc)
+
+
+class _PendingSelfCheck:
+    """The self-check running beside the build: in a spawned process (a twin's tracing is single-threaded
+    Python, like the real build's, so on two cores it costs little wall time), or in this process when the
+    build cannot be sent to another (extra passes that do not pickle) or the result is cached."""
+
+    def __init__(self, result=None, future=None, pool=None):
+        self._result, self._future, self._pool = result, future, pool
+
+    @classmethod
+    def start(cls, ckpt: Checkpoint, plan: _Plan, say: Progress) -> _PendingSelfCheck:
+        import multiprocessing
+        import pickle
+        from concurrent.futures import ProcessPoolExecutor
+
+        cached = _self_check(ckpt, plan, say, lookup_only=True)
+        if cached is not None:
+            return cls(result=cached)
+        try:
+            pickle.dumps((ckpt, plan))
+        except Exception:  # noqa: BLE001 - e.g. a test-only pass defined in a closure: check in this process
+            return cls(result=_self_check(ckpt, plan, say))
+        say(f"      self-check: a random twin of this {ckpt.model_type} config through the same pipeline, "
+            "against transformers (in a second process, beside the build)")
+        pool = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"))
+        return cls(future=pool.submit(_self_check_child, ckpt, plan), pool=pool)
+
+    def result(self):
+        if self._future is None:
+            return self._result
+        try:
+            status, payload = self._future.result()
+        finally:
+            self._pool.shutdown(cancel_futures=True)
+        if status == "refused":
+            raise UnsupportedError(payload)
+        return payload
+
+
+def _self_check(ckpt: Checkpoint, plan: _Plan, say: Progress, lookup_only: bool = False):
     """The architecture self-check for this build (see compiler/selfcheck.py); raises UnsupportedError on a mismatch.
 
     The twin is built unquantized, in float32, for the same target where the runtime here can execute it
@@ -441,7 +493,7 @@ def _self_check(ckpt: Checkpoint, plan: _Plan, say: Progress):
 
     return selfcheck.run(ckpt.config, ckpt.model_type, build_twin, lowering, artifact.toolchain_versions(),
                          sources_digest(_PACKAGE_ROOT), plan.cache_root or Store(None).root, cuda,
-                         cacheable=not options.extra_passes, say=say)
+                         cacheable=not options.extra_passes, say=say, lookup_only=lookup_only)
 
 
 def build(checkpoint_dir: str | Path, out_dir: str | Path, options: BuildOptions | None = None,

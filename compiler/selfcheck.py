@@ -235,15 +235,19 @@ def diagnose(twin: dict, ckpt: Path, tmp: Path, build_twin, cuda: bool) -> str:
 
 
 def run(config: dict, model_type: str, build_twin, lowering: dict, toolchain: dict, sources: str,
-        cache_root: Path | None, cuda: bool, cacheable: bool, say) -> SelfCheckResult:
+        cache_root: Path | None, cuda: bool, cacheable: bool, say, lookup_only: bool = False
+        ) -> SelfCheckResult | None:
     """Run (or find cached) the self-check. ``build_twin(twin_ckpt, out_dir)`` builds the twin's engine the way
-    the real build will. Raises :class:`UnsupportedError` (exit 3) on a mismatch."""
+    the real build will. Raises :class:`UnsupportedError` (exit 3) on a mismatch. ``lookup_only``: return the
+    cached result or None, running nothing."""
     t0 = time.perf_counter()
     twin = shrink_config(config)
     key = check_key(model_type, twin, lowering, toolchain, sources)
     record = (cache_root / "selfcheck" / f"{key}.json") if cache_root is not None else None
     if cacheable and record is not None and record.is_file():
         return SelfCheckResult("cached", key, round(time.perf_counter() - t0, 3), twin)
+    if lookup_only:
+        return None
     say(f"      self-check: a {twin.get('num_hidden_layers', '?')}-layer random twin of this {model_type} config "
         "through the same pipeline, against transformers")
     from transformers.utils import logging as hf_logging
