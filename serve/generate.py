@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -25,6 +26,8 @@ from llmc.serve.protocol import ChatCompletionRequest, CompletionRequest
 from llmc.serve.state import ServerState
 from llmc.serve.structured import precompile, requested
 from llmc.serve.text import TextStream
+
+MAX_RETRY_AFTER = 60  # seconds: past this an estimate says little; clients should back off on their own
 
 # OpenAI's stand-in for a log-probability too small for a float (JSON has no -Infinity).
 _MIN_LOGPROB = -9999.0
@@ -249,8 +252,12 @@ async def run(state: ServerState, plan: Plan, request: Request, arrival: float) 
     try:
         sink = await state.loop.submit(prompts, plan.params, plan.choice_ids, arrival)
     except QueueFull as exc:
-        raise APIError(429, f"{exc}; retry after {state.config.retry_after} s", code="queue_full",
-                       headers={"Retry-After": str(state.config.retry_after)}) from exc
+        # The queue's own drain estimate where requests have been finishing; the configured floor otherwise.
+        wait = state.config.retry_after
+        if exc.retry_after is not None:
+            wait = min(MAX_RETRY_AFTER, max(wait, math.ceil(exc.retry_after)))
+        raise APIError(429, f"{exc}; retry after {wait} s", code="queue_full",
+                       headers={"Retry-After": str(wait)}) from exc
     except LoopDead as exc:
         raise APIError(503, str(exc), code="engine_unavailable") from exc
     except LlmcError as exc:

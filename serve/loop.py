@@ -20,12 +20,29 @@ from llmc.runtime import Engine, EngineStats, GenerationOutput, RequestOutput, S
 
 
 class QueueFull(Exception):
-    """The waiting queue has no room for the request's choices (answered with 429)."""
+    """The waiting queue has no room for the request's choices (answered with 429).
 
-    def __init__(self, waiting: int, limit: int) -> None:
+    ``retry_after`` (seconds, None if unknown): how long until the queue has drained enough room for the
+    request at the rate requests finished recently (:func:`drain_seconds`)."""
+
+    def __init__(self, waiting: int, limit: int, retry_after: float | None = None) -> None:
         super().__init__(f"the waiting queue is full ({waiting} requests waiting, --max-queue {limit})")
         self.waiting = waiting
         self.limit = limit
+        self.retry_after = retry_after
+
+
+RATE_WINDOW_S = 30.0  # completions older than this do not count towards the drain rate
+
+
+def drain_seconds(finish_times: Sequence[float], now: float, needed: int) -> float | None:
+    """Seconds until ``needed`` more requests finish at the rate of ``finish_times`` (monotonic seconds) in the
+    last :data:`RATE_WINDOW_S`; None when fewer than two finished there (no rate to go on)."""
+    recent = [t for t in finish_times if now - t <= RATE_WINDOW_S]
+    if len(recent) < 2:
+        return None
+    span = max(now - recent[0], 1e-3)
+    return needed / (len(recent) / span)
 
 
 class LoopDead(Exception):
@@ -96,6 +113,8 @@ class EngineLoop:
         self._thread: threading.Thread | None = None
         self._step_started: float | None = None
         self._beat = time.monotonic()
+        # Monotonic times requests finished: the drain rate behind a 429's Retry-After.
+        self._finish_times: collections.deque[float] = collections.deque(maxlen=4096)
         self.error: BaseException | None = None
         self.snapshot = self._snapshot()
 
@@ -213,7 +232,9 @@ class EngineLoop:
             return  # the handler was cancelled while this waited in the inbox (its client left): submit nothing
         waiting = len(self.engine.scheduler.waiting)
         if waiting + len(cmd.ids) > self.max_queue:
-            cmd.future.set_exception(QueueFull(waiting, self.max_queue))
+            needed = waiting + len(cmd.ids) - self.max_queue
+            cmd.future.set_exception(QueueFull(waiting, self.max_queue,
+                                               drain_seconds(self._finish_times, time.monotonic(), needed)))
             return
         done: list[str] = []
         try:
@@ -242,6 +263,8 @@ class EngineLoop:
         for o in outputs:
             t = self._tracked.pop(o.request_id, None) if o.finished else self._tracked.get(o.request_id)
             final = self.engine.result(o.request_id) if o.finished else None  # also drops the engine's record
+            if o.finished:
+                self._finish_times.append(time.monotonic())
             if t is None:
                 continue
             if obs is not None:
