@@ -163,7 +163,8 @@ def _quant_options(f):
 @click.option("--cache-dir", type=click.Path(path_type=Path), default=None,
               help="Build cache directory [default: $LLMC_CACHE_DIR, else $XDG_CACHE_HOME/llmc or ~/.cache/llmc].")
 @click.option("--no-cache", is_flag=True, help="Rebuild even on a cache hit, and replace the cache entry.")
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object with the result instead of text.")
+@click.option("--json", "as_json", is_flag=True,
+              help="Print one JSON object with the result instead of text (no progress lines).")
 @click.option("-q", "--quiet", is_flag=True, help="No progress output.")
 @_quant_options
 def build(checkpoint: Path, output: Path, disabled_passes: tuple[str, ...], verify_passes: bool, target: str,
@@ -182,7 +183,7 @@ def build(checkpoint: Path, output: Path, disabled_passes: tuple[str, ...], veri
     start = time.perf_counter()
 
     def progress(msg: str) -> None:
-        if not quiet:
+        if not quiet and not as_json:  # machines reading --json get the one object, nothing else
             click.echo(f"{msg} (+{time.perf_counter() - start:.1f}s)", err=True)
 
     quant = {k.removeprefix("quant_"): v for k, v in quant_args.items()}

@@ -3,6 +3,7 @@ float rounding), and the per-layer progress lines of a calibrated build."""
 
 from __future__ import annotations
 
+import json
 import re
 
 import numpy as np
@@ -135,6 +136,9 @@ def test_calibration_progress_has_a_line_per_layer_with_an_eta_and_none_under_qu
     quiet = CliRunner().invoke(cli, [*args, "-o", str(tmp_path / "b"), "--no-cache", "-q"])
     assert quiet.exit_code == 0, quiet.stderr
     assert quiet.stderr == "" and quiet.stdout == ""
+    machine = CliRunner().invoke(cli, [*args, "-o", str(tmp_path / "c"), "--json"])  # a cache hit: fast
+    assert machine.exit_code == 0 and machine.stderr == "", machine.stderr
+    assert json.loads(machine.stdout)["accuracy"]  # the one object on stdout, and nothing on stderr
 
 
 def _gptq_plain(w, h, group_size, symmetric, damp=0.01):
