@@ -10,6 +10,7 @@ when complete, so a failed or interrupted build never leaves a partial output di
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import signal
@@ -260,30 +261,35 @@ def _compile(ckpt: Checkpoint, digest: str, plan: _Plan, dest: Path, say: Progre
     if options.self_check and os.environ.get("LLMC_SELF_CHECK", "1") != "0":
         pending = _PendingSelfCheck.start(ckpt, plan, say)
 
-    stage("trace with torch.export", 2)
-    t = time.perf_counter()
-    traced = trace(ckpt, compute_dtype=COMPUTE_DTYPE)
-    timings["trace"] = time.perf_counter() - t
-    nodes_traced = sum(1 for _ in traced.model.graph)
-    _kill_point("after-trace")
+    try:
+        stage("trace with torch.export", 2)
+        t = time.perf_counter()
+        traced = trace(ckpt, compute_dtype=COMPUTE_DTYPE)
+        timings["trace"] = time.perf_counter() - t
+        nodes_traced = sum(1 for _ in traced.model.graph)
+        _kill_point("after-trace")
 
-    stage(f"optimise graph ({len(passes)} passes{', verified' if options.verify_passes else ''})", 3)
-    t = time.perf_counter()
-    verifier = None
-    if options.verify_passes:
-        from llmc.compiler.verify import KVShape, PassVerifier
+        stage(f"optimise graph ({len(passes)} passes{', verified' if options.verify_passes else ''})", 3)
+        t = time.perf_counter()
+        verifier = None
+        if options.verify_passes:
+            from llmc.compiler.verify import KVShape, PassVerifier
 
-        # Random inputs drawn from a seed derived from the checkpoint digest: fresh per model, yet the
-        # same for two builds of the same inputs, so the errors in report.json are reproducible.
-        verifier = PassVerifier(traced.model, traced.vocab_size,
-                                KVShape(traced.num_layers, traced.num_kv_heads, traced.head_size,
-                                        options.block_size),
-                                seed=int(digest.removeprefix("sha256:")[:16], 16))
-    pass_stats = run_pipeline(traced.model, passes, verify=verifier, progress=lambda name: say(f"      {name}"))
-    if verifier is not None:
-        for entry in pass_stats:
-            entry["verified_rel_error"] = verifier.errors.get(entry["pass"])
-    timings["passes"] = time.perf_counter() - t
+            # Random inputs drawn from a seed derived from the checkpoint digest: fresh per model, yet the
+            # same for two builds of the same inputs, so the errors in report.json are reproducible.
+            verifier = PassVerifier(traced.model, traced.vocab_size,
+                                    KVShape(traced.num_layers, traced.num_kv_heads, traced.head_size,
+                                            options.block_size),
+                                    seed=int(digest.removeprefix("sha256:")[:16], 16))
+        pass_stats = run_pipeline(traced.model, passes, verify=verifier, progress=lambda name: say(f"      {name}"))
+        if verifier is not None:
+            for entry in pass_stats:
+                entry["verified_rel_error"] = verifier.errors.get(entry["pass"])
+        timings["passes"] = time.perf_counter() - t
+    except BaseException:
+        if pending is not None:
+            pending.cancel()
+        raise
     if pending is not None:
         t = time.perf_counter()
         check = pending.result()  # raises UnsupportedError (exit 3) on a mismatch, before any output
@@ -429,38 +435,65 @@ def _self_check_child(ckpt: Checkpoint, plan: _Plan) -> tuple[str, object]:
 
 
 class _PendingSelfCheck:
-    """The self-check running beside the build: in a spawned process (a twin's tracing is single-threaded
-    Python, like the real build's, so on two cores it costs little wall time), or in this process when the
-    build cannot be sent to another (extra passes that do not pickle) or the result is cached."""
+    """The self-check running beside the build, in a second Python process (``python -m
+    llmc.compiler.selfcheck_worker``: a twin's tracing is single-threaded Python like the real build's, so on
+    two cores it costs little wall time; a plain subprocess, not multiprocessing, so a caller's script is never
+    re-imported), or in this process when the result is cached, the build does not pickle (a test-only pass
+    made in a closure), or the worker dies without an answer."""
 
-    def __init__(self, result=None, future=None, pool=None):
-        self._result, self._future, self._pool = result, future, pool
+    def __init__(self, result=None, proc=None, files=None, args=None):
+        self._result, self._proc, self._files, self._args = result, proc, files, args
 
     @classmethod
     def start(cls, ckpt: Checkpoint, plan: _Plan, say: Progress) -> _PendingSelfCheck:
-        import multiprocessing
         import pickle
-        from concurrent.futures import ProcessPoolExecutor
+        import subprocess
+        import sys
 
         cached = _self_check(ckpt, plan, say, lookup_only=True)
         if cached is not None:
             return cls(result=cached)
         try:
-            pickle.dumps((ckpt, plan))
+            blob = pickle.dumps((ckpt, plan))
         except Exception:  # noqa: BLE001 - e.g. a test-only pass defined in a closure: check in this process
             return cls(result=_self_check(ckpt, plan, say))
         say(f"      self-check: a random twin of this {ckpt.model_type} config through the same pipeline, "
             "against transformers (in a second process, beside the build)")
-        pool = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"))
-        return cls(future=pool.submit(_self_check_child, ckpt, plan), pool=pool)
+        work = Path(tempfile.mkdtemp(prefix="llmc-selfcheck-job-"))
+        (work / "in.pkl").write_bytes(blob)
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))  # the caller's modules
+        with open(work / "stderr.txt", "wb") as err:
+            proc = subprocess.Popen([sys.executable, "-m", "llmc.compiler.selfcheck_worker", str(work)],
+                                    stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err, env=env)
+        return cls(proc=proc, files=work, args=(ckpt, plan, say))
+
+    def cancel(self) -> None:
+        """Stop the worker (the build failed or was interrupted first)."""
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.kill()
+            self._proc.wait()
+        if self._files is not None:
+            shutil.rmtree(self._files, ignore_errors=True)
 
     def result(self):
-        if self._future is None:
+        if self._proc is None:
             return self._result
+        import pickle
+
         try:
-            status, payload = self._future.result()
+            self._proc.wait()
+            out = self._files / "out.pkl"
+            if self._proc.returncode != 0 or not out.is_file():
+                tail = (self._files / "stderr.txt").read_text(errors="replace")[-2000:]
+                logging.getLogger("llmc").debug("self-check worker exited %s without an answer: %s",
+                                                self._proc.returncode, tail)
+                ckpt, plan, say = self._args
+                return _self_check(ckpt, plan, say)  # the check is not optional: run it here
+            status, payload = pickle.loads(out.read_bytes())
         finally:
-            self._pool.shutdown(cancel_futures=True)
+            if self._proc.poll() is None:
+                self._proc.kill()
+            shutil.rmtree(self._files, ignore_errors=True)
         if status == "refused":
             raise UnsupportedError(payload)
         return payload
