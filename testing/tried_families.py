@@ -30,6 +30,13 @@ TRIED_FAMILIES = {
                     "multi-head latent attention, shared experts, grouped routing", "builds"),
     "qwen2_moe": (dict(BASE, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                        shared_expert_intermediate_size=64), "MoE with a gated shared expert", "builds"),
+    "smollm3": (dict(BASE, no_rope_layers=[1, 0], no_rope_layer_interval=2), "layers without rotary (NoPE)",
+                "builds"),
+    "nemotron": (BASE, "LayerNorm1p, squared-ReLU MLP, partial rotary", "builds"),
+    "apertus": (BASE, "xIELU activation, Q/K norms", "builds"),
+    "glm4_moe": (dict(BASE, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
+                      n_group=2, topk_group=1, first_k_dense_replace=1),
+                 "sigmoid grouped routing with a shared expert, partial rotary", "builds"),
 }
 
 
