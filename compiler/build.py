@@ -651,7 +651,9 @@ def build_cached(checkpoint_dir: str | Path, out_dir: str | Path, options: Build
             try:
                 _export(entry.artifact, plan.out)
             except _CorruptEntry as exc:
-                say(f"      cache entry {key[:16]} is damaged ({exc}); evicting it and rebuilding")
+                # A warning, not progress: it shows under --json too (stderr), where progress lines do not.
+                logging.getLogger("llmc").warning("cache entry %s is damaged (%s); evicting it and rebuilding",
+                                                  key[:16], exc)
                 store.remove_locked(key)
                 entry = None
             else:

@@ -134,7 +134,7 @@ def test_console_script_end_to_end(tmp_path, tiny_llama):
                            text=True, check=True)
     result = json.loads(built.stdout)
     assert result["status"] == "ok" and Path(result["artifact"]) == out
-    assert "[1/5]" in built.stderr
+    assert "[1/5]" not in built.stderr  # --json: the one object on stdout, no progress lines on stderr
     ran = subprocess.run([llmc, "run", str(out), "--prompt", "The for statement", "-n", "8", "--json"],
                          capture_output=True, text=True, check=True)
     obj = json.loads(ran.stdout)
