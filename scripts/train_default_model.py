@@ -67,7 +67,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--eval-every", type=int, default=100, help="heldout eval period (0: end only)")
-    return p.parse_args(argv)
+    p.add_argument("--init-from", type=Path, default=None,
+                   help="start from this checkpoint's weights (same shape and tokenizer) instead of random ones")
+    p.add_argument("--repeat-fraction", type=float, default=0.0,
+                   help="fraction of training windows that quote a passage again (teaches copying from context)")
+    args = p.parse_args(argv)
+    if not 0.0 <= args.repeat_fraction <= 1.0:
+        p.error(f"--repeat-fraction {args.repeat_fraction}: must be in [0, 1]")
+    return args
 
 
 def token_stream(texts: list[str], tokenizer: transformers.PreTrainedTokenizerBase) -> torch.Tensor:
@@ -83,6 +90,24 @@ def token_stream(texts: list[str], tokenizer: transformers.PreTrainedTokenizerBa
         ids.extend(tokenizer.backend_tokenizer.encode(text, add_special_tokens=False).ids)
         ids.append(tokenizer.eos_token_id)
     return torch.tensor(ids, dtype=torch.long)
+
+
+def repeat_window(train: torch.Tensor, seq_len: int, sep: list[int], gen: torch.Generator) -> torch.Tensor:
+    """A ``seq_len + 1`` window that quotes itself: passage, separator, the passage again, then onward text.
+
+    The passage (32 to ``seq_len // 2`` tokens) is quoted from a random offset in its first half, as
+    when an answer repeats a line of its prompt and goes on with what followed it (an edited function,
+    a continued quotation). Real LLMs learn this copying (induction heads) from code and chat corpora,
+    where passages recur; the pydoc text alone has too few repeats for a small model to learn it.
+    """
+    n = seq_len + 1
+    length = int(torch.randint(32, seq_len // 2 + 1, (1,), generator=gen))
+    start = int(torch.randint(0, train.numel() - length - n, (1,), generator=gen))
+    offset = int(torch.randint(0, length // 2 + 1, (1,), generator=gen))
+    passage = train[start : start + length]
+    onward = train[start + length : start + length + n]  # what followed the passage in the corpus
+    window = torch.cat([passage, torch.tensor(sep, dtype=torch.long), passage[offset:], onward])
+    return window[:n]
 
 
 def lr_at(step: int, args: argparse.Namespace) -> float:
@@ -163,7 +188,15 @@ def main(argv: list[str] | None = None) -> int:
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
-    model = LlamaForCausalLM(config)
+    if args.init_from is not None:
+        model = LlamaForCausalLM.from_pretrained(args.init_from, dtype=torch.float32)
+        if model.config.vocab_size != config.vocab_size or model.config.hidden_size != config.hidden_size:
+            raise SystemExit(f"--init-from {args.init_from}: vocab {model.config.vocab_size} / hidden "
+                             f"{model.config.hidden_size}, expected {config.vocab_size} / {config.hidden_size}; "
+                             "pass the shape options the checkpoint was trained with")
+        config = model.config
+    else:
+        model = LlamaForCausalLM(config)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"model: {n_params:,} parameters", flush=True)
 
@@ -172,13 +205,19 @@ def main(argv: list[str] | None = None) -> int:
     data_gen = torch.Generator().manual_seed(args.seed + 1)
     tokens_per_step = args.batch_size * args.seq_len
     max_start = train.numel() - args.seq_len - 1
+    sep = tokenizer.backend_tokenizer.encode("\n\n", add_special_tokens=False).ids
     evals: list[tuple[int, float, float]] = []
     window_loss, window_steps, loss = 0.0, 0, float("nan")
     started = last_log = time.perf_counter()
     model.train()
     for step in range(args.steps):
         starts = torch.randint(0, max_start + 1, (args.batch_size,), generator=data_gen)
-        batch = torch.stack([train[s : s + args.seq_len + 1] for s in starts.tolist()])
+        windows = [train[s : s + args.seq_len + 1] for s in starts.tolist()]
+        if args.repeat_fraction:
+            quoted = torch.rand(args.batch_size, generator=data_gen) < args.repeat_fraction
+            windows = [repeat_window(train, args.seq_len, sep, data_gen) if q else w
+                       for w, q in zip(windows, quoted.tolist(), strict=True)]
+        batch = torch.stack(windows)
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, args)
         logits = model(input_ids=batch[:, :-1]).logits
@@ -279,9 +318,16 @@ def write_model_card(
     steps_tokens = args.steps * args.batch_size * args.seq_len
     rows = "\n".join(f"| {s} | {loss:.4f} | {p:.2f} |" for s, loss, p in evals)
     quoted = "\n".join("    " + line for line in sample.splitlines())
+    origin = "trained from scratch"
+    if args.init_from is not None:
+        origin = f"fine-tuned from `{args.init_from}`"
+    if args.repeat_fraction:
+        origin += (f", with {args.repeat_fraction:.0%} of its training windows quoting a passage again "
+                   "(passage, blank line, the passage from a point in its first half, then the text that "
+                   "followed it; `repeat_window`) so that it learns to copy from its context,")
     card = f"""# llmc default model
 
-A tiny Llama trained from scratch by `scripts/train_default_model.py` on the English
+A tiny Llama {origin} by `scripts/train_default_model.py` on the English
 text of CPython's `pydoc_data.topics.topics` (Python 3.11.7, as shipped in `testing/`). It
 exists so that llmc's tests, examples and demos have a real, offline checkpoint whose
 output reads like Python documentation. It is not useful for anything else.
