@@ -190,22 +190,28 @@ def verify(logits: np.ndarray, draft: Sequence[int], draft_probs: np.ndarray | N
 def ngram_propose(tokens: Sequence[int], k: int, min_n: int, max_n: int) -> list[int]:
     """Prompt lookup: up to ``k`` tokens that followed the latest earlier occurrence of the last n-gram.
 
-    Tries ``n = max_n .. min_n`` (longer matches predict better) and returns ``[]`` without a match.
-    O(len(tokens) * n) per call, vectorised.
+    The longest match wins (``n = max_n .. min_n``; longer matches predict better), the latest among
+    equally long ones; ``[]`` without a match of at least ``min_n`` tokens. One vectorised comparison
+    over the sequence finds where its last token occurred, then each longer n only filters those
+    candidates: ~20 us for a 1000-token sequence, where ``n`` sliding-window scans cost ~0.5 ms, a
+    quarter of a small model's decode step.
     """
     size = len(tokens)
     if k < 1 or size < min_n + 1:
         return []
     arr = np.asarray(tokens, np.int64)
-    for n in range(min(max_n, size - 1), min_n - 1, -1):
-        suffix = arr[size - n:]
-        # Windows starting at 0 .. size-n-1: each has at least one token after it, and excludes the suffix itself.
-        hay = np.lib.stride_tricks.sliding_window_view(arr[: size - 1], n)
-        hits = np.flatnonzero((hay == suffix).all(axis=1))
-        if hits.size:
-            start = int(hits[-1]) + n
-            return arr[start: start + k].tolist()
-    return []
+    ends = np.flatnonzero(arr[: size - 1] == arr[size - 1])  # earlier matches of the last 1-gram, by end
+    best, n = (ends if min_n <= 1 else None), 1
+    while ends.size and n < max_n:
+        n += 1
+        ends = ends[ends >= n - 1]
+        ends = ends[arr[ends - (n - 1)] == arr[size - n]]
+        if ends.size and n >= min_n:
+            best = ends
+    if best is None or not best.size:
+        return []
+    start = int(best[-1]) + 1
+    return arr[start: start + k].tolist()
 
 
 class DraftProposer:

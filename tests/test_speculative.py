@@ -143,6 +143,30 @@ def test_ngram_propose_uses_the_latest_longest_match():
     assert ngram_propose([5, 5], 4, 1, 2) == [5]
 
 
+def ngram_reference(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
+    """Prompt lookup spelled out: for n = max_n .. min_n, the latest earlier n-gram equal to the last one."""
+    for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):
+        suffix = tokens[len(tokens) - n:]
+        for start in range(len(tokens) - n - 1, -1, -1):
+            if tokens[start: start + n] == suffix:
+                return tokens[start + n: start + n + k]
+    return []
+
+
+def test_ngram_propose_matches_the_reference_on_random_sequences():
+    rng = np.random.default_rng(0)
+    found = 0
+    for _ in range(400):
+        toks = rng.integers(0, int(rng.integers(2, 6)), int(rng.integers(1, 40))).tolist()
+        min_n = int(rng.integers(1, 4))
+        max_n = int(rng.integers(min_n, 6))
+        k = int(rng.integers(1, 6))
+        want = ngram_reference(toks, k, min_n, max_n)
+        assert ngram_propose(toks, k, min_n, max_n) == want, (toks, k, min_n, max_n)
+        found += bool(want)
+    assert 100 < found < 400  # both outcomes were exercised
+
+
 def linear(per_draft: float, max_k: int = 6) -> list[float]:
     """Step costs relative to a plain step when each draft adds ``per_draft`` of one."""
     return [1.0 + per_draft * k for k in range(max_k + 1)]
