@@ -330,7 +330,7 @@ class DraftProposer:
 
 
 class StepCost:
-    """Fits ``seconds = a + b * tokens`` to recent steps of one kind (least squares over a window).
+    """Fits ``seconds = a + b * tokens`` to recent steps of one kind (through per-size medians, over a window).
 
     ``a`` is the fixed cost of a step (weights read once, launch and framework overhead), ``b`` the
     cost of each token in it. While the window holds steps of one size only, the two cannot be
@@ -360,10 +360,15 @@ class StepCost:
             self._stale = 0
             x = np.fromiter((o[0] for o in self._obs), np.float64, len(self._obs))
             y = np.fromiter((o[1] for o in self._obs), np.float64, len(self._obs))
-            if x.std() < 0.5:  # one step size: its median, the slope left to predict()
-                self._fit = (float(np.median(y)), 0.0, int(round(x.mean())))
+            # The line goes through each step size's median time (weighted by how often the size ran), not
+            # through every step: on a shared machine a few steps stall for many times their cost, and a
+            # least-squares line through them would swing with each stall.
+            sizes, which, counts = np.unique(x, return_inverse=True, return_counts=True)
+            medians = np.asarray([np.median(y[which == i]) for i in range(sizes.size)])
+            if sizes.size == 1:  # one step size: its median, the slope left to predict()
+                self._fit = (float(medians[0]), 0.0, int(sizes[0]))
             else:
-                b, a = np.polyfit(x, y, 1)
+                b, a = np.polyfit(sizes, medians, 1, w=np.sqrt(counts))
                 self._fit = (max(float(a), 1e-6), max(float(b), 0.0), None)
         return self._fit
 

@@ -246,6 +246,17 @@ def test_step_cost_refits_periodically():
     assert c.slope() > 0.05
 
 
+def test_step_cost_fit_ignores_stalls():
+    c = StepCost(refit_every=1)
+    for _ in range(10):
+        c.observe(1, 0.002)
+        c.observe(5, 0.003)
+    c.observe(5, 0.5)  # one step stalled (another process had the cores): the medians do not move
+    c.observe(1, 0.4)
+    assert c.fit() == pytest.approx((0.00175, 0.00025))
+    assert c.predict(3) == pytest.approx(0.0025)
+
+
 def test_config_errors_name_the_field():
     with pytest.raises(LlmcError, match="SpeculativeConfig.method"):
         SpeculativeConfig("medusa")
