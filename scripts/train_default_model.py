@@ -71,6 +71,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="start from this checkpoint's weights (same shape and tokenizer) instead of random ones")
     p.add_argument("--repeat-fraction", type=float, default=0.0,
                    help="fraction of training windows that quote a passage again (teaches copying from context)")
+    p.add_argument("--random-passages", type=float, default=0.0,
+                   help="fraction of the quoting windows whose passage is random tokens (the clearest copying signal)")
     args = p.parse_args(argv)
     if not 0.0 <= args.repeat_fraction <= 1.0:
         p.error(f"--repeat-fraction {args.repeat_fraction}: must be in [0, 1]")
@@ -92,20 +94,23 @@ def token_stream(texts: list[str], tokenizer: transformers.PreTrainedTokenizerBa
     return torch.tensor(ids, dtype=torch.long)
 
 
-def repeat_window(train: torch.Tensor, seq_len: int, sep: list[int], gen: torch.Generator,
-                  with_quote: bool = False) -> torch.Tensor | tuple[torch.Tensor, tuple[int, int]]:
+def repeat_window(train: torch.Tensor, seq_len: int, sep: list[int], gen: torch.Generator, with_quote: bool = False,
+                  random_vocab: int = 0) -> torch.Tensor | tuple[torch.Tensor, tuple[int, int]]:
     """A ``seq_len + 1`` window that quotes itself: passage, separator, the passage again, then onward text.
 
     The passage (32 to ``seq_len // 2`` tokens) is quoted from a random offset in its first half, as
     when an answer repeats a line of its prompt and goes on with what followed it (an edited function,
     a continued quotation). Real LLMs learn this copying (induction heads) from code and chat corpora,
     where passages recur; the pydoc text alone has too few repeats for a small model to learn it.
+    With ``random_vocab`` the passage is random token ids below it (the special ids 0-3 excluded).
     """
     n = seq_len + 1
     length = int(torch.randint(32, seq_len // 2 + 1, (1,), generator=gen))
     start = int(torch.randint(0, train.numel() - length - n, (1,), generator=gen))
     offset = int(torch.randint(0, length // 2 + 1, (1,), generator=gen))
     passage = train[start : start + length]
+    if random_vocab:  # random tokens: only copying predicts the quote, so the gradient teaches nothing else
+        passage = torch.randint(4, random_vocab, (length,), generator=gen)
     onward = train[start + length : start + length + n]  # what followed the passage in the corpus
     window = torch.cat([passage, torch.tensor(sep, dtype=torch.long), passage[offset:], onward])[:n]
     if with_quote:  # also where the quote lies in the window: [start, end)
@@ -239,8 +244,9 @@ def main(argv: list[str] | None = None) -> int:
         windows = [train[s : s + args.seq_len + 1] for s in starts.tolist()]
         if args.repeat_fraction:
             quoted = torch.rand(args.batch_size, generator=data_gen) < args.repeat_fraction
-            windows = [repeat_window(train, args.seq_len, sep, data_gen) if q else w
-                       for w, q in zip(windows, quoted.tolist(), strict=True)]
+            rand = torch.rand(args.batch_size, generator=data_gen) < args.random_passages
+            windows = [repeat_window(train, args.seq_len, sep, data_gen, random_vocab=len(tokenizer) if r else 0)
+                       if q else w for w, q, r in zip(windows, quoted.tolist(), rand.tolist(), strict=True)]
         batch = torch.stack(windows)
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, args)
@@ -352,7 +358,8 @@ def write_model_card(
     if args.repeat_fraction:
         origin += (f", with {args.repeat_fraction:.0%} of its training windows quoting a passage again "
                    "(passage, blank line, the passage from a point in its first half, then the text that "
-                   "followed it; `repeat_window`) so that it learns to copy from its context,")
+                   f"followed it; `repeat_window`; {args.random_passages:.0%} of those passages random tokens) "
+                   "so that it learns to copy from its context,")
     card = f"""# llmc default model
 
 A tiny Llama {origin} by `scripts/train_default_model.py` on the English
