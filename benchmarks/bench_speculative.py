@@ -15,9 +15,12 @@ Targets (14M parameters, the default model's shape and tokenizer):
 Draft: ``assets/default-draft-model`` (0.9M parameters, same tokenizer). Greedy, ``--new-tokens``
 (128) new tokens per request, EOS ignored. Workloads (held-out pydoc text, never seen in training):
 
-- ``repeat``: a passage, a blank line, then the passage's first line again: the answer repeats text
-  from the prompt (a quoted passage continued).
-- ``free``: the first 64 tokens of a held-out document; free continuation.
+- ``repeat``: a passage (900 characters), a blank line, then the passage's first line again: the
+  answer repeats text from the prompt (a quoted passage continued).
+- ``free``: 64 tokens of held-out text; free continuation.
+
+(The committed figures before this version ran "batch 8" with 4 prompts: only 4 held-out documents
+are long enough, and each gave one prompt.)
 
 Batch 1 (each prompt alone; rate = new tokens / wall time over all prompts, prefill included) and
 batch 8 (all prompts in one ``generate``). ``--rounds`` rounds; in each, every (target, workload,
@@ -69,12 +72,24 @@ def build(model: Path, out: Path) -> Path:
 
 
 def workloads(tokenizer, n: int) -> dict[str, list[list[int]]]:
-    """``repeat`` and ``free`` prompts (token ids) from held-out documents."""
+    """``n`` ``repeat`` and ``free`` prompts (token ids) from held-out documents.
+
+    Only 4 held-out documents are longer than 1500 characters, so prompts start at line starts 1500
+    characters apart in them, taken round-robin (the first ``n``), so that batch 8 has 8 prompts.
+    """
     from llmc.testing.corpus import pydoc_texts
 
-    docs = [d for d in pydoc_texts("heldout") if len(d) > 1500][:n]
+    docs = [d for d in pydoc_texts("heldout") if len(d) > 1500]
+    texts = []
+    for offset in range(0, max(map(len, docs)), 1500):
+        for d in docs:
+            start = 0 if offset == 0 else d.find("\n", offset) + 1  # 0 past the last line: skipped
+            if (offset == 0 or start > 0) and len(d) - start >= 1500:
+                texts.append(d[start:])
+    if len(texts) < n:
+        raise SystemExit(f"--prompts {n}: the held-out documents give only {len(texts)} prompts; use fewer")
     repeat, free = [], []
-    for d in docs:
+    for d in texts[:n]:
         passage = d[:900]
         first_line = passage.split("\n", 1)[0][:80] or passage[:80]
         repeat.append(tokenizer.encode(passage + "\n\n" + first_line))

@@ -341,8 +341,11 @@ class StepCost:
     the window costs ~0.1 ms, a tenth of a 14M-parameter decode step on a CPU.
     """
 
+    MIN_COUNT = 3  # steps of one size before its own median is trusted
+
     def __init__(self, window: int = 256, prior_ratio: float = 0.05, refit_every: int = 16) -> None:
         self._obs: deque[tuple[int, float]] = deque(maxlen=window)
+        self._medians: dict[int, float] = {}  # step size -> median seconds, sizes seen MIN_COUNT times
         self.prior_ratio = prior_ratio
         self.refit_every = refit_every
         self._stale = 0  # observations since the last fit
@@ -360,15 +363,20 @@ class StepCost:
             self._stale = 0
             x = np.fromiter((o[0] for o in self._obs), np.float64, len(self._obs))
             y = np.fromiter((o[1] for o in self._obs), np.float64, len(self._obs))
-            # The line goes through each step size's median time (weighted by how often the size ran), not
-            # through every step: on a shared machine a few steps stall for many times their cost, and a
-            # least-squares line through them would swing with each stall.
+            # Each step size's median time (a few steps stalled by another process do not move it); sizes
+            # seen fewer than MIN_COUNT times are left out while others were seen more: one stalled step of
+            # a rare size would otherwise tilt the line through all of them.
             sizes, which, counts = np.unique(x, return_inverse=True, return_counts=True)
             medians = np.asarray([np.median(y[which == i]) for i in range(sizes.size)])
+            keep = counts >= self.MIN_COUNT
+            if keep.any():
+                sizes, medians, counts = sizes[keep], medians[keep], counts[keep]
+            self._medians = {int(n): float(t) for n, t, c in zip(sizes, medians, counts, strict=True)
+                             if c >= self.MIN_COUNT}
             if sizes.size == 1:  # one step size: its median, the slope left to predict()
                 self._fit = (float(medians[0]), 0.0, int(sizes[0]))
             else:
-                b, a = np.polyfit(sizes, medians, 1, w=np.sqrt(counts))
+                b, a = np.polyfit(sizes, medians, 1, w=counts.astype(np.float64))
                 self._fit = (max(float(a), 1e-6), max(float(b), 0.0), None)
         return self._fit
 
@@ -388,10 +396,13 @@ class StepCost:
         return a, a * self.prior_ratio
 
     def predict(self, tokens: int, slope: float | None = None) -> float:
-        """Expected seconds of a step of ``tokens`` tokens (0 before any step)."""
+        """Expected seconds of a step of ``tokens`` tokens (0 before any step): that size's own median
+        where it ran ``MIN_COUNT`` times, else the line."""
         if not self._obs:
             return 0.0
         t, b, single = self._refit()
+        if tokens in self._medians:
+            return self._medians[tokens]
         if single is None:
             return t + b * tokens
         if slope is None:

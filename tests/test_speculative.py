@@ -236,7 +236,7 @@ def test_step_costs_from_plain_and_verify_fits():
 
 def test_step_cost_refits_periodically():
     c = StepCost(refit_every=4)
-    for n in (1, 2, 3, 4):
+    for n in (1, 2, 3, 4) * 3:
         c.observe(n, 0.001 * n)
     assert c.fit() == pytest.approx((1e-6, 0.001), abs=1e-9)  # a = 0 is floored at 1 us
     for _ in range(3):
@@ -253,8 +253,10 @@ def test_step_cost_fit_ignores_stalls():
         c.observe(5, 0.003)
     c.observe(5, 0.5)  # one step stalled (another process had the cores): the medians do not move
     c.observe(1, 0.4)
+    c.observe(2, 0.3)  # a size seen once, stalled: left out of the line
     assert c.fit() == pytest.approx((0.00175, 0.00025))
-    assert c.predict(3) == pytest.approx(0.0025)
+    assert c.predict(3) == pytest.approx(0.0025)  # the line between measured sizes
+    assert c.predict(1) == pytest.approx(0.002)  # a measured size: its own median
 
 
 def test_config_errors_name_the_field():
