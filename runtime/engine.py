@@ -403,7 +403,7 @@ class Engine:
         emitted = self.speculator.verify(chunk, logits)
         kept = len(emitted) - 1
         self.scheduler.accept_draft(chunk, kept)
-        r.spec.record(len(chunk.draft), kept)
+        self.speculator.record(r, len(chunk.draft), kept)
         new: list[int] = []
         lps: list[dict[int, float]] = []
         reason = None

@@ -453,3 +453,13 @@ def test_server_streams_speculative_tokens_and_exports_metrics(tiny_engine):
     assert got["llmc:spec_decode_num_draft_tokens_total"] == st.spec_num_draft_tokens > 0
     assert got["llmc:spec_decode_num_accepted_tokens_total"] == st.spec_num_accepted_tokens
     assert got["llmc:spec_decode_num_drafts_total"] == st.spec_num_verify_steps
+
+
+def test_new_requests_start_from_the_engines_recent_acceptance(tiny_engine):
+    """The prior of a new request follows what recent drafts did (here: the draft is the target, all kept)."""
+    spec = Engine.load(tiny_engine, speculative=_spec("draft", tiny_engine, num_tokens=4, adaptive=False))
+    assert spec.speculator.new_state().acceptance == pytest.approx(2 / 3)  # nothing seen yet: the fixed prior
+    prompts = _loop_prompts(np.random.default_rng(5), 3)
+    spec.generate(prompts, SamplingParams(max_tokens=24, ignore_eos=True))
+    assert spec.stats().spec_acceptance_rate > 0.95
+    assert spec.speculator.new_state().acceptance > 0.9
