@@ -239,7 +239,8 @@ def main(argv: list[str] | None = None) -> int:
                 fits[f"{name}/{m}"] = {
                     kind: {"fixed_ms": round(a * 1e3, 3), "per_token_ms": round(b * 1e3, 4)}
                     for kind, (a, b) in (("plain", e.speculator.plain_cost.fit()),
-                                         ("verify", e.speculator.verify_cost.fit()))}
+                                         ("verify_b1", e.speculator.verify_fit(1).fit()),
+                                         ("verify_b8", e.speculator.verify_fit(8).fit()))}
 
     llama = {"error": "not measured: --no-llama-cpp"}
     if args.llama_cpp:

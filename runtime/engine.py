@@ -393,7 +393,7 @@ class Engine:
                     outputs.append(self._accept(chunk.request, logits[row], now))
                 row += 1 + len(chunk.draft)
             if pure:
-                self.speculator.observe_step(len(ids), len(ids) > len(chunks), time.perf_counter() - t0)
+                self.speculator.observe_step(len(ids), len(chunks), time.perf_counter() - t0)
             self._busy += time.perf_counter() - t0
             return outputs
 

@@ -513,12 +513,30 @@ class Speculator:
         self.draft = DraftProposer(draft, vocab_size) if draft is not None else None
         self.plain_cost = StepCost()  # the target's decode steps without drafts
         self.verify_cost = StepCost()  # decode steps with drafts: proposal + verify step + verification
+        self._verify_by_batch: dict[int, StepCost] = {}  # the same, per number of requests in the step
         # Decayed kept / rejected counts over all requests' recent verify steps (a new request's prior).
         self._recent = (SpecState.accepted, SpecState.rejected)
 
-    def observe_step(self, tokens: int, drafted: bool, seconds: float) -> None:
-        """A decode-only step of ``tokens`` tokens took ``seconds`` (proposal and sampling included)."""
-        (self.verify_cost if drafted else self.plain_cost).observe(tokens, seconds)
+    def observe_step(self, tokens: int, seqs: int, seconds: float) -> None:
+        """A decode-only step of ``seqs`` requests and ``tokens`` tokens took ``seconds`` (proposal and
+        sampling included)."""
+        if tokens == seqs:
+            self.plain_cost.observe(tokens, seconds)
+            return
+        self.verify_cost.observe(tokens, seconds)
+        if seqs not in self._verify_by_batch and len(self._verify_by_batch) >= 64:
+            self._verify_by_batch.clear()  # bounded: continuous batching visits many batch sizes
+        self._verify_by_batch.setdefault(seqs, StepCost(window=64)).observe(tokens, seconds)
+
+    def verify_fit(self, batch: int) -> StepCost:
+        """The verify-step fit for ``batch`` requests: its own once it has a few steps, else all batches'.
+
+        Per batch because the cost of a step's drafts depends on the batch: at batch 1 the first draft turns
+        matrix-vector products into matrix products (dear), at batch 8 a step already has those and drafts
+        add only their own work; a line through both would make drafts look cheap at batch 8.
+        """
+        own = self._verify_by_batch.get(batch)
+        return own if own is not None and len(own) >= StepCost.MIN_COUNT else self.verify_cost
 
     @property
     def draft_seconds(self) -> float:
@@ -552,7 +570,8 @@ class Speculator:
         """Set ``draft`` (and ``draft_probs``) of every decoding request that speculates this step."""
         decoding = [r for r in running if r.num_remaining == 1]
         cfg = self.config
-        costs = step_costs(self.plain_cost, self.verify_cost, max(1, len(decoding)), cfg.num_tokens)
+        batch = max(1, len(decoding))
+        costs = step_costs(self.plain_cost, self.verify_fit(batch), batch, cfg.num_tokens)
         wanted: dict[int, tuple[Request, int]] = {}
         for r in decoding:
             if r.spec is None:

@@ -19,6 +19,7 @@ from llmc.runtime.sampler import sample
 from llmc.runtime.speculative import (
     SpecState,
     SpeculativeConfig,
+    Speculator,
     StepCost,
     accept_or_resample,
     expected_tokens,
@@ -463,3 +464,18 @@ def test_new_requests_start_from_the_engines_recent_acceptance(tiny_engine):
     spec.generate(prompts, SamplingParams(max_tokens=24, ignore_eos=True))
     assert spec.stats().spec_acceptance_rate > 0.95
     assert spec.speculator.new_state().acceptance > 0.9
+
+
+def test_verify_costs_are_kept_per_batch():
+    sp = Speculator(SpeculativeConfig("ngram", num_tokens=2), vocab_size=8)
+    for _ in range(4):
+        sp.observe_step(1, 1, 0.002)  # plain: 2 ms at batch 1, 4 ms at batch 8
+        sp.observe_step(8, 8, 0.004)
+        sp.observe_step(2, 1, 0.003)  # batch 1: the first draft costs +50% (matrix products from here on)
+        sp.observe_step(3, 1, 0.0032)
+        sp.observe_step(16, 8, 0.0048)  # batch 8: drafts cost only their own work
+        sp.observe_step(24, 8, 0.0056)
+    assert sp.verify_fit(1) is not sp.verify_fit(8)
+    assert step_costs(sp.plain_cost, sp.verify_fit(1), 1, 2) == pytest.approx([1.0, 1.5, 1.6])
+    assert step_costs(sp.plain_cost, sp.verify_fit(8), 8, 2) == pytest.approx([1.0, 1.2, 1.4])
+    assert sp.verify_fit(4) is sp.verify_cost  # a batch never seen with drafts: every batch's steps
