@@ -231,7 +231,6 @@ class DraftProposer:
         self.blocks = draft._blocks
         self.seconds = 0.0  # time in draft steps
         self.steps = 0
-        self.cost = StepCost()  # the draft model's steps alone (reported by the benchmark)
         self._known: set[int] = set()  # seq ids with a draft sequence
 
     def _run(self, seq_ids: list[int], counts: list[int]) -> np.ndarray:
@@ -246,7 +245,6 @@ class DraftProposer:
         dt = time.perf_counter() - t0
         self.seconds += dt
         self.steps += 1
-        self.cost.observe(len(ids), dt)
         for sid, n in zip(seq_ids, counts, strict=True):
             self.blocks.mark_computed(sid, n)
         return logits
