@@ -408,7 +408,7 @@ class Engine:
                     outputs.append(self._accept(chunk.request, logits[row], now, masks))
                 row += 1 + len(chunk.draft)
             if pure:
-                self.speculator.target_cost.observe(len(ids), len(chunks), time.perf_counter() - t0)
+                self.speculator.observe_step(len(ids), len(chunks), time.perf_counter() - t0)
             self._busy += time.perf_counter() - t0
             return outputs
 
@@ -418,7 +418,7 @@ class Engine:
         emitted = self.speculator.verify(chunk, logits)
         kept = len(emitted) - 1
         self.scheduler.accept_draft(chunk, kept)
-        r.spec.record(len(chunk.draft), kept)
+        self.speculator.record(r, len(chunk.draft), kept)
         new: list[int] = []
         lps: list[dict[int, float]] = []
         reason = None

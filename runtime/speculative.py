@@ -20,7 +20,6 @@ drafts (``BlockManager.rewind``); this module holds what is specific to speculat
 
 from __future__ import annotations
 
-import math
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -191,22 +190,28 @@ def verify(logits: np.ndarray, draft: Sequence[int], draft_probs: np.ndarray | N
 def ngram_propose(tokens: Sequence[int], k: int, min_n: int, max_n: int) -> list[int]:
     """Prompt lookup: up to ``k`` tokens that followed the latest earlier occurrence of the last n-gram.
 
-    Tries ``n = max_n .. min_n`` (longer matches predict better) and returns ``[]`` without a match.
-    O(len(tokens) * n) per call, vectorised.
+    The longest match wins (``n = max_n .. min_n``; longer matches predict better), the latest among
+    equally long ones; ``[]`` without a match of at least ``min_n`` tokens. One vectorised comparison
+    over the sequence finds where its last token occurred, then each longer n only filters those
+    candidates: ~20 us for a 1000-token sequence, where ``n`` sliding-window scans cost ~0.5 ms, a
+    quarter of a small model's decode step.
     """
     size = len(tokens)
     if k < 1 or size < min_n + 1:
         return []
     arr = np.asarray(tokens, np.int64)
-    for n in range(min(max_n, size - 1), min_n - 1, -1):
-        suffix = arr[size - n:]
-        # Windows starting at 0 .. size-n-1: each has at least one token after it, and excludes the suffix itself.
-        hay = np.lib.stride_tricks.sliding_window_view(arr[: size - 1], n)
-        hits = np.flatnonzero((hay == suffix).all(axis=1))
-        if hits.size:
-            start = int(hits[-1]) + n
-            return arr[start: start + k].tolist()
-    return []
+    ends = np.flatnonzero(arr[: size - 1] == arr[size - 1])  # earlier matches of the last 1-gram, by end
+    best, n = (ends if min_n <= 1 else None), 1
+    while ends.size and n < max_n:
+        n += 1
+        ends = ends[ends >= n - 1]
+        ends = ends[arr[ends - (n - 1)] == arr[size - n]]
+        if ends.size and n >= min_n:
+            best = ends
+    if best is None or not best.size:
+        return []
+    start = int(best[-1]) + 1
+    return arr[start: start + k].tolist()
 
 
 class DraftProposer:
@@ -226,7 +231,6 @@ class DraftProposer:
         self.blocks = draft._blocks
         self.seconds = 0.0  # time in draft steps
         self.steps = 0
-        self.cost = StepCost()
         self._known: set[int] = set()  # seq ids with a draft sequence
 
     def _run(self, seq_ids: list[int], counts: list[int]) -> np.ndarray:
@@ -241,7 +245,6 @@ class DraftProposer:
         dt = time.perf_counter() - t0
         self.seconds += dt
         self.steps += 1
-        self.cost.observe(len(ids), len(seq_ids), dt)
         for sid, n in zip(seq_ids, counts, strict=True):
             self.blocks.mark_computed(sid, n)
         return logits
@@ -325,36 +328,84 @@ class DraftProposer:
 
 
 class StepCost:
-    """Fits ``seconds = a + b * tokens`` to recent steps of one model (least squares over a window).
+    """Fits ``seconds = a + b * tokens`` to recent steps of one kind (through per-size medians, over a window).
 
     ``a`` is the fixed cost of a step (weights read once, launch and framework overhead), ``b`` the
-    cost of each token in it. Until the window holds steps of different sizes, ``b`` follows a prior
-    ratio ``b / a`` (steps of one size cannot separate the two).
+    cost of each token in it. While the window holds steps of one size only, the two cannot be
+    separated: :meth:`predict` then extrapolates from that size's median with a slope given by the
+    caller (another kind of step's), else with the prior ratio ``b / a``.
+
+    The fit is recomputed every ``refit_every`` observations, not every step: a least-squares fit over
+    the window costs ~0.1 ms, a tenth of a 14M-parameter decode step on a CPU.
     """
 
-    def __init__(self, window: int = 256, prior_ratio: float = 0.05) -> None:
-        self._obs: deque[tuple[int, float]] = deque(maxlen=window)
-        self.prior_ratio = prior_ratio
+    MIN_COUNT = 3  # steps of one size before its own median is trusted
 
-    def observe(self, tokens: int, seqs: int, seconds: float) -> None:
-        del seqs  # kept in the signature: a per-sequence term may be worth fitting on other backends
+    def __init__(self, window: int = 256, prior_ratio: float = 0.05, refit_every: int = 16) -> None:
+        self._obs: deque[tuple[int, float]] = deque(maxlen=window)
+        self._medians: dict[int, float] = {}  # step size -> median seconds, sizes seen MIN_COUNT times
+        self.prior_ratio = prior_ratio
+        self.refit_every = refit_every
+        self._stale = 0  # observations since the last fit
+        self._fit: tuple[float, float, int | None] = (0.0, 0.0, None)  # (a, b, the one size seen or None)
+
+    def __len__(self) -> int:
+        return len(self._obs)
+
+    def observe(self, tokens: int, seconds: float) -> None:
         self._obs.append((tokens, seconds))
+        self._stale += 1
+
+    def _refit(self) -> tuple[float, float, int | None]:
+        if self._stale >= self.refit_every or (self._stale and len(self._obs) <= self.refit_every):
+            self._stale = 0
+            x = np.fromiter((o[0] for o in self._obs), np.float64, len(self._obs))
+            y = np.fromiter((o[1] for o in self._obs), np.float64, len(self._obs))
+            # Each step size's median time (a few steps stalled by another process do not move it); sizes
+            # seen fewer than MIN_COUNT times are left out while others were seen more: one stalled step of
+            # a rare size would otherwise tilt the line through all of them.
+            sizes, which, counts = np.unique(x, return_inverse=True, return_counts=True)
+            medians = np.asarray([np.median(y[which == i]) for i in range(sizes.size)])
+            keep = counts >= self.MIN_COUNT
+            if keep.any():
+                sizes, medians, counts = sizes[keep], medians[keep], counts[keep]
+            self._medians = {int(n): float(t) for n, t, c in zip(sizes, medians, counts, strict=True)
+                             if c >= self.MIN_COUNT}
+            if sizes.size == 1:  # one step size: its median, the slope left to predict()
+                self._fit = (float(medians[0]), 0.0, int(sizes[0]))
+            else:
+                b, a = np.polyfit(sizes, medians, 1, w=counts.astype(np.float64))
+                self._fit = (max(float(a), 1e-6), max(float(b), 0.0), None)
+        return self._fit
+
+    def slope(self) -> float | None:
+        """Seconds per token, or ``None`` while steps of only one size (or none) were seen."""
+        a, b, single = self._refit()
+        return None if single is not None or not self._obs else b
 
     def fit(self) -> tuple[float, float]:
-        """``(a, b)`` in seconds and seconds per token; ``(0, 0)`` before any step."""
+        """``(a, b)`` in seconds and seconds per token (prior split for one size); ``(0, 0)`` before any step."""
         if not self._obs:
             return 0.0, 0.0
-        x = np.asarray([o[0] for o in self._obs], np.float64)
-        y = np.asarray([o[1] for o in self._obs], np.float64)
-        if x.std() < 0.5:  # one step size: split its time by the prior ratio
-            t = float(np.median(y))
-            xm = float(x.mean())
-            a = t / (1.0 + self.prior_ratio * xm)
-            return a, a * self.prior_ratio
-        b, a = np.polyfit(x, y, 1)
-        b = max(float(b), 0.0)
-        a = max(float(a), 1e-6)
-        return a, b
+        t, b, single = self._refit()
+        if single is None:
+            return t, b
+        a = t / (1.0 + self.prior_ratio * single)
+        return a, a * self.prior_ratio
+
+    def predict(self, tokens: int, slope: float | None = None) -> float:
+        """Expected seconds of a step of ``tokens`` tokens (0 before any step): that size's own median
+        where it ran ``MIN_COUNT`` times, else the line."""
+        if not self._obs:
+            return 0.0
+        t, b, single = self._refit()
+        if tokens in self._medians:
+            return self._medians[tokens]
+        if single is None:
+            return t + b * tokens
+        if slope is None:
+            a, slope = self.fit()
+        return max(t + slope * (tokens - single), 1e-6)
 
 
 @dataclass
@@ -365,10 +416,15 @@ class SpecState:
     accepted: float = 2.0  # decayed counts; the prior says "a draft is kept 2 times in 3"
     rejected: float = 1.0
     idle_steps: int = 0  # steps since the last proposal while adaptation chose 0 drafts
+    probe_every: int = 16  # idle steps between probes; doubles after each probe that keeps nothing
+    probing: bool = False  # the last proposal was a probe (its outcome sets probe_every)
     num_draft: int = 0  # totals for this request
     num_accepted: int = 0
     num_verify: int = 0
     decay: float = field(default=0.8, repr=False)
+
+    PROBE_MIN = 16
+    PROBE_MAX = 256
 
     @property
     def acceptance(self) -> float:
@@ -381,28 +437,37 @@ class SpecState:
         self.num_draft += proposed
         self.num_accepted += kept
         self.num_verify += 1
+        if self.probing:  # a failed probe makes the next one twice as rare: text that never repeats costs ~nothing
+            self.probing = False
+            self.probe_every = self.PROBE_MIN if kept else min(2 * self.probe_every, self.PROBE_MAX)
 
-    def choose(self, relative_cost: float, probe_every: int = 16) -> int:
+    def choose(self, step_costs: Sequence[float], margin: float = 1.02) -> int:
         """Drafts to propose next: maximises expected tokens per unit of step time.
 
-        With acceptance ``a``, ``k`` drafts emit ``(1 - a^(k+1)) / (1 - a)`` tokens on average (each
-        draft is kept only if those before it were, plus the target's own token), for a step that
-        costs ``1 + relative_cost * k`` times a plain one. When 0 wins, one draft is still proposed
-        every ``probe_every`` steps so that a request whose text starts to repeat is noticed.
+        ``step_costs[k]`` is the expected time of a step in which requests carry ``k`` drafts, relative
+        to a plain decode step (``step_costs[0] == 1``). With acceptance ``a``, ``k`` drafts emit
+        ``(1 - a^(k+1)) / (1 - a)`` tokens on average (each draft is kept only if those before it were,
+        plus the target's own token). Speculating must beat plain decode by ``margin`` (the cost
+        estimates are noisy; a marginal win is not worth a possible loss). When 0 wins, one draft is
+        still proposed after ``probe_every`` idle steps so that a request whose text starts to repeat
+        is noticed; each probe that keeps nothing doubles the wait (up to ``PROBE_MAX``).
         """
-        a = min(self.acceptance, 0.999)
-        best_k, best = 0, 1.0
-        for k in range(1, self.max_tokens + 1):
-            gain = (1.0 - a ** (k + 1)) / (1.0 - a) / (1.0 + relative_cost * k)
+        a = self.acceptance
+        best_k, best = 0, margin
+        for k in range(1, min(self.max_tokens, len(step_costs) - 1) + 1):
+            gain = expected_tokens(a, k) / max(step_costs[k], 1e-9)
             if gain > best * 1.0001:
                 best_k, best = k, gain
         if best_k == 0:
             self.idle_steps += 1
-            if self.idle_steps >= probe_every:
+            if self.idle_steps >= self.probe_every:
                 self.idle_steps = 0
+                self.probing = True
                 return 1
         else:
             self.idle_steps = 0
+            self.probing = False
+            self.probe_every = self.PROBE_MIN
         return best_k
 
 
@@ -413,21 +478,29 @@ def expected_tokens(acceptance: float, k: int) -> float:
     return (1.0 - acceptance ** (k + 1)) / (1.0 - acceptance) if k else 1.0
 
 
-def relative_cost(target: StepCost, draft: StepCost | None, batch: int) -> float:
-    """The cost of one more draft token per request, as a fraction of a plain decode step of ``batch``.
+def step_costs(plain: StepCost, verify: StepCost, batch: int, max_k: int) -> list[float]:
+    """Expected time of a decode step of ``batch`` requests with ``k`` drafts each, over a plain step's.
 
-    A step of ``batch`` decodes costs ``a + b * batch``; ``k`` drafts for every request add ``b * batch *
-    k`` to the verify step and, with a draft model, ``k`` draft steps of ``a_d + b_d * batch`` each.
+    Measured, not modelled: ``plain`` fits steps without drafts, ``verify`` steps with drafts (the
+    proposal, draft-model steps and verification included). The two are fitted apart because a step's
+    cost is not one line through both: on a CPU the first extra token per sequence turns the
+    matrix-vector products of a 1-token step into matrix products, which cost more than the per-token
+    slope of larger steps predicts (+33% for a 2-token step of the default model, then ~+8% per token).
+    Before any step, drafts are taken as nearly free (so that speculation gets measured at all).
     """
-    a, b = target.fit()
-    base = a + b * batch
+    bp, bv = plain.slope(), verify.slope()
+    if len(plain):
+        base = plain.predict(batch, bp if bp is not None else bv)
+    else:  # no plain step seen yet: extrapolate the verify fit down to one token per request
+        base = verify.predict(batch, bv if bv is not None else None)
     if base <= 0.0:
-        return 0.0
-    extra = b * batch
-    if draft is not None:
-        ad, bd = draft.fit()
-        extra += ad + bd * batch
-    return extra / base if math.isfinite(extra) else 0.0
+        return [1.0 + plain.prior_ratio * k for k in range(max_k + 1)]
+    costs = [1.0]
+    for k in range(1, max_k + 1):
+        n = batch * (1 + k)
+        t = verify.predict(n, bv if bv is not None else bp) if len(verify) else plain.predict(n, bp)
+        costs.append(max(t / base, 1.0))  # a verify step never really costs less than a plain one
+    return costs
 
 
 class Speculator:
@@ -436,36 +509,79 @@ class Speculator:
     def __init__(self, config: SpeculativeConfig, vocab_size: int, draft: Engine | None = None) -> None:
         self.config = config
         self.draft = DraftProposer(draft, vocab_size) if draft is not None else None
-        self.target_cost = StepCost()
+        self.plain_cost = StepCost()  # the target's decode steps without drafts
+        self.verify_cost = StepCost()  # decode steps with drafts: proposal + verify step + verification
+        self._verify_by_batch: dict[int, StepCost] = {}  # the same, per number of requests in the step
+        # Decayed kept / rejected counts over all requests' recent verify steps (a new request's prior).
+        self._recent = (SpecState.accepted, SpecState.rejected)
+
+    def observe_step(self, tokens: int, seqs: int, seconds: float) -> None:
+        """A decode-only step of ``seqs`` requests and ``tokens`` tokens took ``seconds`` (proposal and
+        sampling included)."""
+        if tokens == seqs:
+            self.plain_cost.observe(tokens, seconds)
+            return
+        self.verify_cost.observe(tokens, seconds)
+        if seqs not in self._verify_by_batch and len(self._verify_by_batch) >= 64:
+            self._verify_by_batch.clear()  # bounded: continuous batching visits many batch sizes
+        self._verify_by_batch.setdefault(seqs, StepCost(window=64)).observe(tokens, seconds)
+
+    def verify_fit(self, batch: int) -> StepCost:
+        """The verify-step fit for ``batch`` requests: its own once it has a few steps, else all batches'.
+
+        Per batch because the cost of a step's drafts depends on the batch: at batch 1 the first draft turns
+        matrix-vector products into matrix products (dear), at batch 8 a step already has those and drafts
+        add only their own work; a line through both would make drafts look cheap at batch 8.
+        """
+        own = self._verify_by_batch.get(batch)
+        return own if own is not None and len(own) >= StepCost.MIN_COUNT else self.verify_cost
 
     @property
     def draft_seconds(self) -> float:
         return self.draft.seconds if self.draft is not None else 0.0
 
     def new_state(self) -> SpecState:
-        return SpecState(max_tokens=self.config.num_tokens)
+        """A new request's state; its prior acceptance is the engine's recent one (2 in 3 at first).
 
-    def num_drafts(self, r: Request, cost: float) -> int:
+        Requests of one workload tend to accept alike: starting from what recent drafts did spares each
+        new request the first verify steps of a prior that does not hold (a tenth of a 128-token request's
+        steps where drafts are rarely kept).
+        """
+        acc, rej = self._recent
+        weight = SpecState.accepted + SpecState.rejected  # the prior counts as 3 observations, as before
+        share = acc / (acc + rej)
+        return SpecState(max_tokens=self.config.num_tokens, accepted=weight * share, rejected=weight * (1.0 - share))
+
+    def record(self, r: Request, proposed: int, kept: int) -> None:
+        """A verify chunk of ``r`` kept ``kept`` of its ``proposed`` drafts."""
+        r.spec.record(proposed, kept)
+        acc, rej = self._recent
+        self._recent = (0.98 * acc + kept, 0.98 * rej + (1.0 if kept < proposed else 0.0))
+
+    def num_drafts(self, r: Request, costs: Sequence[float]) -> int:
         """How many drafts ``r`` gets this step: adaptive choice, capped so no draft passes ``max_tokens``."""
         room = r.params.max_tokens - (len(r.tokens) - r.prompt_len) - 1  # the target's own token always comes
-        k = r.spec.choose(cost) if self.config.adaptive else self.config.num_tokens
+        k = r.spec.choose(costs) if self.config.adaptive else self.config.num_tokens
         return max(0, min(k, room))
 
     def propose(self, running: list[Request]) -> None:
         """Set ``draft`` (and ``draft_probs``) of every decoding request that speculates this step."""
         decoding = [r for r in running if r.num_remaining == 1]
-        cost = relative_cost(self.target_cost, self.draft.cost if self.draft else None, max(1, len(decoding)))
-        wanted: dict[int, tuple[Request, int]] = {}
         cfg = self.config
+        batch = max(1, len(decoding))
+        costs = step_costs(self.plain_cost, self.verify_fit(batch), batch, cfg.num_tokens)
+        wanted: dict[int, tuple[Request, int]] = {}
         for r in decoding:
             if r.spec is None:
                 continue
-            k = self.num_drafts(r, cost)
+            k = self.num_drafts(r, costs)
             if k == 0:
                 continue
             if self.draft is None:
                 r.draft = ngram_propose(r.tokens, k, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
                 r.draft_probs = None
+                if not r.draft:  # no match: nothing verified, so this probe tells nothing
+                    r.spec.probing = False
             else:
                 wanted[r.seq_id] = (r, k)
         if self.draft is not None:
@@ -473,6 +589,8 @@ class Speculator:
             for sid, (r, _) in wanted.items():
                 if sid in got:
                     r.draft, r.draft_probs = got[sid]
+                else:
+                    r.spec.probing = False
 
     def verify(self, chunk, logits: np.ndarray) -> list[int]:
         """Tokens emitted by verify chunk ``chunk`` (a ``ScheduledChunk`` with drafts) from its logits rows."""

@@ -19,9 +19,12 @@ from llmc.runtime.sampler import sample
 from llmc.runtime.speculative import (
     SpecState,
     SpeculativeConfig,
+    Speculator,
+    StepCost,
     accept_or_resample,
     expected_tokens,
     ngram_propose,
+    step_costs,
     target_probs,
     verify,
 )
@@ -141,17 +144,120 @@ def test_ngram_propose_uses_the_latest_longest_match():
     assert ngram_propose([5, 5], 4, 1, 2) == [5]
 
 
+def ngram_reference(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
+    """Prompt lookup spelled out: for n = max_n .. min_n, the latest earlier n-gram equal to the last one."""
+    for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):
+        suffix = tokens[len(tokens) - n:]
+        for start in range(len(tokens) - n - 1, -1, -1):
+            if tokens[start: start + n] == suffix:
+                return tokens[start + n: start + n + k]
+    return []
+
+
+def test_ngram_propose_matches_the_reference_on_random_sequences():
+    rng = np.random.default_rng(0)
+    found = 0
+    for _ in range(400):
+        toks = rng.integers(0, int(rng.integers(2, 6)), int(rng.integers(1, 40))).tolist()
+        min_n = int(rng.integers(1, 4))
+        max_n = int(rng.integers(min_n, 6))
+        k = int(rng.integers(1, 6))
+        want = ngram_reference(toks, k, min_n, max_n)
+        assert ngram_propose(toks, k, min_n, max_n) == want, (toks, k, min_n, max_n)
+        found += bool(want)
+    assert 100 < found < 400  # both outcomes were exercised
+
+
+def linear(per_draft: float, max_k: int = 6) -> list[float]:
+    """Step costs relative to a plain step when each draft adds ``per_draft`` of one."""
+    return [1.0 + per_draft * k for k in range(max_k + 1)]
+
+
 def test_adaptation_drops_to_zero_and_probes():
     s = SpecState(max_tokens=6)
-    assert s.choose(0.05) >= 3  # prior acceptance 2/3 and cheap drafts: speculate
+    assert s.choose(linear(0.05)) >= 3  # prior acceptance 2/3 and cheap drafts: speculate
     for _ in range(12):
         s.record(4, 0)
-    ks = [s.choose(0.3) for _ in range(32)]
+    ks = [s.choose(linear(0.3)) for _ in range(32)]
     assert ks.count(0) >= 30 and 1 in ks  # pays no more; one probe every 16 steps
     for _ in range(20):
         s.record(4, 4)
-    assert s.choose(0.1) == 6
+    assert s.choose(linear(0.1)) == 6
     assert expected_tokens(0.5, 2) == pytest.approx(1.75)
+
+
+def test_failed_probes_back_off_and_a_kept_probe_resets():
+    s = SpecState(max_tokens=4)
+    for _ in range(12):
+        s.record(4, 0)
+    costs = linear(0.3, 4)
+    gaps, idle = [], 0
+    for _ in range(16 + 32 + 64 + 128 + 5):
+        k = s.choose(costs)
+        idle += 1
+        if k:
+            assert k == 1 and s.probing
+            s.record(1, 0)  # the probe's draft is rejected
+            gaps.append(idle)
+            idle = 0
+    assert gaps == [16, 32, 64, 128]  # each failed probe doubles the wait
+    for _ in range(300):
+        if s.choose(costs):
+            break
+    s.record(1, 1)  # this probe's draft is kept: probing returns to its shortest period
+    assert s.probe_every == SpecState.PROBE_MIN and not s.probing
+
+
+def test_choose_follows_measured_costs_not_a_line():
+    s = SpecState(max_tokens=6, accepted=1.0, rejected=1.0)  # acceptance 1/2
+    # A 2-token step costs 1.4x (matrix products instead of matrix-vector products), larger ones little more:
+    # one draft gains little (1.5 tokens for 1.4x), four most (1.94 tokens for 1.52x).
+    assert s.choose([1.0, 1.4, 1.45, 1.5, 1.52, 1.9, 2.3]) == 4
+    assert s.choose([1.0, 1.6, 1.9, 2.2, 2.5, 2.8, 3.1]) == 0
+    # One draft wins 1.4%, within the margin of plain decode (2%): not worth the noise, so no drafts.
+    assert s.choose([1.0, 1.48, 1.75, 1.9, 2.0, 2.2, 2.4]) == 0
+
+
+def test_step_costs_from_plain_and_verify_fits():
+    plain, verify_ = StepCost(refit_every=4), StepCost(refit_every=4)
+    assert step_costs(plain, verify_, 1, 3) == pytest.approx([1.0, 1.05, 1.10, 1.15])  # nothing measured: prior
+    for _ in range(8):
+        plain.observe(1, 0.002)  # plain steps at batch 1 only: 2 ms
+        verify_.observe(3, 0.003)  # verify steps of 3 and 5 tokens: 2.25 ms + 0.25 ms per token
+        verify_.observe(5, 0.0035)
+    costs = step_costs(plain, verify_, 1, 4)
+    assert costs == pytest.approx([1.0, 0.00275 / 0.002, 0.0030 / 0.002, 0.00325 / 0.002, 0.0035 / 0.002])
+    # Batch 4: plain steps seen at one size only borrow the verify steps' slope (0.25 ms per token).
+    assert step_costs(plain, verify_, 4, 1)[1] == pytest.approx(0.00425 / 0.00275)
+    # A verify fit below the plain cost (noise) never makes drafts look cheaper than free.
+    cheap = StepCost()
+    cheap.observe(2, 0.001)
+    assert step_costs(plain, cheap, 1, 2) == [1.0, 1.0, 1.0]
+
+
+def test_step_cost_refits_periodically():
+    c = StepCost(refit_every=4)
+    for n in (1, 2, 3, 4) * 3:
+        c.observe(n, 0.001 * n)
+    assert c.fit() == pytest.approx((1e-6, 0.001), abs=1e-9)  # a = 0 is floored at 1 us
+    for _ in range(3):
+        c.observe(10, 1.0)  # not yet refitted: the cached fit stands
+    assert c.slope() == pytest.approx(0.001)
+    c.observe(10, 1.0)
+    assert c.slope() > 0.05
+
+
+def test_step_cost_fit_ignores_stalls():
+    c = StepCost(refit_every=1)
+    for _ in range(10):
+        c.observe(1, 0.002)
+        c.observe(5, 0.003)
+    c.observe(5, 0.5)  # one step stalled (another process had the cores): the medians do not move
+    c.observe(1, 0.4)
+    c.observe(2, 0.3)  # a size seen once, stalled: left out of the line
+    assert c.fit() == pytest.approx((0.00175, 0.00025))
+    assert c.predict(3) == pytest.approx(0.0025)  # the line between measured sizes
+    assert c.predict(1) == pytest.approx(0.002)  # a measured size: its own median
 
 
 def test_config_errors_name_the_field():
@@ -348,3 +454,28 @@ def test_server_streams_speculative_tokens_and_exports_metrics(tiny_engine):
     assert got["llmc:spec_decode_num_draft_tokens_total"] == st.spec_num_draft_tokens > 0
     assert got["llmc:spec_decode_num_accepted_tokens_total"] == st.spec_num_accepted_tokens
     assert got["llmc:spec_decode_num_drafts_total"] == st.spec_num_verify_steps
+
+
+def test_new_requests_start_from_the_engines_recent_acceptance(tiny_engine):
+    """The prior of a new request follows what recent drafts did (here: the draft is the target, all kept)."""
+    spec = Engine.load(tiny_engine, speculative=_spec("draft", tiny_engine, num_tokens=4, adaptive=False))
+    assert spec.speculator.new_state().acceptance == pytest.approx(2 / 3)  # nothing seen yet: the fixed prior
+    prompts = _loop_prompts(np.random.default_rng(5), 3)
+    spec.generate(prompts, SamplingParams(max_tokens=24, ignore_eos=True))
+    assert spec.stats().spec_acceptance_rate > 0.95
+    assert spec.speculator.new_state().acceptance > 0.9
+
+
+def test_verify_costs_are_kept_per_batch():
+    sp = Speculator(SpeculativeConfig("ngram", num_tokens=2), vocab_size=8)
+    for _ in range(4):
+        sp.observe_step(1, 1, 0.002)  # plain: 2 ms at batch 1, 4 ms at batch 8
+        sp.observe_step(8, 8, 0.004)
+        sp.observe_step(2, 1, 0.003)  # batch 1: the first draft costs +50% (matrix products from here on)
+        sp.observe_step(3, 1, 0.0032)
+        sp.observe_step(16, 8, 0.0048)  # batch 8: drafts cost only their own work
+        sp.observe_step(24, 8, 0.0056)
+    assert sp.verify_fit(1) is not sp.verify_fit(8)
+    assert step_costs(sp.plain_cost, sp.verify_fit(1), 1, 2) == pytest.approx([1.0, 1.5, 1.6])
+    assert step_costs(sp.plain_cost, sp.verify_fit(8), 8, 2) == pytest.approx([1.0, 1.2, 1.4])
+    assert sp.verify_fit(4) is sp.verify_cost  # a batch never seen with drafts: every batch's steps
