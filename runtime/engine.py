@@ -461,11 +461,13 @@ class Engine:
     def _accept(self, r: Request, logits: np.ndarray, now: float, masks=None) -> RequestOutput:
         p = r.params
         allowed = self._structured.allowed(masks, r) if masks is not None else None
-        if allowed is not None and not self._structured.usable(r, allowed):  # never sample unconstrained
-            self._finish(r, "error", now)
-            return RequestOutput(r.request_id, [], [] if p.logprobs is not None else None, True, "error")
-        # Masking copies the row once; logprobs below stay the model's own distribution.
-        picked = np.where(allowed, logits, np.float32(-np.inf)) if allowed is not None else logits
+        picked = logits
+        if allowed is not None:
+            if not self._structured.usable(r, allowed):  # never sample unconstrained
+                self._finish(r, "error", now)
+                return RequestOutput(r.request_id, [], [] if p.logprobs is not None else None, True, "error")
+            # In place unless logprobs, which stay the model's own distribution, still need the row.
+            picked = self._structured.apply(allowed, logits, in_place=p.logprobs is None)
         token = sample(picked, p, r.rng, r.tokens if p.uses_history else (), r.prompt_len)
         lp = token_logprobs(logits, token, p.logprobs) if p.logprobs is not None else None
         self.scheduler.append_token(r, token)

@@ -36,6 +36,7 @@ import numpy as np
 from llmc.errors import LlmcError
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
+_NEG_INF = np.float32(-np.inf)
 
 
 @dataclass
@@ -275,26 +276,44 @@ class GrammarCompiler:
 
 @dataclass
 class _State:
-    """One constrained request: its matcher and how its structure ended."""
+    """One constrained request: its matcher, how its structure ended, and its latest mask's cost."""
 
     matcher: Any
     incomplete: bool = False
     error: str | None = None
     done: bool = False
+    last_mask_s: float | None = None  # None: no mask computed yet
 
 
-@dataclass
 class PendingMasks:
-    """Masks being computed for one step: row ``index[id(request)]`` of ``bitmask`` is that request's."""
+    """Masks being computed for one step: row ``index[id(request)]`` of ``bitmask`` is that request's.
 
-    bitmask: np.ndarray  # int32 [constrained requests, ceil(vocab / 32)]
-    index: dict[int, int]  # id(request) -> row
-    futures: list[concurrent.futures.Future] | None  # one per row; None: computed already
-    deadline: float | None = None  # set when the caller first waits (after its forward pass)
+    Rows are claimed under ``cond``: mask workers take them from the front, the step thread (once its
+    forward pass is done) from the back, but only rows whose request's previous mask was fast, so a slow
+    grammar's mask is always a worker's and the step thread waits for it no longer than the deadline.
+    """
+
+    def __init__(self, bitmask: np.ndarray, index: dict[int, int], states: list[_State], stealable: int,
+                 threaded: bool) -> None:
+        self.bitmask = bitmask  # int32 [constrained requests, ceil(vocab / 32)]
+        self.index = index  # id(request) -> row
+        self.states = states  # row -> the request's state
+        self.done = [not threaded] * len(states)
+        self.front = 0  # next row a worker claims
+        self.back = len(states) - 1  # next row the step thread may claim
+        self.first_stealable = len(states) - stealable  # rows from here on may be claimed by the step thread
+        self.cond = threading.Condition() if threaded else None
+        self.helped = not threaded  # whether the step thread has claimed its rows yet
+        self.deadline: float | None = None  # set when the caller first waits (after its forward pass)
 
 
 class StructuredRuntime:
     """The engine's side of structured outputs: matchers per request, masks per step, how requests end."""
+
+    # The step thread computes a waiting request's mask itself (rather than wait for a worker to be
+    # scheduled) only if that request's previous mask took less than this: a grammar whose masks are slow
+    # stays with the workers, under the mask_timeout_s deadline.
+    STEAL_BELOW_S = 0.001
 
     def __init__(self, compiler: GrammarCompiler) -> None:
         _import_llguidance()
@@ -302,10 +321,10 @@ class StructuredRuntime:
         self.config = compiler.config
         self.vocab_size = compiler.vocab_size
         self._words = (self.vocab_size + 31) // 32
-        threads = self.config.mask_threads or max(1, (os.cpu_count() or 2) // 2)
-        # One task per request (not llguidance's batched call) so that each has its own deadline: a
-        # request whose mask is late fails alone, and the others in the step go on.
-        self._pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="llmc-mask")
+        self._threads = self.config.mask_threads or max(1, (os.cpu_count() or 2) // 2)
+        # A step's rows go to at most _threads tasks that claim them one by one (not one task per row: a
+        # handoff costs ~30 us on a loaded machine, more than a mask); each row keeps its own deadline.
+        self._pool = concurrent.futures.ThreadPoolExecutor(self._threads, thread_name_prefix="llmc-mask")
         # Keyed by the request object (weakly): the state goes when the request does, and the
         # scheduler's Request needs no field of its own.
         self._states: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -322,50 +341,100 @@ class StructuredRuntime:
     def start_masks(self, requests: Sequence) -> PendingMasks | None:
         """Begin computing the next-token masks of the constrained ones among ``requests``.
 
-        With ``config.overlap`` each runs as a task of the mask pool (llguidance drops the GIL), so
-        the caller runs the forward pass meanwhile; :meth:`allowed` waits for one request's mask.
+        With ``config.overlap`` mask workers start on them (llguidance drops the GIL), so the caller runs
+        the forward pass meanwhile; :meth:`allowed` then finishes the rest and waits for one request's mask.
         """
-        reqs = [r for r in requests if (s := self._states.get(r)) is not None and not s.done]
-        if not reqs:
+        pairs = [(r, s) for r in requests if (s := self._states.get(r)) is not None and not s.done]
+        if not pairs:
             return None
-        bitmask = np.zeros((len(reqs), self._words), np.int32)
-        index = {id(r): i for i, r in enumerate(reqs)}
-        matchers = [self._states[r].matcher for r in reqs]
-        if self.config.overlap:
-            futures = [self._pool.submit(self._fill, m, bitmask[i]) for i, m in enumerate(matchers)]
-            return PendingMasks(bitmask, index, futures)
-        for i, m in enumerate(matchers):
-            self._fill(m, bitmask[i])
-        return PendingMasks(bitmask, index, None)
+        threaded = self.config.overlap
+        if threaded:  # the rows the step thread may take go last (it claims from the back)
+            pairs.sort(key=lambda rs: self._stealable(rs[1]))
+        states = [s for _, s in pairs]
+        bitmask = np.zeros((len(pairs), self._words), np.int32)
+        p = PendingMasks(bitmask, {id(r): i for i, (r, _) in enumerate(pairs)}, states,
+                         sum(map(self._stealable, states)) if threaded else 0, threaded)
+        if threaded:
+            for _ in range(min(self._threads, len(states))):
+                self._pool.submit(self._work, p)
+        else:
+            for i, s in enumerate(states):
+                self.mask_seconds += self._fill(s, bitmask[i])
+                self.masks += 1
+        return p
 
-    def _fill(self, matcher, row: np.ndarray) -> None:
+    def _stealable(self, s: _State) -> bool:
+        return s.last_mask_s is not None and s.last_mask_s < self.STEAL_BELOW_S
+
+    def _work(self, p: PendingMasks) -> None:
+        """A mask worker: claim rows from the front until none is left."""
+        while True:
+            with p.cond:
+                if p.front > p.back:
+                    return
+                i = p.front
+                p.front += 1
+            self._compute(p, i)
+
+    def _help(self, p: PendingMasks) -> None:
+        """The step thread, after its forward pass: compute the unclaimed rows that are known to be fast."""
+        p.helped = True
+        while True:
+            with p.cond:
+                if p.back < p.front or p.back < p.first_stealable:
+                    return
+                i = p.back
+                p.back -= 1
+            self._compute(p, i)
+
+    def _compute(self, p: PendingMasks, i: int) -> None:
+        dt = self._fill(p.states[i], p.bitmask[i])
+        with p.cond:
+            p.done[i] = True
+            self.mask_seconds += dt
+            self.masks += 1
+            p.cond.notify_all()
+
+    def _fill(self, s: _State, row: np.ndarray) -> float:
         t0 = time.perf_counter()
-        matcher.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)  # writes row in place; drops the GIL
-        self.mask_seconds += time.perf_counter() - t0
-        self.masks += 1
+        s.matcher.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)  # writes row in place; drops the GIL
+        s.last_mask_s = dt = time.perf_counter() - t0
+        return dt
 
     def allowed(self, pending: PendingMasks | None, request) -> np.ndarray | None:
-        """Boolean ``[vocab]`` of the tokens ``request`` may produce next; None if it is unconstrained.
+        """The bitmask row (``int32 [ceil(vocab / 32)]``) of the tokens ``request`` may produce next; None if
+        it is unconstrained. Apply it with :meth:`apply`.
 
         Waits for its mask until ``config.mask_timeout_s`` after the first wait of the step (the end of
-        the forward pass). A late mask fails the request: an all-False row, which :meth:`usable` refuses;
+        the forward pass). A late mask fails the request: an all-zero row, which :meth:`usable` refuses;
         its matcher is left to the worker still computing and never used again.
         """
-        if pending is None or id(request) not in pending.index:
+        if pending is None or (i := pending.index.get(id(request))) is None:
             return None
-        i = pending.index[id(request)]
-        if pending.futures is not None:
-            now = time.perf_counter()
-            if pending.deadline is None:
-                pending.deadline = now + self.config.mask_timeout_s
-            try:
-                pending.futures[i].result(timeout=max(0.0, pending.deadline - now))
-            except concurrent.futures.TimeoutError:
-                self._fail(self._states[request], f"computing its token mask took longer than "
-                           f"{self.config.mask_timeout_s} s (StructuredConfig.mask_timeout_s)")
-                return np.zeros(self.vocab_size, bool)
-        row = pending.bitmask[i]
-        return np.unpackbits(row.view(np.uint8), count=self.vocab_size, bitorder="little").view(bool)
+        if not pending.done[i]:
+            if not pending.helped:
+                self._help(pending)
+            if not pending.done[i]:
+                now = time.perf_counter()
+                if pending.deadline is None:
+                    pending.deadline = now + self.config.mask_timeout_s
+                with pending.cond:
+                    ok = pending.cond.wait_for(lambda: pending.done[i], max(0.0, pending.deadline - now))
+                if not ok:
+                    self._fail(self._states[request], f"computing its token mask took longer than "
+                               f"{self.config.mask_timeout_s} s (StructuredConfig.mask_timeout_s)")
+                    return np.zeros(self._words, np.int32)
+        return pending.bitmask[i]
+
+    def apply(self, words: np.ndarray, logits: np.ndarray, in_place: bool) -> np.ndarray:
+        """``logits`` ``[vocab]`` with every token that bitmask row ``words`` forbids set to -inf; in place
+        (no copy of the row) when the caller needs the model's own logits no more."""
+        # Unpacking the complement gives the forbidden tokens directly: one putmask, no inversion pass.
+        forbidden = np.unpackbits((~words).view(np.uint8), count=self.vocab_size, bitorder="little").view(bool)
+        if in_place:
+            np.putmask(logits, forbidden, _NEG_INF)
+            return logits
+        return np.where(forbidden, _NEG_INF, logits)
 
     def failed(self, request) -> str | None:
         """Why ``request``'s matcher cannot go on (a limit or an internal error), or None."""
@@ -416,13 +485,13 @@ class StructuredRuntime:
             return False, None
         return s.incomplete, s.error
 
-    def usable(self, request, allowed: np.ndarray) -> bool:
-        """Whether ``request`` can go on under its mask; if not, records why (its matcher failed, or no
-        token is allowed) and the caller ends it with ``finish_reason == "error"``."""
+    def usable(self, request, words: np.ndarray) -> bool:
+        """Whether ``request`` can go on under its bitmask row ``words``; if not, records why (its matcher
+        failed, or no token is allowed) and the caller ends it with ``finish_reason == "error"``."""
         s = self._states[request]
         if s.error is not None:  # failed already (a late mask): its matcher may still be in a worker's hands
             return False
-        why = self.failed(request) or (None if allowed.any() else "no token is allowed here")
+        why = self.failed(request) or (None if words.any() else "no token is allowed here")
         if why is None:
             return True
         self._fail(s, why)
