@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 from llmc.runtime import Engine, SamplingParams
-from llmc.runtime.structured import StructuredConfig, StructuredRuntime
+from llmc.runtime.structured import StructuredConfig
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -56,9 +56,7 @@ def _run(engine: Engine, batch: int, tokens: int, structured: bool) -> float:
 def bench_engine(path: Path, tokens: int, rounds: int) -> list[dict]:
     rows = []
     for overlap in (True, False):
-        engine = Engine.load(path)
-        engine._structured = StructuredRuntime.for_engine(engine.path, engine.vocab_size, engine.eos_token_ids,
-                                                          StructuredConfig(overlap=overlap))
+        engine = Engine.load(path, structured_config=StructuredConfig(overlap=overlap))
         for batch in (1, 8):
             _run(engine, batch, 16, False)  # warm both paths (and compile the schema once)
             _run(engine, batch, 16, True)

@@ -32,7 +32,7 @@ from llmc.runtime.sampler import SamplingParams, sample, token_logprobs
 from llmc.runtime.scheduler import Request, Scheduler, SchedulerConfig, SchedulerOutput
 from llmc.runtime.session import OrtSession, custom_ops_of
 from llmc.runtime.speculative import SpeculativeConfig, Speculator
-from llmc.runtime.structured import StructuredRuntime
+from llmc.runtime.structured import StructuredConfig, StructuredRuntime
 from llmc.runtime.tokenizer import Tokenizer
 
 Prompt = str | Sequence[int]
@@ -157,6 +157,7 @@ class Engine:
         self._listeners: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self.speculator: Speculator | None = None  # set by load(speculative=...)
         self._structured: StructuredRuntime | None = None  # made by the first constrained request
+        self._structured_config: StructuredConfig | None = None  # set by load(structured_config=...)
 
     @classmethod
     def load(cls, path: str | Path, *, kv_cache_tokens: int | None = None, max_num_tokens: int = 2048,
@@ -164,7 +165,8 @@ class Engine:
              max_prefill_tokens_with_decodes: int | None = None, enable_prefix_caching: bool = True,
              num_threads: int | None = None, attention_threads: int | None = 0,
              verify: bool = True, device: str | None = None, gpu_memory_utilization: float = 0.9,
-             cuda_graphs: bool = True, speculative: SpeculativeConfig | None = None) -> Engine:
+             cuda_graphs: bool = True, speculative: SpeculativeConfig | None = None,
+             structured_config: StructuredConfig | None = None) -> Engine:
         """Load the artifact at ``path``.
 
         ``kv_cache_tokens`` sizes the KV pool (tokens across all sequences, rounded up to whole
@@ -188,10 +190,15 @@ class Engine:
         ``speculative`` turns on speculative decoding for every request that does not opt out
         (``SamplingParams.speculative``): see :class:`~llmc.runtime.speculative.SpeculativeConfig`; a draft
         model is loaded here, as a CPU engine with the same thread settings.
+        ``structured_config`` bounds what constrained requests (``SamplingParams.structured``) may cost and
+        how their masks are computed: see :class:`~llmc.runtime.structured.StructuredConfig` (None: its defaults).
         """
+        if structured_config is not None and not isinstance(structured_config, StructuredConfig):
+            raise LlmcError(f"structured_config: must be a StructuredConfig (got {type(structured_config).__name__})")
         engine = cls._load(path, kv_cache_tokens, max_num_tokens, max_num_seqs, max_waiting, enable_chunked_prefill,
                            max_prefill_tokens_with_decodes, enable_prefix_caching, num_threads, attention_threads,
                            verify, device, gpu_memory_utilization, cuda_graphs)
+        engine._structured_config = structured_config
         if speculative is not None:
             draft = None
             if speculative.method == "draft":
@@ -633,7 +640,8 @@ class Engine:
         """
         with self._lock:
             if self._structured is None:
-                self._structured = StructuredRuntime.for_engine(self.path, self.vocab_size, self.eos_token_ids)
+                self._structured = StructuredRuntime.for_engine(self.path, self.vocab_size, self.eos_token_ids,
+                                                                self._structured_config)
             return self._structured
 
     def stats(self) -> EngineStats:

@@ -16,7 +16,7 @@ import pytest
 
 from llmc.errors import LlmcError
 from llmc.runtime import Engine, SamplingParams
-from llmc.runtime.structured import StructuredConfig, StructuredOutputs, StructuredRuntime
+from llmc.runtime.structured import StructuredConfig, StructuredOutputs
 from llmc.testing.structured_cases import random_cases
 
 PROMPTS = ["A JSON value:", "The for statement", "def f(x):", "Answer:"]
@@ -130,9 +130,8 @@ def test_invalid_constraints_are_refused_before_generation(tiny):
 
 
 def test_over_limit_constraints_are_refused(tiny_engine):
-    engine = Engine.load(tiny_engine, num_threads=1)
     cfg = StructuredConfig(max_spec_bytes=4096, max_grammar_size=2000, max_lexer_states=10_000)
-    engine._structured = StructuredRuntime.for_engine(engine.path, engine.vocab_size, engine.eos_token_ids, cfg)
+    engine = Engine.load(tiny_engine, num_threads=1, structured_config=cfg)
     big_enum = {"enum": [f"value-{i}" for i in range(1000)]}
     with pytest.raises(LlmcError, match=r"structured\.json: \d+ bytes exceed the limit of 4096"):
         engine.generate("x", SamplingParams(structured={"json": big_enum}))
@@ -143,10 +142,15 @@ def test_over_limit_constraints_are_refused(tiny_engine):
     assert not engine.scheduler.requests
 
 
+def test_structured_config_is_a_load_option(tiny, tiny_engine):
+    assert tiny.structured.config == StructuredConfig()  # the defaults without one
+    with pytest.raises(LlmcError, match=r"structured_config: must be a StructuredConfig \(got dict\)"):
+        Engine.load(tiny_engine, structured_config={"overlap": False})
+
+
 def test_compile_time_is_bounded(tiny_engine):
-    engine = Engine.load(tiny_engine, num_threads=1)
     cfg = StructuredConfig(compile_timeout_s=1e-4)  # nothing of size compiles this fast
-    engine._structured = StructuredRuntime.for_engine(engine.path, engine.vocab_size, engine.eos_token_ids, cfg)
+    engine = Engine.load(tiny_engine, num_threads=1, structured_config=cfg)
     schema = {"type": "object", "properties": {f"k{i}": {"type": "string", "pattern": f"^[a-z]{{{i % 7 + 1}}}x{i}$"}
                                                for i in range(300)}}
     with pytest.raises(LlmcError, match=r"compiling took longer than 0.0001 s"):
@@ -160,9 +164,10 @@ def test_a_slow_grammar_does_not_delay_its_neighbours_beyond_the_bound(default_e
     """A request deep in a highly ambiguous parse (each mask ~0.05-0.3 s) beside an unconstrained one:
     with mask_timeout_s=0.02 the step it is in lasts at most that much longer than a plain step, and it
     ends with finish_reason "error" naming the limit (never unconstrained)."""
-    engine = Engine.load(default_engine, num_threads=1)
     cfg = StructuredConfig(mask_timeout_s=0.02)
-    engine._structured = rt = StructuredRuntime.for_engine(engine.path, engine.vocab_size, engine.eos_token_ids, cfg)
+    engine = Engine.load(default_engine, num_threads=1, structured_config=cfg)
+    rt = engine.structured
+    assert rt.config is cfg
     matcher = rt.compiler.compile({"grammar": AMBIGUOUS})
     # Drive the real matcher deep into the ambiguous parse (the model would take as long to get there).
     assert matcher.consume_tokens(rt.compiler.tokenizer.tokenize_str("ab" * 110))
