@@ -458,6 +458,8 @@ class Engine:
         if (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids:
             return "stop"
         if p.stop and self._hit_stop_string(r):
+            if self._structured is not None:  # complete or not: judged on the text returned
+                self._structured.cut(r, r.text)
             return "stop"
         if structured is not None:  # "stop": the structure is complete; "error": its matcher failed
             return structured

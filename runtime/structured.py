@@ -478,6 +478,18 @@ class StructuredRuntime:
             s.done = True
             s.incomplete = not s.matcher.is_accepting()
 
+    def cut(self, request, text: str) -> None:
+        """A stop string ended ``request`` and cut its text to ``text``: judge completeness on that text,
+        not on the tokens generated (which ran past the cut, and may have completed the structure)."""
+        s = self._states.get(request)
+        if s is None or s.error is not None:
+            return
+        m = s.matcher
+        m.reset()  # the request is over; its matcher is free to re-read the returned text
+        # Greedy tokens of the exact bytes: the matcher works on bytes, so any tokenization of them does.
+        ok = m.consume_tokens(self.compiler.tokenizer.greedy_tokenize(text))
+        s.done, s.incomplete = True, not (ok and m.is_accepting())
+
     def outcome(self, request) -> tuple[bool, str | None]:
         """``(structured_incomplete, structured_error)`` of a finished request (``(False, None)``: complete)."""
         s = self._states.get(request)

@@ -242,6 +242,11 @@ def test_prefix_cache_n_copies_stop_strings_and_logprobs(default):
     # A stop string cuts the text before the structure completes: finish "stop", flagged incomplete.
     cut = default.generate(prompt, SamplingParams(max_tokens=40, structured=spec, stop=['"n"']))[0]
     assert cut.finish_reason == "stop" and cut.structured_incomplete and '"n"' not in cut.text
+    # The tokens complete the structure but the stop string cuts its closing brace: judged on the text
+    # returned, which is incomplete (the tokens alone would say complete).
+    brace = default.generate(prompt, SamplingParams(max_tokens=40, structured=spec, stop=["}"]))[0]
+    assert brace.finish_reason == "stop" and brace.structured_incomplete, brace
+    assert default.tokenizer.decode(brace.token_ids).endswith("}") and not brace.text.endswith("}")
 
 
 def test_constrained_requests_beside_speculating_ones(default_engine):
