@@ -323,9 +323,7 @@ class Engine:
                 logprobs=[] if params.logprobs is not None else None,
                 text="" if params.stop else None,
             )
-            # Constrained requests decode one token a step: verifying drafts under a grammar needs a mask per
-            # draft position and a matcher rollback for the rejected ones, which is not built yet.
-            if self.speculator is not None and params.speculative and params.structured is None:
+            if self.speculator is not None and params.speculative:
                 req.spec = self.speculator.new_state()
             self.scheduler.add(req)
             if matcher is not None:
@@ -377,6 +375,10 @@ class Engine:
             t0 = time.perf_counter()
             if self.speculator is not None:  # drafts for decoding requests, consumed by schedule()
                 self.speculator.propose(self.scheduler.running)
+                if self._structured is not None:  # a constrained request's drafts end where its grammar says
+                    for r in self.scheduler.running:
+                        if r.draft:
+                            r.draft, r.draft_probs = self._structured.filter_draft(r, r.draft, r.draft_probs)
             sched = self.scheduler.schedule()
             self.last_schedule = sched
             if not sched.chunks:
@@ -393,9 +395,9 @@ class Engine:
             # One logits row per sampling chunk; a verify chunk (drafts) needs all of its 1 + k rows.
             rows = np.concatenate([np.arange(qsl[i + 1] - 1 - len(c.draft), qsl[i + 1], dtype=np.int64)
                                    for i, c in enumerate(chunks) if c.samples] or [np.zeros(0, np.int64)])
-            # Constrained requests' token masks, computed while the forward pass runs (constrained requests
-            # never carry drafts: see Speculator.propose).
-            masks = self._structured.start_masks([c.request for c in sampling]) if self._structured else None
+            # Constrained requests' token masks (one per verified position), computed while the forward pass runs.
+            masks = (self._structured.start_masks([(c.request, c.draft) for c in sampling])
+                     if self._structured else None)
             feeds = {"input_ids": ids, "positions": pos, "slot_mapping": slots, "block_tables": tables,
                      "context_lens": ctx, "query_start_loc": qsl, "logits_indices": rows}
             if self._rope_lengths:
@@ -410,7 +412,7 @@ class Engine:
             row = 0
             for chunk in sampling:
                 if chunk.draft:
-                    outputs.append(self._accept_draft(chunk, logits[row: row + 1 + len(chunk.draft)], now))
+                    outputs.append(self._accept_draft(chunk, logits[row: row + 1 + len(chunk.draft)], now, masks))
                 else:
                     outputs.append(self._accept(chunk.request, logits[row], now, masks))
                 row += 1 + len(chunk.draft)
@@ -419,9 +421,24 @@ class Engine:
             self._busy += time.perf_counter() - t0
             return outputs
 
-    def _accept_draft(self, chunk, logits: np.ndarray, now: float) -> RequestOutput:
-        """A verify chunk's ``[1 + k, vocab]`` logits: emit the kept drafts and one more token, in order."""
+    def _accept_draft(self, chunk, logits: np.ndarray, now: float, masks=None) -> RequestOutput:
+        """A verify chunk's ``[1 + k, vocab]`` logits: emit the kept drafts and one more token, in order.
+
+        A constrained request's rows are masked first (row ``i``: what its grammar allows after the first
+        ``i`` drafts); the rows after the first forbidden draft stay as they are, as verification rejects
+        that draft at the latest and never reads them.
+        """
         r, p = chunk.request, chunk.request.params
+        allowed = self._structured.allowed(masks, r) if masks is not None else None
+        model_logits = logits
+        if allowed is not None:
+            if not self._structured.usable(r, allowed):  # never verify unconstrained
+                self._finish(r, "error", now)
+                return RequestOutput(r.request_id, [], [] if p.logprobs is not None else None, True, "error")
+            if p.logprobs is not None:  # logprobs stay the model's own distribution
+                logits = logits.copy()
+            for i, words in enumerate(allowed):
+                self._structured.apply(words, logits[i], in_place=True)
         emitted = self.speculator.verify(chunk, logits)
         kept = len(emitted) - 1
         self.scheduler.accept_draft(chunk, kept)
@@ -430,7 +447,7 @@ class Engine:
         lps: list[dict[int, float]] = []
         reason = None
         for i, token in enumerate(emitted):
-            lp = token_logprobs(logits[i], token, p.logprobs) if p.logprobs is not None else None
+            lp = token_logprobs(model_logits[i], token, p.logprobs) if p.logprobs is not None else None
             if i < kept:
                 self.scheduler.extend_accepted(r, token)
             else:
@@ -438,7 +455,8 @@ class Engine:
             new.append(token)
             if lp is not None:
                 lps.append(lp)
-            reason = self._record(r, token, lp, now)
+            structured = self._structured.advance(r, token, self.eos_token_ids) if allowed is not None else None
+            reason = self._record(r, token, lp, now, structured)
             if reason is not None:  # a stop among the drafts: the tokens after it were never generated
                 self._finish(r, reason, now)
                 break
@@ -476,7 +494,7 @@ class Engine:
                 self._finish(r, "error", now)
                 return RequestOutput(r.request_id, [], [] if p.logprobs is not None else None, True, "error")
             # In place unless logprobs, which stay the model's own distribution, still need the row.
-            picked = self._structured.apply(allowed, logits, in_place=p.logprobs is None)
+            picked = self._structured.apply(allowed[0], logits, in_place=p.logprobs is None)
         token = sample(picked, p, r.rng, r.tokens if p.uses_history else (), r.prompt_len)
         lp = token_logprobs(logits, token, p.logprobs) if p.logprobs is not None else None
         self.scheduler.append_token(r, token)

@@ -8,8 +8,10 @@ The grammar engine is llguidance (a Rust core; no torch). This module only glues
   (``tokenizer.json``), refuses one that does not compile or exceeds the limits (``LlmcError``
   naming the failing part, before any token is generated), and caches compiled grammars by content.
 - :class:`StructuredRuntime` holds each constrained request's matcher, computes the token masks of a
-  step's constrained requests together (llguidance's thread pool; optionally while the forward pass
-  runs), and tells the engine how a request ends.
+  step's constrained requests (in a worker while the forward pass runs; after it, the step thread
+  finishes the fast ones), one per verified position under speculative decoding (drafts cut where the
+  grammar forbids them; the matcher consumes the drafts to mask the positions after them, then rolls them
+  back), and tells the engine how a request ends.
 
 Masks are bitmasks ``int32 [batch, ceil(vocab / 32)]`` (bit ``t % 32`` of word ``t // 32`` set: token
 ``t`` allowed). A matcher's state is the output tokens it consumed; it lives with the request, so a
@@ -286,31 +288,37 @@ class _State:
 
 
 class PendingMasks:
-    """Masks being computed for one step: row ``index[id(request)]`` of ``bitmask`` is that request's.
+    """Masks being computed for one step. Each constrained request is an *entry* with ``1 + k`` rows of
+    ``bitmask`` (``k``: its draft tokens the grammar allows, under speculative decoding): the mask for its
+    next token, then the mask after each of those drafts.
 
-    Rows are claimed under ``cond``: mask workers take them from the front, the step thread (once its
-    forward pass is done) from the back, but only rows whose request's previous mask was fast, so a slow
-    grammar's mask is always a worker's and the step thread waits for it no longer than the deadline.
+    Entries are claimed under ``cond``: mask workers take them from the front, the step thread (once its
+    forward pass is done) from the back, but only entries whose request's previous mask was fast, so a
+    slow grammar's masks are always a worker's and the step thread waits for them no longer than the
+    deadline.
     """
 
-    def __init__(self, bitmask: np.ndarray, index: dict[int, int], states: list[_State], stealable: int,
-                 threaded: bool) -> None:
-        self.bitmask = bitmask  # int32 [constrained requests, ceil(vocab / 32)]
-        self.index = index  # id(request) -> row
-        self.states = states  # row -> the request's state
+    def __init__(self, bitmask: np.ndarray, index: dict[int, int], states: list[_State], drafts: list[Sequence[int]],
+                 starts: list[int], stealable: int, threaded: bool) -> None:
+        self.bitmask = bitmask  # int32 [rows of all entries, ceil(vocab / 32)]
+        self.index = index  # id(request) -> entry
+        self.states = states  # entry -> the request's state
+        self.drafts = drafts  # entry -> its draft tokens (empty: none)
+        self.starts = starts  # entry -> its first row
+        self.valid = [0] * len(states)  # entry -> how many of its drafts the grammar allows (rows after the first)
         self.done = [not threaded] * len(states)
-        self.front = 0  # next row a worker claims
-        self.back = len(states) - 1  # next row the step thread may claim
-        self.first_stealable = len(states) - stealable  # rows from here on may be claimed by the step thread
+        self.front = 0  # next entry a worker claims
+        self.back = len(states) - 1  # next entry the step thread may claim
+        self.first_stealable = len(states) - stealable  # entries from here on may be claimed by the step thread
         self.cond = threading.Condition() if threaded else None
-        self.helped = not threaded  # whether the step thread has claimed its rows yet
+        self.helped = not threaded  # whether the step thread has claimed its entries yet
         self.deadline: float | None = None  # set when the caller first waits (after its forward pass)
 
 
 class StructuredRuntime:
     """The engine's side of structured outputs: matchers per request, masks per step, how requests end."""
 
-    # The step thread computes a waiting request's mask itself (rather than wait for a worker to be
+    # The step thread computes a waiting request's masks itself (rather than wait for a worker to be
     # scheduled) only if that request's previous mask took less than this: a grammar whose masks are slow
     # stays with the workers, under the mask_timeout_s deadline.
     STEAL_BELOW_S = 0.001
@@ -322,8 +330,8 @@ class StructuredRuntime:
         self.vocab_size = compiler.vocab_size
         self._words = (self.vocab_size + 31) // 32
         self._threads = self.config.mask_threads or max(1, (os.cpu_count() or 2) // 2)
-        # A step's rows go to at most _threads tasks that claim them one by one (not one task per row: a
-        # handoff costs ~30 us on a loaded machine, more than a mask); each row keeps its own deadline.
+        # A step's entries go to at most _threads tasks that claim them one by one (not one task per
+        # request: a handoff costs ~30 us on a loaded machine, more than a mask); each keeps its own deadline.
         self._pool = concurrent.futures.ThreadPoolExecutor(self._threads, thread_name_prefix="llmc-mask")
         # Keyed by the request object (weakly): the state goes when the request does, and the
         # scheduler's Request needs no field of its own.
@@ -338,36 +346,61 @@ class StructuredRuntime:
     def has(self, request) -> bool:
         return request in self._states
 
-    def start_masks(self, requests: Sequence) -> PendingMasks | None:
-        """Begin computing the next-token masks of the constrained ones among ``requests``.
+    def filter_draft(self, request, draft: list[int], probs: np.ndarray | None) -> tuple[list[int], np.ndarray | None]:
+        """``request``'s speculative drafts cut where its grammar forbids one (unconstrained: unchanged).
 
-        With ``config.overlap`` mask workers start on them (llguidance drops the GIL), so the caller runs
-        the forward pass meanwhile; :meth:`allowed` then finishes the rest and waits for one request's mask.
+        Point-mass drafts (prompt lookup, greedy drafting) end before the first forbidden token. Sampled
+        drafts keep it: its target probability is 0 under the mask, so verification rejects it and draws
+        the replacement from ``max(p - q, 0)``, which keeps the output distributed exactly as the target's
+        (dropping it would skew that position toward ``p``).
         """
-        pairs = [(r, s) for r in requests if (s := self._states.get(r)) is not None and not s.done]
-        if not pairs:
+        s = self._states.get(request)
+        if s is None or s.done or not draft:
+            return draft, probs
+        n = s.matcher.validate_tokens(draft)
+        if n >= len(draft):
+            return draft, probs
+        if probs is None:
+            return draft[:n], None
+        return draft[: n + 1], probs[: n + 1]
+
+    def start_masks(self, entries: Sequence[tuple[Any, Sequence[int]]]) -> PendingMasks | None:
+        """Begin computing the masks of the constrained ones among ``entries`` (request, its draft tokens).
+
+        A request gets the mask for its next token and, per draft token the grammar allows, the mask
+        after it (its matcher consumes the drafts, then rolls them back). With ``config.overlap`` mask
+        workers start on them (llguidance drops the GIL), so the caller runs the forward pass meanwhile;
+        :meth:`allowed` then finishes the rest and waits for one request's masks.
+        """
+        triples = [(r, s, d) for r, d in entries if (s := self._states.get(r)) is not None and not s.done]
+        if not triples:
             return None
         threaded = self.config.overlap
-        if threaded:  # the rows the step thread may take go last (it claims from the back)
-            pairs.sort(key=lambda rs: self._stealable(rs[1]))
-        states = [s for _, s in pairs]
-        bitmask = np.zeros((len(pairs), self._words), np.int32)
-        p = PendingMasks(bitmask, {id(r): i for i, (r, _) in enumerate(pairs)}, states,
+        if threaded:  # the entries the step thread may take go last (it claims from the back)
+            triples.sort(key=lambda t: self._stealable(t[1]))
+        starts, rows = [], 0
+        for _, _, d in triples:
+            starts.append(rows)
+            rows += 1 + len(d)
+        states = [s for _, s, _ in triples]
+        p = PendingMasks(np.zeros((rows, self._words), np.int32), {id(r): i for i, (r, _, _) in enumerate(triples)},
+                         states, [list(d) for _, _, d in triples], starts,
                          sum(map(self._stealable, states)) if threaded else 0, threaded)
         if threaded:
             for _ in range(min(self._threads, len(states))):
                 self._pool.submit(self._work, p)
         else:
-            for i, s in enumerate(states):
-                self.mask_seconds += self._fill(s, bitmask[i])
-                self.masks += 1
+            for i in range(len(states)):
+                dt, n = self._entry(p, i)
+                self.mask_seconds += dt
+                self.masks += n
         return p
 
     def _stealable(self, s: _State) -> bool:
         return s.last_mask_s is not None and s.last_mask_s < self.STEAL_BELOW_S
 
     def _work(self, p: PendingMasks) -> None:
-        """A mask worker: claim rows from the front until none is left."""
+        """A mask worker: claim entries from the front until none is left."""
         while True:
             with p.cond:
                 if p.front > p.back:
@@ -377,7 +410,7 @@ class StructuredRuntime:
             self._compute(p, i)
 
     def _help(self, p: PendingMasks) -> None:
-        """The step thread, after its forward pass: compute the unclaimed rows that are known to be fast."""
+        """The step thread, after its forward pass: compute the unclaimed entries that are known to be fast."""
         p.helped = True
         while True:
             with p.cond:
@@ -388,12 +421,29 @@ class StructuredRuntime:
             self._compute(p, i)
 
     def _compute(self, p: PendingMasks, i: int) -> None:
-        dt = self._fill(p.states[i], p.bitmask[i])
+        dt, n = self._entry(p, i)
         with p.cond:
             p.done[i] = True
             self.mask_seconds += dt
-            self.masks += 1
+            self.masks += n
             p.cond.notify_all()
+
+    def _entry(self, p: PendingMasks, i: int) -> tuple[float, int]:
+        """Fill entry ``i``'s rows; returns (seconds, masks computed)."""
+        s, start, draft = p.states[i], p.starts[i], p.drafts[i]
+        dt = self._fill(s, p.bitmask[start])
+        if not draft:
+            return dt, 1
+        m = s.matcher
+        v = m.validate_tokens(draft)  # the drafts were cut at the first forbidden one (filter_draft)
+        for j in range(v):
+            if not m.consume_token(draft[j]):  # a limit hit mid-draft: the rows after stay empty (refused)
+                v = j
+                break
+            dt += self._fill(s, p.bitmask[start + 1 + j])
+        m.rollback(v)  # the matcher consumes what verification emits, like any other token
+        p.valid[i] = v
+        return dt, 1 + v
 
     def _fill(self, s: _State, row: np.ndarray) -> float:
         t0 = time.perf_counter()
@@ -402,10 +452,11 @@ class StructuredRuntime:
         return dt
 
     def allowed(self, pending: PendingMasks | None, request) -> np.ndarray | None:
-        """The bitmask row (``int32 [ceil(vocab / 32)]``) of the tokens ``request`` may produce next; None if
-        it is unconstrained. Apply it with :meth:`apply`.
+        """The bitmask rows (``int32 [1 + k, ceil(vocab / 32)]``) of the tokens ``request`` may produce next
+        and, under speculation, after each of the ``k`` draft tokens its grammar allows; None if it is
+        unconstrained. Apply a row with :meth:`apply`.
 
-        Waits for its mask until ``config.mask_timeout_s`` after the first wait of the step (the end of
+        Waits for its masks until ``config.mask_timeout_s`` after the first wait of the step (the end of
         the forward pass). A late mask fails the request: an all-zero row, which :meth:`usable` refuses;
         its matcher is left to the worker still computing and never used again.
         """
@@ -423,8 +474,9 @@ class StructuredRuntime:
                 if not ok:
                     self._fail(self._states[request], f"computing its token mask took longer than "
                                f"{self.config.mask_timeout_s} s (StructuredConfig.mask_timeout_s)")
-                    return np.zeros(self._words, np.int32)
-        return pending.bitmask[i]
+                    return np.zeros((1, self._words), np.int32)
+        start = pending.starts[i]
+        return pending.bitmask[start: start + 1 + pending.valid[i]]
 
     def apply(self, words: np.ndarray, logits: np.ndarray, in_place: bool) -> np.ndarray:
         """``logits`` ``[vocab]`` with every token that bitmask row ``words`` forbids set to -inf; in place
@@ -498,12 +550,13 @@ class StructuredRuntime:
         return s.incomplete, s.error
 
     def usable(self, request, words: np.ndarray) -> bool:
-        """Whether ``request`` can go on under its bitmask row ``words``; if not, records why (its matcher
-        failed, or no token is allowed) and the caller ends it with ``finish_reason == "error"``."""
+        """Whether ``request`` can go on under its bitmask rows ``words`` (from :meth:`allowed`); if not,
+        records why (its matcher failed, or some row allows no token) and the caller ends it with
+        ``finish_reason == "error"``."""
         s = self._states[request]
         if s.error is not None:  # failed already (a late mask): its matcher may still be in a worker's hands
             return False
-        why = self.failed(request) or (None if words.any() else "no token is allowed here")
+        why = self.failed(request) or (None if words.any(axis=-1).all() else "no token is allowed here")
         if why is None:
             return True
         self._fail(s, why)
