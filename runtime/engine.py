@@ -488,14 +488,22 @@ class Engine:
     def _accept(self, r: Request, logits: np.ndarray, now: float, masks=None) -> RequestOutput:
         p = r.params
         allowed = self._structured.allowed(masks, r) if masks is not None else None
-        picked = logits
+        token = None
         if allowed is not None:
             if not self._structured.usable(r, allowed):  # never sample unconstrained
                 self._finish(r, "error", now)
                 return RequestOutput(r.request_id, [], [] if p.logprobs is not None else None, True, "error")
-            # In place unless logprobs, which stay the model's own distribution, still need the row.
-            picked = self._structured.apply(allowed[0], logits, in_place=p.logprobs is None)
-        token = sample(picked, p, r.rng, r.tokens if p.uses_history else (), r.prompt_len)
+            if p.greedy and not p.uses_history:
+                # The model's own first argmax, when the grammar allows it, is the masked argmax too (every
+                # allowed token before it scores strictly less): no pass over the row.
+                top = int(logits.argmax())
+                token = top if self._structured.allows(allowed[0], top) else None
+            if token is None:
+                # In place unless logprobs, which stay the model's own distribution, still need the row.
+                masked = self._structured.apply(allowed[0], logits, in_place=p.logprobs is None)
+                token = sample(masked, p, r.rng, r.tokens if p.uses_history else (), r.prompt_len)
+        else:
+            token = sample(logits, p, r.rng, r.tokens if p.uses_history else (), r.prompt_len)
         lp = token_logprobs(logits, token, p.logprobs) if p.logprobs is not None else None
         self.scheduler.append_token(r, token)
         structured = self._structured.advance(r, token, self.eos_token_ids) if allowed is not None else None

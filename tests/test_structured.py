@@ -344,3 +344,12 @@ def test_filter_draft_cuts_at_the_first_forbidden_token(tiny):
     cut, q = rt.filter_draft(req, draft, probs)
     assert cut == good + bad and q.shape[0] == len(cut)
     assert rt.filter_draft(req, good, None) == (good, None)  # nothing forbidden: unchanged
+
+
+def test_allows_and_apply_read_the_bitmask_alike(tiny):
+    """The greedy shortcut's bit test and the full mask agree on every token, sign bit included."""
+    rt = tiny.structured
+    words = np.random.default_rng(0).integers(-2**31, 2**31, size=(tiny.vocab_size + 31) // 32).astype(np.int32)
+    masked = rt.apply(words, np.zeros(tiny.vocab_size, np.float32), in_place=False)
+    assert [rt.allows(words, t) for t in range(tiny.vocab_size)] == list(masked == 0)
+    assert 0 < (masked == 0).sum() < tiny.vocab_size
