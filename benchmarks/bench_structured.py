@@ -8,7 +8,12 @@ differ only by the masks. Constrained runs twice: masks computed while the forwa
 default, ``overlap``) and after it (``overlap=False``), which shows what the overlap buys.
 ``mask us/token`` is the mean time of one mask computation (llguidance, in the workers).
 
-usage: bench_structured.py [--engine DIR ...] [--tokens 128] [--rounds 3] [--out FILE]
+``--llamacpp F.gguf`` adds llama.cpp beside it (the same model converted to GGUF, e.g. f32 with
+benchmarks/peers/convert_gguf.py): batch 1, same schema (as GBNF, llama-cpp-python's converter), prompt
+and token count, greedy, through benchmarks/peers/bench_llamacpp_structured.py run by ``--llamacpp-python``
+(the peers venv of benchmarks/peers/setup.sh, which has llama-cpp-python).
+
+usage: bench_structured.py [--engine DIR ...] [--tokens 128] [--rounds 3] [--out FILE] [--llamacpp F.gguf]
 (default engine: the bundled default model, built into a temporary directory)
 """
 
@@ -19,6 +24,8 @@ import json
 import os
 import platform
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -76,12 +83,39 @@ def bench_engine(path: Path, tokens: int, rounds: int) -> list[dict]:
     return rows
 
 
+def bench_llamacpp(gguf: Path, python: Path, tokens: int, rounds: int, name: str) -> dict:
+    """llama.cpp's batch-1 row (same schema, prompt, tokens), from the peers venv's llama-cpp-python."""
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(SCHEMA, f)
+    try:
+        proc = subprocess.run([str(python), str(REPO / "benchmarks" / "peers" / "bench_llamacpp_structured.py"),
+                               "--model", str(gguf), "--schema", f.name, "--prompt", f"{PROMPT} 0",
+                               "--tokens", str(tokens), "--rounds", str(rounds)],
+                              capture_output=True, text=True, check=False)
+    finally:
+        os.unlink(f.name)
+    if proc.returncode != 0:
+        last = proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"exit {proc.returncode}"
+        sys.exit(f"llama.cpp run failed: {last}")
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    plain, cons = got["plain"], got["json_schema"]
+    return {"engine": name, "batch": 1, "overlap": None, "tokens": tokens, "rounds": rounds,
+            "plain_tok_s": statistics.median(plain), "json_schema_tok_s": statistics.median(cons),
+            "ratio": statistics.median(c / p for c, p in zip(cons, plain, strict=True)),
+            "mask_us_per_token": None, "masks": "gbnf", "threads": got["threads"],
+            "llama_cpp_python": got["llama_cpp_python"], "sample": got["sample"]}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--engine", action="append", type=Path, help="engine directory (repeatable)")
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "bench_structured.json")
+    ap.add_argument("--llamacpp", type=Path, help="GGUF of the same model: add llama.cpp's batch-1 row")
+    ap.add_argument("--llamacpp-python", type=Path,
+                    default=Path.home() / ".cache" / "llmc-peers" / "venv" / "bin" / "python",
+                    help="a python with llama-cpp-python (default: the peers venv)")
     args = ap.parse_args()
     engines = args.engine
     tmp = None
@@ -95,15 +129,20 @@ def main() -> None:
     rows = []
     for e in engines:
         rows += bench_engine(e, args.tokens, args.rounds)
+    if args.llamacpp is not None:
+        rows.append(bench_llamacpp(args.llamacpp, args.llamacpp_python, args.tokens, args.rounds,
+                                   f"llama.cpp {args.llamacpp.stem}"))
     print(f"{'engine':<16}{'batch':>6}{'masks':>10}{'plain tok/s':>13}{'schema tok/s':>14}{'ratio':>7}"
           f"{'mask us/tok':>13}")
     for r in rows:
-        print(f"{r['engine']:<16}{r['batch']:>6}{'overlap' if r['overlap'] else 'after':>10}{r['plain_tok_s']:>13.1f}"
-              f"{r['json_schema_tok_s']:>14.1f}{r['ratio']:>7.2f}{r['mask_us_per_token']:>13.1f}")
+        masks = r.get("masks") or ("overlap" if r["overlap"] else "after")
+        mask_us = f"{r['mask_us_per_token']:>13.1f}" if r["mask_us_per_token"] is not None else f"{'-':>13}"
+        print(f"{r['engine']:<16}{r['batch']:>6}{masks:>10}{r['plain_tok_s']:>13.1f}"
+              f"{r['json_schema_tok_s']:>14.1f}{r['ratio']:>7.2f}{mask_us}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
-            "note": "llama.cpp json_schema/GBNF column not run: llama-cpp-python is not installed on this machine "
-                    "and builds from source for ~15 min on its 2 shared cores (benchmarks/peers/setup.sh)"}
+            "load_average_at_end": os.getloadavg(),
+            "llamacpp": str(args.llamacpp) if args.llamacpp is not None else "not run (no --llamacpp GGUF)"}
     args.out.write_text(json.dumps({"meta": meta, "schema": SCHEMA, "rows": rows}, indent=2) + "\n")
     print(f"wrote {args.out}")
 
