@@ -4,10 +4,12 @@
 Runs under the peers venv (llama-cpp-python; benchmarks/peers/setup.sh), called by
 benchmarks/bench_structured.py with the same schema, prompt and token count as its llmc rows. The schema
 becomes a GBNF grammar with llama-cpp-python's own converter (``LlamaGrammar.from_json_schema``, what its
-``response_format={"type": "json_object", "schema": ...}`` uses); generation is greedy
-(``create_completion(temperature=0)``), EOS banned by a logit bias in both runs (the schema cannot
-complete within the tokens anyway), so both decode exactly ``--tokens`` tokens and differ by the grammar.
-tok/s = generated tokens / wall time of the call (the short prompt's prefill included, as in llmc's rows).
+``response_format={"type": "json_object", "schema": ...}`` uses; it allows whitespace between JSON tokens,
+llmc's default does not). Generation is greedy through ``Llama.generate(temp=0)`` (llama.cpp's sampler
+chain: the grammar sampler, then greedy; no Python logits processor, no detokenizing) for exactly
+``--tokens`` tokens, going on past an EOS like llmc's ``ignore_eos`` (the schema cannot complete within
+them, so the grammar never allows one), from a reset context. tok/s = tokens / wall time of the whole
+run (the short prompt's prefill and the grammar's parse included, as llmc's rows include their prefill).
 Rounds alternate plain and constrained; prints one JSON object (per-round figures) on stdout.
 
 usage: bench_llamacpp_structured.py --model F.gguf --schema S.json --prompt TEXT [--tokens 96] [--rounds 5]
@@ -39,18 +41,18 @@ def main() -> None:
     with open(args.schema) as f:
         schema_text = f.read()
     grammar = LlamaGrammar.from_json_schema(schema_text, verbose=False)
-    no_eos = {llm.token_eos(): -1e9}
+    prompt = llm.tokenize(args.prompt.encode())
 
     def run(constrained: bool, tokens: int) -> tuple[float, str]:
+        llm.reset()  # no KV reuse between runs (llmc's rows reset their prefix cache too)
+        out: list[int] = []
         t0 = time.perf_counter()
-        out = llm.create_completion(args.prompt, max_tokens=tokens, temperature=0.0, logit_bias=no_eos,
-                                    grammar=grammar if constrained else None)
+        for tok in llm.generate(prompt, temp=0.0, grammar=grammar if constrained else None):
+            out.append(tok)
+            if len(out) == tokens:
+                break
         dt = time.perf_counter() - t0
-        n = out["usage"]["completion_tokens"]
-        if n != tokens:
-            kind, text = "json_schema" if constrained else "plain", out["choices"][0]["text"][:200]
-            raise SystemExit(f"llama.cpp generated {n} tokens, not {tokens} ({kind}: {text!r})")
-        return n / dt, out["choices"][0]["text"]
+        return tokens / dt, llm.detokenize(out).decode(errors="replace")
 
     run(False, 16)  # warm both paths
     run(True, 16)
