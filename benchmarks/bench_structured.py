@@ -150,7 +150,12 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
             "load_average_at_end": os.getloadavg(),
-            "llamacpp": str(args.llamacpp) if args.llamacpp is not None else "not run (no --llamacpp GGUF)"}
+            "llamacpp": (f"{args.llamacpp}: batch 1 only; its schema grammar (llama-cpp-python's converter) allows "
+                         "whitespace between JSON tokens, llmc's default does not, so the two decode different "
+                         "token sequences of the same language" if args.llamacpp is not None
+                         else "not run (no --llamacpp GGUF)"),
+            "ratios": "median over rounds of constrained / the unconstrained run just before it; shared cores "
+                      "make single rounds swing 0.6-2x (see each row's ratios)"}
     args.out.write_text(json.dumps({"meta": meta, "schema": SCHEMA, "rows": rows}, indent=2) + "\n")
     print(f"wrote {args.out}")
 
