@@ -8,10 +8,12 @@ differ only by the masks. Constrained runs twice: masks computed while the forwa
 default, ``overlap``) and after it (``overlap=False``), which shows what the overlap buys.
 ``mask us/token`` is the mean time of one mask computation (llguidance, in the workers).
 
-``--llamacpp F.gguf`` adds llama.cpp beside it (the same model converted to GGUF, e.g. f32 with
-benchmarks/peers/convert_gguf.py): batch 1, same schema (as GBNF, llama-cpp-python's converter), prompt
-and token count, greedy, through benchmarks/peers/bench_llamacpp_structured.py run by ``--llamacpp-python``
-(the peers venv of benchmarks/peers/setup.sh, which has llama-cpp-python).
+``--llamacpp F.gguf`` adds llama.cpp beside it: the same model as GGUF, batch 1, same schema (as GBNF,
+llama-cpp-python's converter), prompt and token count, greedy, through
+benchmarks/peers/bench_llamacpp_structured.py run by ``--llamacpp-python`` (the peers venv of
+benchmarks/peers/setup.sh, which has llama-cpp-python). The default model's GGUF:
+``LLAMA_CPP_SRC=~/.cache/llmc-peers/sdist/llama_cpp_python-*/vendor/llama.cpp
+~/.cache/llmc-peers/venv/bin/python benchmarks/peers/convert_gguf.py assets/default-model default-f32.gguf f32``
 
 usage: bench_structured.py [--engine DIR ...] [--tokens 128] [--rounds 3] [--out FILE] [--llamacpp F.gguf]
 (default engine: the bundled default model, built into a temporary directory)
