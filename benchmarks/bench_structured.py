@@ -5,7 +5,8 @@ For each engine and batch size (1, 8): B requests decode ``--tokens`` tokens eac
 unconstrained and once under a JSON Schema whose structure cannot complete within that many tokens (an
 array of at least 100 records), so both runs decode the same number of tokens at the same batch size and
 differ only by the masks. Constrained runs twice: masks computed while the forward pass runs (the
-default, ``overlap``) and after it (``overlap=False``), which shows what the overlap buys.
+default, ``overlap``) and in the step thread before it (``overlap=False``, printed ``inline``), which
+shows what the overlap buys.
 ``mask us/token`` is the mean time of one mask computation (llguidance, in the workers).
 
 ``--llamacpp F.gguf`` adds llama.cpp beside it: the same model as GGUF, batch 1, same schema (as GBNF,
@@ -144,7 +145,7 @@ def main() -> None:
     print(f"{'engine':<16}{'batch':>6}{'masks':>10}{'plain tok/s':>13}{'schema tok/s':>14}{'ratio':>7}"
           f"{'cpu ratio':>10}{'mask us/tok':>13}")
     for r in rows:
-        masks = r.get("masks") or ("overlap" if r["overlap"] else "after")
+        masks = r.get("masks") or ("overlap" if r["overlap"] else "inline")
         mask_us = f"{r['mask_us_per_token']:>13.1f}" if r["mask_us_per_token"] is not None else f"{'-':>13}"
         cpu = f"{r['cpu_ratio']:>10.2f}" if r.get("cpu_ratio") is not None else f"{'-':>10}"
         print(f"{r['engine']:<16}{r['batch']:>6}{masks:>10}{r['plain_tok_s']:>13.1f}"
