@@ -32,7 +32,7 @@ from llmc.runtime.sampler import SamplingParams, sample, token_logprobs
 from llmc.runtime.scheduler import Request, Scheduler, SchedulerConfig, SchedulerOutput
 from llmc.runtime.session import OrtSession, custom_ops_of
 from llmc.runtime.speculative import SpeculativeConfig, Speculator
-from llmc.runtime.structured import StructuredRuntime
+from llmc.runtime.structured import StructuredConfig, StructuredRuntime
 from llmc.runtime.tokenizer import Tokenizer
 
 Prompt = str | Sequence[int]
@@ -157,6 +157,7 @@ class Engine:
         self._listeners: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self.speculator: Speculator | None = None  # set by load(speculative=...)
         self._structured: StructuredRuntime | None = None  # made by the first constrained request
+        self._structured_config: StructuredConfig | None = None  # set by load(structured_config=...)
 
     @classmethod
     def load(cls, path: str | Path, *, kv_cache_tokens: int | None = None, max_num_tokens: int = 2048,
@@ -164,7 +165,8 @@ class Engine:
              max_prefill_tokens_with_decodes: int | None = None, enable_prefix_caching: bool = True,
              num_threads: int | None = None, attention_threads: int | None = 0,
              verify: bool = True, device: str | None = None, gpu_memory_utilization: float = 0.9,
-             cuda_graphs: bool = True, speculative: SpeculativeConfig | None = None) -> Engine:
+             cuda_graphs: bool = True, speculative: SpeculativeConfig | None = None,
+             structured_config: StructuredConfig | None = None) -> Engine:
         """Load the artifact at ``path``.
 
         ``kv_cache_tokens`` sizes the KV pool (tokens across all sequences, rounded up to whole
@@ -188,10 +190,15 @@ class Engine:
         ``speculative`` turns on speculative decoding for every request that does not opt out
         (``SamplingParams.speculative``): see :class:`~llmc.runtime.speculative.SpeculativeConfig`; a draft
         model is loaded here, as a CPU engine with the same thread settings.
+        ``structured_config`` bounds what constrained requests (``SamplingParams.structured``) may cost and
+        how their masks are computed: see :class:`~llmc.runtime.structured.StructuredConfig` (None: its defaults).
         """
+        if structured_config is not None and not isinstance(structured_config, StructuredConfig):
+            raise LlmcError(f"structured_config: must be a StructuredConfig (got {type(structured_config).__name__})")
         engine = cls._load(path, kv_cache_tokens, max_num_tokens, max_num_seqs, max_waiting, enable_chunked_prefill,
                            max_prefill_tokens_with_decodes, enable_prefix_caching, num_threads, attention_threads,
                            verify, device, gpu_memory_utilization, cuda_graphs)
+        engine._structured_config = structured_config
         if speculative is not None:
             draft = None
             if speculative.method == "draft":
@@ -316,9 +323,7 @@ class Engine:
                 logprobs=[] if params.logprobs is not None else None,
                 text="" if params.stop else None,
             )
-            # Constrained requests decode one token a step: verifying drafts under a grammar needs a mask per
-            # draft position and a matcher rollback for the rejected ones, which is not built yet.
-            if self.speculator is not None and params.speculative and params.structured is None:
+            if self.speculator is not None and params.speculative:
                 req.spec = self.speculator.new_state()
             self.scheduler.add(req)
             if matcher is not None:
@@ -370,6 +375,10 @@ class Engine:
             t0 = time.perf_counter()
             if self.speculator is not None:  # drafts for decoding requests, consumed by schedule()
                 self.speculator.propose(self.scheduler.running)
+                if self._structured is not None:  # a constrained request's drafts end where its grammar says
+                    for r in self.scheduler.running:
+                        if r.draft:
+                            r.draft, r.draft_probs = self._structured.filter_draft(r, r.draft, r.draft_probs)
             sched = self.scheduler.schedule()
             self.last_schedule = sched
             if not sched.chunks:
@@ -386,9 +395,9 @@ class Engine:
             # One logits row per sampling chunk; a verify chunk (drafts) needs all of its 1 + k rows.
             rows = np.concatenate([np.arange(qsl[i + 1] - 1 - len(c.draft), qsl[i + 1], dtype=np.int64)
                                    for i, c in enumerate(chunks) if c.samples] or [np.zeros(0, np.int64)])
-            # Constrained requests' token masks, computed while the forward pass runs (constrained requests
-            # never carry drafts: see Speculator.propose).
-            masks = self._structured.start_masks([c.request for c in sampling]) if self._structured else None
+            # Constrained requests' token masks (one per verified position), computed while the forward pass runs.
+            masks = (self._structured.start_masks([(c.request, c.draft) for c in sampling])
+                     if self._structured else None)
             feeds = {"input_ids": ids, "positions": pos, "slot_mapping": slots, "block_tables": tables,
                      "context_lens": ctx, "query_start_loc": qsl, "logits_indices": rows}
             if self._rope_lengths:
@@ -403,7 +412,7 @@ class Engine:
             row = 0
             for chunk in sampling:
                 if chunk.draft:
-                    outputs.append(self._accept_draft(chunk, logits[row: row + 1 + len(chunk.draft)], now))
+                    outputs.append(self._accept_draft(chunk, logits[row: row + 1 + len(chunk.draft)], now, masks))
                 else:
                     outputs.append(self._accept(chunk.request, logits[row], now, masks))
                 row += 1 + len(chunk.draft)
@@ -412,9 +421,24 @@ class Engine:
             self._busy += time.perf_counter() - t0
             return outputs
 
-    def _accept_draft(self, chunk, logits: np.ndarray, now: float) -> RequestOutput:
-        """A verify chunk's ``[1 + k, vocab]`` logits: emit the kept drafts and one more token, in order."""
+    def _accept_draft(self, chunk, logits: np.ndarray, now: float, masks=None) -> RequestOutput:
+        """A verify chunk's ``[1 + k, vocab]`` logits: emit the kept drafts and one more token, in order.
+
+        A constrained request's rows are masked first (row ``i``: what its grammar allows after the first
+        ``i`` drafts); the rows after the first forbidden draft stay as they are, as verification rejects
+        that draft at the latest and never reads them.
+        """
         r, p = chunk.request, chunk.request.params
+        allowed = self._structured.allowed(masks, r) if masks is not None else None
+        model_logits = logits
+        if allowed is not None:
+            if not self._structured.usable(r, allowed):  # never verify unconstrained
+                self._finish(r, "error", now)
+                return RequestOutput(r.request_id, [], [] if p.logprobs is not None else None, True, "error")
+            if p.logprobs is not None:  # logprobs stay the model's own distribution
+                logits = logits.copy()
+            for i, words in enumerate(allowed):
+                self._structured.apply(words, logits[i], in_place=True)
         emitted = self.speculator.verify(chunk, logits)
         kept = len(emitted) - 1
         self.scheduler.accept_draft(chunk, kept)
@@ -423,7 +447,7 @@ class Engine:
         lps: list[dict[int, float]] = []
         reason = None
         for i, token in enumerate(emitted):
-            lp = token_logprobs(logits[i], token, p.logprobs) if p.logprobs is not None else None
+            lp = token_logprobs(model_logits[i], token, p.logprobs) if p.logprobs is not None else None
             if i < kept:
                 self.scheduler.extend_accepted(r, token)
             else:
@@ -431,7 +455,8 @@ class Engine:
             new.append(token)
             if lp is not None:
                 lps.append(lp)
-            reason = self._record(r, token, lp, now)
+            structured = self._structured.advance(r, token, self.eos_token_ids) if allowed is not None else None
+            reason = self._record(r, token, lp, now, structured)
             if reason is not None:  # a stop among the drafts: the tokens after it were never generated
                 self._finish(r, reason, now)
                 break
@@ -451,6 +476,8 @@ class Engine:
         if (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids:
             return "stop"
         if p.stop and self._hit_stop_string(r):
+            if self._structured is not None:  # complete or not: judged on the text returned
+                self._structured.cut(r, r.text)
             return "stop"
         if structured is not None:  # "stop": the structure is complete; "error": its matcher failed
             return structured
@@ -461,12 +488,22 @@ class Engine:
     def _accept(self, r: Request, logits: np.ndarray, now: float, masks=None) -> RequestOutput:
         p = r.params
         allowed = self._structured.allowed(masks, r) if masks is not None else None
-        if allowed is not None and not self._structured.usable(r, allowed):  # never sample unconstrained
-            self._finish(r, "error", now)
-            return RequestOutput(r.request_id, [], [] if p.logprobs is not None else None, True, "error")
-        # Masking copies the row once; logprobs below stay the model's own distribution.
-        picked = np.where(allowed, logits, np.float32(-np.inf)) if allowed is not None else logits
-        token = sample(picked, p, r.rng, r.tokens if p.uses_history else (), r.prompt_len)
+        token = None
+        if allowed is not None:
+            if not self._structured.usable(r, allowed):  # never sample unconstrained
+                self._finish(r, "error", now)
+                return RequestOutput(r.request_id, [], [] if p.logprobs is not None else None, True, "error")
+            if p.greedy and not p.uses_history:
+                # The model's own first argmax, when the grammar allows it, is the masked argmax too (every
+                # allowed token before it scores strictly less): no pass over the row.
+                top = int(logits.argmax())
+                token = top if self._structured.allows(allowed[0], top) else None
+            if token is None:
+                # In place unless logprobs, which stay the model's own distribution, still need the row.
+                masked = self._structured.apply(allowed[0], logits, in_place=p.logprobs is None)
+                token = sample(masked, p, r.rng, r.tokens if p.uses_history else (), r.prompt_len)
+        else:
+            token = sample(logits, p, r.rng, r.tokens if p.uses_history else (), r.prompt_len)
         lp = token_logprobs(logits, token, p.logprobs) if p.logprobs is not None else None
         self.scheduler.append_token(r, token)
         structured = self._structured.advance(r, token, self.eos_token_ids) if allowed is not None else None
@@ -631,7 +668,8 @@ class Engine:
         """
         with self._lock:
             if self._structured is None:
-                self._structured = StructuredRuntime.for_engine(self.path, self.vocab_size, self.eos_token_ids)
+                self._structured = StructuredRuntime.for_engine(self.path, self.vocab_size, self.eos_token_ids,
+                                                                self._structured_config)
             return self._structured
 
     def stats(self) -> EngineStats:

@@ -11,12 +11,13 @@ from __future__ import annotations
 import json
 import time
 
+import jsonschema
 import numpy as np
 import pytest
 
 from llmc.errors import LlmcError
 from llmc.runtime import Engine, SamplingParams
-from llmc.runtime.structured import StructuredConfig, StructuredOutputs, StructuredRuntime
+from llmc.runtime.structured import StructuredConfig, StructuredOutputs
 from llmc.testing.structured_cases import random_cases
 
 PROMPTS = ["A JSON value:", "The for statement", "def f(x):", "Answer:"]
@@ -130,9 +131,8 @@ def test_invalid_constraints_are_refused_before_generation(tiny):
 
 
 def test_over_limit_constraints_are_refused(tiny_engine):
-    engine = Engine.load(tiny_engine, num_threads=1)
     cfg = StructuredConfig(max_spec_bytes=4096, max_grammar_size=2000, max_lexer_states=10_000)
-    engine._structured = StructuredRuntime.for_engine(engine.path, engine.vocab_size, engine.eos_token_ids, cfg)
+    engine = Engine.load(tiny_engine, num_threads=1, structured_config=cfg)
     big_enum = {"enum": [f"value-{i}" for i in range(1000)]}
     with pytest.raises(LlmcError, match=r"structured\.json: \d+ bytes exceed the limit of 4096"):
         engine.generate("x", SamplingParams(structured={"json": big_enum}))
@@ -143,10 +143,15 @@ def test_over_limit_constraints_are_refused(tiny_engine):
     assert not engine.scheduler.requests
 
 
+def test_structured_config_is_a_load_option(tiny, tiny_engine):
+    assert tiny.structured.config == StructuredConfig()  # the defaults without one
+    with pytest.raises(LlmcError, match=r"structured_config: must be a StructuredConfig \(got dict\)"):
+        Engine.load(tiny_engine, structured_config={"overlap": False})
+
+
 def test_compile_time_is_bounded(tiny_engine):
-    engine = Engine.load(tiny_engine, num_threads=1)
     cfg = StructuredConfig(compile_timeout_s=1e-4)  # nothing of size compiles this fast
-    engine._structured = StructuredRuntime.for_engine(engine.path, engine.vocab_size, engine.eos_token_ids, cfg)
+    engine = Engine.load(tiny_engine, num_threads=1, structured_config=cfg)
     schema = {"type": "object", "properties": {f"k{i}": {"type": "string", "pattern": f"^[a-z]{{{i % 7 + 1}}}x{i}$"}
                                                for i in range(300)}}
     with pytest.raises(LlmcError, match=r"compiling took longer than 0.0001 s"):
@@ -160,9 +165,10 @@ def test_a_slow_grammar_does_not_delay_its_neighbours_beyond_the_bound(default_e
     """A request deep in a highly ambiguous parse (each mask ~0.05-0.3 s) beside an unconstrained one:
     with mask_timeout_s=0.02 the step it is in lasts at most that much longer than a plain step, and it
     ends with finish_reason "error" naming the limit (never unconstrained)."""
-    engine = Engine.load(default_engine, num_threads=1)
     cfg = StructuredConfig(mask_timeout_s=0.02)
-    engine._structured = rt = StructuredRuntime.for_engine(engine.path, engine.vocab_size, engine.eos_token_ids, cfg)
+    engine = Engine.load(default_engine, num_threads=1, structured_config=cfg)
+    rt = engine.structured
+    assert rt.config is cfg
     matcher = rt.compiler.compile({"grammar": AMBIGUOUS})
     # Drive the real matcher deep into the ambiguous parse (the model would take as long to get there).
     assert matcher.consume_tokens(rt.compiler.tokenizer.tokenize_str("ab" * 110))
@@ -237,25 +243,113 @@ def test_prefix_cache_n_copies_stop_strings_and_logprobs(default):
     # A stop string cuts the text before the structure completes: finish "stop", flagged incomplete.
     cut = default.generate(prompt, SamplingParams(max_tokens=40, structured=spec, stop=['"n"']))[0]
     assert cut.finish_reason == "stop" and cut.structured_incomplete and '"n"' not in cut.text
+    # The tokens complete the structure but the stop string cuts its closing brace: judged on the text
+    # returned, which is incomplete (the tokens alone would say complete).
+    brace = default.generate(prompt, SamplingParams(max_tokens=40, structured=spec, stop=["}"]))[0]
+    assert brace.finish_reason == "stop" and brace.structured_incomplete, brace
+    assert default.tokenizer.decode(brace.token_ids).endswith("}") and not brace.text.endswith("}")
 
 
-def test_constrained_requests_beside_speculating_ones(default_engine):
-    """On an engine with prompt lookup (never adaptive: drafts every step), a constrained request decodes
-    without drafts and still validates, while its unconstrained neighbour speculates and keeps its plain
-    greedy tokens."""
+RECORD = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
+                                           "n": {"type": "integer", "minimum": 0, "maximum": 99}},
+          "required": ["name", "n"], "additionalProperties": False}
+# Prompts that hold compact JSON records, so prompt lookup finds drafts in constrained outputs too.
+SPEC_PROMPTS = ['{"name":"ab","n":12}\n{"name":"cd","n":34}\n', "A record:", '{"name":"x","n":5} {"name":"',
+                "def f(x): return x + 1\ndef f(x):"]
+
+
+def _spec_cases(temperature: float) -> tuple[list[str], list[SamplingParams], list]:
+    """A batch of constrained requests (the record schema and random cases) and an unconstrained neighbour."""
+    cases = [({"json": RECORD}, None)] * 2 + random_cases(6, seed=21)
+    prompts, params = [], []
+    for i, (spec, _) in enumerate(cases):
+        prompts.append(SPEC_PROMPTS[i % len(SPEC_PROMPTS)])
+        params.append(SamplingParams(max_tokens=40, temperature=temperature, seed=100 + i, structured=spec,
+                                     logprobs=2 if i == 1 else None))
+    prompts.append("The for statement is used to iterate over the elements of a sequence. The for statement")
+    params.append(SamplingParams(max_tokens=40, temperature=temperature, seed=7, ignore_eos=True))
+    return prompts, params, [c for _, c in cases]
+
+
+def _check_outputs(outs, checks) -> int:
+    """Every complete constrained output is in its language; returns how many are complete."""
+    complete = 0
+    for out, check in zip(outs, checks, strict=False):
+        assert out.structured_error is None, out.structured_error
+        if not out.structured_incomplete:
+            if check is None:  # the record schema
+                jsonschema.validate(json.loads(out.text), RECORD)
+            else:
+                check(out.text)
+            complete += 1
+    return complete
+
+
+@pytest.fixture(scope="module", params=["ngram", "draft"])
+def speculating(request, default_engine) -> Engine:
+    """The default model speculating on every step (never adaptive): by prompt lookup, or with a draft model
+    (a second copy of the default engine, so drafts are often right and sampled drafts carry their q)."""
     from llmc.runtime.speculative import SpeculativeConfig
 
-    spec = Engine.load(default_engine, num_threads=2,
-                       speculative=SpeculativeConfig("ngram", num_tokens=4, adaptive=False))
-    schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string"}},
-              "required": ["a", "b"], "additionalProperties": False}
-    free = "The for statement is used to iterate over the elements of a sequence. The for statement"
-    params = [SamplingParams(max_tokens=48, structured=StructuredOutputs(json=schema)),
-              SamplingParams(max_tokens=48, ignore_eos=True)]
-    constrained, plain = spec.generate(["A record:", free], params)
-    if not constrained.structured_incomplete:
-        value = json.loads(constrained.text)
-        assert set(value) == {"a", "b"} and isinstance(value["a"], int)
-    assert spec.stats().spec_num_draft_tokens > 0  # the neighbour did speculate
-    alone = Engine.load(default_engine, num_threads=2).generate([free], params[1])[0]
-    assert plain.token_ids == alone.token_ids
+    cfg = SpeculativeConfig(request.param, num_tokens=4, adaptive=False,
+                            draft_model=default_engine if request.param == "draft" else None)
+    return Engine.load(default_engine, num_threads=2, speculative=cfg)
+
+
+def test_greedy_constrained_output_is_the_same_with_speculation(default, speculating):
+    """Drafts of constrained requests are cut by the grammar, verified under a mask per position and the
+    matcher rolled back: greedy outputs (tokens, logprobs, completeness) equal the plain engine's."""
+    prompts, params, checks = _spec_cases(0.0)
+    before = speculating.stats()
+    outs = speculating.generate(prompts, params)
+    plain = default.generate(prompts, params)
+    for o, e in zip(outs, plain, strict=True):
+        assert o.token_ids == e.token_ids, (o.text, e.text)
+        assert (o.finish_reason, o.structured_incomplete, o.structured_error) == (
+            e.finish_reason, e.structured_incomplete, e.structured_error)
+    for le, ls in zip(plain[1].logprobs, outs[1].logprobs, strict=True):
+        assert le.keys() == ls.keys() and np.allclose(list(le.values()), [ls[k] for k in le], atol=1e-4)
+    assert _check_outputs(outs, checks) >= 6
+    st = speculating.stats()
+    assert st.spec_num_accepted_tokens > before.spec_num_accepted_tokens  # drafts were kept
+
+
+def test_constrained_requests_speculate(default, speculating):
+    """Constrained requests alone (no unconstrained neighbour) get drafts, keep some, and stay valid,
+    greedy and sampled (sampled drafts of the draft model keep their first forbidden token, which
+    rejection sampling replaces)."""
+    for temperature in (0.0, 1.0):
+        prompts, params, checks = _spec_cases(temperature)
+        before = speculating.stats()
+        outs = speculating.generate(prompts[:-1], params[:-1])
+        st = speculating.stats()
+        assert st.spec_num_draft_tokens > before.spec_num_draft_tokens
+        assert st.spec_num_accepted_tokens > before.spec_num_accepted_tokens
+        assert _check_outputs(outs, checks) >= 5
+        for o in outs:
+            if o.logprobs is not None:
+                assert len(o.logprobs) == len(o.token_ids)
+
+
+def test_filter_draft_cuts_at_the_first_forbidden_token(tiny):
+    """Point-mass drafts end before the first token the grammar forbids; sampled ones keep it (for rejection)."""
+    rt = tiny.structured
+    req = object.__new__(type("R", (), {"__slots__": ("__weakref__",)}))
+    rt.attach(req, rt.compiler.compile({"regex": "[0-9]{6}"}))
+    tok = rt.compiler.tokenizer.greedy_tokenize
+    good, bad = tok("12"), tok("x")
+    draft = good + bad + tok("34")
+    probs = np.full((len(draft), tiny.vocab_size), 1.0 / tiny.vocab_size)
+    assert rt.filter_draft(req, draft, None) == (good, None)
+    cut, q = rt.filter_draft(req, draft, probs)
+    assert cut == good + bad and q.shape[0] == len(cut)
+    assert rt.filter_draft(req, good, None) == (good, None)  # nothing forbidden: unchanged
+
+
+def test_allows_and_apply_read_the_bitmask_alike(tiny):
+    """The greedy shortcut's bit test and the full mask agree on every token, sign bit included."""
+    rt = tiny.structured
+    words = np.random.default_rng(0).integers(-2**31, 2**31, size=(tiny.vocab_size + 31) // 32).astype(np.int32)
+    masked = rt.apply(words, np.zeros(tiny.vocab_size, np.float32), in_place=False)
+    assert [rt.allows(words, t) for t in range(tiny.vocab_size)] == list(masked == 0)
+    assert 0 < (masked == 0).sum() < tiny.vocab_size
