@@ -433,8 +433,7 @@ class Engine:
         model_logits = logits
         if allowed is not None:
             if not self._structured.usable(r, allowed):  # never verify unconstrained
-                self._finish(r, "error", now)
-                return RequestOutput(r.request_id, [], [] if p.logprobs is not None else None, True, "error")
+                return self._constraint_failed(r, now)
             if p.logprobs is not None:  # logprobs stay the model's own distribution
                 logits = logits.copy()
             for i, words in enumerate(allowed):
@@ -491,8 +490,7 @@ class Engine:
         token = None
         if allowed is not None:
             if not self._structured.usable(r, allowed):  # never sample unconstrained
-                self._finish(r, "error", now)
-                return RequestOutput(r.request_id, [], [] if p.logprobs is not None else None, True, "error")
+                return self._constraint_failed(r, now)
             if p.greedy and not p.uses_history:
                 # The model's own first argmax, when the grammar allows it, is the masked argmax too (every
                 # allowed token before it scores strictly less): no pass over the row.
@@ -511,6 +509,11 @@ class Engine:
         if reason is not None:
             self._finish(r, reason, now)
         return RequestOutput(r.request_id, [token], [lp] if lp is not None else None, reason is not None, reason)
+
+    def _constraint_failed(self, r: Request, now: float) -> RequestOutput:
+        """End ``r`` with ``"error"``: its constraint's mask is missing or empty (never sample unconstrained)."""
+        self._finish(r, "error", now)
+        return RequestOutput(r.request_id, [], [] if r.params.logprobs is not None else None, True, "error")
 
     def _finish(self, r: Request, reason: str, now: float) -> None:
         self.scheduler.finish(r, reason)

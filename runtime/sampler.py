@@ -105,21 +105,26 @@ def apply_presence_frequency_penalty(logits: np.ndarray, output: Sequence[int], 
     return out
 
 
-def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator,
-           context: Sequence[int] = (), prompt_len: int = 0) -> int:
-    """Pick one token id from ``logits`` ``[vocab]``.
+def apply_penalties(logits: np.ndarray, params: SamplingParams, context: Sequence[int] = (),
+                    prompt_len: int = 0) -> np.ndarray:
+    """``logits`` ``[vocab]`` with ``params``' penalties applied (a copy when any is on).
 
-    ``context`` (prompt + output ids) feeds the penalties: all of it the repetition penalty, the part
-    after ``prompt_len`` (the output) the presence and frequency penalties.
+    ``context`` (prompt + output ids) feeds them: all of it the repetition penalty, the part after
+    ``prompt_len`` (the output) the presence and frequency penalties.
     """
     if params.repetition_penalty != 1.0:
         logits = apply_repetition_penalty(logits, context, params.repetition_penalty)
     if params.presence_penalty != 0.0 or params.frequency_penalty != 0.0:
         logits = apply_presence_frequency_penalty(logits, context[prompt_len:], params.presence_penalty,
                                                   params.frequency_penalty)
-    if params.temperature == 0:
-        return int(np.argmax(logits))
-    scaled = logits.astype(np.float64) / params.temperature
+    return logits
+
+
+def probabilities(logits: np.ndarray, params: SamplingParams, context: Sequence[int] = (),
+                  prompt_len: int = 0) -> np.ndarray:
+    """The distribution ``[vocab]`` (float64) :func:`sample` draws from at ``temperature > 0``: penalties,
+    temperature, ``top_k``, ``top_p``, ``min_p``, in that order (speculative verification reads it too)."""
+    scaled = apply_penalties(logits, params, context, prompt_len).astype(np.float64) / params.temperature
     if params.top_k > 0 and params.top_k < scaled.size:
         kth = np.partition(scaled, -params.top_k)[-params.top_k]
         scaled = np.where(scaled < kth, -np.inf, scaled)
@@ -136,6 +141,15 @@ def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator,
     if params.min_p > 0.0:
         probs = np.where(probs < params.min_p * probs.max(), 0.0, probs)
         probs /= probs.sum()
+    return probs
+
+
+def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator,
+           context: Sequence[int] = (), prompt_len: int = 0) -> int:
+    """Pick one token id from ``logits`` ``[vocab]`` (``context``, ``prompt_len``: see :func:`apply_penalties`)."""
+    if params.temperature == 0:
+        return int(np.argmax(apply_penalties(logits, params, context, prompt_len)))
+    probs = probabilities(logits, params, context, prompt_len)
     return int(rng.choice(probs.size, p=probs))
 
 

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from llmc.errors import LlmcError
-from llmc.runtime.sampler import SamplingParams, apply_presence_frequency_penalty, apply_repetition_penalty
+from llmc.runtime.sampler import SamplingParams, apply_penalties, probabilities
 
 if TYPE_CHECKING:
     from llmc.runtime.engine import Engine
@@ -87,45 +87,13 @@ class SpeculativeConfig:
 # -- target distribution and verification ----------------------------------------------------------
 
 
-def target_probs(logits: np.ndarray, params: SamplingParams, context: Sequence[int] = (),
-                 prompt_len: int = 0) -> np.ndarray:
-    """The distribution ``[vocab]`` (float64) that ``sampler.sample`` draws from, for ``temperature > 0``.
-
-    Same processing, same order and same float arithmetic as ``sample`` (tests/test_speculative.py
-    checks that both draw the same token from the same generator state).
-    """
-    if params.repetition_penalty != 1.0:
-        logits = apply_repetition_penalty(logits, context, params.repetition_penalty)
-    if params.presence_penalty != 0.0 or params.frequency_penalty != 0.0:
-        logits = apply_presence_frequency_penalty(logits, context[prompt_len:], params.presence_penalty,
-                                                  params.frequency_penalty)
-    scaled = logits.astype(np.float64) / params.temperature
-    if params.top_k > 0 and params.top_k < scaled.size:
-        kth = np.partition(scaled, -params.top_k)[-params.top_k]
-        scaled = np.where(scaled < kth, -np.inf, scaled)
-    probs = np.exp(scaled - scaled.max())
-    probs /= probs.sum()
-    if params.top_p < 1.0:
-        order = np.argsort(-probs, kind="stable")
-        cumulative = np.cumsum(probs[order])
-        keep = order[: int(np.searchsorted(cumulative, params.top_p)) + 1]
-        mask = np.zeros_like(probs)
-        mask[keep] = probs[keep]
-        probs = mask / mask.sum()
-    if params.min_p > 0.0:
-        probs = np.where(probs < params.min_p * probs.max(), 0.0, probs)
-        probs /= probs.sum()
-    return probs
+# The target's distribution is exactly the sampler's (one function, so they cannot drift apart).
+target_probs = probabilities
 
 
 def greedy_token(logits: np.ndarray, params: SamplingParams, context: Sequence[int], prompt_len: int) -> int:
     """The token ``sample`` picks at ``temperature == 0`` (penalties applied)."""
-    if params.repetition_penalty != 1.0:
-        logits = apply_repetition_penalty(logits, context, params.repetition_penalty)
-    if params.presence_penalty != 0.0 or params.frequency_penalty != 0.0:
-        logits = apply_presence_frequency_penalty(logits, context[prompt_len:], params.presence_penalty,
-                                                  params.frequency_penalty)
-    return int(np.argmax(logits))
+    return int(np.argmax(apply_penalties(logits, params, context, prompt_len)))
 
 
 def accept_or_resample(p: np.ndarray, q: np.ndarray | None, draft: int, rng: np.random.Generator) -> int | None:
