@@ -31,9 +31,9 @@ def digest(engine: Path) -> str:
     return hashlib.sha256((engine / "model.onnx.data").read_bytes()).hexdigest()
 
 
-def one(model: Path, out: Path, quant: str) -> dict:
+def one(model: Path, out: Path, quant: str, eval_tokens: int | None = None) -> dict:
     t = time.perf_counter()
-    result = build(model, out, BuildOptions(quant=QuantRecipe(quant=quant)))
+    result = build(model, out, BuildOptions(quant=QuantRecipe(quant=quant, eval_tokens=eval_tokens)))
     wall = time.perf_counter() - t
     timings = json.loads((out / "build_info.json").read_text())["timings_s"]
     layers = [v for k, v in sorted(timings.items(), key=lambda kv: kv[0]) if k.startswith("quant_calibrate_layer_")]
@@ -48,23 +48,28 @@ def main() -> None:
     ap.add_argument("--formats", default="int4,int4-awq,int4-gptq")
     ap.add_argument("--no-repeat", action="store_true",
                     help="Build each calibrated format once (no determinism check).")
+    ap.add_argument("--eval-tokens", type=int, default=None,
+                    help="Held-out tokens the accuracy report scores [default: the build's own choice].")
     args = ap.parse_args()
     rows = {}
     with tempfile.TemporaryDirectory(prefix="bench-quant-build-") as tmp:
+        # A fresh cache: the first build scores the unquantized reference, later ones reuse it, as a user's would.
+        os.environ["LLMC_CACHE_DIR"] = str(Path(tmp) / "cache")
         for quant in args.formats.split(","):
-            rows[quant] = one(args.model, Path(tmp) / quant, quant)
+            rows[quant] = one(args.model, Path(tmp) / quant, quant, args.eval_tokens)
             if quant != "int4" and not args.no_repeat:
-                again = one(args.model, Path(tmp) / f"{quant}-again", quant)
+                again = one(args.model, Path(tmp) / f"{quant}-again", quant, args.eval_tokens)
                 rows[quant]["same_seed_identical_weights"] = again["weights_sha256"] == rows[quant]["weights_sha256"]
                 rows[quant]["build_s_again"] = again["build_s"]
             print(f"built {quant} in {rows[quant]['build_s']}s (load {rows[quant]['load_avg_1m']})", flush=True)
     print(f"\n{'format':10} | {'build_s':>8} | {'calibrate_s':>11} | {'evaluate_s':>10} | {'ppl':>9} | "
-          f"{'kl_mean':>9} | {'load':>5} | same seed, same bytes")
+          f"{'kl_mean':>9} | {'tokens':>6} | ref cached | {'load':>5} | same seed, same bytes")
     for quant, r in rows.items():
         acc = r["accuracy"] or {}
         st = r["stages_s"]
         print(f"{quant:10} | {r['build_s']:8.1f} | {st.get('quant_calibrate', 0):11.1f} | "
               f"{st.get('quant_evaluate', 0):10.1f} | {acc.get('ppl', 0):9.4f} | {acc.get('kl_mean', 0):9.6f} | "
+              f"{acc.get('tokens', 0):6} | {str(acc.get('reference_cached', '-')):10} | "
               f"{r['load_avg_1m']:5.1f} | {r.get('same_seed_identical_weights', '-')}")
     out = REPO / "benchmarks" / "results" / f"bench_quant_build_{args.model.name}.json"
     out.write_text(json.dumps({"model": args.model.name, "cpus": os.cpu_count(), "rows": rows,

@@ -122,6 +122,10 @@ def _quant_options(f):
                      help="Tokens per calibration sequence."),
         click.option("--calib-seed", "quant_seed", default=0, show_default=True,
                      help="Seed choosing the calibration sequences (same seed, same quantized weights)."),
+        click.option("--eval-tokens", "quant_eval_tokens", default=None, type=click.IntRange(min=2), metavar="N",
+                     help="Score N held-out tokens in the accuracy report (whole 256-token windows; all the "
+                          "held-out text if it has fewer) [default: as many as report the perplexity "
+                          "increase to +/-0.25 points (95%), 2048 to 16384]."),
         click.option("--max-ppl-increase", "max_ppl_increase", default=None, type=float, metavar="PCT",
                      help="Fail the build (exit 4) if held-out perplexity rises by more than PCT percent."),
     ]

@@ -411,7 +411,11 @@ def _compile(ckpt: Checkpoint, digest: str, plan: _Plan, dest: Path, say: Progre
                 cpu_fields["engine"].update({_ONNX_FILE_FIELDS.get(k, k): v for k, v in cpu_files.items()
                                              if k != "fusions"})
                 artifact.seal(Path(cpu_dir), cpu_fields)
-            accuracy = qstage.evaluate(Path(cpu_dir) if gpu else dest, emit_reference)
+            # The unquantized scores depend on the checkpoint and llmc alone: builds of other recipes reuse them.
+            accuracy = qstage.evaluate(Path(cpu_dir) if gpu else dest, emit_reference,
+                                       reference_cache=(plan.cache_root or Store(None).root) / "reference",
+                                       reference_key=f"{digest} {sources_digest(_PACKAGE_ROOT)} "
+                                                     f"{json.dumps(reference_fields['toolchain'], sort_keys=True)}")
         report.update(qstage.report())
         artifact.write_json(dest / "report.json", report)
         manifest = artifact.seal(dest, fields)

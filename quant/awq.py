@@ -9,11 +9,12 @@ needs only the Gram matrix, never the activations themselves. A second search th
 output row and group, how much to clip the weight range (AutoAWQ's ``auto_clip``), scoring each
 choice by the same objective restricted to the group's block of ``H``.
 
-Cost: the scale search is ``ALPHA_GRID`` products ``e H`` of ``[N, K] x [K, K]`` (a 1B model's down
-projection: 275 GFLOP each). They run as bfloat16 GEMMs in torch (a screen; the few near-best candidates
-are re-scored as float32 GEMMs, twice numpy's float64 rate), with the sum over rows in float64; the clip
-search's per-group ``e_g H_g e_gᵀ`` runs as one batched float64 matmul over groups instead of a
-three-operand ``einsum``, which numpy evaluates as scalar loops.
+Cost: the scale search would be ``ALPHA_GRID`` products ``e H`` of ``[N, K] x [K, K]`` (a 1B model's down
+projection: 275 GFLOP each). The objective is a sum over rows, so a screen scores every candidate on at most
+:data:`SCREEN_ROWS` rows, and only the candidates the screen cannot tell from the best (by the sampling
+error of their gap) are scored on every row; all as bfloat16 GEMMs in torch (4x float32's rate with AVX-512
+BF16), summed over rows in float64. The clip search's per-group ``e_g H_g e_gᵀ`` runs as float32 batched
+matmuls over groups, its rounding in torch.
 """
 
 from __future__ import annotations
@@ -26,15 +27,24 @@ from llmc.quant import int4
 
 ALPHA_GRID = 20
 CLIP_RATIOS = tuple(1.0 - 0.05 * i for i in range(11))  # 1.0 … 0.5
-# Candidates whose bfloat16-screened objective is within this fraction of the best are re-scored in float32.
-SCREEN_TOLERANCE = 0.01
+# The scale search's screen: at most this many output rows score every candidate.
+SCREEN_ROWS = 512
+# Candidates whose screened gap to the best is within this many standard errors of the row sampling are scored
+# on every row. (bfloat16's rounding, ~3e-4 of the objective, is no reason to re-score: the full-row score rounds
+# alike, and it is mostly common to all candidates, since they share the rounded H.)
+SCREEN_SIGMAS = 3.0
+# ... and only if it might beat the screen's best by more than this fraction of the objective: a smaller gain in
+# the layer's output error is below what the calibration sample itself can resolve.
+SCREEN_MATTERS = 1e-3
+SCREEN_FINALISTS = 3
 
 
 @dataclass
 class ScaleSearch:
     """Outcome of the scale search for one group of linears sharing an input: ``scales`` ``[K]``
     (the input is divided by them, the weights' columns multiplied), the chosen ``alpha`` and the
-    objective at ``alpha = 0`` (plain RTN) and at the optimum."""
+    objective at ``alpha = 0`` (plain RTN; estimated from the screen's rows unless RTN won) and at the
+    optimum."""
 
     scales: np.ndarray
     alpha: float
@@ -60,79 +70,142 @@ def output_error(w: np.ndarray, w_hat: np.ndarray, hessian) -> float:
     return float(((e @ torch_hessian(hessian)) * e).sum(dtype=torch.float64))
 
 
-def _bf16_output_error(e, h_bf16) -> float:
+def bf16_output_error(e, h_bf16) -> float:
+    """:func:`output_error` from bfloat16 GEMMs (~3e-4 relative, tested): ``e`` the float32 torch weight error
+    ``[N, K]``, ``h_bf16`` the bfloat16 ``H``."""
+    return float(_bf16_row_errors(e, h_bf16).sum())
+
+
+def _bf16_row_errors(e, h_bf16, chunk: int = 2048):
+    """float64 ``[N]``: each row's ``e_r H e_rᵀ`` from bfloat16 GEMMs, ``chunk`` rows at a time (bounded scratch)."""
     import torch
 
-    return float(((e.bfloat16() @ h_bf16).float() * e).sum(dtype=torch.float64))
+    out = torch.empty(e.shape[0], dtype=torch.float64)
+    for r0 in range(0, e.shape[0], chunk):
+        part = e[r0 : r0 + chunk]
+        out[r0 : r0 + chunk] = ((part.bfloat16() @ h_bf16).float() * part).sum(1, dtype=torch.float64)
+    return out
+
+
+def screen_rows(n: int, k: int = 2048) -> np.ndarray:
+    """The rows the screen scores: all of them up to :data:`SCREEN_ROWS` (fewer for ``k`` above 2048, so that a
+    screen costs at most that of 512 rows at K = 2048, down to 128 rows), else evenly spaced ones (fixed, so a
+    build is reproducible; output channels carry no order the spacing could alias with)."""
+    budget = max(128, min(SCREEN_ROWS, SCREEN_ROWS * 2048 * 2048 // (k * k)))
+    if n <= budget:
+        return np.arange(n)
+    return np.unique(np.linspace(0, n - 1, budget).round().astype(np.int64))
 
 
 def search_scales(w: np.ndarray, abs_mean: np.ndarray, hessian: np.ndarray, group_size: int,
                   symmetric: bool) -> ScaleSearch:
     """Grid-search ``α`` for ``w [N, K]`` (the group's linears stacked) given its input statistics.
 
-    Every candidate is first scored with a bfloat16 GEMM (AVX-512 BF16: about 4x the float32 rate here);
-    those within :data:`SCREEN_TOLERANCE` of the best are scored again in float32, and the float32 figures
-    decide. bfloat16's error on this objective is ~3e-4 relative (tests), 30x below the tolerance, so the
-    choice is the float32 objective's unless two candidates tie within float rounding.
+    The objective is a sum over output rows, each row quantized on its own. A screen scores every candidate on
+    :func:`screen_rows` (at most :data:`SCREEN_ROWS` of them) with bfloat16 GEMMs: its estimate of the full sum
+    is exact in expectation, and each candidate's gap to the screen's best has a sampling error estimated from
+    the per-row paired differences. Candidates that might still beat the screen's best by more than
+    :data:`SCREEN_MATTERS` of the objective (within :data:`SCREEN_SIGMAS` standard errors) are scored on every
+    row (at most :data:`SCREEN_FINALISTS`, in the screen's order), again with bfloat16 GEMMs (~3e-4 relative,
+    tested), and the lowest wins. A 1B model's down projection (2048 x 8192): a screen candidate costs 17 GFLOP
+    instead of 275, and a bfloat16 GFLOP a quarter of a float32 one here.
     """
     import torch
 
     w = np.asarray(w, np.float64)
     x_mean = np.maximum(np.asarray(abs_mean, np.float64), 1e-4)
-    h = torch_hessian(hessian)
-    h_bf16 = h.bfloat16()
+    h_bf16 = torch_hessian(hessian).bfloat16()
+    n = w.shape[0]
+    rows = screen_rows(n, w.shape[1])
 
-    def candidate(alpha: float):
+    def scales(alpha: float) -> np.ndarray:
         s = x_mean**alpha
-        s = s / np.sqrt(s.max() * s.min())
-        w_hat = int4.quantize_rtn((w * s).astype(np.float32), group_size, symmetric).dequantize() / s
-        return s, w_hat
+        return s / np.sqrt(s.max() * s.min())
+
+    def candidate(alpha: float, which=slice(None)):
+        s = scales(alpha)
+        part = w[which]
+        w_hat = int4.quantize_rtn((part * s).astype(np.float32), group_size, symmetric).dequantize() / s
+        return s, torch.from_numpy((part - w_hat).astype(np.float32))
 
     alphas = [float(a) for a in np.arange(ALPHA_GRID) / ALPHA_GRID]
-    screened = []
-    for alpha in alphas:
-        _, w_hat = candidate(alpha)
-        e = torch.from_numpy((w - w_hat).astype(np.float32))
-        screened.append(_bf16_output_error(e, h_bf16))
-    floor = min(screened)
-    finalists = [a for a, loss in zip(alphas, screened, strict=True) if loss <= floor * (1 + SCREEN_TOLERANCE)]
+    per_row = torch.stack([_bf16_row_errors(candidate(a, rows)[1], h_bf16) for a in alphas]).numpy()
+    screened = per_row.mean(1) * n
+    best_i = int(np.argmin(screened))
+    gaps = per_row - per_row[best_i]
+    m = len(rows)
+    # Standard error of each candidate's estimated gap to the best (a sample without replacement of m of n rows).
+    se = n * gaps.std(1, ddof=1) / np.sqrt(m) * np.sqrt(max(0.0, 1 - m / n)) if m > 1 else np.zeros(len(alphas))
+    # A candidate is scored on every row only if it might beat the screen's best by more than SCREEN_MATTERS of
+    # the objective: an upper bound of its true advantage (SCREEN_SIGMAS standard errors less its screened gap).
+    keep = SCREEN_SIGMAS * se - gaps.mean(1) * n > SCREEN_MATTERS * screened[best_i]
+    # At most SCREEN_FINALISTS of them, the screen's best first: a layer whose candidates the screen cannot tell
+    # apart has a flat objective, where the choice among them moves the output error by little.
+    keep[np.argsort(screened, kind="stable")[SCREEN_FINALISTS:]] = False
+    keep[best_i] = True
+    if m == n:  # the screen saw every row: its figures are the full objective's
+        i = best_i
+        return ScaleSearch(scales(alphas[i]).astype(np.float32), alphas[i], float(screened[0]), float(screened[i]))
     best = None
-    for alpha in finalists:
-        s, w_hat = candidate(alpha)
-        loss = output_error(w, w_hat, h)
+    for alpha, kept in zip(alphas, keep, strict=True):
+        if not kept:
+            continue
+        s, e = candidate(alpha)
+        loss = float(_bf16_row_errors(e, h_bf16).sum())
         if best is None or loss < best[2]:
             best = (s, alpha, loss)
-    loss_rtn = best[2] if best[1] == 0.0 else output_error(w, candidate(0.0)[1], h)
-    return ScaleSearch(best[0].astype(np.float32), best[1], float(loss_rtn), best[2])
+    # Plain RTN's figure is only reported: the screen's estimate, unless RTN itself won.
+    loss_rtn = best[2] if best[1] == 0.0 else float(screened[0])
+    return ScaleSearch(best[0].astype(np.float32), best[1], loss_rtn, best[2])
 
 
 def search_clip(w: np.ndarray, hessian: np.ndarray, group_size: int, symmetric: bool) -> np.ndarray:
     """Per (row, group) clip ratio from :data:`CLIP_RATIOS` minimising that group's output error.
 
     ``w [N, K]`` is the (already scaled) weight and ``hessian`` its input's (scaled) ``XᵀX / n``.
-    Returns float32 ``[N, n_groups]``.
+    Returns float32 ``[N, n_groups]``. The codes, scales and zero points of each ratio are computed in torch
+    with the arithmetic of :func:`int4.group_params` / :func:`int4.quantize_groups` (float32, round half to
+    even), and each group's ``e_g H_g e_gᵀ`` as one float32 batched matmul over groups, in row chunks.
     """
     import torch
 
-    groups = int4.padded_groups(np.asarray(w, np.float32), group_size)
-    n_groups = groups.shape[1]
-    k = w.shape[1]
-    pad = n_groups * group_size - k
+    groups = torch.from_numpy(int4.padded_groups(np.asarray(w, np.float32), group_size))  # [N, G, gs]
+    n, n_groups, _ = groups.shape
+    pad = n_groups * group_size - w.shape[1]
     h = np.pad(hessian, ((0, pad), (0, pad))) if pad else hessian
     blocks = torch.from_numpy(np.stack([h[g * group_size : (g + 1) * group_size, g * group_size : (g + 1) * group_size]
-                                        for g in range(n_groups)]).astype(np.float64))
-    best_loss = np.full(groups.shape[:2], np.inf)
-    best = np.ones(groups.shape[:2], np.float32)
-    for ratio in CLIP_RATIOS:
-        scale, zp = int4.group_params(groups, symmetric, ratio)
-        q = int4.quantize_groups(groups, scale, zp).astype(np.float32)
-        zero = np.float32(8.0) if zp is None else zp[..., None].astype(np.float32)
-        e = torch.from_numpy(((q - zero) * scale[..., None] - groups).astype(np.float64)).transpose(0, 1)  # [G, N, gs]
-        loss = (torch.bmm(e, blocks) * e).sum(-1).transpose(0, 1).numpy()
-        better = loss < best_loss
-        best_loss = np.where(better, loss, best_loss)
-        best = np.where(better, np.float32(ratio), best)
-    return best
+                                        for g in range(n_groups)]).astype(np.float32))
+    best = torch.ones(n, n_groups)
+    chunk = max(1, (1 << 22) // (n_groups * group_size))  # rows per chunk: ~16 MB of float32 scratch per tensor
+    for r0 in range(0, n, chunk):
+        g = groups[r0 : r0 + chunk]
+        if symmetric:
+            peak = torch.gather(g, -1, g.abs().argmax(-1, keepdim=True))[..., 0]
+            lo = hi = None
+        else:
+            lo0 = torch.clamp(g.amin(-1), max=0.0)
+            hi0 = torch.clamp(g.amax(-1), min=0.0)
+        best_loss = torch.full(g.shape[:2], float("inf"), dtype=torch.float32)
+        pick = torch.ones(g.shape[:2])
+        for ratio in CLIP_RATIOS:
+            r = torch.tensor(ratio, dtype=torch.float32)
+            if symmetric:
+                p = peak * r
+                scale = torch.where(p != 0, p / -8.0, torch.ones_like(p))
+                zero = torch.full_like(scale, 8.0)
+            else:
+                lo, hi = lo0 * r, hi0 * r
+                scale = (hi - lo) / float(int4.QMAX)
+                scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+                zero = torch.clamp(torch.round(-lo / scale), 0, int4.QMAX)
+            q = torch.clamp(torch.round(g / scale[..., None]) + zero[..., None], 0, int4.QMAX)
+            e = ((q - zero[..., None]) * scale[..., None] - g).transpose(0, 1)  # [G, rows, gs]
+            loss = (torch.bmm(e, blocks) * e).sum(-1).transpose(0, 1)
+            better = loss < best_loss
+            best_loss = torch.where(better, loss, best_loss)
+            pick = torch.where(better, r, pick)
+        best[r0 : r0 + chunk] = pick
+    return best.numpy()
 
 
 def quantize(w: np.ndarray, scales: np.ndarray, hessian: np.ndarray, group_size: int, symmetric: bool,

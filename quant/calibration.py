@@ -187,6 +187,7 @@ class _Collector:
     inputs: dict[tuple[str, ...], InputStats] = field(default_factory=dict)
     groups: list[tuple[str, ...]] = field(default_factory=list)
     producers: dict[tuple[str, ...], str] = field(default_factory=dict)
+    gram_dtype: object = None  # torch dtype of the X^T X GEMMs; None: no Gram matrices (ranges only)
     _keep: list = field(default_factory=list)
 
     def hook(self, module, args, _output=None) -> None:
@@ -217,11 +218,15 @@ class _Collector:
             stats = self.inputs.get(group)
             if stats is None:
                 k = x.shape[1]
-                stats = self.inputs[group] = InputStats(np.zeros((k, k)), np.zeros(k))
-            # One batch's X^T X (a few thousand rows) as a float32 GEMM, summed over batches in float64: the
-            # float64 GEMM runs at half the speed on the CPU (a 1B model's down projection: 2.2 TFLOP a layer) for
-            # digits the consumers never see (its relative rounding, ~1e-6, is far below what moves a decision).
-            stats.gram += (x.T @ x).numpy()
+                stats = self.inputs[group] = InputStats(np.zeros((k, k) if self.gram_dtype else (0, 0)), np.zeros(k))
+            if self.gram_dtype is not None:
+                # One batch's X^T X (a few thousand rows) as one GEMM, summed over batches in float64. bfloat16
+                # GEMMs (AVX-512 BF16) run at 4x the float32 rate here; a 1B model's down projection needs 1.1
+                # TFLOP a layer at 32 x 256 tokens. Their rounding (inputs and each batch's sum to 8 bits, unbiased)
+                # is random across entries and batches; what it does to the decisions is measured in
+                # benchmarks/results/quant_calibration_ab.json.
+                xg = x.to(self.gram_dtype)
+                stats.gram += (xg.T @ xg).to(torch.float64).numpy()
             stats.abs_sum += x.abs().sum(0, dtype=torch.float64).numpy()
             stats.amax = max(stats.amax, float(x.abs().max()))
             stats.rows += x.shape[0]
@@ -328,7 +333,8 @@ class LayerwiseCalibration:
     """
 
     def __init__(self, config, param_reader: Callable[[object], Callable[[str], np.ndarray]], samples: np.ndarray,
-                 batch_size: int = 8) -> None:
+                 batch_size: int = 8, compute: str = "float32", gram: bool = True,
+                 gram_compute: str | None = None) -> None:
         import torch
         from transformers import AutoModelForCausalLM
         from transformers.initialization import no_init_weights
@@ -347,6 +353,13 @@ class LayerwiseCalibration:
         self.read_param = param_reader(self.model)
         self.samples = torch.from_numpy(np.asarray(samples, np.int64))
         self.batch_size = batch_size
+        if compute not in ("float32", "bfloat16"):
+            raise ValueError(f"calibration compute {compute!r}: float32 or bfloat16")
+        # bfloat16: the decoder layers' linears and attention (torch autocast; norms, softmax and the residual
+        # stream stay float32) and the Gram matrices run as bfloat16 GEMMs.
+        self.compute = getattr(torch, compute)
+        self.gram = gram
+        self.gram_dtype = getattr(torch, gram_compute or compute)
         self._names = {id(p): n for n, p in self.model.named_parameters(remove_duplicate=False)}
         in_layers = {id(p) for p in self.blocks.parameters()}
         self._outside = [p for p in self.model.parameters() if id(p) not in in_layers]
@@ -453,7 +466,8 @@ class LayerwiseCalibration:
         norms = {self._names[id(m.weight)]: m for m in modules
                  if not list(m.children()) and isinstance(getattr(m, "weight", None), _parameter_type())
                  and m.weight.dim() == 1}
-        collector = _Collector({id(m): n for n, m in linears.items()}, {id(m): n for n, m in norms.items()})
+        collector = _Collector({id(m): n for n, m in linears.items()}, {id(m): n for n, m in norms.items()},
+                               gram_dtype=self.gram_dtype if self.gram else None)
         handles = [m.register_forward_hook(collector.hook) for m in linears.values() if m is not head]
         handles += [m.register_forward_hook(collector.norm_hook) for m in norms.values()]
         if head is not None:  # record the head's input, then stop: the logits themselves are not needed
@@ -475,6 +489,8 @@ class LayerwiseCalibration:
 
     def layers(self) -> Iterator[LayerStats]:
         """Each decoder layer in order, its weights loaded and its input statistics collected."""
+        import torch
+
         hidden = self._record_inputs()
         for index, layer in enumerate(self.blocks):
             self._load(layer)
@@ -482,11 +498,12 @@ class LayerwiseCalibration:
 
             def forward(h, b, _sl, layer=layer, index=index):
                 positional, rest, kw = self._layer_calls[b][index]
-                out = layer(h, *rest, **kw) if positional else layer(*rest, **kw, hidden_states=h)
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.compute == torch.bfloat16):
+                    out = layer(h, *rest, **kw) if positional else layer(*rest, **kw, hidden_states=h)
                 if isinstance(out, tuple):
                     self._tuple_output = True
                     out = out[0]
-                return out
+                return out.float()
 
             stats, out = self._stats(index, f"{self._layers_prefix}{index}.", layer, list(layer.modules()), forward,
                                      hidden)

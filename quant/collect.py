@@ -19,6 +19,11 @@ from llmc.quant.recipe import QuantRecipe
 # AutoAWQ leaves Q and K unclipped: their errors pass through the softmax, where the linear output
 # error is a poor proxy. We follow it.
 _NO_CLIP = ("q_proj", "k_proj")
+# AWQ and GPTQ calibrate with bfloat16 GEMMs (the forward; AWQ's Gram matrices too): 4x float32's rate on
+# AVX-512 BF16; the default model's int4-awq / int4-gptq KL and perplexity before and after are in
+# benchmarks/results/quant_calibration_ab.json. GPTQ's Gram matrices stay float32: GPTQ factorises H, whose
+# damping (1 % of its mean diagonal) is not far above what bfloat16's rounding of each entry (0.4 %) could move.
+ALGORITHM_COMPUTE = "bfloat16"
 
 
 @dataclass
@@ -94,7 +99,7 @@ def _awq_layer(stats: LayerStats, recipe: QuantRecipe, result: CalibrationResult
 def _gptq_layer(stats: LayerStats, recipe: QuantRecipe, result: CalibrationResult) -> None:
     for group in stats.groups:
         h = stats.inputs[group].hessian
-        h32 = awq.torch_hessian(h)
+        h_bf16 = awq.torch_hessian(h).bfloat16()  # the report's output errors: 4x float32's rate, ~3e-4 relative
         weights = [stats.weight(name) for name in group]
         # GPTQ treats rows independently: the group's linears, stacked, share one factorisation and one
         # pass over the columns (Q/K/V, gate/up: a third and a half of the column loops).
@@ -107,20 +112,33 @@ def _gptq_layer(stats: LayerStats, recipe: QuantRecipe, result: CalibrationResul
             deq = q.dequantize()
             result.linears[name] = LinearQuant(q)
             result.decisions.append({"linears": [name], "algorithm": "gptq",
-                                     "output_mse_rtn": awq.output_error(w, rtn, h32),
-                                     "output_mse": awq.output_error(w, deq, h32)})
+                                     "output_mse_rtn": _error(w, rtn, h_bf16),
+                                     "output_mse": _error(w, deq, h_bf16)})
             # Later layers calibrate on this layer's quantized output, as in the GPTQ paper.
             stats.set_weight(name, deq)
 
 
+def _error(w: np.ndarray, w_hat: np.ndarray, h_bf16) -> float:
+    import torch
+
+    return awq.bf16_output_error(torch.from_numpy((w - w_hat).astype(np.float32)), h_bf16)
+
+
 def collect(config, param_reader: Callable[[object], Callable[[str], np.ndarray]], samples: np.ndarray,
-            recipe: QuantRecipe, progress: Callable[[str], None] | None = None) -> CalibrationResult:
+            recipe: QuantRecipe, progress: Callable[[str], None] | None = None, head: bool = True,
+            compute: str | None = None) -> CalibrationResult:
     """Run calibration over ``samples [n, seq_len]`` and apply the recipe's algorithm layer by layer
-    (``param_reader`` as in :class:`~llmc.quant.calibration.LayerwiseCalibration`)."""
+    (``param_reader`` as in :class:`~llmc.quant.calibration.LayerwiseCalibration`). ``head``: calibrate the LM
+    head too (False when the build keeps it out of the format, e.g. INT8 beside INT4 on the CPU). ``compute``:
+    the calibration forward's and Gram matrices' GEMM dtype; default :data:`ALGORITHM_COMPUTE` for AWQ/GPTQ,
+    float32 for range collection (FP8, NVFP4, the FP8 KV cache: no Gram matrices, only maxima)."""
     say = progress or (lambda msg: None)
     algorithm = recipe.format.algorithm if recipe.format is not None and recipe.format.family == "int4" else None
     result = CalibrationResult(num_tokens=int(samples.size))
-    run = LayerwiseCalibration(config, param_reader, samples)
+    searching = algorithm in ("awq", "gptq")
+    run = LayerwiseCalibration(config, param_reader, samples,
+                               compute=compute or (ALGORITHM_COMPUTE if searching else "float32"), gram=searching,
+                               gram_compute="float32" if algorithm == "gptq" else None)
 
     def consume(stats: LayerStats) -> None:
         for group in stats.groups:
@@ -142,8 +160,9 @@ def collect(config, param_reader: Callable[[object], Callable[[str], np.ndarray]
         result.layer_seconds.append(now - last)
         last = now
         say(progress_line(stats.index + 1, total, now - start, algorithm or "ranges"))
-    consume(run.head())
-    run.release_head()
+    if head:
+        consume(run.head())
+        run.release_head()
     result.layer_seconds.append(time.perf_counter() - last)
     return result
 

@@ -22,7 +22,11 @@ HELDOUT_SOURCE = "pydoc_data.topics, held-out split (llmc.testing.corpus)"
 
 @dataclass
 class Accuracy:
-    """Figures over ``tokens`` scored positions (``windows`` sequences of at most ``window`` tokens)."""
+    """Figures over ``tokens`` scored positions (``windows`` sequences of at most ``window`` tokens).
+    ``ppl_increase_ci95`` is the half-width of the perplexity increase's 95 % confidence interval in percentage
+    points (windows as clusters: tokens within one are not independent); ``stopped`` says why scoring ended:
+    ``"precision"`` (the interval reached :data:`PPL_CI95_TARGET`), ``"limit"`` (the token limit) or
+    ``"text"`` (the held-out text ran out)."""
 
     ppl_reference: float
     ppl: float
@@ -33,18 +37,39 @@ class Accuracy:
     windows: int
     window: int
     text: str = HELDOUT_SOURCE
+    ppl_increase_ci95: float | None = None
+    stopped: str | None = None
+    reference_cached: bool = False
 
     def to_json(self) -> dict:
         # Rounded so the sealed report does not carry run-to-run noise in the last bits.
         out = asdict(self)
-        for key in ("ppl_reference", "ppl", "ppl_increase_pct", "kl_mean", "top1_agreement"):
-            out[key] = float(f"{out[key]:.6g}")
+        for key in ("ppl_reference", "ppl", "ppl_increase_pct", "kl_mean", "top1_agreement", "ppl_increase_ci95"):
+            if out[key] is not None:
+                out[key] = float(f"{out[key]:.6g}")
         return out
 
     def summary(self) -> str:
-        return (f"perplexity {self.ppl:.4f} vs {self.ppl_reference:.4f} unquantized ({self.ppl_increase_pct:+.2f}%), "
+        ci = f" ± {self.ppl_increase_ci95:.2f}" if self.ppl_increase_ci95 is not None else ""
+        return (f"perplexity {self.ppl:.4f} vs {self.ppl_reference:.4f} unquantized "
+                f"({self.ppl_increase_pct:+.2f}%{ci}), "
                 f"mean KL {self.kl_mean:.4g}, top-1 agreement {100 * self.top1_agreement:.2f}% "
                 f"over {self.tokens} held-out tokens")
+
+
+@dataclass
+class Precision:
+    """When to stop scoring: after at least ``min_tokens``, once the 95 % interval of the perplexity increase is
+    at most ``ppl_ci95`` percentage points wide on each side; never beyond ``max_tokens``."""
+
+    min_tokens: int = 2048
+    max_tokens: int = 16384
+    ppl_ci95: float = 0.25
+
+
+# The perplexity increase is reported to a quarter of a percentage point (95 %): finer than any
+# --max-ppl-increase gate worth setting, and what a few thousand tokens give a good INT4 model.
+PPL_CI95_TARGET = Precision().ppl_ci95
 
 
 def heldout_windows(tokenizer_file: Path, window: int, max_tokens: int) -> list[list[int]]:
@@ -70,31 +95,61 @@ def heldout_windows(tokenizer_file: Path, window: int, max_tokens: int) -> list[
     return windows
 
 
-def _log_softmax(logits: np.ndarray) -> np.ndarray:
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    """float32 ``[n, vocab]`` log-probabilities (computed in float64)."""
     x = logits.astype(np.float64)
     x -= x.max(axis=-1, keepdims=True)
-    return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
+    return (x - np.log(np.exp(x).sum(axis=-1, keepdims=True))).astype(np.float32)
 
 
-def compare(reference, quantized, windows: list[list[int]], progress: Callable[[str], None] | None = None) -> Accuracy:
-    """Score every window with both engines (anything with ``score(ids) -> [n, vocab]``); ``progress`` gets
-    a line with an ETA after each tenth of the windows (a 1B model takes minutes here)."""
+def _ci95(sums: list[float], counts: list[int], mean: float) -> float:
+    """Half-width of the 95 % interval of a mean over windows of correlated tokens (the cluster-robust standard
+    error of a ratio estimate), in the units of ``mean``."""
+    w = len(sums)
+    if w < 2:
+        return float("inf")
+    resid = np.asarray(sums) - mean * np.asarray(counts, np.float64)
+    return 1.96 * float(np.sqrt(w / (w - 1) * (resid**2).sum())) / float(sum(counts))
+
+
+def compare(reference: Callable[[int, list[int]], np.ndarray], quantized, windows: list[list[int]],
+            progress: Callable[[str], None] | None = None, precision: Precision | None = None) -> Accuracy:
+    """Score windows with both engines until ``precision`` is met (all of them when None). ``reference(i, ids)``
+    gives the unquantized engine's float32 log-probabilities ``[len(ids), vocab]`` of window ``i`` (from a cache
+    or an engine); ``quantized`` has ``score(ids) -> [n, vocab]`` logits. ``progress`` gets a line with an ETA
+    after each tenth of the windows (a 1B model takes minutes here)."""
     nll_ref = nll_q = kl = 0.0
     agree = positions = predicted = 0
+    diffs: list[float] = []  # per window: the quantized engine's total NLL minus the reference's
+    counts: list[int] = []
+    stopped = "text"
     total = sum(len(w) for w in windows)
+    if precision is not None:
+        total = min(total, precision.max_tokens)
     start = time.perf_counter()
     step = max(1, len(windows) // 10)
     for i, ids in enumerate(windows):
+        if precision is not None and positions >= precision.max_tokens:
+            stopped = "limit"
+            break
+        if precision is not None and positions >= precision.min_tokens and predicted:
+            d = (nll_q - nll_ref) / predicted
+            if 100 * np.exp(d) * _ci95(diffs, counts, d) <= precision.ppl_ci95:
+                stopped = "precision"
+                break
         if progress is not None and i and i % step == 0:
             elapsed = time.perf_counter() - start
-            left = elapsed * (total - positions) / positions
-            progress(f"      scored {positions}/{total} tokens, {elapsed:.0f}s elapsed, ETA {left:.0f}s")
-        lr = _log_softmax(reference.score(ids))
-        lq = _log_softmax(quantized.score(ids))
+            left = elapsed * max(0, total - positions) / positions
+            progress(f"      scored {positions}/{total} tokens, {elapsed:.0f}s elapsed, ETA at most {left:.0f}s")
+        lr = reference(i, ids).astype(np.float64)
+        lq = log_softmax(quantized.score(ids)).astype(np.float64)
         targets = np.asarray(ids[1:])
         rows = np.arange(len(targets))
-        nll_ref -= float(lr[rows, targets].sum())
-        nll_q -= float(lq[rows, targets].sum())
+        r, q = -float(lr[rows, targets].sum()), -float(lq[rows, targets].sum())
+        nll_ref += r
+        nll_q += q
+        diffs.append(q - r)
+        counts.append(len(targets))
         predicted += len(targets)
         kl += float((np.exp(lr) * (lr - lq)).sum())
         agree += int((lr.argmax(-1) == lq.argmax(-1)).sum())
@@ -103,9 +158,12 @@ def compare(reference, quantized, windows: list[list[int]], progress: Callable[[
         raise LlmcError("accuracy evaluation: no held-out text to score (the tokenizer produced no windows)")
     ppl_ref = float(np.exp(nll_ref / predicted))
     ppl = float(np.exp(nll_q / predicted))
+    d = (nll_q - nll_ref) / predicted
+    ci = _ci95(diffs, counts, d)
     return Accuracy(ppl_reference=ppl_ref, ppl=ppl, ppl_increase_pct=100.0 * (ppl / ppl_ref - 1.0),
                     kl_mean=kl / positions, top1_agreement=agree / positions, tokens=positions,
-                    windows=len(windows), window=max(len(w) for w in windows))
+                    windows=len(counts), window=max(len(w) for w in windows[: len(counts)]),
+                    ppl_increase_ci95=100.0 * float(np.exp(d)) * ci if np.isfinite(ci) else None, stopped=stopped)
 
 
 def check_gate(accuracy: Accuracy, max_ppl_increase: float | None, recipe_name: str) -> None:

@@ -62,7 +62,8 @@ class QuantRecipe:
     fastest CPU path, the default), 1 computes in fp32 (0: ONNX Runtime's default, fp32).
     ``int4_kernel``: which CPU kernel runs INT4 linears: ``llmc`` (llmc's ``Int4MatMul``, int8
     activations per group and integer dot products, laid out for AVX-512 VNNI / AVX2; the default) or
-    ``mlas`` (ONNX Runtime's ``MatMulNBits`` at ``int4_accuracy_level``)."""
+    ``mlas`` (ONNX Runtime's ``MatMulNBits`` at ``int4_accuracy_level``). ``eval_tokens``: held-out tokens
+    the accuracy report scores (None: until its precision target, :class:`llmc.quant.evaluate.Precision`)."""
 
     quant: str = "none"
     group_size: int = 128
@@ -76,6 +77,7 @@ class QuantRecipe:
     calib_samples: int = 64
     calib_seq_len: int = 256
     seed: int = 0
+    eval_tokens: int | None = None
 
     @property
     def format(self) -> Format | None:

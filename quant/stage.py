@@ -14,6 +14,7 @@ The accuracy report on real held-out text is the quantization-aware check.
 
 from __future__ import annotations
 
+import os
 import tempfile
 import time
 from collections.abc import Callable
@@ -29,7 +30,7 @@ from llmc.quant.recipe import QuantRecipe
 
 PASS_NAME = "quantize"
 EVAL_WINDOW = 256
-EVAL_TOKENS = 16384
+EVAL_TOKENS = 65536  # held-out windows read; how many are scored: QuantRecipe.eval_tokens / evaluate.Precision
 
 
 # For calibration: a function of the transformers model giving ``name -> float32 weight``, read from the
@@ -90,7 +91,10 @@ class QuantStage:
                  f"({r.calib_data or 'built-in pydoc text'}, seed {r.seed})")
         if self.params is None:
             raise RuntimeError("QuantStage(params=...) is needed to calibrate")
-        return collect(config, self.params, samples, r, progress=self.say)
+        # The CPU form stores the LM head apart from the INT4 format (quant.graph: INT8 or full precision) unless
+        # --lm-head int4: its AWQ search (a 1B model's: ~30 s) would be thrown away.
+        head = not (r.format is not None and r.format.family == "int4" and self.form == "cpu" and r.lm_head != "int4")
+        return collect(config, self.params, samples, r, progress=self.say, head=head)
 
     def _run(self, model: ir.Model) -> dict[str, int]:
         from llmc.quant.graph import quantize_model
@@ -108,24 +112,36 @@ class QuantStage:
                                     form=self.form)
         return {k: v for k, v in self.stats.items() if isinstance(v, int)}
 
-    def evaluate(self, engine_dir: Path, emit_reference: Callable[[ir.Model, Path], None]) -> evaluate.Accuracy:
+    def evaluate(self, engine_dir: Path, emit_reference: Callable[[ir.Model, Path], None],
+                 reference_cache: Path | None = None, reference_key: str = "",
+                 precision: evaluate.Precision | None = None) -> evaluate.Accuracy:
         """Score the engine at ``engine_dir`` against the reference graph, emitted by ``emit_reference(model,
-        dir)`` into a temporary loadable engine (``dir`` exists and is empty)."""
+        dir)`` into a temporary loadable engine (``dir`` exists and is empty) when its scores are not in
+        ``reference_cache`` (a directory; None: no cache) under ``reference_key`` (what determines the reference:
+        the checkpoint's digest and llmc's sources). Scoring stops at ``precision`` (default :class:`Precision`)."""
         from llmc.runtime import Engine
 
         if self.reference is None:
             raise RuntimeError("the quantize pass has not run")
         t = time.perf_counter()
         self.say(f"      evaluate {self.name} against the unquantized graph on held-out text")
+        windows = evaluate.heldout_windows(engine_dir / "tokenizer.json", EVAL_WINDOW, EVAL_TOKENS)
         with tempfile.TemporaryDirectory(prefix="llmc-reference-") as tmp:
-            emit_reference(self.reference, Path(tmp))
-            reference = Engine.load(tmp, verify=False, kv_cache_tokens=2 * EVAL_WINDOW)
+            reference = ReferenceScores(windows, reference_cache, reference_key,
+                                        lambda: _load_reference(self.reference, Path(tmp), emit_reference))
             quantized = Engine.load(engine_dir, verify=False, kv_cache_tokens=2 * EVAL_WINDOW)
-            windows = evaluate.heldout_windows(engine_dir / "tokenizer.json", EVAL_WINDOW, EVAL_TOKENS)
-            self.accuracy = evaluate.compare(reference, quantized, windows, progress=self.say)
+            if precision is None:
+                n = self.recipe.eval_tokens
+                # A fixed count: no early stop before it.
+                precision = evaluate.Precision() if n is None else evaluate.Precision(n, n, 0.0)
+            self.accuracy = evaluate.compare(reference, quantized, windows, progress=self.say, precision=precision)
+            self.accuracy.reference_cached = reference.engine is None
+            reference.save()
+            self.timings["evaluate_reference_load"] = reference.load_seconds
         self.reference = None
         self.timings["evaluate"] = time.perf_counter() - t
-        self.say(f"      {self.accuracy.summary()}")
+        self.say(f"      {self.accuracy.summary()}"
+                 + (" (unquantized scores from the cache)" if self.accuracy.reference_cached else ""))
         return self.accuracy
 
     def report(self) -> dict:
@@ -155,3 +171,74 @@ class QuantStage:
 
 def _rounded(rows: list[dict]) -> list[dict]:
     return [{k: float(f"{v:.6g}") if isinstance(v, float) else v for k, v in row.items()} for row in rows]
+
+
+def _load_reference(model: ir.Model, where: Path, emit_reference: Callable[[ir.Model, Path], None]):
+    from llmc.runtime import Engine
+
+    emit_reference(model, where)
+    return Engine.load(where, verify=False, kv_cache_tokens=2 * EVAL_WINDOW)
+
+
+class ReferenceScores:
+    """The unquantized engine's log-probabilities of each held-out window, from the cache when a build of the same
+    checkpoint (any recipe) scored them before, else from the engine ``load()`` returns (emitted only then).
+
+    Cache file: ``<dir>/<sha256 of key and windows>.npz`` holding float32 ``logp [tokens, vocab]`` and the
+    window ``lengths``; written whole, atomically, when this build scored more windows than it held, unless
+    larger than :data:`REFERENCE_CACHE_LIMIT` bytes."""
+
+    def __init__(self, windows: list[list[int]], directory: Path | None, key: str, load: Callable[[], object]):
+        import hashlib
+        import json
+
+        self.windows = windows
+        self.load = load
+        self.engine = None
+        self.load_seconds = 0.0
+        self.scores: list[np.ndarray] = []
+        self.path = None
+        if directory is not None and key:
+            digest = hashlib.sha256(json.dumps([key, windows]).encode()).hexdigest()[:32]
+            self.path = Path(directory) / f"{digest}.npz"
+            self.scores = self._read()
+        self.cached = len(self.scores)
+
+    def _read(self) -> list[np.ndarray]:
+        try:
+            with np.load(self.path) as data:
+                logp, lengths = data["logp"], data["lengths"]
+        except (OSError, ValueError, KeyError):  # absent or damaged: score again (and rewrite it)
+            return []
+        if lengths.sum() != len(logp) or any(n != len(w) for n, w in zip(lengths, self.windows, strict=False)):
+            return []
+        return np.split(logp, np.cumsum(lengths)[:-1])
+
+    def __call__(self, index: int, ids: list[int]) -> np.ndarray:
+        if index < len(self.scores):
+            return self.scores[index]
+        if self.engine is None:
+            t = time.perf_counter()
+            self.engine = self.load()
+            self.load_seconds = time.perf_counter() - t
+        logp = evaluate.log_softmax(self.engine.score(ids))
+        self.scores.append(logp)
+        return logp
+
+    def save(self) -> None:
+        if self.path is None or len(self.scores) <= self.cached:
+            return
+        logp = np.concatenate(self.scores)
+        if logp.nbytes > REFERENCE_CACHE_LIMIT:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_suffix(f".{os.getpid()}.tmp.npz")
+        try:
+            np.savez(tmp, logp=logp, lengths=np.asarray([len(x) for x in self.scores], np.int64))
+            os.replace(tmp, self.path)
+        except OSError:  # a full or read-only cache costs the next build a reference run, not this build
+            tmp.unlink(missing_ok=True)
+
+
+# A 1B model with an 8192-token vocabulary, 16384 tokens: 512 MiB.
+REFERENCE_CACHE_LIMIT = 1 << 30

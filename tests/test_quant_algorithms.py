@@ -58,7 +58,7 @@ def test_awq_scales_and_clipping_beat_rtn(symmetric):
     w, h, abs_mean = _layer(4)
     search = awq.search_scales(w, abs_mean, h, 128, symmetric)
     rtn_error = awq.output_error(w, int4.quantize_rtn(w, 128, symmetric).dequantize(), h)
-    assert search.loss_rtn == pytest.approx(rtn_error, rel=1e-9)  # alpha = 0 is plain RTN
+    assert search.loss_rtn == pytest.approx(rtn_error, rel=1e-3)  # alpha = 0 is plain RTN (bfloat16 GEMMs)
     assert search.alpha > 0 and search.loss < 0.9 * search.loss_rtn
     # The big channels get the big scales.
     big = np.argsort(abs_mean)[-6:]

@@ -47,8 +47,28 @@ def test_scale_search_picks_the_alpha_of_the_float64_objective(symmetric):
             w_hat = int4.quantize_rtn((w * s).astype(np.float32), 64, symmetric).dequantize() / s
             losses.append(_output_error_f64(w, w_hat, h))
         assert got.alpha == np.argmin(losses) / awq.ALPHA_GRID
-        assert got.loss == pytest.approx(min(losses), rel=1e-5)
-        assert got.loss_rtn == pytest.approx(losses[0], rel=1e-5)
+        # The figures come from bfloat16 GEMMs (~3e-4 relative; see the next test).
+        assert got.loss == pytest.approx(min(losses), rel=1e-3)
+        assert got.loss_rtn == pytest.approx(losses[0], rel=1e-3)
+
+
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_row_sampled_screen_keeps_the_best_alpha(monkeypatch, symmetric):
+    """Screening on a sample of the rows (here 64 of 600) still lands on the float64 objective's best alpha, or
+    on one whose objective is within bfloat16's error of it: the sampling error sizes the finalist set."""
+    monkeypatch.setattr(awq, "SCREEN_ROWS", 64)
+    for seed in range(3):
+        w, h, abs_mean = _layer(10 + seed, n=600)
+        got = awq.search_scales(w, abs_mean, h, 64, symmetric)
+        x_mean = np.maximum(abs_mean, 1e-4)
+        losses = {}
+        for alpha in np.arange(awq.ALPHA_GRID) / awq.ALPHA_GRID:
+            s = x_mean**alpha
+            s = s / np.sqrt(s.max() * s.min())
+            w_hat = int4.quantize_rtn((w * s).astype(np.float32), 64, symmetric).dequantize() / s
+            losses[float(alpha)] = _output_error_f64(w, w_hat, h)
+        assert losses[got.alpha] <= min(losses.values()) * (1 + 1e-3), (got.alpha, losses)
+        assert got.loss == pytest.approx(losses[got.alpha], rel=1e-3)
 
 
 def test_bf16_screen_error_is_far_below_the_screen_tolerance():
@@ -61,11 +81,13 @@ def test_bf16_screen_error_is_far_below_the_screen_tolerance():
         w_hat = int4.quantize_rtn((w * s).astype(np.float32), 128, False).dequantize() / s
         e = torch.from_numpy((w - w_hat).astype(np.float32))
         exact = _output_error_f64(w, w_hat, h)
-        assert abs(awq._bf16_output_error(e, h_bf16) / exact - 1) < awq.SCREEN_TOLERANCE / 10
+        assert abs(awq.bf16_output_error(e, h_bf16) / exact - 1) < 1e-3
 
 
 @pytest.mark.parametrize("symmetric", [False, True])
 def test_clip_search_equals_the_einsum_form(symmetric):
+    """torch float32 codes and batched matmul against numpy's float64 einsum: the same choice everywhere but
+    where two ratios tie within float32 rounding."""
     w, h, _ = _layer(5)
     gs = 64
     groups = int4.padded_groups(w, gs)
@@ -84,7 +106,8 @@ def test_clip_search_equals_the_einsum_form(symmetric):
         better = loss < best_loss
         best_loss = np.where(better, loss, best_loss)
         want = np.where(better, np.float32(ratio), want)
-    np.testing.assert_array_equal(awq.search_clip(w, h, gs, symmetric), want)
+    got = awq.search_clip(w, h, gs, symmetric)
+    assert (got == want).mean() > 0.999, (got != want).sum()
 
 
 def test_gptq_inverse_factor_equals_cholesky_of_the_inverse():
@@ -97,7 +120,7 @@ def test_gptq_inverse_factor_equals_cholesky_of_the_inverse():
     inv = np.linalg.inv(np.linalg.cholesky(ref))
     want = np.linalg.cholesky(inv.T @ inv).T
     assert dead.tolist() == [i == 7 for i in range(len(h))]
-    np.testing.assert_allclose(u, want, rtol=1e-9, atol=1e-9 * np.abs(want).max())
+    np.testing.assert_allclose(u, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())  # float32, as GPTQ's own code
 
 
 @pytest.mark.parametrize("symmetric", [False, True])
@@ -110,10 +133,11 @@ def test_gptq_of_stacked_linears_equals_each_alone(symmetric):
         alone = gptq.quantize(part, h, 64, symmetric)
         mine = int4.rows(stacked, start, start + len(part))
         start += len(part)
-        np.testing.assert_array_equal(mine.q, alone.q)
-        np.testing.assert_array_equal(mine.scales, alone.scales)
+        # float32 GEMMs of another shape sum in another order: a code may cross a rounding boundary, rarely.
+        assert np.mean(mine.q != alone.q) < 1e-3
+        np.testing.assert_allclose(mine.scales, alone.scales, rtol=1e-5)
         if not symmetric:
-            np.testing.assert_array_equal(mine.zero_points, alone.zero_points)
+            assert np.mean(mine.zero_points != alone.zero_points) < 1e-2
 
 
 @pytest.fixture(scope="module")
