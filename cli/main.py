@@ -116,8 +116,8 @@ def _quant_options(f):
         click.option("--calib-data", "quant_calib_data", default=None, type=click.Path(path_type=Path),
                      help="Calibration text: a plain-text file, or JSONL with a \"text\" field per line "
                           "[default: built-in pydoc text]."),
-        click.option("--calib-samples", "quant_calib_samples", default=64, show_default=True,
-                     help="Calibration sequences."),
+        click.option("--calib-samples", "quant_calib_samples", default=32, show_default=True,
+                     help="Calibration sequences (32 x 256 tokens: more moved the default model's KL by under 1%)."),
         click.option("--calib-seq-len", "quant_calib_seq_len", default=256, show_default=True,
                      help="Tokens per calibration sequence."),
         click.option("--calib-seed", "quant_seed", default=0, show_default=True,

@@ -74,7 +74,10 @@ class QuantRecipe:
     int4_kernel: str = "llmc"
     kv_cache_dtype: str | None = None
     calib_data: str | None = None
-    calib_samples: int = 64
+    # 32 x 256 tokens: on the default model, 64 -> 32 sequences moved int4-awq's / int4-gptq's held-out KL by
+    # +0.8 % / +0.2 % and perplexity by < 0.01 %, 16 sequences KL by +4.8 % (quant_calibration_ab.json); the
+    # forward and the Gram matrices, a third of a 1B layer's AWQ calibration, scale with it.
+    calib_samples: int = 32
     calib_seq_len: int = 256
     seed: int = 0
     eval_tokens: int | None = None

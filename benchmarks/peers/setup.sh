@@ -42,11 +42,12 @@ fi
 ln -sfn "$R/sdist/llama_cpp_python-$LLAMA_CPP_PYTHON/vendor/llama.cpp" "$R/llama.cpp"
 
 # llama.cpp's own tools from the same build tree (only the tool sources are compiled)
-# llama-server: bench_serve.py's side by side (issue 18); llama-lookup: prompt lookup (bench_speculative.py)
-if [ ! -x "$R/llama-build/bin/llama-server" ]; then
+# llama-server: bench_serve.py's side by side (issue 18); llama-lookup: prompt lookup (bench_speculative.py);
+# llama-imatrix: bench_quant_peers.py (importance matrix + llama-quantize, issue 19)
+if [ ! -x "$R/llama-build/bin/llama-imatrix" ]; then
   (cd "$R/llama-build" && cmake -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_EXAMPLES=ON -DLLAMA_BUILD_SERVER=ON . \
      > "$R/logs/llama_tools_cfg.log" \
-   && ninja -j"${JOBS:-2}" llama-bench llama-quantize llama-server llama-lookup > "$R/logs/llama_tools_build.log")
+   && ninja -j"${JOBS:-2}" llama-bench llama-quantize llama-server llama-lookup llama-imatrix > "$R/logs/llama_tools_build.log")
 fi
 # the read-bandwidth probe (an independent check of llmc bench's bandwidth figure)
 gcc -O3 -march=native -fopenmp "$(cd "$(dirname "$0")" && pwd)/bw_read.c" -o "$R/bw_read"
