@@ -125,7 +125,7 @@ def _quant_options(f):
         click.option("--eval-tokens", "quant_eval_tokens", default=None, type=click.IntRange(min=2), metavar="N",
                      help="Score N held-out tokens in the accuracy report (whole 256-token windows; all the "
                           "held-out text if it has fewer) [default: as many as report the perplexity "
-                          "increase to +/-0.25 points (95%), 2048 to 16384]."),
+                          "increase to +/-0.25 points (95%), 2048 to 4096]."),
         click.option("--max-ppl-increase", "max_ppl_increase", default=None, type=float, metavar="PCT",
                      help="Fail the build (exit 4) if held-out perplexity rises by more than PCT percent."),
     ]
