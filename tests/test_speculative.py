@@ -204,8 +204,33 @@ def test_failed_probes_back_off_and_a_kept_probe_resets():
     for _ in range(300):
         if s.choose(costs):
             break
-    s.record(1, 1)  # this probe's draft is kept: probing returns to its shortest period
+    s.record(1, 1)  # this probe's draft is kept, and drafts are cheap now: speculation pays again
+    assert s.choose(linear(0.05, 4)) > 0
     assert s.probe_every == SpecState.PROBE_MIN and not s.probing
+
+
+def test_kept_probes_that_do_not_pay_back_off_too():
+    """A draft model whose drafts are kept 1 time in 2 at batch 8, where a draft costs 0.9 of a step: its probes
+    keep their draft half the time, yet speculation never pays, so they grow rarer all the same; and while a
+    verify step costs 0.9 of a step more than a plain one, probes wait 0.9 / PROBE_BUDGET steps, not PROBE_MIN."""
+    s = SpecState(max_tokens=6, accepted=1.0, rejected=1.0)
+    costs = linear(0.9)
+    assert s.choose(costs) == 0
+    gaps, idle, kept = [], 0, 0
+    for _ in range(600):
+        k = s.choose(costs)
+        idle += 1
+        if k:
+            assert k == 1
+            kept = 1 - kept  # every other probe keeps its draft
+            s.record(1, kept)
+            gaps.append(idle)
+            idle = 0
+    wait = math.ceil(0.9 / SpecState.PROBE_BUDGET)
+    assert gaps[0] == wait - 1 and gaps[1:4] == [wait, 64, 128]  # kept or not, each probe doubles the wait
+    # Where a verify step costs little more than a plain one (prompt lookup at batch 1), probes keep PROBE_MIN.
+    s = SpecState(max_tokens=6, accepted=0.0, rejected=4.0)
+    assert [s.choose(linear(0.25)) for _ in range(16)].count(1) == 1
 
 
 def test_choose_follows_measured_costs_not_a_line():
