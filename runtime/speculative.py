@@ -427,7 +427,7 @@ class SpecState:
         is noticed; each probe after which 0 still wins doubles the wait (up to ``PROBE_MAX``: text that
         never repeats, or a draft model whose drafts are kept too rarely to pay, costs ~nothing), one after
         which speculation pays resets it. The wait is also at least ``(step_costs[1] - 1) / PROBE_BUDGET``
-        steps, so that probes cost at most ``PROBE_BUDGET`` of the plain steps between them.
+        steps (at most ``PROBE_MAX``), so that probes cost at most ``PROBE_BUDGET`` of the plain steps between them.
         """
         a = self.acceptance
         best_k, best = 0, margin
@@ -441,7 +441,8 @@ class SpecState:
         if best_k == 0:
             self.idle_steps += 1
             excess = step_costs[1] - 1.0 if len(step_costs) > 1 else 0.0
-            if self.idle_steps >= max(self.probe_every, math.ceil(excess / self.PROBE_BUDGET)):
+            wait = min(max(self.probe_every, math.ceil(excess / self.PROBE_BUDGET)), self.PROBE_MAX)
+            if self.idle_steps >= wait:
                 self.idle_steps = 0
                 self.probing = True
                 return 1
@@ -467,7 +468,9 @@ def step_costs(plain: StepCost, verify: StepCost, batch: int, max_k: int) -> lis
     cost is not one line through both: on a CPU the first extra token per sequence turns the
     matrix-vector products of a 1-token step into matrix products, which cost more than the per-token
     slope of larger steps predicts (+33% for a 2-token step of the default model, then ~+8% per token).
-    Before any step, drafts are taken as nearly free (so that speculation gets measured at all).
+    Until ``verify`` holds ``StepCost.MIN_COUNT`` steps, drafts cost what ``plain``'s line says (nearly free), so
+    that speculation gets measured at all, and one stalled first verify step (ORT allocating for a new shape:
+    30 ms where 3 are usual) does not price drafts out for good.
     """
     bp, bv = plain.slope(), verify.slope()
     if len(plain):
@@ -479,7 +482,10 @@ def step_costs(plain: StepCost, verify: StepCost, batch: int, max_k: int) -> lis
     costs = [1.0]
     for k in range(1, max_k + 1):
         n = batch * (1 + k)
-        t = verify.predict(n, bv if bv is not None else bp) if len(verify) else plain.predict(n, bp)
+        if len(verify) >= StepCost.MIN_COUNT:
+            t = verify.predict(n, bv if bv is not None else bp)
+        else:
+            t = plain.predict(n, bp)
         costs.append(max(t / base, 1.0))  # a verify step never really costs less than a plain one
     return costs
 

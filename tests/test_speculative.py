@@ -256,8 +256,29 @@ def test_step_costs_from_plain_and_verify_fits():
     assert step_costs(plain, verify_, 4, 1)[1] == pytest.approx(0.00425 / 0.00275)
     # A verify fit below the plain cost (noise) never makes drafts look cheaper than free.
     cheap = StepCost()
-    cheap.observe(2, 0.001)
+    for _ in range(StepCost.MIN_COUNT):
+        cheap.observe(2, 0.001)
     assert step_costs(plain, cheap, 1, 2) == [1.0, 1.0, 1.0]
+
+
+def test_a_stalled_first_verify_step_does_not_price_drafts_out():
+    """The first verify step of an engine can stall (ONNX Runtime allocating for a new shape: 30 ms where a
+    plain step takes 2): until the verify fit holds MIN_COUNT steps, drafts cost what the plain line says, and
+    a probe never waits more than PROBE_MAX steps whatever the costs say."""
+    plain, verify_ = StepCost(refit_every=1), StepCost(refit_every=1)
+    for n in (1, 2, 3) * 4:
+        plain.observe(n, 0.002 + 0.0004 * (n - 1))
+    verify_.observe(7, 0.030)
+    costs = step_costs(plain, verify_, 1, 2)
+    assert costs == pytest.approx([1.0, 1.2, 1.4])
+    s = SpecState(max_tokens=2)
+    assert s.choose(costs) == 2  # speculation goes on, so the verify fit gets its own steps
+    for _ in range(StepCost.MIN_COUNT - 1):
+        verify_.observe(7, 0.030)
+    stalled = step_costs(plain, verify_, 1, 2)
+    assert stalled[1] > 10
+    s = SpecState(max_tokens=2, accepted=0.0, rejected=4.0)
+    assert [s.choose(stalled) for _ in range(SpecState.PROBE_MAX)].count(1) == 1
 
 
 def test_step_cost_refits_periodically():
