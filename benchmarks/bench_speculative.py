@@ -169,6 +169,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args(argv)
 
+    # One spin policy for every engine: under ``auto`` each engine decides at load time from the load it sees
+    # then, so that plain and speculative engines could differ in it (1.2-2x either way on these shared cores).
+    os.environ.setdefault("LLMC_ORT_SPIN", "0")
     from llmc.runtime import Engine
     from llmc.runtime.speculative import SpeculativeConfig
 
@@ -277,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
         "benchmark": "bench_speculative", "models": {k: str(v) for k, v in models.items()},
         "copy_train_args": COPY_TRAIN_ARGS, "draft_model": str(args.draft_model.relative_to(REPO)),
         "new_tokens": args.new_tokens, "num_tokens": args.num_tokens, "rounds": args.rounds,
-        "threads": args.threads, "greedy": True,
+        "threads": args.threads, "greedy": True, "ort_spin": os.environ["LLMC_ORT_SPIN"],
         "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
                     "python": platform.python_version(), "load_avg_at_end": os.getloadavg()},
         "step_cost_fits": fits, "llama_cpp": llama, "rows": rows,
