@@ -7,10 +7,16 @@ Targets (14M parameters, the default model's shape and tokenizer):
 - ``copy`` (``--copy-model``, off by default): the default model fine-tuned to copy from its context
   (``scripts/train_default_model.py --init-from assets/default-model --repeat-fraction ...``;
   ``COPY_TRAIN_ARGS``), trained on first use and cached in ``~/.cache/llmc-spec/copy-model``. Real
-  LLMs copy (induction heads) and prompt lookup lives on it; the default model does not. Three
-  attempts on the shared 2-core machine (100-150 steps, 10-16 min each) did not teach it: the
-  held-out NLL of quoted passages stayed near the plain NLL (5.05 vs 5.18; a copying model is near 0),
-  so it is off by default until a longer run (a GPU, or ~1 hour of CPU) makes one that copies.
+  LLMs copy (induction heads) and prompt lookup lives on it; the default model does not. No attempt
+  on the shared 2-core machine taught it: three runs on quoted passages (100-150 steps, 10-16 min
+  each) left the held-out NLL of quoted passages near the plain NLL (5.05 vs 5.18; a copying model is
+  near 0), and a second round of short probes (``--tile-fraction``: windows ending in a random span
+  repeated to the end; ``--attention-supervision``: an auxiliary loss that pulls a previous-token head
+  and an induction head into place) formed the previous-token head in 40-80 steps but left the
+  induction head's attention at chance after 150-400 steps (docs/speculative.md has the runs).
+  Induction heads form abruptly after ~10^5.7 * sqrt(batch * context) tokens (Aoyama et al. 2025):
+  ~11M tokens at batch 8 x 64, hours at the 100-1500 tokens/s these cores gave. So the copy target
+  is off by default until a GPU (or an idle machine for some hours) makes one that copies.
 
 Draft: ``assets/default-draft-model`` (0.9M parameters, same tokenizer). Greedy, ``--new-tokens``
 (128) new tokens per request, EOS ignored. Workloads (held-out pydoc text, never seen in training):
@@ -60,6 +66,9 @@ PEERS = Path(os.environ.get("PEERS_ROOT", Path.home() / ".cache" / "llmc-peers")
 # half of those passages random tokens. Tried here (quoted-passage NLL after; the default model's is 5.29):
 # 100 steps, 256-token windows, 60% quoting, lr 8e-4: 4.96; 250 steps at lr 1.5e-3 (128 tokens, 75%):
 # loss rose, stopped at step 80; the arguments below, 150 steps: 5.05. Copying needs more steps than that.
+# The recipe to try next, on a machine with the time (untested to the end here; see the module docstring):
+# --init-from assets/default-model --tile-fraction 0.75 --attention-supervision 3 --previous-token-head 0.0
+# --induction-head 1.3 --seq-len 64 --lr 3e-3 --min-lr-ratio 0.3, some thousands of steps.
 COPY_TRAIN_ARGS = ["--init-from", str(REPO / "assets" / "default-model"), "--repeat-fraction", "0.75",
                    "--random-passages", "0.5", "--seq-len", "128", "--steps", "150", "--lr", "8e-4", "--warmup", "10",
                    "--log-every", "10", "--eval-every", "0"]
@@ -169,6 +178,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args(argv)
 
+    # One spin policy for every engine: under ``auto`` each engine decides at load time from the load it sees
+    # then, so that plain and speculative engines could differ in it (1.2-2x either way on these shared cores).
+    os.environ.setdefault("LLMC_ORT_SPIN", "0")
     from llmc.runtime import Engine
     from llmc.runtime.speculative import SpeculativeConfig
 
@@ -277,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
         "benchmark": "bench_speculative", "models": {k: str(v) for k, v in models.items()},
         "copy_train_args": COPY_TRAIN_ARGS, "draft_model": str(args.draft_model.relative_to(REPO)),
         "new_tokens": args.new_tokens, "num_tokens": args.num_tokens, "rounds": args.rounds,
-        "threads": args.threads, "greedy": True,
+        "threads": args.threads, "greedy": True, "ort_spin": os.environ["LLMC_ORT_SPIN"],
         "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
                     "python": platform.python_version(), "load_avg_at_end": os.getloadavg()},
         "step_cost_fits": fits, "llama_cpp": llama, "rows": rows,

@@ -20,6 +20,7 @@ drafts (``BlockManager.rewind``); this module holds what is specific to speculat
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -384,8 +385,9 @@ class SpecState:
     accepted: float = 2.0  # decayed counts; the prior says "a draft is kept 2 times in 3"
     rejected: float = 1.0
     idle_steps: int = 0  # steps since the last proposal while adaptation chose 0 drafts
-    probe_every: int = 16  # idle steps between probes; doubles after each probe that keeps nothing
-    probing: bool = False  # the last proposal was a probe (its outcome sets probe_every)
+    probe_every: int = 16  # idle steps between probes; doubles after each probe that does not pay
+    probing: bool = False  # the last proposal was a probe, not yet verified
+    probed: bool = False  # a probe was verified: the next choice judges it (its outcome sets probe_every)
     num_draft: int = 0  # totals for this request
     num_accepted: int = 0
     num_verify: int = 0
@@ -393,6 +395,10 @@ class SpecState:
 
     PROBE_MIN = 16
     PROBE_MAX = 256
+    # Probes may cost this share of the plain steps between them: a probe that keeps nothing costs a verify
+    # step's excess over a plain one, so where that excess is large (a draft model at batch 8: ~0.9 of a step,
+    # its catch-up over the idle tokens included) probes wait longer than PROBE_MIN.
+    PROBE_BUDGET = 0.02
 
     @property
     def acceptance(self) -> float:
@@ -405,9 +411,9 @@ class SpecState:
         self.num_draft += proposed
         self.num_accepted += kept
         self.num_verify += 1
-        if self.probing:  # a failed probe makes the next one twice as rare: text that never repeats costs ~nothing
+        if self.probing:  # judged by the next choice: did it make speculation pay?
             self.probing = False
-            self.probe_every = self.PROBE_MIN if kept else min(2 * self.probe_every, self.PROBE_MAX)
+            self.probed = True
 
     def choose(self, step_costs: Sequence[float], margin: float = 1.02) -> int:
         """Drafts to propose next: maximises expected tokens per unit of step time.
@@ -418,7 +424,10 @@ class SpecState:
         plus the target's own token). Speculating must beat plain decode by ``margin`` (the cost
         estimates are noisy; a marginal win is not worth a possible loss). When 0 wins, one draft is
         still proposed after ``probe_every`` idle steps so that a request whose text starts to repeat
-        is noticed; each probe that keeps nothing doubles the wait (up to ``PROBE_MAX``).
+        is noticed; each probe after which 0 still wins doubles the wait (up to ``PROBE_MAX``: text that
+        never repeats, or a draft model whose drafts are kept too rarely to pay, costs ~nothing), one after
+        which speculation pays resets it. The wait is also at least ``(step_costs[1] - 1) / PROBE_BUDGET``
+        steps (at most ``PROBE_MAX``), so that probes cost at most ``PROBE_BUDGET`` of the plain steps between them.
         """
         a = self.acceptance
         best_k, best = 0, margin
@@ -426,9 +435,14 @@ class SpecState:
             gain = expected_tokens(a, k) / max(step_costs[k], 1e-9)
             if gain > best * 1.0001:
                 best_k, best = k, gain
+        if self.probed:  # a kept draft alone is no success: 1 in 2 are kept where drafts do not pay
+            self.probed = False
+            self.probe_every = self.PROBE_MIN if best_k else min(2 * self.probe_every, self.PROBE_MAX)
         if best_k == 0:
             self.idle_steps += 1
-            if self.idle_steps >= self.probe_every:
+            excess = step_costs[1] - 1.0 if len(step_costs) > 1 else 0.0
+            wait = min(max(self.probe_every, math.ceil(excess / self.PROBE_BUDGET)), self.PROBE_MAX)
+            if self.idle_steps >= wait:
                 self.idle_steps = 0
                 self.probing = True
                 return 1
@@ -454,7 +468,9 @@ def step_costs(plain: StepCost, verify: StepCost, batch: int, max_k: int) -> lis
     cost is not one line through both: on a CPU the first extra token per sequence turns the
     matrix-vector products of a 1-token step into matrix products, which cost more than the per-token
     slope of larger steps predicts (+33% for a 2-token step of the default model, then ~+8% per token).
-    Before any step, drafts are taken as nearly free (so that speculation gets measured at all).
+    Until ``verify`` holds ``StepCost.MIN_COUNT`` steps, drafts cost what ``plain``'s line says (nearly free), so
+    that speculation gets measured at all, and one stalled first verify step (ORT allocating for a new shape:
+    30 ms where 3 are usual) does not price drafts out for good.
     """
     bp, bv = plain.slope(), verify.slope()
     if len(plain):
@@ -466,7 +482,10 @@ def step_costs(plain: StepCost, verify: StepCost, batch: int, max_k: int) -> lis
     costs = [1.0]
     for k in range(1, max_k + 1):
         n = batch * (1 + k)
-        t = verify.predict(n, bv if bv is not None else bp) if len(verify) else plain.predict(n, bp)
+        if len(verify) >= StepCost.MIN_COUNT:
+            t = verify.predict(n, bv if bv is not None else bp)
+        else:
+            t = plain.predict(n, bp)
         costs.append(max(t / base, 1.0))  # a verify step never really costs less than a plain one
     return costs
 

@@ -73,10 +73,42 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="fraction of training windows that quote a passage again (teaches copying from context)")
     p.add_argument("--random-passages", type=float, default=0.0,
                    help="fraction of the quoting windows whose passage is random tokens (the clearest copying signal)")
+    p.add_argument("--tile-fraction", type=float, default=0.0,
+                   help="fraction of training windows that end in a random-token span repeated to the window's end "
+                        "(tile_window; after the span's first copy only copying predicts a token)")
+    p.add_argument("--attention-supervision", type=float, default=0.0,
+                   help="weight of an auxiliary loss on the tiled windows that pulls two heads into an induction "
+                        "circuit (--previous-token-head, --induction-head); 0: none")
+    p.add_argument("--previous-token-head", type=_head, default=(0, 0), metavar="LAYER.HEAD",
+                   help="the head that --attention-supervision teaches to attend to the previous token")
+    p.add_argument("--induction-head", type=_head, default=(1, 3), metavar="LAYER.HEAD",
+                   help="the head that --attention-supervision teaches to attend to the token after the current "
+                        "token's earlier occurrence (later layer than --previous-token-head)")
     args = p.parse_args(argv)
-    if not 0.0 <= args.repeat_fraction <= 1.0:
-        p.error(f"--repeat-fraction {args.repeat_fraction}: must be in [0, 1]")
+    for name in ("repeat_fraction", "tile_fraction"):
+        if not 0.0 <= getattr(args, name) <= 1.0:
+            p.error(f"--{name.replace('_', '-')} {getattr(args, name)}: must be in [0, 1]")
+    if args.attention_supervision:
+        if not args.tile_fraction:
+            p.error("--attention-supervision needs --tile-fraction > 0 (it supervises the tiled windows)")
+        for name in ("previous_token_head", "induction_head"):
+            layer, head = getattr(args, name)
+            if layer >= args.layers or head >= args.heads:
+                p.error(f"--{name.replace('_', '-')} {layer}.{head}: the model has {args.layers} layers of "
+                        f"{args.heads} heads")
+        if args.induction_head[0] <= args.previous_token_head[0]:
+            p.error("--induction-head must be in a later layer than --previous-token-head (it reads that head's "
+                    "output)")
     return args
+
+
+def _head(text: str) -> tuple[int, int]:
+    """``LAYER.HEAD`` -> (layer, head)."""
+    try:
+        layer, head = (int(x) for x in text.split("."))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected LAYER.HEAD, e.g. 1.3") from None
+    return layer, head
 
 
 def token_stream(texts: list[str], tokenizer: transformers.PreTrainedTokenizerBase) -> torch.Tensor:
@@ -117,6 +149,52 @@ def repeat_window(train: torch.Tensor, seq_len: int, sep: list[int], gen: torch.
         begin = length + len(sep)
         return window, (begin, min(n, begin + length - offset))
     return window
+
+
+def tile_window(train: torch.Tensor, seq_len: int, gen: torch.Generator, vocab: int
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A ``seq_len + 1`` window of text, then a random-token span repeated to the end: (window, mask, repeats).
+
+    The span (4 to 24 tokens) starts after 0 to ``seq_len // 4`` tokens of corpus text. ``mask`` ``[seq_len]``
+    is 0 on the rows that predict the span's first copy (unpredictable), 1 elsewhere; ``repeats`` ``[seq_len]``
+    is True on the rows inside the repeats (where an induction head knows the next token). Dense copying data:
+    induction heads form from it sooner than from natural text (where they form abruptly, after some 10M
+    tokens at this batch and context size: Aoyama et al. 2025), and sooner still with :func:`induction_aux_loss`.
+    """
+    n = seq_len + 1
+    period = int(torch.randint(4, min(24, seq_len // 2) + 1, (1,), generator=gen))
+    pre = int(torch.randint(0, seq_len // 4 + 1, (1,), generator=gen))
+    start = int(torch.randint(0, train.numel() - pre, (1,), generator=gen))
+    span = torch.randint(4, vocab, (period,), generator=gen)
+    window = torch.cat([train[start : start + pre], span.repeat(n // period + 1)])[:n]
+    mask = torch.ones(seq_len)
+    mask[max(pre - 1, 0) : pre + period - 1] = 0.0  # row i predicts token i + 1
+    repeats = torch.zeros(seq_len, dtype=torch.bool)
+    repeats[pre + period :] = True
+    return window, mask, repeats
+
+
+def induction_aux_loss(attentions: tuple[torch.Tensor, ...], inputs: torch.Tensor, repeats: torch.Tensor,
+                       args: argparse.Namespace) -> torch.Tensor:
+    """Cross-entropy of two heads' attention against an induction circuit's (``--attention-supervision``).
+
+    The previous-token head should put its weight on the previous position (every row of every window); the
+    induction head, on the rows in ``repeats`` ``[batch, seq]``, on the positions whose previous token is the
+    row's own token (where the current token occurred before, plus one: any of them holds the next token).
+    The language-model loss then teaches the rest (what the heads carry and copy).
+    """
+    layer, head = args.previous_token_head
+    att = attentions[layer][:, head]  # [batch, query, key]
+    rows = torch.arange(1, att.shape[1])
+    loss = -torch.log(att[:, rows, rows - 1] + 1e-6).mean()
+    if repeats.any():
+        layer, head = args.induction_head
+        att = attentions[layer][:, head]
+        before = torch.cat([torch.full_like(inputs[:, :1], -1), inputs[:, :-1]], dim=1)  # key j's previous token
+        causal = torch.ones(att.shape[1], att.shape[2], dtype=torch.bool).tril()
+        hits = (before[:, None, :] == inputs[:, :, None]) & causal  # [batch, query, key]
+        loss = loss - torch.log((att * hits).sum(-1)[repeats] + 1e-6).mean()
+    return loss
 
 
 def lr_at(step: int, args: argparse.Namespace) -> float:
@@ -226,6 +304,8 @@ def main(argv: list[str] | None = None) -> int:
         config = model.config
     else:
         model = LlamaForCausalLM(config)
+    if args.attention_supervision:  # attention weights are returned only by the eager implementation
+        model.set_attn_implementation("eager")
     n_params = sum(p.numel() for p in model.parameters())
     print(f"model: {n_params:,} parameters", flush=True)
 
@@ -236,6 +316,8 @@ def main(argv: list[str] | None = None) -> int:
     max_start = train.numel() - args.seq_len - 1
     sep = tokenizer.backend_tokenizer.encode("\n\n", add_special_tokens=False).ids
     evals: list[tuple[int, float, float]] = []
+    # Quoted passages are judged in windows of at least 256 tokens (32-128-token passages), as prompts are long.
+    copy_len = max(args.seq_len, 256)
     window_loss, window_steps, loss = 0.0, 0, float("nan")
     started = last_log = time.perf_counter()
     model.train()
@@ -247,11 +329,27 @@ def main(argv: list[str] | None = None) -> int:
             rand = torch.rand(args.batch_size, generator=data_gen) < args.random_passages
             windows = [repeat_window(train, args.seq_len, sep, data_gen, random_vocab=len(tokenizer) if r else 0)
                        if q else w for w, q, r in zip(windows, quoted.tolist(), rand.tolist(), strict=True)]
+        mask = repeats = None
+        if args.tile_fraction:
+            tiled = (torch.rand(args.batch_size, generator=data_gen) < args.tile_fraction).tolist()
+            mask = torch.ones(args.batch_size, args.seq_len)
+            repeats = torch.zeros(args.batch_size, args.seq_len, dtype=torch.bool)
+            for i in (i for i, t in enumerate(tiled) if t):
+                windows[i], mask[i], repeats[i] = tile_window(train, args.seq_len, data_gen, len(tokenizer))
         batch = torch.stack(windows)
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, args)
-        logits = model(input_ids=batch[:, :-1]).logits
-        loss_t = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
+        out = model(input_ids=batch[:, :-1], output_attentions=bool(args.attention_supervision))
+        logits = out.logits
+        if mask is None:
+            loss_t = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
+        else:
+            token_loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1),
+                                         reduction="none")
+            loss_t = (token_loss * mask.reshape(-1)).sum() / mask.sum()
+        if args.attention_supervision:
+            aux = induction_aux_loss(out.attentions, batch[:, :-1], repeats, args)
+            loss_t = loss_t + args.attention_supervision * aux
         optimizer.zero_grad(set_to_none=True)
         loss_t.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -273,7 +371,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.eval_every and done % args.eval_every == 0 and done != args.steps:
             nll, _ = heldout_nll(model, heldout, args.seq_len)
             evals.append((done, loss, math.exp(nll)))
-            print(f"  heldout ppl {math.exp(nll):.2f} at step {done}", flush=True)
+            line = f"  heldout ppl {math.exp(nll):.2f} at step {done}"
+            if args.repeat_fraction or args.tile_fraction:  # is it learning to copy yet?
+                line += f", quoted passages nll {heldout_copy_nll(model, heldout, copy_len, sep):.3f}"
+            print(line, flush=True)
             last_log = time.perf_counter()  # eval time would skew the next tok/s figure
     train_seconds = time.perf_counter() - started
 
@@ -281,7 +382,7 @@ def main(argv: list[str] | None = None) -> int:
     ppl = math.exp(nll)
     evals.append((args.steps, loss, ppl))
     print(f"heldout: {n_eval} tokens, nll {nll:.4f}, perplexity {ppl:.2f}", flush=True)
-    copy_nll = heldout_copy_nll(model, heldout, args.seq_len, sep)
+    copy_nll = heldout_copy_nll(model, heldout, copy_len, sep)
     print(f"heldout quoted passages: nll {copy_nll:.4f} (copying from context: near 0)", flush=True)
 
     model.eval()
@@ -411,8 +512,8 @@ template does). Training documents were packed as `<bos> text <eos>`.
 
 Final train loss (mean of the last {args.log_every} steps): {evals[-1][1]:.4f}.
 Heldout perplexity (non-overlapping {args.seq_len}-token windows): {evals[-1][2]:.2f}.
-Heldout NLL of quoted passages (32 held-out windows that quote a passage again; near 0 for a model
-that copies from its context): {copy_nll:.3f}.
+Heldout NLL of quoted passages (32 held-out {max(args.seq_len, 256)}-token windows that quote a passage again;
+near 0 for a model that copies from its context): {copy_nll:.3f}.
 
 ## Sample
 

@@ -204,8 +204,33 @@ def test_failed_probes_back_off_and_a_kept_probe_resets():
     for _ in range(300):
         if s.choose(costs):
             break
-    s.record(1, 1)  # this probe's draft is kept: probing returns to its shortest period
+    s.record(1, 1)  # this probe's draft is kept, and drafts are cheap now: speculation pays again
+    assert s.choose(linear(0.05, 4)) > 0
     assert s.probe_every == SpecState.PROBE_MIN and not s.probing
+
+
+def test_kept_probes_that_do_not_pay_back_off_too():
+    """A draft model whose drafts are kept 1 time in 2 at batch 8, where a draft costs 0.9 of a step: its probes
+    keep their draft half the time, yet speculation never pays, so they grow rarer all the same; and while a
+    verify step costs 0.9 of a step more than a plain one, probes wait 0.9 / PROBE_BUDGET steps, not PROBE_MIN."""
+    s = SpecState(max_tokens=6, accepted=1.0, rejected=1.0)
+    costs = linear(0.9)
+    assert s.choose(costs) == 0
+    gaps, idle, kept = [], 0, 0
+    for _ in range(600):
+        k = s.choose(costs)
+        idle += 1
+        if k:
+            assert k == 1
+            kept = 1 - kept  # every other probe keeps its draft
+            s.record(1, kept)
+            gaps.append(idle)
+            idle = 0
+    wait = math.ceil(0.9 / SpecState.PROBE_BUDGET)
+    assert gaps[0] == wait - 1 and gaps[1:4] == [wait, 64, 128]  # kept or not, each probe doubles the wait
+    # Where a verify step costs little more than a plain one (prompt lookup at batch 1), probes keep PROBE_MIN.
+    s = SpecState(max_tokens=6, accepted=0.0, rejected=4.0)
+    assert [s.choose(linear(0.25)) for _ in range(16)].count(1) == 1
 
 
 def test_choose_follows_measured_costs_not_a_line():
@@ -231,8 +256,29 @@ def test_step_costs_from_plain_and_verify_fits():
     assert step_costs(plain, verify_, 4, 1)[1] == pytest.approx(0.00425 / 0.00275)
     # A verify fit below the plain cost (noise) never makes drafts look cheaper than free.
     cheap = StepCost()
-    cheap.observe(2, 0.001)
+    for _ in range(StepCost.MIN_COUNT):
+        cheap.observe(2, 0.001)
     assert step_costs(plain, cheap, 1, 2) == [1.0, 1.0, 1.0]
+
+
+def test_a_stalled_first_verify_step_does_not_price_drafts_out():
+    """The first verify step of an engine can stall (ONNX Runtime allocating for a new shape: 30 ms where a
+    plain step takes 2): until the verify fit holds MIN_COUNT steps, drafts cost what the plain line says, and
+    a probe never waits more than PROBE_MAX steps whatever the costs say."""
+    plain, verify_ = StepCost(refit_every=1), StepCost(refit_every=1)
+    for n in (1, 2, 3) * 4:
+        plain.observe(n, 0.002 + 0.0004 * (n - 1))
+    verify_.observe(7, 0.030)
+    costs = step_costs(plain, verify_, 1, 2)
+    assert costs == pytest.approx([1.0, 1.2, 1.4])
+    s = SpecState(max_tokens=2)
+    assert s.choose(costs) == 2  # speculation goes on, so the verify fit gets its own steps
+    for _ in range(StepCost.MIN_COUNT - 1):
+        verify_.observe(7, 0.030)
+    stalled = step_costs(plain, verify_, 1, 2)
+    assert stalled[1] > 10
+    s = SpecState(max_tokens=2, accepted=0.0, rejected=4.0)
+    assert [s.choose(stalled) for _ in range(SpecState.PROBE_MAX)].count(1) == 1
 
 
 def test_step_cost_refits_periodically():
