@@ -213,3 +213,24 @@ def test_blocked_gptq_equals_the_plain_column_loop(symmetric, group):
     # Summing the same updates in another order moves a weight across a rounding boundary at most rarely.
     assert np.mean(got.q[:, :320] != codes) < 1e-3
     np.testing.assert_allclose(got.scales, scales, rtol=1e-5)
+
+
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_torch_rtn_gives_the_numpy_codes_scales_and_zero_points(symmetric):
+    """quantize_rtn's torch path (large tensors) against group_params / quantize_groups in numpy: bit for bit,
+    with a per-group clip and with ties, all-zero groups and exact half-step values."""
+    rng = np.random.default_rng(21)
+    groups = (rng.standard_normal((96, 5, 64)) * 0.05).astype(np.float32)
+    groups[0, 0] = 0.0  # an all-zero group
+    groups[1, 1, :2] = [0.08, -0.08]  # a tie for the largest magnitude
+    groups[2, 2] = np.round(groups[2, 2] * 64) / 64  # values on a coarse grid: halves land exactly
+    for clip in (1.0, rng.uniform(0.5, 1.0, groups.shape[:2]).astype(np.float32)):
+        scale, zp = int4.group_params(groups, symmetric, clip)
+        q = int4.quantize_groups(groups, scale, zp)
+        t_scale, t_zp, t_q = int4._rtn_torch(groups, symmetric, clip)
+        np.testing.assert_array_equal(t_scale, scale)
+        np.testing.assert_array_equal(t_q, q)
+        if symmetric:
+            assert t_zp is None and zp is None
+        else:
+            np.testing.assert_array_equal(t_zp, zp)
