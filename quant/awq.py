@@ -179,26 +179,13 @@ def search_clip(w: np.ndarray, hessian: np.ndarray, group_size: int, symmetric: 
     chunk = max(1, (1 << 22) // (n_groups * group_size))  # rows per chunk: ~16 MB of float32 scratch per tensor
     for r0 in range(0, n, chunk):
         g = groups[r0 : r0 + chunk]
-        if symmetric:
-            peak = torch.gather(g, -1, g.abs().argmax(-1, keepdim=True))[..., 0]
-            lo = hi = None
-        else:
-            lo0 = torch.clamp(g.amin(-1), max=0.0)
-            hi0 = torch.clamp(g.amax(-1), min=0.0)
+        extremes = int4.torch_extremes(g, symmetric)  # once per chunk; each ratio scales them
         best_loss = torch.full(g.shape[:2], float("inf"), dtype=torch.float32)
         pick = torch.ones(g.shape[:2])
         for ratio in CLIP_RATIOS:
             r = torch.tensor(ratio, dtype=torch.float32)
-            if symmetric:
-                p = peak * r
-                scale = torch.where(p != 0, p / -8.0, torch.ones_like(p))
-                zero = torch.full_like(scale, 8.0)
-            else:
-                lo, hi = lo0 * r, hi0 * r
-                scale = (hi - lo) / float(int4.QMAX)
-                scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-                zero = torch.clamp(torch.round(-lo / scale), 0, int4.QMAX)
-            q = torch.clamp(torch.round(g / scale[..., None]) + zero[..., None], 0, int4.QMAX)
+            scale, zero = int4.torch_params(extremes, symmetric, r)
+            q = int4.torch_codes(g, scale, zero)
             e = ((q - zero[..., None]) * scale[..., None] - g).transpose(0, 1)  # [G, rows, gs]
             loss = (torch.bmm(e, blocks) * e).sum(-1).transpose(0, 1)
             better = loss < best_loss

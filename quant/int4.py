@@ -140,21 +140,44 @@ def _rtn_torch(groups: np.ndarray, symmetric: bool, clip) -> tuple[np.ndarray, n
 
     g = torch.from_numpy(np.ascontiguousarray(groups, np.float32))
     c = torch.from_numpy(np.array(np.broadcast_to(np.asarray(clip, np.float32), groups.shape[:-1])))  # a copy
+    scale, zero = torch_params(torch_extremes(g, symmetric), symmetric, c)
+    zp = None if symmetric else zero.to(torch.uint8).numpy()
+    return scale.numpy(), zp, torch_codes(g, scale, zero).to(torch.uint8).numpy()
+
+
+# The torch form of group_params / quantize_groups (float32, round half to even: the same codes), shared by
+# quantize_rtn's large-tensor path and AWQ's clip search, which scales one set of extremes by every ratio.
+
+def torch_extremes(g, symmetric: bool):
+    """Per group of ``g [..., group_size]`` (a float32 torch tensor): its largest-magnitude value (symmetric), or
+    ``(min(w, 0), max(w, 0))``."""
+    import torch
+
     if symmetric:
-        idx = g.abs().argmax(-1, keepdim=True)
-        peak = torch.gather(g, -1, idx)[..., 0] * c
+        return torch.gather(g, -1, g.abs().argmax(-1, keepdim=True))[..., 0]
+    return torch.clamp(g.amin(-1), max=0.0), torch.clamp(g.amax(-1), min=0.0)
+
+
+def torch_params(extremes, symmetric: bool, clip):
+    """``(scale, zero)`` float32 tensors per group from :func:`torch_extremes` shrunk by ``clip`` (a float32
+    tensor, scalar or per group); ``zero`` is 8 when symmetric."""
+    import torch
+
+    if symmetric:
+        peak = extremes * clip
         scale = torch.where(peak != 0, peak / -8.0, torch.ones_like(peak))
-        zero = torch.full_like(scale, 8.0)
-        zp = None
-    else:
-        lo = torch.clamp(g.amin(-1), max=0.0) * c
-        hi = torch.clamp(g.amax(-1), min=0.0) * c
-        scale = (hi - lo) / float(QMAX)
-        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-        zero = torch.clamp(torch.round(-lo / scale), 0, QMAX)
-        zp = zero.to(torch.uint8).numpy()
-    q = torch.clamp(torch.round(g / scale[..., None]) + zero[..., None], 0, QMAX).to(torch.uint8)
-    return scale.numpy(), zp, q.numpy()
+        return scale, torch.full_like(scale, 8.0)
+    lo, hi = extremes[0] * clip, extremes[1] * clip
+    scale = (hi - lo) / float(QMAX)
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    return scale, torch.clamp(torch.round(-lo / scale), 0, QMAX)
+
+
+def torch_codes(g, scale, zero):
+    """float32 codes 0..15 of ``g [..., group_size]``."""
+    import torch
+
+    return torch.clamp(torch.round(g / scale[..., None]) + zero[..., None], 0, QMAX)
 
 
 def rows(w: Int4Weights, start: int, stop: int) -> Int4Weights:

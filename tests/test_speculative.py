@@ -429,6 +429,23 @@ def test_opt_out_and_stop_inside_accepted_drafts(tiny_engine):
     assert spec.stats().spec_num_accepted_tokens > 0
 
 
+def _plain_and_speculative_agree(target, draft, run, n: int, min_acceptance: float, first_position: int):
+    """``run(engine, seed_offset)`` (per-position token counts of ``n`` seeded requests) on the plain engine and on
+    the same engine speculating with ``draft`` (3 tokens, not adaptive): both paths ran (drafts verified, some
+    kept, some not) and every position passes the two-sample chi-square test. Returns the config and the plain
+    counts (positions are numbered from ``first_position`` in failures)."""
+    cfg = SpeculativeConfig("draft", 3, draft_model=draft, adaptive=False)
+    plain = run(Engine.load(target), 0)
+    spec_engine = Engine.load(target, speculative=cfg)
+    spec = run(spec_engine, 10_000)
+    st = spec_engine.stats()
+    assert st.spec_num_draft_tokens > n and min_acceptance < st.spec_acceptance_rate < 0.9, st  # both paths ran
+    for pos, (a, b) in enumerate(zip(plain, spec, strict=True)):
+        stat, df = chi2_homogeneity(a, b)
+        assert df >= 5 and stat < chi2_critical(df), (pos + first_position, stat, df)
+    return cfg, plain
+
+
 def test_sampled_tokens_follow_the_plain_distribution(tiny_engine, tiny_engine_bf16):
     """End to end at temperature 0.4: tokens 2..4 of many seeded requests, speculative vs plain engine.
 
@@ -451,15 +468,7 @@ def test_sampled_tokens_follow_the_plain_distribution(tiny_engine, tiny_engine_b
         outs = engine.generate([prompt] * n, params(offset))
         return [np.bincount([o.token_ids[pos] for o in outs], minlength=engine.vocab_size) for pos in (1, 2, 3)]
 
-    cfg = SpeculativeConfig("draft", 3, draft_model=tiny_engine_bf16, adaptive=False)
-    plain = run(Engine.load(tiny_engine), 0)
-    spec_engine = Engine.load(tiny_engine, speculative=cfg)
-    spec = run(spec_engine, 10_000)
-    st = spec_engine.stats()
-    assert st.spec_num_draft_tokens > n and 0.05 < st.spec_acceptance_rate < 0.9, st  # both paths ran
-    for pos, (a, b) in enumerate(zip(plain, spec, strict=True)):
-        stat, df = chi2_homogeneity(a, b)
-        assert df >= 5 and stat < chi2_critical(df), (pos + 1, stat, df)
+    cfg, plain = _plain_and_speculative_agree(tiny_engine, tiny_engine_bf16, run, n, 0.05, first_position=1)
     # Power: keeping every draft (no rejection sampling) shifts the distribution visibly.
     import llmc.runtime.speculative as sp
 
@@ -548,12 +557,4 @@ def test_sampled_constrained_tokens_follow_the_plain_distribution(tiny_engine, t
         assert all(o.finish_reason == "stop" and len(o.text) == 4 and set(o.text) <= set(letters) for o in outs)
         return [np.bincount([letters.index(o.text[pos]) for o in outs], minlength=8) for pos in range(4)]
 
-    cfg = SpeculativeConfig("draft", 3, draft_model=tiny_engine_bf16, adaptive=False)
-    plain = run(Engine.load(tiny_engine), 0)
-    spec_engine = Engine.load(tiny_engine, speculative=cfg)
-    spec = run(spec_engine, 10_000)
-    st = spec_engine.stats()
-    assert st.spec_num_draft_tokens > n and 0.0 < st.spec_acceptance_rate < 0.9, st  # both paths ran
-    for pos, (a, b) in enumerate(zip(plain, spec, strict=True)):
-        stat, df = chi2_homogeneity(a, b)
-        assert df >= 5 and stat < chi2_critical(df), (pos, stat, df)
+    _plain_and_speculative_agree(tiny_engine, tiny_engine_bf16, run, n, 0.0, first_position=0)
