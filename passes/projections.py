@@ -15,7 +15,7 @@ import numpy as np
 import onnx_ir as ir
 
 from llmc.passes.base import replace_value
-from llmc.passes.lazy import constant_of, derived
+from llmc.passes.lazy import concatenated, constant_of, derived
 
 
 def _packable(node: ir.Node, graph: ir.Graph) -> bool:
@@ -75,8 +75,7 @@ def pack_projections(model: ir.Model) -> dict[str, int]:
         name = "+".join(w.name for w in weights)
         packed_w = ir.Value(name=f"packed[{name}]", shape=ir.Shape([k, sum(widths)]),
                             type=ir.TensorType(tensors[0].dtype))
-        packed_w.const_value = derived(tensors, lambda *a: np.concatenate(a, axis=1), tensors[0].dtype,
-                                       [k, sum(widths)], packed_w.name)
+        packed_w.const_value = concatenated(tensors, 1, packed_w.name)
         graph.register_initializer(packed_w)
         split_sizes = ir.Value(name=f"split_sizes[{name}]", shape=ir.Shape([len(widths)]),
                                type=ir.TensorType(ir.DataType.INT64))

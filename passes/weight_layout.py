@@ -7,10 +7,9 @@ would run at every step or be folded by the runtime at load. The transposed weig
 
 from __future__ import annotations
 
-import numpy as np
 import onnx_ir as ir
 
-from llmc.passes.lazy import constant_of, derived
+from llmc.passes.lazy import constant_of, transposed
 
 
 def transpose_weights(model: ir.Model) -> dict[str, int]:
@@ -30,7 +29,7 @@ def transpose_weights(model: ir.Model) -> dict[str, int]:
         shape = [tensor.shape[p] for p in perm]
         name = f"{src.name}.T" if perm == [1, 0] else f"{src.name}.perm{''.join(map(str, perm))}"
         new = ir.Value(name=name, shape=ir.Shape(shape), type=ir.TensorType(tensor.dtype))
-        new.const_value = derived([tensor], lambda a, p=tuple(perm): np.transpose(a, p), tensor.dtype, shape, name)
+        new.const_value = transposed(tensor, perm, name)
         graph.register_initializer(new)
         ir.convenience.replace_all_uses_with(node.outputs[0], new, replace_graph_outputs=True)
         graph.remove(node, safe=True)

@@ -31,7 +31,7 @@ import numpy as np
 import onnx_ir as ir
 
 from llmc.passes.base import replace_value
-from llmc.passes.lazy import constant_of, derived
+from llmc.passes.lazy import constant_of, derivation_of, derived, transpose_array
 from llmc.plugins.int4_matmul import pack as int4_pack
 from llmc.plugins.paged_attention import DOMAIN as LLMC_DOMAIN
 from llmc.plugins.paged_attention import OPSET_VERSION as LLMC_OPSET
@@ -64,11 +64,31 @@ class LinearSite:
     def tensor(self) -> ir.TensorProtocol:
         return self.weight_value.const_value
 
-    def nk(self) -> Callable[[np.ndarray], np.ndarray]:
-        """Maps the stored array to ``[N, K]`` float32."""
+    def nk(self) -> tuple[list[ir.TensorProtocol], Callable[..., np.ndarray]]:
+        """Tensors to read and a function of their arrays that gives the weight as ``[N, K]`` float32 (a
+        fresh, writable array). A weight that the layout passes made lazily from ``nn.Linear``'s
+        ``[N, K]`` parameters (transposed, then maybe packed along N) is read from those parameters:
+        no transpose at all, instead of one there and one back."""
+        tensor = self.tensor
         if self.transpose is not None:
-            return lambda a: np.asarray(a, np.float32)
-        return lambda a: np.ascontiguousarray(np.asarray(a, np.float32).T)
+            return [tensor], _float32_copy
+        made = derivation_of(tensor)
+        if made is not None and made.op == "transpose" and made.arg == (1, 0):
+            return [made.sources[0]], _float32_copy
+        if made is not None and made.op == "concat" and made.arg in (1, -1):
+            parts = [derivation_of(s) for s in made.sources]
+            if all(p is not None and p.op == "transpose" and p.arg == (1, 0) for p in parts):
+                return [p.sources[0] for p in parts], lambda *a: np.concatenate(a, axis=0, dtype=np.float32)
+        return [tensor], lambda a: transpose_array(np.asarray(a, np.float32), (1, 0))
+
+    def read_nk(self) -> np.ndarray:
+        """The weight as ``[N, K]`` float32, read now."""
+        sources, to_nk = self.nk()
+        return to_nk(*[t.numpy() for t in sources])
+
+
+def _float32_copy(a: np.ndarray) -> np.ndarray:
+    return np.array(a, np.float32)  # a copy: a checkpoint's float32 array is a read-only memory map
 
 
 def members_of(name: str) -> list[str]:
@@ -246,8 +266,8 @@ def _int4_site(b: _Builder, site: LinearSite, recipe: QuantRecipe, calib: Calibr
             x = mul.outputs[0]
             b.stats["awq_mul"] = b.stats.get("awq_mul", 0) + 1
     else:
-        to_nk, gs, sym = site.nk(), recipe.group_size, recipe.symmetric
-        inputs = b.lazy([site.tensor], lambda a: _int4_arrays(int4.quantize_rtn(to_nk(a), gs, sym), form), specs)
+        (sources, to_nk), gs, sym = site.nk(), recipe.group_size, recipe.symmetric
+        inputs = b.lazy(sources, lambda *a: _int4_arrays(int4.quantize_rtn(to_nk(*a), gs, sym), form), specs)
         b.stats["rtn"] = b.stats.get("rtn", 0) + 1
     if form == "qdq":
         dq = ir.node("DequantizeLinear", inputs, attributes={"axis": 0, "block_size": recipe.group_size})
@@ -279,19 +299,19 @@ def lm_head_site(model: ir.Model, sites: list[LinearSite]) -> LinearSite | None:
 def _int8_site(b: _Builder, site: LinearSite, group_size: int, accuracy_level: int) -> None:
     """``MatMul`` → ``MatMulNBits(bits=8)``: uint8 codes with a zero point per group of ``group_size`` inputs
     (:mod:`llmc.quant.int8`), round to nearest."""
-    to_nk, base, n, k = site.nk(), site.weight_value.name, site.n, site.k
+    (sources, to_nk), base, n, k = site.nk(), site.weight_value.name, site.n, site.k
     ng = -(-k // group_size)
 
-    def compute(a):
-        w = np.asarray(to_nk(a), np.float32)
+    def compute(*a):
+        w = to_nk(*a)
         if k % group_size:  # MatMulNBits reads whole blocks; the padding columns meet no input
             w = np.pad(w, ((0, 0), (0, ng * group_size - k)))
         codes, scales, zps = int8.quantize(w, group_size)
         return [codes.reshape(n, ng, group_size), scales.reshape(-1), zps.reshape(-1)]
 
-    inputs = b.lazy([site.tensor], compute, [Spec(f"{base}.int8", ir.DataType.UINT8, (n, ng, group_size)),
-                                            Spec(f"{base}.int8_scales", ir.DataType.FLOAT, (n * ng,)),
-                                            Spec(f"{base}.int8_zero_points", ir.DataType.UINT8, (n * ng,))])
+    inputs = b.lazy(sources, compute, [Spec(f"{base}.int8", ir.DataType.UINT8, (n, ng, group_size)),
+                                       Spec(f"{base}.int8_scales", ir.DataType.FLOAT, (n * ng,)),
+                                       Spec(f"{base}.int8_zero_points", ir.DataType.UINT8, (n * ng,))])
     node = ir.node("MatMulNBits", [site.x, *inputs], domain=MS_DOMAIN,
                    attributes={"K": k, "N": n, "bits": 8, "block_size": group_size, "accuracy_level": accuracy_level})
     _replace_matmul(b, site, [node], node.outputs[0])
@@ -448,13 +468,13 @@ def fp8_qdq(b: _Builder, x: ir.Value, scale: float, name: str) -> tuple[list[ir.
 
 def _fp8_site(b: _Builder, site: LinearSite, calib: CalibrationResult | None) -> None:
     base = site.weight_value.name
-    to_nk = site.nk()
+    sources, to_nk = site.nk()
 
-    def compute(a):
-        q = fp8.quantize(to_nk(a).T, axis=1)  # [K, N], one scale per output channel
+    def compute(*a):
+        q = fp8.quantize(to_nk(*a).T, axis=1)  # [K, N], one scale per output channel
         return [q.codes.view(ml_dtypes.float8_e4m3fn), q.scale]
 
-    w8, ws = b.lazy([site.tensor], compute, [Spec(f"{base}.fp8", _F8, (site.k, site.n)),
+    w8, ws = b.lazy(sources, compute, [Spec(f"{base}.fp8", _F8, (site.k, site.n)),
                                               Spec(f"{base}.fp8_scales", ir.DataType.FLOAT, (site.n,))])
     nodes: list[ir.Node] = []
     x = site.x
@@ -504,15 +524,15 @@ def _nvfp4_site(b: _Builder, site: LinearSite, calib: CalibrationResult | None) 
     if site.k % nvfp4.BLOCK:
         return False
     base = site.weight_value.name
-    to_nk = site.nk()
+    sources, to_nk = site.nk()
     nb = site.k // nvfp4.BLOCK
 
-    def compute(a):
-        t = nvfp4.quantize(to_nk(a))
+    def compute(*a):
+        t = nvfp4.quantize(to_nk(*a))
         return [t.codes.astype(ml_dtypes.uint4), t.block_scales.view(ml_dtypes.float8_e4m3fn),
                 np.asarray(t.global_scale, np.float32)]
 
-    codes, bscales, gscale = b.lazy([site.tensor], compute, [
+    codes, bscales, gscale = b.lazy(sources, compute, [
         Spec(f"{base}.nvfp4", ir.DataType.UINT4, (site.n, site.k)),
         Spec(f"{base}.nvfp4_block_scales", _F8, (site.n, nb)),
         Spec(f"{base}.nvfp4_global_scale", ir.DataType.FLOAT, ())])
