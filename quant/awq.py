@@ -112,7 +112,7 @@ def search_scales(w: np.ndarray, abs_mean: np.ndarray, hessian: np.ndarray, grou
     """
     import torch
 
-    w = np.asarray(w, np.float64)
+    w = np.ascontiguousarray(w, np.float64)
     x_mean = np.maximum(np.asarray(abs_mean, np.float64), 1e-4)
     h_bf16 = torch_hessian(hessian).bfloat16()
     n = w.shape[0]
@@ -122,14 +122,19 @@ def search_scales(w: np.ndarray, abs_mean: np.ndarray, hessian: np.ndarray, grou
         s = x_mean**alpha
         return s / np.sqrt(s.max() * s.min())
 
-    def candidate(alpha: float, which=slice(None)):
+    w_t = torch.from_numpy(w)
+    screen_w = w_t[torch.from_numpy(rows)]
+
+    def candidate(alpha: float, part=w_t):
+        # The numpy form's arithmetic, op for op (float64 scaling, float32 fake quantization), in torch: every
+        # core, no float64 temporaries in one thread.
         s = scales(alpha)
-        part = w[which]
-        w_hat = int4.quantize_rtn((part * s).astype(np.float32), group_size, symmetric).dequantize() / s
-        return s, torch.from_numpy((part - w_hat).astype(np.float32))
+        s_t = torch.from_numpy(s)
+        w_hat = int4.torch_rtn_dequantized((part * s_t).to(torch.float32), group_size, symmetric).double() / s_t
+        return s, (part - w_hat).to(torch.float32)
 
     alphas = [float(a) for a in np.arange(ALPHA_GRID) / ALPHA_GRID]
-    per_row = torch.stack([_bf16_row_errors(candidate(a, rows)[1], h_bf16) for a in alphas]).numpy()
+    per_row = torch.stack([_bf16_row_errors(candidate(a, screen_w)[1], h_bf16) for a in alphas]).numpy()
     screened = per_row.mean(1) * n
     best_i = int(np.argmin(screened))
     gaps = per_row - per_row[best_i]
@@ -167,14 +172,28 @@ def search_clip(w: np.ndarray, hessian: np.ndarray, group_size: int, symmetric: 
     with the arithmetic of :func:`int4.group_params` / :func:`int4.quantize_groups` (float32, round half to
     even), and each group's ``e_g H_g e_gᵀ`` as one float32 batched matmul over groups, in row chunks.
     """
+    return _search_clip_blocks(w, diagonal_blocks(hessian, group_size), group_size, symmetric)
+
+
+def diagonal_blocks(hessian: np.ndarray, group_size: int) -> np.ndarray:
+    """``[G, group_size, group_size]``: the blocks of ``hessian [K, K]`` on its diagonal, one per group of inputs
+    (zero-padded past K): all that the clip search reads of ``H``."""
+    k = hessian.shape[0]
+    n_groups = -(-k // group_size)
+    out = np.zeros((n_groups, group_size, group_size), hessian.dtype)
+    for g in range(n_groups):
+        block = hessian[g * group_size : (g + 1) * group_size, g * group_size : (g + 1) * group_size]
+        out[g, : block.shape[0], : block.shape[1]] = block
+    return out
+
+
+def _search_clip_blocks(w: np.ndarray, blocks: np.ndarray, group_size: int, symmetric: bool) -> np.ndarray:
+    """:func:`search_clip` given :func:`diagonal_blocks` of the Hessian."""
     import torch
 
     groups = torch.from_numpy(int4.padded_groups(np.asarray(w, np.float32), group_size))  # [N, G, gs]
     n, n_groups, _ = groups.shape
-    pad = n_groups * group_size - w.shape[1]
-    h = np.pad(hessian, ((0, pad), (0, pad))) if pad else hessian
-    blocks = torch.from_numpy(np.stack([h[g * group_size : (g + 1) * group_size, g * group_size : (g + 1) * group_size]
-                                        for g in range(n_groups)]).astype(np.float32))
+    blocks = torch.from_numpy(np.asarray(blocks, np.float32))
     best = torch.ones(n, n_groups)
     chunk = max(1, (1 << 22) // (n_groups * group_size))  # rows per chunk: ~16 MB of float32 scratch per tensor
     for r0 in range(0, n, chunk):
@@ -195,15 +214,24 @@ def search_clip(w: np.ndarray, hessian: np.ndarray, group_size: int, symmetric: 
     return best.numpy()
 
 
-def quantize(w: np.ndarray, scales: np.ndarray, hessian: np.ndarray, group_size: int, symmetric: bool,
-             clip: bool = True) -> int4.Int4Weights:
+def quantize(w: np.ndarray, scales: np.ndarray, hessian: np.ndarray | None, group_size: int, symmetric: bool,
+             clip: bool = True, blocks: np.ndarray | None = None) -> int4.Int4Weights:
     """INT4 of ``w * scales`` (columns), with the clipping search unless ``clip`` is False.
 
-    The caller divides the input by ``scales`` (folds ``1 / scales`` into the preceding op).
+    The caller divides the input by ``scales`` (folds ``1 / scales`` into the preceding op). ``blocks``: the
+    Hessian's :func:`diagonal_blocks`, when the caller already has them (the clip search reads nothing else).
     """
-    scaled = (np.asarray(w, np.float64) * scales).astype(np.float32)
+    import torch
+
+    scaled = (torch.from_numpy(np.asarray(w, np.float64)) * torch.from_numpy(np.asarray(scales, np.float64)))
+    scaled = scaled.to(torch.float32).numpy()
     if not clip:
         return int4.quantize_rtn(scaled, group_size, symmetric)
-    scaled_h = hessian / np.outer(scales, scales)
-    ratios = search_clip(scaled, scaled_h, group_size, symmetric)
+    if blocks is None:
+        blocks = diagonal_blocks(hessian, group_size)
+    # H / outer(s, s) restricted to the diagonal blocks: the same float64 quotients as on the whole matrix.
+    s = np.pad(np.asarray(scales, np.float64), (0, blocks.shape[0] * group_size - len(scales)), constant_values=1.0)
+    s = s.reshape(-1, group_size)
+    scaled_blocks = blocks / (s[:, :, None] * s[:, None, :])
+    ratios = _search_clip_blocks(scaled, scaled_blocks, group_size, symmetric)
     return int4.quantize_rtn(scaled, group_size, symmetric, clip=ratios)

@@ -226,7 +226,7 @@ class _Collector:
                 # is random across entries and batches; what it does to the decisions is measured in
                 # benchmarks/results/quant_calibration_ab.json.
                 xg = x.to(self.gram_dtype)
-                stats.gram += (xg.T @ xg).to(torch.float64).numpy()
+                torch.from_numpy(stats.gram).add_(xg.T @ xg)  # in place, widened to float64 on every core
             stats.abs_sum += x.abs().sum(0, dtype=torch.float64).numpy()
             stats.amax = max(stats.amax, float(x.abs().max()))
             stats.rows += x.shape[0]

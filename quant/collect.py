@@ -66,10 +66,12 @@ def _up_of(group: tuple[str, ...], stats: LayerStats) -> str | None:
 
 def _awq_layer(stats: LayerStats, recipe: QuantRecipe, result: CalibrationResult) -> None:
     gs, sym = recipe.group_size, recipe.symmetric
-    searches = {}
+    searches, blocks = {}, {}
     for group in stats.groups:
         s = stats.inputs[group]
-        searches[group] = awq.search_scales(_stack(stats, group), s.abs_mean, s.hessian, gs, sym)
+        h = s.hessian  # a K x K division: once per group
+        searches[group] = awq.search_scales(_stack(stats, group), s.abs_mean, h, gs, sym)
+        blocks[group] = awq.diagonal_blocks(h, gs)  # all the clip search reads of H
     row_divisors: dict[str, np.ndarray] = {}
     folds: dict[tuple[str, ...], str | None] = {}
     for group, search in searches.items():
@@ -83,13 +85,12 @@ def _awq_layer(stats: LayerStats, recipe: QuantRecipe, result: CalibrationResult
         else:
             folds[group] = None
     for group, search in searches.items():
-        s = stats.inputs[group]
         for name in group:
             w = stats.weight(name)
             if name in row_divisors:  # this layer's output feeds a scaled input: divide its rows
                 w = w / row_divisors[name][:, None]
             clip = not any(t in name for t in _NO_CLIP)
-            q = awq.quantize(w, search.scales, s.hessian, gs, sym, clip=clip)
+            q = awq.quantize(w, search.scales, None, gs, sym, clip=clip, blocks=blocks[group])
             result.linears[name] = LinearQuant(q, search.scales, folds[group])
         result.decisions.append({"linears": list(group), "algorithm": "awq", "alpha": search.alpha,
                                  "fold": folds[group] or "mul", "output_mse_rtn": search.loss_rtn,

@@ -180,6 +180,20 @@ def torch_codes(g, scale, zero):
     return torch.clamp(torch.round(g / scale[..., None]) + zero[..., None], 0, QMAX)
 
 
+def torch_rtn_dequantized(w, group_size: int, symmetric: bool):
+    """``quantize_rtn(w, group_size, symmetric).dequantize()`` of a float32 torch ``w [N, K]``, as a float32
+    torch tensor: the same float32 operations, so the same values bit for bit, without leaving torch (AWQ's
+    scale search runs it once per candidate)."""
+    import torch
+
+    n, k = w.shape
+    pad = -k % group_size
+    g = (torch.nn.functional.pad(w, (0, pad)) if pad else w).reshape(n, -1, group_size)
+    scale, zero = torch_params(torch_extremes(g, symmetric), symmetric, torch.tensor(1.0, dtype=torch.float32))
+    deq = (torch_codes(g, scale, zero) - zero[..., None]) * scale[..., None]
+    return deq.reshape(n, -1)[:, :k]
+
+
 def rows(w: Int4Weights, start: int, stop: int) -> Int4Weights:
     """Output channels ``start:stop`` of ``w`` (the inverse of :func:`concat`)."""
     zps = None if w.zero_points is None else w.zero_points[start:stop].copy()

@@ -234,3 +234,18 @@ def test_torch_rtn_gives_the_numpy_codes_scales_and_zero_points(symmetric):
             assert t_zp is None and zp is None
         else:
             np.testing.assert_array_equal(t_zp, zp)
+
+
+@pytest.mark.parametrize("symmetric", [False, True])
+@pytest.mark.parametrize("k", [256, 320])
+def test_torch_rtn_dequantized_equals_quantize_rtn_dequantize(symmetric, k):
+    """The scale search's torch fake-quantization against quantize_rtn(...).dequantize(): bit for bit, with K not
+    a multiple of the group size, an all-zero group and a row on a coarse grid (exact half steps)."""
+    import torch
+
+    rng = np.random.default_rng(22)
+    w = (rng.standard_normal((48, k)) * 0.05).astype(np.float32)
+    w[0, :128] = 0.0
+    w[1] = np.round(w[1] * 64) / 64
+    got = int4.torch_rtn_dequantized(torch.from_numpy(w), 128, symmetric).numpy()
+    np.testing.assert_array_equal(got, int4.quantize_rtn(w, 128, symmetric).dequantize())
