@@ -12,6 +12,7 @@ INT4 build).
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -60,8 +61,10 @@ def transpose_array(a: np.ndarray, perm: Sequence[int]) -> np.ndarray:
     import torch  # the compiler has torch; imported here so reading this module stays cheap
 
     as_int = np.ascontiguousarray(a).view(f"int{8 * a.dtype.itemsize}")
-    out = torch.from_numpy(as_int).permute(*perm).contiguous().numpy()
-    return out.view(a.dtype)
+    with warnings.catch_warnings():  # a checkpoint's memory map is read-only; this only reads it
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        source = torch.from_numpy(as_int)
+    return source.permute(*perm).contiguous().numpy().view(a.dtype)
 
 
 def transposed(tensor: ir.TensorProtocol, perm: Sequence[int], name: str) -> ir.LazyTensor:

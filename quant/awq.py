@@ -37,6 +37,8 @@ SCREEN_SIGMAS = 3.0
 # the layer's output error is below what the calibration sample itself can resolve.
 SCREEN_MATTERS = 1e-3
 SCREEN_FINALISTS = 3
+# Elementwise work on weights runs this many elements at a time (16 MB of float64).
+ROW_CHUNK_ELEMENTS = 1 << 21
 
 
 @dataclass
@@ -125,16 +127,22 @@ def search_scales(w: np.ndarray, abs_mean: np.ndarray, hessian: np.ndarray, grou
     w_t = torch.from_numpy(w)
     screen_w = w_t[torch.from_numpy(rows)]
 
-    def candidate(alpha: float, part=w_t):
-        # The numpy form's arithmetic, op for op (float64 scaling, float32 fake quantization), in torch: every
-        # core, no float64 temporaries in one thread.
-        s = scales(alpha)
-        s_t = torch.from_numpy(s)
-        w_hat = int4.torch_rtn_dequantized((part * s_t).to(torch.float32), group_size, symmetric).double() / s_t
-        return s, (part - w_hat).to(torch.float32)
+    def row_losses(alpha: float, part=w_t):
+        """Each row's ``e_r H e_rᵀ`` for this ``alpha``: the numpy form's arithmetic op for op (float64 scaling,
+        float32 fake quantization, bfloat16 GEMM), in torch, a few MB of rows at a time (2-3x faster than whole
+        tensors here: the temporaries stay in cache and in the heap, where a 200 MB one faults in fresh pages);
+        a row's figure does not depend on the chunking."""
+        s_t = torch.from_numpy(scales(alpha))
+        out = torch.empty(part.shape[0], dtype=torch.float64)
+        step = max(1, ROW_CHUNK_ELEMENTS // part.shape[1])
+        for r0 in range(0, part.shape[0], step):
+            p = part[r0 : r0 + step]
+            w_hat = int4.torch_rtn_dequantized((p * s_t).to(torch.float32), group_size, symmetric).double() / s_t
+            out[r0 : r0 + step] = _bf16_row_errors((p - w_hat).to(torch.float32), h_bf16)
+        return out
 
     alphas = [float(a) for a in np.arange(ALPHA_GRID) / ALPHA_GRID]
-    per_row = torch.stack([_bf16_row_errors(candidate(a, screen_w)[1], h_bf16) for a in alphas]).numpy()
+    per_row = torch.stack([row_losses(a, screen_w) for a in alphas]).numpy()
     screened = per_row.mean(1) * n
     best_i = int(np.argmin(screened))
     gaps = per_row - per_row[best_i]
@@ -155,10 +163,9 @@ def search_scales(w: np.ndarray, abs_mean: np.ndarray, hessian: np.ndarray, grou
     for alpha, kept in zip(alphas, keep, strict=True):
         if not kept:
             continue
-        s, e = candidate(alpha)
-        loss = float(_bf16_row_errors(e, h_bf16).sum())
+        loss = float(row_losses(alpha).sum())
         if best is None or loss < best[2]:
-            best = (s, alpha, loss)
+            best = (scales(alpha), alpha, loss)
     # Plain RTN's figure is only reported: the screen's estimate, unless RTN itself won.
     loss_rtn = best[2] if best[1] == 0.0 else float(screened[0])
     return ScaleSearch(best[0].astype(np.float32), best[1], loss_rtn, best[2])
@@ -195,7 +202,8 @@ def _search_clip_blocks(w: np.ndarray, blocks: np.ndarray, group_size: int, symm
     n, n_groups, _ = groups.shape
     blocks = torch.from_numpy(np.asarray(blocks, np.float32))
     best = torch.ones(n, n_groups)
-    chunk = max(1, (1 << 22) // (n_groups * group_size))  # rows per chunk: ~16 MB of float32 scratch per tensor
+    # Rows per chunk: 2 MB of float32 per tensor, which stays in cache (twice the speed of 16 MB chunks here).
+    chunk = max(1, (1 << 19) // (n_groups * group_size))
     for r0 in range(0, n, chunk):
         g = groups[r0 : r0 + chunk]
         extremes = int4.torch_extremes(g, symmetric)  # once per chunk; each ratio scales them
