@@ -108,8 +108,8 @@ def tokenize(tokenizer_file: Path, texts: list[str]) -> tuple[list[list[int]], i
 
 @dataclass
 class InputStats:
-    """Statistics of one linear layer's input over the calibration tokens: ``gram`` ``[K, K]`` (sum of
-    ``x^T x``: float32 when its batches' GEMMs are bfloat16, else float64), ``abs_sum`` float64 ``[K]``
+    """Statistics of one linear layer's input over the calibration tokens: ``gram`` float32 ``[K, K]`` (sum of
+    ``x^T x``), ``abs_sum`` float64 ``[K]``
     (sum of ``|x|``), ``amax`` (max ``|x|``), ``rows``."""
 
     gram: np.ndarray
@@ -123,10 +123,15 @@ class InputStats:
 
     @property
     def hessian(self) -> np.ndarray:
-        """``X^T X / rows``: the (halved) Hessian of the layer's squared output error."""
+        """``X^T X / rows`` in float64: the (halved) Hessian of the layer's squared output error."""
+        return self.hessian_as(np.float64)
+
+    def hessian_as(self, dtype) -> np.ndarray:
+        """:attr:`hessian` computed in ``dtype`` (float32 for GPTQ, which factorises it in float32)."""
         import torch
 
-        return (torch.from_numpy(self.gram).to(torch.float64) / max(self.rows, 1)).numpy()  # on every core
+        gram = torch.from_numpy(self.gram).to(getattr(torch, np.dtype(dtype).name))
+        return (gram / max(self.rows, 1)).numpy()  # on every core
 
 
 @dataclass
@@ -221,19 +226,22 @@ class _Collector:
             stats = self.inputs.get(group)
             if stats is None:
                 k = x.shape[1]
-                # A few bfloat16 partial sums (8-bit significands) add exactly in float32 unless their exponents
-                # differ by 16 or more: half float64's memory traffic for the same figures.
-                acc = np.float32 if self.gram_dtype == torch.bfloat16 else np.float64
-                stats = self.inputs[group] = InputStats(np.zeros((k, k) if self.gram_dtype else (0, 0), acc),
+                stats = self.inputs[group] = InputStats(np.zeros((k, k) if self.gram_dtype else (0, 0), np.float32),
                                                         np.zeros(k))
             if self.gram_dtype is not None:
-                # One batch's X^T X (a few thousand rows) as one GEMM, summed over batches in float64. bfloat16
-                # GEMMs (AVX-512 BF16) run at 4x the float32 rate here; a 1B model's down projection needs 1.1
+                # One batch's X^T X (a few thousand rows) as one GEMM, summed over batches in float32. bfloat16
+                # GEMMs (AVX-512 BF16) run at 3-4x the float32 rate here; a 1B model's down projection needs 1.1
                 # TFLOP a layer at 32 x 256 tokens. Their rounding (inputs and each batch's sum to 8 bits, unbiased)
                 # is random across entries and batches; what it does to the decisions is measured in
-                # benchmarks/results/quant_calibration_ab.json.
-                xg = x.to(self.gram_dtype)
-                torch.from_numpy(stats.gram).add_(xg.T @ xg)  # in place, on every core
+                # benchmarks/results/quant_calibration_ab.json. A few such partial sums (8-bit significands) add
+                # exactly in float32 unless their exponents differ by 16 or more. A float32 Gram (GPTQ) accumulates
+                # in the GEMM itself (beta = 1): no temporary, no extra pass over K x K.
+                gram = torch.from_numpy(stats.gram)
+                if self.gram_dtype == torch.float32:
+                    gram.addmm_(x.T, x)
+                else:
+                    xg = x.to(self.gram_dtype)
+                    gram.add_(xg.T @ xg)
             stats.abs_sum += x.abs().sum(0, dtype=torch.float64).numpy()
             stats.amax = max(stats.amax, float(x.abs().max()))
             stats.rows += x.shape[0]

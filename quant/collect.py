@@ -99,7 +99,7 @@ def _awq_layer(stats: LayerStats, recipe: QuantRecipe, result: CalibrationResult
 
 def _gptq_layer(stats: LayerStats, recipe: QuantRecipe, result: CalibrationResult) -> None:
     for group in stats.groups:
-        h = stats.inputs[group].hessian
+        h = stats.inputs[group].hessian_as(np.float32)  # GPTQ factorises it in float32
         h_bf16 = awq.torch_hessian(h).bfloat16()  # the report's output errors: 4x float32's rate, ~3e-4 relative
         weights = [stats.weight(name) for name in group]
         # GPTQ treats rows independently: the group's linears, stacked, share one factorisation and one
