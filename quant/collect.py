@@ -98,6 +98,8 @@ def _awq_layer(stats: LayerStats, recipe: QuantRecipe, result: CalibrationResult
 
 
 def _gptq_layer(stats: LayerStats, recipe: QuantRecipe, result: CalibrationResult) -> None:
+    import torch
+
     for group in stats.groups:
         h = stats.inputs[group].hessian_as(np.float32)  # GPTQ factorises it in float32
         h_bf16 = awq.torch_hessian(h).bfloat16()  # the report's output errors: 4x float32's rate, ~3e-4 relative
@@ -109,20 +111,16 @@ def _gptq_layer(stats: LayerStats, recipe: QuantRecipe, result: CalibrationResul
         for name, w in zip(group, weights, strict=True):
             q = int4.rows(stacked, start, start + w.shape[0])
             start += w.shape[0]
-            rtn = int4.quantize_rtn(w, recipe.group_size, recipe.symmetric).dequantize()
+            w_t = torch.from_numpy(w)
+            rtn = int4.torch_rtn_dequantized(w_t, recipe.group_size, recipe.symmetric)
             deq = q.dequantize()
             result.linears[name] = LinearQuant(q)
             result.decisions.append({"linears": [name], "algorithm": "gptq",
-                                     "output_mse_rtn": _error(w, rtn, h_bf16),
-                                     "output_mse": _error(w, deq, h_bf16)})
+                                     "output_mse_rtn": awq.bf16_output_error(w_t - rtn, h_bf16),
+                                     "output_mse": awq.bf16_output_error(w_t - torch.from_numpy(deq), h_bf16)})
             # Later layers calibrate on this layer's quantized output, as in the GPTQ paper.
             stats.set_weight(name, deq)
 
-
-def _error(w: np.ndarray, w_hat: np.ndarray, h_bf16) -> float:
-    import torch
-
-    return awq.bf16_output_error(torch.from_numpy((w - w_hat).astype(np.float32)), h_bf16)
 
 
 def collect(config, param_reader: Callable[[object], Callable[[str], np.ndarray]], samples: np.ndarray,
