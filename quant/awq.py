@@ -78,8 +78,9 @@ def bf16_output_error(e, h_bf16) -> float:
     return float(_bf16_row_errors(e, h_bf16).sum())
 
 
-def _bf16_row_errors(e, h_bf16, chunk: int = 2048):
-    """float64 ``[N]``: each row's ``e_r H e_rᵀ`` from bfloat16 GEMMs, ``chunk`` rows at a time (bounded scratch)."""
+def _bf16_row_errors(e, h_bf16, chunk: int = 256):
+    """float64 ``[N]``: each row's ``e_r H e_rᵀ`` from bfloat16 GEMMs, ``chunk`` rows at a time (bounded scratch,
+    in cache: 256 rows ran 15-40 % faster than 2048 on a 1B model's shapes, with the same figures)."""
     import torch
 
     out = torch.empty(e.shape[0], dtype=torch.float64)

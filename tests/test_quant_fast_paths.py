@@ -249,3 +249,28 @@ def test_torch_rtn_dequantized_equals_quantize_rtn_dequantize(symmetric, k):
     w[1] = np.round(w[1] * 64) / 64
     got = int4.torch_rtn_dequantized(torch.from_numpy(w), 128, symmetric).numpy()
     np.testing.assert_array_equal(got, int4.quantize_rtn(w, 128, symmetric).dequantize())
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_upper_panel_gram_equals_the_full_gram(dtype):
+    """Calibration's Gram matrices summed as upper-triangle panels (half the flops) and mirrored: the upper
+    triangle equals the full X^T X GEMM's (bit for bit here; within float32 rounding in any case), the result is
+    exactly symmetric, and partial sums over batches accumulate."""
+    import torch
+
+    from llmc.quant import calibration
+
+    torch.manual_seed(3)
+    k = calibration.GRAM_PANEL * 2 + 300  # two full panels and a ragged one
+    batches = [torch.randn(200, k) * torch.rand(k) for _ in range(2)]
+    gram = torch.zeros(k, k)
+    full = torch.zeros(k, k)
+    for x in batches:
+        calibration._add_upper_gram(gram, x, getattr(torch, dtype))
+        xg = x.to(getattr(torch, dtype))
+        full += (xg.T @ xg).float()
+    collector = calibration._Collector({}, gram_dtype=getattr(torch, dtype))
+    collector.inputs[("w",)] = calibration.InputStats(gram.numpy(), np.zeros(k))
+    collector.finish()
+    assert torch.equal(gram, gram.T)
+    np.testing.assert_allclose(torch.triu(gram).numpy(), torch.triu(full).numpy(), rtol=1e-6, atol=1e-3)
