@@ -42,18 +42,21 @@ def inverse_factor(hessian: np.ndarray, damp: float = 0.01) -> tuple[np.ndarray,
     return _upper_inverse(r).numpy(), dead
 
 
-def _upper_inverse(r):
+def _upper_inverse(r, out=None):
     """Inverse of an upper-triangular ``r`` by halves: ``[[A, B], [0, D]]⁻¹ = [[A⁻¹, -A⁻¹ B D⁻¹], [0, D⁻¹]]``,
-    K³/3 flops in all (a solve against the identity would spend K³ on known zeros)."""
+    K³/3 flops in all (a solve against the identity would spend K³ on known zeros). ``out``: where to write it
+    (one zeroed K x K allocation for the whole recursion, not one per level)."""
     import torch
 
     k = r.shape[0]
+    if out is None:
+        out = torch.zeros_like(r)
     if k <= 256:
-        return torch.linalg.solve_triangular(r, torch.eye(k, dtype=r.dtype), upper=True)
+        out.copy_(torch.linalg.solve_triangular(r, torch.eye(k, dtype=r.dtype), upper=True))
+        return out
     m = k // 2
-    out = torch.zeros_like(r)
-    out[:m, :m] = _upper_inverse(r[:m, :m])
-    out[m:, m:] = _upper_inverse(r[m:, m:])
+    _upper_inverse(r[:m, :m], out[:m, :m])
+    _upper_inverse(r[m:, m:], out[m:, m:])
     # -A⁻¹ B D⁻¹ as two triangular solves (m³ flops each; products with the inverses would take 2m³ each)
     x = torch.linalg.solve_triangular(r[:m, :m], r[:m, m:], upper=True)
     out[:m, m:] = -torch.linalg.solve_triangular(r[m:, m:], x, upper=True, left=False)
