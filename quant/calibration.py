@@ -109,8 +109,7 @@ def tokenize(tokenizer_file: Path, texts: list[str]) -> tuple[list[list[int]], i
 @dataclass
 class InputStats:
     """Statistics of one linear layer's input over the calibration tokens: ``gram`` float32 ``[K, K]`` (sum of
-    ``x^T x``), ``abs_sum`` float64 ``[K]``
-    (sum of ``|x|``), ``amax`` (max ``|x|``), ``rows``."""
+    ``x^T x``), ``abs_sum`` float64 ``[K]`` (sum of ``|x|``), ``amax`` (max ``|x|``), ``rows``."""
 
     gram: np.ndarray
     abs_sum: np.ndarray
@@ -229,14 +228,11 @@ class _Collector:
                 stats = self.inputs[group] = InputStats(np.zeros((k, k) if self.gram_dtype else (0, 0), np.float32),
                                                         np.zeros(k))
             if self.gram_dtype is not None:
-                # One batch's X^T X (a few thousand rows) as one GEMM, summed over batches in float32. bfloat16
-                # GEMMs (AVX-512 BF16) run at 3-4x the float32 rate here; a 1B model's down projection needs 1.1
-                # TFLOP a layer at 32 x 256 tokens. Their rounding (inputs and each batch's sum to 8 bits, unbiased)
-                # is random across entries and batches; what it does to the decisions is measured in
-                # benchmarks/results/quant_calibration_ab.json. A few such partial sums (8-bit significands) add
-                # exactly in float32 unless their exponents differ by 16 or more. A float32 Gram (GPTQ) accumulates
-                # in the GEMM itself (beta = 1): no temporary, no extra pass over K x K. Upper triangle only:
-                # finish() mirrors it.
+                # One batch's X^T X (a few thousand rows), summed over batches in float32 (see _add_upper_gram).
+                # bfloat16 GEMMs (AVX-512 BF16) run at 3-4x the float32 rate here; a 1B model's down projection
+                # needs 1.1 TFLOP a layer at 32 x 256 tokens. Their rounding (inputs and each batch's sum to 8 bits,
+                # unbiased) is random across entries and batches; what it does to the decisions is measured in
+                # benchmarks/results/quant_calibration_ab.json.
                 _add_upper_gram(torch.from_numpy(stats.gram), x, self.gram_dtype)
             stats.abs_sum += x.abs().sum(0, dtype=torch.float64).numpy()
             stats.amax = max(stats.amax, float(x.abs().max()))
@@ -263,7 +259,8 @@ GRAM_PANEL = 1024
 
 def _add_upper_gram(gram, x, dtype) -> None:
     """``gram [K, K] += (x^T x)`` on and above the diagonal, in ``dtype`` GEMMs (float32: accumulated by the GEMM
-    itself, beta = 1; bfloat16: each panel's product added in float32)."""
+    itself, beta = 1, no temporary; bfloat16: each panel's product added in float32, where a few 8-bit
+    significands add exactly unless their exponents differ by 16 or more). :meth:`_Collector.finish` mirrors it."""
     xg = x if dtype == x.dtype else x.to(dtype)
     xt = xg.T
     for i in range(0, gram.shape[0], GRAM_PANEL):

@@ -19,7 +19,7 @@ from llmc.quant.recipe import QuantRecipe
 # AutoAWQ leaves Q and K unclipped: their errors pass through the softmax, where the linear output
 # error is a poor proxy. We follow it.
 _NO_CLIP = ("q_proj", "k_proj")
-# AWQ and GPTQ calibrate with bfloat16 GEMMs (the forward; AWQ's Gram matrices too): 4x float32's rate on
+# AWQ and GPTQ calibrate with bfloat16 GEMMs (the forward; AWQ's Gram matrices too): 3-4x float32's rate on
 # AVX-512 BF16; the default model's int4-awq / int4-gptq KL and perplexity before and after are in
 # benchmarks/results/quant_calibration_ab.json. GPTQ's Gram matrices stay float32: GPTQ factorises H, whose
 # damping (1 % of its mean diagonal) is not far above what bfloat16's rounding of each entry (0.4 %) could move.
@@ -102,7 +102,7 @@ def _gptq_layer(stats: LayerStats, recipe: QuantRecipe, result: CalibrationResul
 
     for group in stats.groups:
         h = stats.inputs[group].hessian_as(np.float32)  # GPTQ factorises it in float32
-        h_bf16 = awq.torch_hessian(h).bfloat16()  # the report's output errors: 4x float32's rate, ~3e-4 relative
+        h_bf16 = awq.torch_hessian(h).bfloat16()  # the report's output errors: 3-4x float32's rate, ~3e-4 relative
         weights = [stats.weight(name) for name in group]
         # GPTQ treats rows independently: the group's linears, stacked, share one factorisation and one
         # pass over the columns (Q/K/V, gate/up: a third and a half of the column loops).
@@ -120,7 +120,6 @@ def _gptq_layer(stats: LayerStats, recipe: QuantRecipe, result: CalibrationResul
                                      "output_mse": awq.bf16_output_error(w_t - torch.from_numpy(deq), h_bf16)})
             # Later layers calibrate on this layer's quantized output, as in the GPTQ paper.
             stats.set_weight(name, deq)
-
 
 
 def collect(config, param_reader: Callable[[object], Callable[[str], np.ndarray]], samples: np.ndarray,
