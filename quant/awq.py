@@ -115,7 +115,7 @@ def search_scales(w: np.ndarray, abs_mean: np.ndarray, hessian: np.ndarray, grou
     """
     import torch
 
-    w = np.ascontiguousarray(w, np.float64)
+    w = np.ascontiguousarray(w, np.float32)  # float32 weights are exact in float64: each chunk widens its own rows
     x_mean = np.maximum(np.asarray(abs_mean, np.float64), 1e-4)
     h_bf16 = torch_hessian(hessian).bfloat16()
     n = w.shape[0]
@@ -137,7 +137,7 @@ def search_scales(w: np.ndarray, abs_mean: np.ndarray, hessian: np.ndarray, grou
         out = torch.empty(part.shape[0], dtype=torch.float64)
         step = max(1, ROW_CHUNK_ELEMENTS // part.shape[1])
         for r0 in range(0, part.shape[0], step):
-            p = part[r0 : r0 + step]
+            p = part[r0 : r0 + step].double()
             w_hat = int4.torch_rtn_dequantized((p * s_t).to(torch.float32), group_size, symmetric).double() / s_t
             out[r0 : r0 + step] = _bf16_row_errors((p - w_hat).to(torch.float32), h_bf16)
         return out
@@ -232,8 +232,13 @@ def quantize(w: np.ndarray, scales: np.ndarray, hessian: np.ndarray | None, grou
     """
     import torch
 
-    scaled = (torch.from_numpy(np.asarray(w, np.float64)) * torch.from_numpy(np.asarray(scales, np.float64)))
-    scaled = scaled.to(torch.float32).numpy()
+    w_t = torch.from_numpy(np.ascontiguousarray(w, np.float32))
+    s_t = torch.from_numpy(np.asarray(scales, np.float64))
+    scaled = torch.empty(w_t.shape, dtype=torch.float32)
+    step = max(1, ROW_CHUNK_ELEMENTS // max(1, w_t.shape[1]))
+    for r0 in range(0, w_t.shape[0], step):  # float64 products, a chunk of rows at a time
+        scaled[r0 : r0 + step] = w_t[r0 : r0 + step].double() * s_t
+    scaled = scaled.numpy()
     if not clip:
         return int4.quantize_rtn(scaled, group_size, symmetric)
     if blocks is None:

@@ -65,13 +65,19 @@ def _up_of(group: tuple[str, ...], stats: LayerStats) -> str | None:
 
 
 def _awq_layer(stats: LayerStats, recipe: QuantRecipe, result: CalibrationResult) -> None:
+    import torch
+
     gs, sym = recipe.group_size, recipe.symmetric
     searches, blocks = {}, {}
     for group in stats.groups:
         s = stats.inputs[group]
-        h = s.hessian  # a K x K division: once per group
+        # The search's bfloat16 H from float32 quotients: the same values as rounding float64 ones (float64 holds
+        # every float32 quotient's rounding exactly), without a K x K float64 temporary (512 MB at K = 8192).
+        h = torch.from_numpy(s.hessian_as(np.float32))
         searches[group] = awq.search_scales(_stack(stats, group), s.abs_mean, h, gs, sym)
-        blocks[group] = awq.diagonal_blocks(h, gs)  # all the clip search reads of H
+        del h
+        # All the clip search reads of H, in float64 as before: the Gram's diagonal blocks over the row count.
+        blocks[group] = awq.diagonal_blocks(s.gram, gs).astype(np.float64) / max(s.rows, 1)
     row_divisors: dict[str, np.ndarray] = {}
     folds: dict[tuple[str, ...], str | None] = {}
     for group, search in searches.items():
