@@ -160,8 +160,15 @@ class LayerStats:
 
     def weight(self, name: str) -> np.ndarray:
         """float32 ``[N, K]`` weight of a linear layer (a copy)."""
-        w = self.linears[name].weight.detach().float().numpy()
-        return np.ascontiguousarray(w.T if _is_conv1d(self.linears[name]) else w).copy()
+        return self.stacked((name,))
+
+    def stacked(self, names: tuple[str, ...]) -> np.ndarray:
+        """float32 ``[sum N, K]``: the weights of linears sharing an input, one above the other (one copy)."""
+        import torch
+
+        views = [self.linears[n].weight.detach().float() for n in names]
+        views = [v.T if _is_conv1d(self.linears[n]) else v for n, v in zip(names, views, strict=True)]
+        return torch.cat(views).numpy()
 
     def set_weight(self, name: str, value: np.ndarray) -> None:
         """Replace a linear layer's weight (``[N, K]``) for the rest of calibration (the next layer's inputs)."""
@@ -221,7 +228,9 @@ class _Collector:
                 self.groups.append(group)
                 if key in self.norm_outputs:
                     self.producers[group] = self.norm_outputs[key]
-            x = tensors[key].detach().reshape(-1, tensors[key].shape[-1]).to(torch.float32)
+            # In its own dtype (a bfloat16 input under autocast): the Gram GEMM converts it once if it must, and
+            # the sums below read it exactly, without a float32 copy (268 MB for a 1B down projection's batch).
+            x = tensors[key].detach().reshape(-1, tensors[key].shape[-1])
             stats = self.inputs.get(group)
             if stats is None:
                 k = x.shape[1]

@@ -52,10 +52,6 @@ class CalibrationResult:
     layer_seconds: list[float] = field(default_factory=list)  # calibration time per decoder layer, then the head
 
 
-def _stack(stats: LayerStats, group: tuple[str, ...]) -> np.ndarray:
-    return np.concatenate([stats.weight(name) for name in group])
-
-
 def _up_of(group: tuple[str, ...], stats: LayerStats) -> str | None:
     """The up projection whose output rows feed ``group``'s input, for a gated MLP's down projection."""
     if len(group) != 1 or ".down_proj." not in group[0]:
@@ -74,7 +70,7 @@ def _awq_layer(stats: LayerStats, recipe: QuantRecipe, result: CalibrationResult
         # The search's bfloat16 H from float32 quotients: the same values as rounding float64 ones (float64 holds
         # every float32 quotient's rounding exactly), without a K x K float64 temporary (512 MB at K = 8192).
         h = torch.from_numpy(s.hessian_as(np.float32))
-        searches[group] = awq.search_scales(_stack(stats, group), s.abs_mean, h, gs, sym)
+        searches[group] = awq.search_scales(stats.stacked(group), s.abs_mean, h, gs, sym)
         del h
         # All the clip search reads of H, in float64 as before: the Gram's diagonal blocks over the row count.
         blocks[group] = awq.diagonal_blocks(s.gram, gs).astype(np.float64) / max(s.rows, 1)
@@ -108,7 +104,7 @@ def _gptq_layer(stats: LayerStats, recipe: QuantRecipe, result: CalibrationResul
 
     for group in stats.groups:
         h = stats.inputs[group].hessian_as(np.float32)  # GPTQ factorises it in float32
-        h_bf16 = awq.torch_hessian(h).bfloat16()  # the report's output errors: 3-4x float32's rate, ~3e-4 relative
+        upper = awq.bf16_upper(h)  # the report's output errors: 3-4x float32's rate, ~3e-4 relative
         weights = [stats.weight(name) for name in group]
         # GPTQ treats rows independently: the group's linears, stacked, share one factorisation and one
         # pass over the columns (Q/K/V, gate/up: a third and a half of the column loops).
@@ -122,8 +118,8 @@ def _gptq_layer(stats: LayerStats, recipe: QuantRecipe, result: CalibrationResul
             deq = q.dequantize()
             result.linears[name] = LinearQuant(q)
             result.decisions.append({"linears": [name], "algorithm": "gptq",
-                                     "output_mse_rtn": awq.bf16_output_error(w_t - rtn, h_bf16),
-                                     "output_mse": awq.bf16_output_error(w_t - torch.from_numpy(deq), h_bf16)})
+                                     "output_mse_rtn": awq.bf16_output_error(w_t - rtn, upper),
+                                     "output_mse": awq.bf16_output_error(w_t - torch.from_numpy(deq), upper)})
             # Later layers calibrate on this layer's quantized output, as in the GPTQ paper.
             stats.set_weight(name, deq)
 

@@ -74,14 +74,17 @@ def test_row_sampled_screen_keeps_the_best_alpha(monkeypatch, symmetric):
 def test_bf16_screen_error_is_far_below_the_screen_tolerance():
     import torch
 
-    w, h, abs_mean = _layer(4, n=128, k=512, outliers=8)
-    h_bf16 = awq.torch_hessian(h).bfloat16()
+    w, h, abs_mean = _layer(4, n=128, k=awq.UPPER_PANEL * 2 + 300, outliers=8)  # full panels and a ragged one
+    upper = awq.bf16_upper(h)
     for alpha in (0.0, 0.3, 0.6, 0.95):
         s = np.maximum(abs_mean, 1e-4) ** alpha
         w_hat = int4.quantize_rtn((w * s).astype(np.float32), 128, False).dequantize() / s
         e = torch.from_numpy((w - w_hat).astype(np.float32))
         exact = _output_error_f64(w, w_hat, h)
-        assert abs(awq.bf16_output_error(e, h_bf16) / exact - 1) < 1e-3
+        assert abs(awq.bf16_output_error(e, upper) / exact - 1) < 1e-3
+        e64 = e.double().numpy()
+        rows_exact = np.einsum("nk,nk->n", e64 @ h, e64)  # each row's figure, not only their sum
+        np.testing.assert_allclose(awq._bf16_row_errors(e, upper).numpy(), rows_exact, rtol=1e-2)
 
 
 @pytest.mark.parametrize("symmetric", [False, True])
