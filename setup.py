@@ -38,6 +38,14 @@ ext_modules = [
         extra_compile_args=["-O3", "-fopenmp", "-march=x86-64-v2", "-Wno-psabi"],
         extra_link_args=["-fopenmp"],
     ),
+    # Calibration's float32 Gram matrices of bfloat16 activations (AVX-512 BF16, dispatched at run time).
+    Pybind11Extension(
+        "llmc.quant._gram",
+        ["quant/csrc/gram_bf16.cpp"],
+        cxx_std=17,
+        extra_compile_args=["-O3", "-fopenmp", "-march=x86-64-v2", "-Wno-psabi"],
+        extra_link_args=["-fopenmp"],
+    ),
     Pybind11Extension(
         "llmc.runtime._block_manager",
         ["runtime/csrc/block_manager.cpp"],

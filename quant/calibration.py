@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from llmc.errors import LlmcError, UnsupportedError
+from llmc.quant import gram as gram_ops
 
 CALIB_ATTENTION = "llmc_calibration"
 
@@ -129,8 +130,8 @@ class InputStats:
         """:attr:`hessian` computed in ``dtype`` (float32 for GPTQ, which factorises it in float32)."""
         import torch
 
-        gram = torch.from_numpy(self.gram).to(getattr(torch, np.dtype(dtype).name))
-        return (gram / max(self.rows, 1)).numpy()  # on every core
+        g = torch.from_numpy(self.gram).to(getattr(torch, np.dtype(dtype).name))
+        return (g / max(self.rows, 1)).numpy()  # on every core
 
 
 @dataclass
@@ -237,12 +238,12 @@ class _Collector:
                 stats = self.inputs[group] = InputStats(np.zeros((k, k) if self.gram_dtype else (0, 0), np.float32),
                                                         np.zeros(k))
             if self.gram_dtype is not None:
-                # One batch's X^T X (a few thousand rows), summed over batches in float32 (see _add_upper_gram).
+                # One batch's X^T X (a few thousand rows), summed over batches in float32 (see gram_ops.add_upper).
                 # bfloat16 GEMMs (AVX-512 BF16) run at 3-4x the float32 rate here; a 1B model's down projection
                 # needs 1.1 TFLOP a layer at 32 x 256 tokens. Their rounding (inputs and each batch's sum to 8 bits,
                 # unbiased) is random across entries and batches; what it does to the decisions is measured in
                 # benchmarks/results/quant_calibration_ab.json.
-                _add_upper_gram(torch.from_numpy(stats.gram), x, self.gram_dtype)
+                gram_ops.add_upper(torch.from_numpy(stats.gram), x, self.gram_dtype)
             stats.abs_sum += x.abs().sum(0, dtype=torch.float64).numpy()
             stats.amax = max(stats.amax, float(x.abs().max()))
             stats.rows += x.shape[0]
@@ -255,41 +256,7 @@ class _Collector:
 
         for stats in self.inputs.values():
             if stats.gram.size:
-                _mirror_upper(torch.from_numpy(stats.gram))
-
-
-# Gram matrices are summed as row panels of their upper triangle: X^T X is symmetric, so half its GEMM flops (less
-# a panel's diagonal block) give all of it. The upper entries equal the full GEMM's (bit for bit in the runs here,
-# tested to 1e-6); the lower ones become their mirror, which is all GPTQ's Cholesky (of the flipped
-# matrix: H's upper triangle) ever read. 38 % off a 1B down projection's float32 Gram here.
-GRAM_PANEL = 1024
-
-
-def _mirror_upper(g) -> None:
-    """Copy ``g [K, K]``'s upper triangle onto its lower one, a ``GRAM_PANEL`` block at a time (4x faster than
-    whole-matrix ``triu`` temporaries at K = 8192 here, and no K x K scratch)."""
-    import torch
-
-    k = g.shape[0]
-    for i in range(0, k, GRAM_PANEL):
-        d = g[i : i + GRAM_PANEL, i : i + GRAM_PANEL]
-        d.copy_(torch.triu(d) + torch.triu(d, 1).T)
-        if i + GRAM_PANEL < k:
-            g[i + GRAM_PANEL :, i : i + GRAM_PANEL].copy_(g[i : i + GRAM_PANEL, i + GRAM_PANEL :].T)
-
-
-def _add_upper_gram(gram, x, dtype) -> None:
-    """``gram [K, K] += (x^T x)`` on and above the diagonal, in ``dtype`` GEMMs (float32: accumulated by the GEMM
-    itself, beta = 1, no temporary; bfloat16: each panel's product added in float32, where a few 8-bit
-    significands add exactly unless their exponents differ by 16 or more). :meth:`_Collector.finish` mirrors it."""
-    xg = x if dtype == x.dtype else x.to(dtype)
-    xt = xg.T
-    for i in range(0, gram.shape[0], GRAM_PANEL):
-        panel = gram[i : i + GRAM_PANEL, i:]
-        if dtype == panel.dtype:
-            panel.addmm_(xt[i : i + GRAM_PANEL], xg[:, i:])
-        else:
-            panel.add_(xt[i : i + GRAM_PANEL] @ xg[:, i:])
+                gram_ops.mirror_upper(torch.from_numpy(stats.gram))
 
 
 # -- attention during calibration --------------------------------------------------------------------

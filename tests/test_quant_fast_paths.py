@@ -12,6 +12,7 @@ from click.testing import CliRunner
 
 from llmc.cli.main import cli
 from llmc.quant import awq, gptq, int4
+from llmc.quant import gram as gram_ops
 
 
 def _layer(seed: int, n: int = 80, k: int = 320, outliers: int = 5):
@@ -255,21 +256,23 @@ def test_torch_rtn_dequantized_equals_quantize_rtn_dequantize(symmetric, k):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_upper_panel_gram_equals_the_full_gram(dtype):
-    """Calibration's Gram matrices summed as upper-triangle panels (half the flops) and mirrored: the upper
-    triangle equals the full X^T X GEMM's (bit for bit here; within float32 rounding in any case), the result is
-    exactly symmetric, and partial sums over batches accumulate."""
+def test_upper_panel_gram_equals_the_full_gram(dtype, monkeypatch):
+    """Calibration's Gram matrices summed by torch (as on a CPU without AVX-512 BF16) as upper-triangle panels
+    (half the flops) and mirrored: the upper triangle equals the full X^T X GEMM's (bit for bit here; within
+    float32 rounding in any case), the result is exactly symmetric, and partial sums over batches accumulate."""
     import torch
 
     from llmc.quant import calibration
 
+    monkeypatch.setattr(gram_ops, "kernel_available", lambda: False)
+
     torch.manual_seed(3)
-    k = calibration.GRAM_PANEL * 2 + 300  # two full panels and a ragged one
+    k = gram_ops.GRAM_PANEL * 2 + 300  # two full panels and a ragged one
     batches = [torch.randn(200, k) * torch.rand(k) for _ in range(2)]
     gram = torch.zeros(k, k)
     full = torch.zeros(k, k)
     for x in batches:
-        calibration._add_upper_gram(gram, x, getattr(torch, dtype))
+        gram_ops.add_upper(gram, x, getattr(torch, dtype))
         xg = x.to(getattr(torch, dtype))
         full += (xg.T @ xg).float()
     collector = calibration._Collector({}, gram_dtype=getattr(torch, dtype))
@@ -277,3 +280,44 @@ def test_upper_panel_gram_equals_the_full_gram(dtype):
     collector.finish()
     assert torch.equal(gram, gram.T)
     np.testing.assert_allclose(torch.triu(gram).numpy(), torch.triu(full).numpy(), rtol=1e-6, atol=1e-3)
+
+
+@pytest.mark.skipif(not gram_ops.kernel_available(), reason="the CPU lacks AVX-512 BF16 (or the extension is unbuilt)")
+@pytest.mark.parametrize("t,k", [(1, 5), (301, 300), (2051, 600)])  # odd token counts; K off every block size
+def test_bf16_gram_kernel_equals_float64_sums(t, k):
+    """The AVX-512 BF16 Gram kernel: exact bfloat16 products summed in float32, so its upper triangle is the
+    float64 X^T X of the same bfloat16 values up to float32 rounding, added onto what the matrix held (several
+    packed blocks of columns and of token pairs at 2051 x 600), and torch's float32 GEMM gives the same."""
+    import torch
+
+    torch.manual_seed(t + k)
+    x = (torch.randn(t, k) * torch.rand(k) * 4).bfloat16()
+    x[:, 1] = 0  # a dead channel
+    start = torch.randn(k, k)
+    gram = start.clone()
+    gram_ops.add_upper(gram, x, torch.float32)
+    x64 = x.double()
+    want = start.double() + x64.T @ x64
+    scale = float(want.abs().max())
+    upper = torch.ones(k, k, dtype=torch.bool).triu()
+    np.testing.assert_allclose(gram[upper].numpy(), want[upper].numpy(), rtol=1e-5, atol=1e-6 * scale)
+    torch_path = start.clone()
+    gram_ops.add_upper(torch_path, x.float(), torch.float32)  # float32 input: torch's float32 GEMM
+    np.testing.assert_allclose(gram[upper].numpy(), torch_path[upper].numpy(), rtol=1e-5, atol=1e-6 * scale)
+
+
+@pytest.mark.skipif(not gram_ops.kernel_available(), reason="the CPU lacks AVX-512 BF16 (or the extension is unbuilt)")
+def test_bf16_gram_kernel_refuses_arrays_it_would_have_to_copy():
+    """G is written in place: an array of another dtype or layout is an error, never a silently written copy."""
+    import torch
+
+    from llmc.quant import _gram
+
+    pairs = gram_ops.token_pairs(torch.randn(4, 32).bfloat16()).numpy().view(np.uint32)
+    for bad in (np.zeros((32, 32)), np.zeros((32, 32), np.float32)[:, ::-1], np.zeros((32, 32), np.float32).T[:16]):
+        with pytest.raises(ValueError, match="G must be"):
+            _gram.add_upper(bad, pairs, 1)
+    with pytest.raises(ValueError, match="pairs must be"):
+        _gram.add_upper(np.zeros((32, 32), np.float32), pairs.view(np.int32), 1)
+    with pytest.raises(ValueError, match="Kp must be"):
+        _gram.add_upper(np.zeros((64, 64), np.float32), pairs, 1)
