@@ -120,6 +120,10 @@ def _quant_options(f):
                      help="Calibration sequences (32 x 256 tokens: more moved the default model's KL by under 1%)."),
         click.option("--calib-seq-len", "quant_calib_seq_len", default=256, show_default=True,
                      help="Tokens per calibration sequence."),
+        click.option("--calib-device", "quant_calib_device", default="auto", show_default=True,
+                     type=click.Choice(["auto", "cpu", "cuda"]),
+                     help="Where calibration's forward and statistics run: auto takes a CUDA device when torch "
+                          "sees one (AWQ and GPTQ themselves run on the CPU)."),
         click.option("--calib-seed", "quant_seed", default=0, show_default=True,
                      help="Seed choosing the calibration sequences (same seed, same quantized weights)."),
         click.option("--eval-tokens", "quant_eval_tokens", default=None, type=click.IntRange(min=2), metavar="N",

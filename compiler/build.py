@@ -17,7 +17,7 @@ import signal
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import llmc
@@ -173,6 +173,9 @@ def _plan(out_dir: str | Path, options: BuildOptions) -> _Plan:
         raise LlmcError(f"--max-ppl-increase {options.max_ppl_increase:g}: needs a quantized build (--quant or "
                         "--kv-cache-dtype) and a limit of 0 or more percent")
     quant_recipe.check_target(options.quant, options.target, TARGETS)  # before get_target: name the constraint
+    # A concrete calibration device before the recipe enters the cache key: GPU and CPU statistics differ in
+    # their rounding, so their weights may too.
+    options = replace(options, quant=quant_recipe.resolve_calib_device(options.quant))
     target = get_target(options.target)
     if uses_cuda_engine(options, target):
         options = _check_cuda_request(options, target)

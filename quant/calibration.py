@@ -167,7 +167,7 @@ class LayerStats:
         """float32 ``[sum N, K]``: the weights of linears sharing an input, one above the other (one copy)."""
         import torch
 
-        views = [self.linears[n].weight.detach().float() for n in names]
+        views = [self.linears[n].weight.detach().float().cpu() for n in names]
         views = [v.T if _is_conv1d(self.linears[n]) else v for n, v in zip(names, views, strict=True)]
         return torch.cat(views).numpy()
 
@@ -178,7 +178,8 @@ class LayerStats:
         value = np.asarray(value, np.float32)
         if _is_conv1d(self.linears[name]):
             value = value.T
-        self.linears[name].weight.data = torch.from_numpy(np.ascontiguousarray(value))
+        device = self.linears[name].weight.device
+        self.linears[name].weight.data = torch.from_numpy(np.ascontiguousarray(value)).to(device)
         self.weights_changed = True
 
     def stats_of(self, name: str) -> InputStats:
@@ -204,6 +205,9 @@ class _Collector:
     producers: dict[tuple[str, ...], str] = field(default_factory=dict)
     gram_dtype: object = None  # torch dtype of the X^T X GEMMs; None: no Gram matrices (ranges only)
     _keep: list = field(default_factory=list)
+    # Sums kept where the activations are (the calibration device) until finish(): torch views of each
+    # InputStats' arrays on the CPU, device tensors on a GPU.
+    _sums: dict = field(default_factory=dict)
 
     def hook(self, module, args, _output=None) -> None:
         self.pending.append((self.names[id(module)], args[0]))
@@ -237,26 +241,35 @@ class _Collector:
                 k = x.shape[1]
                 stats = self.inputs[group] = InputStats(np.zeros((k, k) if self.gram_dtype else (0, 0), np.float32),
                                                         np.zeros(k))
+                self._sums[group] = (torch.from_numpy(stats.gram).to(x.device),
+                                     torch.from_numpy(stats.abs_sum).to(x.device))
+            gram, abs_sum = self._sums[group]
             if self.gram_dtype is not None:
                 # One batch's X^T X (a few thousand rows), summed over batches in float32 (see gram_ops.add_upper).
                 # bfloat16 GEMMs (AVX-512 BF16) run at 3-4x the float32 rate here; a 1B model's down projection
                 # needs 1.1 TFLOP a layer at 32 x 256 tokens. Their rounding (inputs and each batch's sum to 8 bits,
                 # unbiased) is random across entries and batches; what it does to the decisions is measured in
                 # benchmarks/results/quant_calibration_ab.json.
-                gram_ops.add_upper(torch.from_numpy(stats.gram), x, self.gram_dtype)
-            stats.abs_sum += x.abs().sum(0, dtype=torch.float64).numpy()
+                gram_ops.add_upper(gram, x, self.gram_dtype)
+            abs_sum += x.abs().sum(0, dtype=torch.float64)
             stats.amax = max(stats.amax, float(x.abs().max()))
             stats.rows += x.shape[0]
         self.norm_outputs.clear()
         self._keep.clear()
 
     def finish(self) -> None:
-        """After the last batch: fill each Gram matrix's lower triangle from its upper one."""
+        """After the last batch: fill each Gram matrix's lower triangle from its upper one (and bring the sums to
+        the CPU from a GPU)."""
         import torch
 
-        for stats in self.inputs.values():
+        for group, stats in self.inputs.items():
+            gram, abs_sum = self._sums.get(group) or (torch.from_numpy(stats.gram), None)
             if stats.gram.size:
-                gram_ops.mirror_upper(torch.from_numpy(stats.gram))
+                gram_ops.mirror_upper(gram)
+            if gram.device.type != "cpu":  # on the CPU the sums were the arrays themselves
+                stats.gram[...] = gram.cpu().numpy()
+                stats.abs_sum[...] = abs_sum.cpu().numpy()
+        self._sums.clear()
 
 
 # -- attention during calibration --------------------------------------------------------------------
@@ -284,7 +297,7 @@ def _calibration_attention(module, query, key, value, attention_mask, scaling=No
     scores = torch.tanh(scores / softcap) * softcap
     t, s = scores.shape[-2:]
     if attention_mask is None:  # SDPA's mask function leaves a plain causal mask implicit
-        attention_mask = torch.ones(t, s, dtype=torch.bool).tril(s - t)
+        attention_mask = torch.ones(t, s, dtype=torch.bool, device=scores.device).tril(s - t)
     if attention_mask.dtype == torch.bool:
         scores = scores.masked_fill(~attention_mask[..., :s], float("-inf"))
     else:
@@ -355,11 +368,14 @@ class LayerwiseCalibration:
     Resident weights: one decoder layer at a time, plus the modules outside the layers (embeddings,
     final norm) while the model's own forward computes the first layer's input and the head's input;
     the output projection only for the head.
+
+    ``device``: where the forward and the statistics run (``"cpu"``, or ``"cuda"``: weights, activations and
+    the sums live there; each layer's statistics come back to the CPU, where AWQ and GPTQ run).
     """
 
     def __init__(self, config, param_reader: Callable[[object], Callable[[str], np.ndarray]], samples: np.ndarray,
                  batch_size: int = 8, compute: str = "float32", gram: bool = True,
-                 gram_compute: str | None = None) -> None:
+                 gram_compute: str | None = None, device: str = "cpu") -> None:
         import torch
         from transformers import AutoModelForCausalLM
         from transformers.initialization import no_init_weights
@@ -376,7 +392,8 @@ class LayerwiseCalibration:
         layers_name, self.blocks = decoder_layers(self.model, config)
         self._layers_prefix = layers_name + "."
         self.read_param = param_reader(self.model)
-        self.samples = torch.from_numpy(np.asarray(samples, np.int64))
+        self.device = torch.device(device)
+        self.samples = torch.from_numpy(np.asarray(samples, np.int64)).to(self.device)
         self.batch_size = batch_size
         if compute not in ("float32", "bfloat16"):
             raise ValueError(f"calibration compute {compute!r}: float32 or bfloat16")
@@ -406,7 +423,8 @@ class LayerwiseCalibration:
 
         for p in params:
             if p.numel() == 0:
-                p.data = torch.from_numpy(np.array(self.read_param(self._names[id(p)]), np.float32, copy=True))
+                value = torch.from_numpy(np.array(self.read_param(self._names[id(p)]), np.float32, copy=True))
+                p.data = value.to(self.device)
 
     def _load(self, module) -> None:
         self._load_params(list(module.parameters()))
@@ -524,7 +542,7 @@ class LayerwiseCalibration:
 
             def forward(h, b, _sl, layer=layer, index=index):
                 positional, rest, kw = self._layer_calls[b][index]
-                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.compute == torch.bfloat16):
+                with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.compute == torch.bfloat16):
                     out = layer(h, *rest, **kw) if positional else layer(*rest, **kw, hidden_states=h)
                 if isinstance(out, tuple):
                     self._tuple_output = True

@@ -126,19 +126,20 @@ def _gptq_layer(stats: LayerStats, recipe: QuantRecipe, result: CalibrationResul
 
 def collect(config, param_reader: Callable[[object], Callable[[str], np.ndarray]], samples: np.ndarray,
             recipe: QuantRecipe, progress: Callable[[str], None] | None = None, head: bool = True,
-            compute: str | None = None) -> CalibrationResult:
+            compute: str | None = None, device: str = "cpu") -> CalibrationResult:
     """Run calibration over ``samples [n, seq_len]`` and apply the recipe's algorithm layer by layer
     (``param_reader`` as in :class:`~llmc.quant.calibration.LayerwiseCalibration`). ``head``: calibrate the LM
     head too (False when the build keeps it out of the format, e.g. INT8 beside INT4 on the CPU). ``compute``:
     the calibration forward's and Gram matrices' GEMM dtype; default :data:`ALGORITHM_COMPUTE` for AWQ/GPTQ,
-    float32 for range collection (FP8, NVFP4, the FP8 KV cache: no Gram matrices, only maxima)."""
+    float32 for range collection (FP8, NVFP4, the FP8 KV cache: no Gram matrices, only maxima). ``device``: where
+    the calibration forward and its statistics run (``"cpu"`` or ``"cuda"``); AWQ and GPTQ run on the CPU."""
     say = progress or (lambda msg: None)
     algorithm = recipe.format.algorithm if recipe.format is not None and recipe.format.family == "int4" else None
     result = CalibrationResult(num_tokens=int(samples.size))
     searching = algorithm in ("awq", "gptq")
     run = LayerwiseCalibration(config, param_reader, samples,
                                compute=compute or (ALGORITHM_COMPUTE if searching else "float32"), gram=searching,
-                               gram_compute="float32" if algorithm == "gptq" else None)
+                               gram_compute="float32" if algorithm == "gptq" else None, device=device)
 
     def consume(stats: LayerStats) -> None:
         for group in stats.groups:

@@ -37,7 +37,11 @@ def add_upper(gram, x, dtype) -> None:
     and added in float32. Entries below the diagonal may be written too; :func:`mirror_upper` overwrites them."""
     import torch
 
-    if (x.dtype == torch.bfloat16 or dtype == torch.bfloat16) and kernel_available():
+    if gram.device.type != "cpu":
+        # On a GPU: float32 GEMMs (no TF32) of the inputs at dtype's precision, the kernel's arithmetic; the
+        # bfloat16 rate is not worth the output rounding there.
+        x, dtype = (x.to(dtype) if dtype != x.dtype else x).float(), torch.float32
+    elif (x.dtype == torch.bfloat16 or dtype == torch.bfloat16) and kernel_available():
         from llmc.quant import _gram
 
         pairs = token_pairs(x if x.dtype == torch.bfloat16 else x.to(torch.bfloat16))

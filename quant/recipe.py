@@ -4,7 +4,7 @@ target can run them, made before any work."""
 from __future__ import annotations
 
 import hashlib
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from llmc.errors import LlmcError, UnsupportedError
@@ -81,6 +81,9 @@ class QuantRecipe:
     calib_seq_len: int = 256
     seed: int = 0
     eval_tokens: int | None = None
+    # Where calibration's forward and statistics run: "auto" (a CUDA device when torch sees one), "cpu", "cuda".
+    # resolve_calib_device() makes it concrete before the recipe enters a cache key.
+    calib_device: str = "auto"
 
     @property
     def format(self) -> Format | None:
@@ -122,6 +125,28 @@ def validate(recipe: QuantRecipe) -> None:
         raise LlmcError(f"--calib-samples {recipe.calib_samples}: must be at least 1")
     if recipe.calib_seq_len < 8:
         raise LlmcError(f"--calib-seq-len {recipe.calib_seq_len}: must be at least 8 tokens")
+    if recipe.calib_device not in CALIB_DEVICES:
+        raise LlmcError(f"--calib-device {recipe.calib_device!r}: choose one of {', '.join(CALIB_DEVICES)}")
+
+
+CALIB_DEVICES = ("auto", "cpu", "cuda")
+
+
+def resolve_calib_device(recipe: QuantRecipe) -> QuantRecipe:
+    """The recipe with ``calib_device`` concrete: ``"cpu"`` when nothing calibrates; ``"auto"`` becomes ``"cuda"``
+    where torch sees a CUDA device, else ``"cpu"``. Raises :class:`LlmcError` for ``"cuda"`` without one."""
+    if not recipe.needs_calibration():
+        return replace(recipe, calib_device="cpu")
+    if recipe.calib_device == "cpu":
+        return recipe
+    import torch
+
+    if torch.cuda.is_available():
+        return replace(recipe, calib_device="cuda")
+    if recipe.calib_device == "cuda":
+        raise LlmcError("--calib-device cuda: torch sees no CUDA device here (torch.cuda.is_available() is False); "
+                        "use --calib-device cpu, or auto to take a GPU only where there is one")
+    return replace(recipe, calib_device="cpu")
 
 
 def _sm(value: str) -> tuple[int, int]:

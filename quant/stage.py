@@ -87,14 +87,15 @@ class QuantStage:
         seq_len = min(r.calib_seq_len, int(getattr(config, "max_position_embeddings", r.calib_seq_len)))
         docs, eos = calibration.tokenize(self.checkpoint.path / "tokenizer.json", calibration.load_texts(r.calib_data))
         samples = calibration.sample_sequences(docs, r.calib_samples, seq_len, r.seed, separator=eos)
+        device = "cpu" if r.calib_device == "auto" else r.calib_device  # the build resolves auto; a bare stage: CPU
         self.say(f"      calibrate on {samples.shape[0]} x {samples.shape[1]} tokens "
-                 f"({r.calib_data or 'built-in pydoc text'}, seed {r.seed})")
+                 f"({r.calib_data or 'built-in pydoc text'}, seed {r.seed}) on the {device.upper()}")
         if self.params is None:
             raise RuntimeError("QuantStage(params=...) is needed to calibrate")
         # The CPU form stores the LM head apart from the INT4 format (quant.graph: INT8 or full precision) unless
         # --lm-head int4: its AWQ search (a 1B model's: ~30 s) would be thrown away.
         head = not (r.format is not None and r.format.family == "int4" and self.form == "cpu" and r.lm_head != "int4")
-        return collect(config, self.params, samples, r, progress=self.say, head=head)
+        return collect(config, self.params, samples, r, progress=self.say, head=head, device=device)
 
     def _run(self, model: ir.Model) -> dict[str, int]:
         from llmc.quant.graph import quantize_model
@@ -159,7 +160,8 @@ class QuantStage:
         if self.calibration is not None:
             out["quantization"]["calibration"] = {
                 "data": r.calib_data or "built-in: pydoc_data.topics train split", "samples": r.calib_samples,
-                "seq_len": r.calib_seq_len, "seed": r.seed, "tokens": self.calibration.num_tokens}
+                "seq_len": r.calib_seq_len, "seed": r.seed, "tokens": self.calibration.num_tokens,
+                "device": "cpu" if r.calib_device == "auto" else r.calib_device}
             out["quantization"]["layers"] = _rounded(self.calibration.decisions)
             if self.calibration.kv_amax and r.kv_cache_dtype:
                 out["quantization"]["kv_cache_amax"] = {str(k): [float(f"{a:.6g}") for a in v]

@@ -17,10 +17,13 @@ Sections (each records its results; a failure in one does not stop the others):
    ``enable_gqa``), and the largest difference between the two outputs.
 4. ``tensorrt``: where the ``tensorrt`` module imports, build an engine from a tiny Llama with
    ``llmc build --gpu auto`` and compare its greedy tokens with transformers'.
+5. ``calibration``: the default model's int4-awq and int4-gptq calibration (forward and statistics) on
+   the GPU and on the CPU: the same INT4 codes but where GEMM rounding moves a value across a
+   rounding boundary, and how long each took.
 
 Prints a table per section and writes everything to ``--out`` (JSON). Exit status 0 when every
 check that ran passed, 1 otherwise. ``--cpu-smoke`` runs sections 1-2 on tiny shapes under the
-Triton interpreter (PTX compiled, not launched) and skips 3-4: what CI can run without a GPU.
+Triton interpreter (PTX compiled, not launched) and skips 3-5: what CI can run without a GPU.
 """
 
 from __future__ import annotations
@@ -63,7 +66,7 @@ def parse_args(argv):
     p.add_argument("--quick", action="store_true",
                    help="the bf16 CUDA engine alone (build, graphs vs eager, decode b1/8/64, prefill): a short lease")
     p.add_argument("--skip", action="append", default=[],
-                   choices=["engine", "correctness", "aot", "bandwidth", "tensorrt"])
+                   choices=["engine", "correctness", "aot", "bandwidth", "tensorrt", "calibration"])
     return p.parse_args(argv)
 
 
@@ -300,6 +303,37 @@ def run_bandwidth(args, t_start):
 # ---------------------------------------------------------------------------------------------
 
 
+# A layer's INT4 codes may differ between GPU and CPU calibration only where GEMM rounding moves a value across
+# a rounding boundary or an AWQ scale / GPTQ update by a step: a few percent of them at most.
+CALIB_CODE_DIFF_MAX = 0.05
+
+
+def run_calibration():
+    import numpy as np
+
+    from llmc.compiler.binding import param_reader
+    from llmc.compiler.checkpoint import load_checkpoint
+    from llmc.quant.recipe import QuantRecipe
+    from llmc.quant.stage import QuantStage
+
+    ckpt = load_checkpoint(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "assets", "default-model"))
+    rows = []
+    for quant in ("int4-awq", "int4-gptq"):
+        got, secs = {}, {}
+        for device in ("cpu", "cuda"):
+            t0 = time.time()
+            stage = QuantStage(ckpt, QuantRecipe(quant=quant, calib_device=device), params=param_reader(ckpt))
+            got[device] = stage._calibrate()
+            secs[device] = round(time.time() - t0, 2)
+        diff = max(float(np.mean(lq.weights.dequantize() != got["cuda"].linears[name].weights.dequantize()))
+                   for name, lq in got["cpu"].linears.items())
+        rows.append({"quant": quant, "cpu_s": secs["cpu"], "cuda_s": secs["cuda"], "max_code_diff": round(diff, 5),
+                     "linears": len(got["cpu"].linears), "ok": diff < CALIB_CODE_DIFF_MAX})
+    table("calibration on the GPU vs the CPU (default model)", ["quant", "cpu s", "cuda s", "codes differ (max)"],
+          [[r["quant"], r["cpu_s"], r["cuda_s"], r["max_code_diff"]] for r in rows])
+    return {"ok": all(r["ok"] for r in rows), "rows": rows, "limit": CALIB_CODE_DIFF_MAX}
+
+
 def run_tensorrt():
     import importlib.util
     import subprocess
@@ -417,12 +451,18 @@ def main(argv=None) -> int:
             report["tensorrt"] = {"ok": True, "skipped": "no GPU (--cpu-smoke)"}
         else:
             section("tensorrt", report, run_tensorrt)
-    for name in ("engine", "correctness", "aot", "bandwidth", "tensorrt"):
+        save()
+    if "calibration" not in args.skip:
+        if args.cpu_smoke:
+            report["calibration"] = {"ok": True, "skipped": "no GPU (--cpu-smoke)"}
+        else:
+            section("calibration", report, run_calibration)
+    for name in ("engine", "correctness", "aot", "bandwidth", "tensorrt", "calibration"):
         r = report.get(name)
         if r is not None and ("error" in r or "skipped" in r):
             print(f"\n{name}: " + (f"ERROR {r['error']}\n{r.get('traceback', '')}" if "error" in r
                                    else f"skipped: {r['skipped']}"))
-    report["ok"] = all(report[k]["ok"] for k in ("engine", "correctness", "aot", "bandwidth", "tensorrt")
+    report["ok"] = all(report[k]["ok"] for k in ("engine", "correctness", "aot", "bandwidth", "tensorrt", "calibration")
                        if k in report)
     report["seconds"] = round(time.time() - t_start, 1)
     with open(args.out, "w") as f:

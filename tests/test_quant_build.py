@@ -17,6 +17,12 @@ from llmc.quant.recipe import QuantRecipe
 CALIB = ("--calib-samples", "8", "--calib-seq-len", "64")
 
 
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def _llmc(*args: str):
     result = CliRunner().invoke(cli, [str(a) for a in args])
     return result.exit_code, result.stdout, result.stderr
@@ -41,6 +47,9 @@ def _refused(tmp_path, code, err, expect_code, *needles):
     (("--quant", "int4", "--group-size", "100"), 2, ("--group-size 100", "32, 64, 128")),
     (("--max-ppl-increase", "1"), 2, ("--max-ppl-increase", "--quant")),
     (("--quant", "int4-awq", "--calib-data", "nope.jsonl"), 2, ("--calib-data nope.jsonl", "no such file")),
+    pytest.param(("--quant", "int4-awq", "--calib-device", "cuda"), 2,
+                 ("--calib-device cuda", "no CUDA device", "--calib-device cpu"),
+                 marks=pytest.mark.skipif(_cuda(), reason="refused only where torch sees no CUDA device")),
 ])
 def test_bad_quant_requests_are_refused_before_any_work(tmp_path, tiny_llama, args, code, needles):
     rc, _, err = _llmc("build", tiny_llama, "-o", tmp_path / "out", "--cache-dir", tmp_path / "cache", *args)
@@ -66,6 +75,7 @@ def test_quantized_build_reports_accuracy(tmp_path, tiny_llama):
     assert report["accuracy"] == acc
     q = report["quantization"]
     assert q["format"] == "int4-awq" and q["group_size"] == 64 and q["calibration"]["samples"] == 8
+    assert q["calibration"]["device"] == ("cuda" if _cuda() else "cpu")  # --calib-device auto
     # 2 layers x (Q/K/V, O, gate/up, down); the LM head is INT8 on the CPU, so it is not calibrated
     assert len(q["layers"]) == 2 * 4 and all(r["algorithm"] == "awq" for r in q["layers"])
     assert acc["stopped"] in ("precision", "limit", "text") and acc["ppl_increase_ci95"] > 0
@@ -201,6 +211,30 @@ def test_same_seed_calibration_gives_byte_identical_weights(tiny_llama, quant):
     assert len(first) == 2 * 7  # the LM head is INT8 on the CPU: not calibrated
     assert first == again
     assert first != other  # the seed really chooses the calibration data
+
+
+@pytest.mark.skipif(not _cuda(), reason="needs a CUDA device")
+def test_gpu_calibration_agrees_with_the_cpu(tiny_llama):
+    """Calibration's forward and statistics on the GPU: the same statistics as on the CPU up to the rounding of
+    their GEMMs, so AWQ picks (nearly) the same scales, and GPTQ's weights decode to (nearly) the same values."""
+    from llmc.compiler.binding import param_reader
+    from llmc.compiler.checkpoint import load_checkpoint
+    from llmc.quant.stage import QuantStage
+
+    ckpt = load_checkpoint(tiny_llama)
+
+    def run(quant, device):
+        recipe = QuantRecipe(quant=quant, group_size=32, calib_samples=6, calib_seq_len=48, calib_device=device)
+        return QuantStage(ckpt, recipe, params=param_reader(ckpt))._calibrate()
+
+    for quant in ("int4-awq", "int4-gptq"):
+        cpu, gpu = run(quant, "cpu"), run(quant, "cuda")
+        assert sorted(cpu.linears) == sorted(gpu.linears)
+        assert cpu.input_amax == pytest.approx(gpu.input_amax, rel=2e-2)
+        for name, lq in cpu.linears.items():
+            a, b = lq.weights.dequantize(), gpu.linears[name].weights.dequantize()
+            # the same codes but where a value sits near a rounding boundary (or a scale moved a step)
+            assert np.mean(a != b) < 0.05, (quant, name)
 
 
 def test_calibration_is_memory_bounded_layer_by_layer(tiny_llama):
