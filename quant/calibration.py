@@ -245,11 +245,10 @@ class _Collector:
                                      torch.from_numpy(stats.abs_sum).to(x.device))
             gram, abs_sum = self._sums[group]
             if self.gram_dtype is not None:
-                # One batch's X^T X (a few thousand rows), summed over batches in float32 (see gram_ops.add_upper).
-                # bfloat16 GEMMs (AVX-512 BF16) run at 3-4x the float32 rate here; a 1B model's down projection
-                # needs 1.1 TFLOP a layer at 32 x 256 tokens. Their rounding (inputs and each batch's sum to 8 bits,
-                # unbiased) is random across entries and batches; what it does to the decisions is measured in
-                # benchmarks/results/quant_calibration_ab.json.
+                # One batch's X^T X (a few thousand rows), summed in float32 (see gram_ops.add_upper): a 1B model's
+                # down projection needs 1.1 TFLOP a layer at 32 x 256 tokens, which bfloat16 inputs (AVX-512 BF16)
+                # run at 3-4x the float32 rate here; what rounding the inputs to bfloat16 does to AWQ's decisions
+                # is measured in benchmarks/results/quant_calibration_ab.json.
                 gram_ops.add_upper(gram, x, self.gram_dtype)
             abs_sum += x.abs().sum(0, dtype=torch.float64)
             stats.amax = max(stats.amax, float(x.abs().max()))

@@ -19,10 +19,12 @@ from llmc.quant.recipe import QuantRecipe
 # AutoAWQ leaves Q and K unclipped: their errors pass through the softmax, where the linear output
 # error is a poor proxy. We follow it.
 _NO_CLIP = ("q_proj", "k_proj")
-# AWQ and GPTQ calibrate with bfloat16 GEMMs (the forward; AWQ's Gram matrices too): 3-4x float32's rate on
-# AVX-512 BF16; the default model's int4-awq / int4-gptq KL and perplexity before and after are in
-# benchmarks/results/quant_calibration_ab.json. GPTQ's Gram matrices stay float32: GPTQ factorises H, whose
-# damping (1 % of its mean diagonal) is not far above what bfloat16's rounding of each entry (0.4 %) could move.
+# AWQ and GPTQ calibrate with bfloat16 GEMMs (the forward; AWQ's Gram matrices read its inputs rounded to
+# bfloat16 too): 3-4x float32's rate on AVX-512 BF16; the default model's int4-awq / int4-gptq KL and perplexity
+# before and after are in benchmarks/results/quant_calibration_ab.json. GPTQ's Gram matrices read its inputs as
+# they are (the norms' float32 outputs; the bfloat16 ones exactly): GPTQ factorises H, whose damping (1 % of its
+# mean diagonal) is not far above what rounding its inputs to bfloat16 could move. Both are summed in float32
+# (quant/gram.py).
 ALGORITHM_COMPUTE = "bfloat16"
 
 
