@@ -420,6 +420,15 @@ def main(argv=None) -> int:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=1)
 
+    def gpu_only(name, fn):  # a section that needs the GPU itself: recorded as skipped under --cpu-smoke
+        if name in args.skip:
+            return
+        if args.cpu_smoke:
+            report[name] = {"ok": True, "skipped": "no GPU (--cpu-smoke)"}
+        else:
+            section(name, report, fn)
+        save()
+
     if "engine" not in args.skip:
         if args.cpu_smoke:
             report["engine"] = {"ok": True, "skipped": "no GPU (--cpu-smoke)"}
@@ -434,29 +443,15 @@ def main(argv=None) -> int:
                 section("engine", report, lambda: run_engine(args.budget_s - 90, t_start, report))
             print_engine(report["engine"])
         save()
-    if "bandwidth" not in args.skip:
-        if args.cpu_smoke:
-            report["bandwidth"] = {"ok": True, "skipped": "no GPU (--cpu-smoke)"}
-        else:
-            section("bandwidth", report, lambda: run_bandwidth(args, time.time() - args.budget_s + 40))
-        save()
+    gpu_only("bandwidth", lambda: run_bandwidth(args, time.time() - args.budget_s + 40))
     if "correctness" not in args.skip:
         section("correctness", report, lambda: run_correctness(args.cpu_smoke, device))
         save()
     if "aot" not in args.skip:
         section("aot", report, lambda: run_aot(args.cpu_smoke, device))
         save()
-    if "tensorrt" not in args.skip:
-        if args.cpu_smoke:
-            report["tensorrt"] = {"ok": True, "skipped": "no GPU (--cpu-smoke)"}
-        else:
-            section("tensorrt", report, run_tensorrt)
-        save()
-    if "calibration" not in args.skip:
-        if args.cpu_smoke:
-            report["calibration"] = {"ok": True, "skipped": "no GPU (--cpu-smoke)"}
-        else:
-            section("calibration", report, run_calibration)
+    gpu_only("tensorrt", run_tensorrt)
+    gpu_only("calibration", run_calibration)
     for name in ("engine", "correctness", "aot", "bandwidth", "tensorrt", "calibration"):
         r = report.get(name)
         if r is not None and ("error" in r or "skipped" in r):
