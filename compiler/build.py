@@ -407,15 +407,21 @@ def _compile(ckpt: Checkpoint, digest: str, plan: _Plan, dest: Path, say: Progre
             ort_backend.emit(model, where, options.attention, fusions)
             artifact.seal(where, reference_fields)
 
+        # A CUDA engine is scored itself, on the GPU, where torch sees one; otherwise (and for TensorRT) the same
+        # quantized graph is scored on the CPU.
+        scoring_device = _scoring_device(manifest) if cuda else None
         with tempfile.TemporaryDirectory(prefix="llmc-quantized-cpu-") as cpu_dir:
-            if gpu:  # a GPU engine cannot run here: score the same quantized graph on the CPU
+            if gpu and scoring_device is None:  # a GPU engine cannot run here: score its graph on the CPU
                 cpu_files = asdict(ort_backend.emit(cpu_graph, Path(cpu_dir), options.attention, fusions))
                 artifact.copy_tokenizer(ckpt.path, Path(cpu_dir))
                 cpu_fields["engine"].update({_ONNX_FILE_FIELDS.get(k, k): v for k, v in cpu_files.items()
                                              if k != "fusions"})
                 artifact.seal(Path(cpu_dir), cpu_fields)
             # The unquantized scores depend on the checkpoint and llmc alone: builds of other recipes reuse them.
-            accuracy = qstage.evaluate(Path(cpu_dir) if gpu else dest, emit_reference,
+            scored = Path(cpu_dir) if gpu and scoring_device is None else dest
+            accuracy = qstage.evaluate(scored, emit_reference, device=scoring_device,
+                                       scored=("the engine's quantized graph (onnxruntime, on the CPU; the GPU engine "
+                                               "itself did not run)") if scored != dest else None,
                                        reference_cache=(plan.cache_root or Store(None).root) / "reference",
                                        reference_key=f"{digest} {sources_digest(_PACKAGE_ROOT)} "
                                                      f"{json.dumps(reference_fields['toolchain'], sort_keys=True)}")
@@ -431,6 +437,18 @@ def _compile(ckpt: Checkpoint, digest: str, plan: _Plan, dest: Path, say: Progre
     artifact.write_build_info(dest, build_info)
     os.chmod(dest, 0o755)
     return manifest, report
+
+
+def _scoring_device(manifest: dict) -> str | None:
+    """Where the CUDA engine of ``manifest`` is scored: ``"cuda"`` where it runs on this machine's GPU, else None
+    (its quantized graph on the CPU). ``LLMC_SCORE_CUDA_ENGINE_ON=cpu`` runs the CUDA engine's own program on the
+    CPU instead (the tests' way through this path without a GPU)."""
+    forced = os.environ.get("LLMC_SCORE_CUDA_ENGINE_ON")
+    if forced:
+        return forced
+    import torch
+
+    return "cuda" if torch.cuda.is_available() and runtime_artifact.cuda_problem(manifest) is None else None
 
 
 def _self_check_child(ckpt: Checkpoint, plan: _Plan) -> tuple[str, object]:

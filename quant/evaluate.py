@@ -40,6 +40,7 @@ class Accuracy:
     ppl_increase_ci95: float | None = None
     stopped: str | None = None
     reference_cached: bool = False
+    scored: str | None = None  # which engine the figures are of (QuantStage.evaluate fills it in)
 
     def to_json(self) -> dict:
         # Rounded so the sealed report does not carry run-to-run noise in the last bits.

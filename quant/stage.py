@@ -115,11 +115,14 @@ class QuantStage:
 
     def evaluate(self, engine_dir: Path, emit_reference: Callable[[ir.Model, Path], None],
                  reference_cache: Path | None = None, reference_key: str = "",
-                 precision: evaluate.Precision | None = None) -> evaluate.Accuracy:
+                 precision: evaluate.Precision | None = None, device: str | None = None,
+                 scored: str | None = None) -> evaluate.Accuracy:
         """Score the engine at ``engine_dir`` against the reference graph, emitted by ``emit_reference(model,
         dir)`` into a temporary loadable engine (``dir`` exists and is empty) when its scores are not in
         ``reference_cache`` (a directory; None: no cache) under ``reference_key`` (what determines the reference:
-        the checkpoint's digest and llmc's sources). Scoring stops at ``precision`` (default :class:`Precision`)."""
+        the checkpoint's digest and llmc's sources). Scoring stops at ``precision`` (default :class:`Precision`).
+        ``device``: where a CUDA engine at ``engine_dir`` runs (None: a CPU engine). ``scored``: what the figures
+        are of, for the report (default: the engine at ``engine_dir``, named from its manifest)."""
         from llmc.runtime import Engine
 
         if self.reference is None:
@@ -130,13 +133,15 @@ class QuantStage:
         with tempfile.TemporaryDirectory(prefix="llmc-reference-") as tmp:
             reference = ReferenceScores(windows, reference_cache, reference_key,
                                         lambda: _load_reference(self.reference, Path(tmp), emit_reference))
-            quantized = Engine.load(engine_dir, verify=False, kv_cache_tokens=2 * EVAL_WINDOW)
+            quantized = Engine.load(engine_dir, verify=False, kv_cache_tokens=2 * EVAL_WINDOW,
+                                    **({"device": device, "cuda_graphs": False} if device else {}))
             if precision is None:
                 n = self.recipe.eval_tokens
                 # A fixed count: no early stop before it.
                 precision = evaluate.Precision() if n is None else evaluate.Precision(n, n, 0.0)
             self.accuracy = evaluate.compare(reference, quantized, windows, progress=self.say, precision=precision)
             self.accuracy.reference_cached = reference.engine is None
+            self.accuracy.scored = scored or _scored_engine(quantized, device)
             reference.save()
             self.timings["evaluate_reference_load"] = reference.load_seconds
         self.reference = None
@@ -173,6 +178,15 @@ class QuantStage:
 
 def _rounded(rows: list[dict]) -> list[dict]:
     return [{k: float(f"{v:.6g}") if isinstance(v, float) else v for k, v in row.items()} for row in rows]
+
+
+def _scored_engine(engine, device: str | None) -> str:
+    """What the accuracy figures scored, named from the engine's manifest."""
+    if device is None:
+        return f"the engine ({engine.manifest['engine'].get('backend', 'onnxruntime')}, on the CPU)"
+    dtype = engine.manifest["engine"].get("dtype", "?")
+    where = "GPU" if device == "cuda" else device.upper()
+    return f"the CUDA engine itself ({dtype}, on the {where})"
 
 
 def _load_reference(model: ir.Model, where: Path, emit_reference: Callable[[ir.Model, Path], None]):

@@ -164,6 +164,22 @@ def test_int4_cuda_engine_on_cpu_matches_onnxruntime_on_the_same_qdq_graph(tmp_p
     assert np.abs(lg - lc).max() / np.abs(lc).max() < 1e-4
 
 
+def test_cuda_engine_accuracy_is_scored_on_the_engine_itself_where_it_can_run(tmp_path, tiny_llama, monkeypatch):
+    """Where the CUDA engine runs (a GPU; here its program on the CPU, as LLMC_SCORE_CUDA_ENGINE_ON=cpu asks), the
+    accuracy report scores that engine itself, not its quantized graph under ONNX Runtime; the two agree, and the
+    report says which one it scored."""
+    recipe = QuantRecipe(quant="int4", embeddings="none", lm_head="none", eval_tokens=512)
+    options = BuildOptions(target="h100", dtype="float32", quant=recipe, aot_kernels=False)
+    twin = build(tiny_llama, tmp_path / "twin", options).report["accuracy"]
+    monkeypatch.setenv("LLMC_SCORE_CUDA_ENGINE_ON", "cpu")
+    itself = build(tiny_llama, tmp_path / "itself", options).report["accuracy"]
+    assert "GPU engine itself did not run" in twin["scored"]
+    assert itself["scored"] == "the CUDA engine itself (float32, on the CPU)"
+    assert itself["tokens"] == twin["tokens"] and itself["reference_cached"]
+    assert itself["ppl"] == pytest.approx(twin["ppl"], rel=1e-4)
+    assert itself["kl_mean"] == pytest.approx(twin["kl_mean"], rel=1e-2, abs=1e-6)
+
+
 @pytest.mark.parametrize("symmetric", [False, True])
 def test_int4_linear_equals_dequantize_then_matmul(symmetric):
     """The CUDA program's Int4Linear (codes packed two per byte) against the Q/DQ form it replaces."""
