@@ -139,7 +139,7 @@ def search_scales(w: np.ndarray, abs_mean: np.ndarray, hessian: np.ndarray, grou
     """
     import torch
 
-    w = np.ascontiguousarray(w, np.float32)  # float32 weights are exact in float64: each chunk widens its own rows
+    w = np.ascontiguousarray(w, np.float32)  # candidates are scaled and fake-quantized in float32 (row_losses)
     x_mean = np.maximum(np.asarray(abs_mean, np.float64), 1e-4)
     upper = bf16_upper(hessian)
     n = w.shape[0]
