@@ -28,8 +28,10 @@ namespace {
 
 constexpr int64_t MR = 8;    // rows of G per microkernel (broadcast operands)
 constexpr int64_t NR = 32;   // columns of G per microkernel (two 16-lane vectors)
-constexpr int64_t NC = 256;  // columns per packed block of P
-constexpr int64_t TC = 512;  // token pairs per packed block: NC x TC x 4 B = 512 KB, in L2
+constexpr int64_t NC = 512;  // columns per packed block of P
+// Token pairs per packed block: NC x TC x 4 B = 1 MB. Measured on a 1B down projection (K 8192, 2048 tokens):
+// 512 x 512 ran ~13 % faster than 256 x 512 (half the passes over G's tiles), 128 x 1024 and 1024 x 512 alike.
+constexpr int64_t TC = 512;
 
 bool cpu_has_avx512_bf16() {
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bf16");
