@@ -54,6 +54,11 @@ class CalibrationResult:
     layer_seconds: list[float] = field(default_factory=list)  # calibration time per decoder layer, then the head
 
 
+def _short(group: tuple[str, ...]) -> str:
+    """``q_proj/k_proj/v_proj`` for a group of parameter names."""
+    return "/".join(name.removesuffix(".weight").rsplit(".", 1)[-1] for name in group)
+
+
 def _up_of(group: tuple[str, ...], stats: LayerStats) -> str | None:
     """The up projection whose output rows feed ``group``'s input, for a gated MLP's down projection."""
     if len(group) != 1 or ".down_proj." not in group[0]:
@@ -62,7 +67,8 @@ def _up_of(group: tuple[str, ...], stats: LayerStats) -> str | None:
     return up if up in stats.linears else None
 
 
-def _awq_layer(stats: LayerStats, recipe: QuantRecipe, result: CalibrationResult) -> None:
+def _awq_layer(stats: LayerStats, recipe: QuantRecipe, result: CalibrationResult,
+               tick: Callable[[str], None] = lambda what: None) -> None:
     import torch
 
     gs, sym = recipe.group_size, recipe.symmetric
@@ -74,6 +80,7 @@ def _awq_layer(stats: LayerStats, recipe: QuantRecipe, result: CalibrationResult
         h = torch.from_numpy(s.hessian_as(np.float32))
         searches[group] = awq.search_scales(stats.stacked(group), s.abs_mean, h, gs, sym)
         del h
+        tick(f"{_short(group)} scales searched")
         # All the clip search reads of H, in float64 as before: the Gram's diagonal blocks over the row count.
         blocks[group] = awq.diagonal_blocks(s.gram, gs).astype(np.float64) / max(s.rows, 1)
     row_divisors: dict[str, np.ndarray] = {}
@@ -99,9 +106,11 @@ def _awq_layer(stats: LayerStats, recipe: QuantRecipe, result: CalibrationResult
         result.decisions.append({"linears": list(group), "algorithm": "awq", "alpha": search.alpha,
                                  "fold": folds[group] or "mul", "output_mse_rtn": search.loss_rtn,
                                  "output_mse_scaled": search.loss})
+        tick(f"{_short(group)} clipped and quantized")
 
 
-def _gptq_layer(stats: LayerStats, recipe: QuantRecipe, result: CalibrationResult) -> None:
+def _gptq_layer(stats: LayerStats, recipe: QuantRecipe, result: CalibrationResult,
+                tick: Callable[[str], None] = lambda what: None) -> None:
     import torch
 
     for group in stats.groups:
@@ -124,6 +133,7 @@ def _gptq_layer(stats: LayerStats, recipe: QuantRecipe, result: CalibrationResul
                                      "output_mse": awq.bf16_output_error(w_t - torch.from_numpy(deq), upper)})
             # Later layers calibrate on this layer's quantized output, as in the GPTQ paper.
             stats.set_weight(name, deq)
+        tick(f"{_short(group)} quantized")
 
 
 def collect(config, param_reader: Callable[[object], Callable[[str], np.ndarray]], samples: np.ndarray,
@@ -143,7 +153,7 @@ def collect(config, param_reader: Callable[[object], Callable[[str], np.ndarray]
                                compute=compute or (ALGORITHM_COMPUTE if searching else "float32"), gram=searching,
                                gram_compute="float32" if algorithm == "gptq" else None, device=device)
 
-    def consume(stats: LayerStats) -> None:
+    def consume(stats: LayerStats, tick: Callable[[str], None] = lambda what: None) -> None:
         for group in stats.groups:
             for name in group:
                 result.input_amax[name] = stats.inputs[group].amax
@@ -151,14 +161,21 @@ def collect(config, param_reader: Callable[[object], Callable[[str], np.ndarray]
             layer = stats.attention_layer if stats.attention_layer is not None else stats.index
             result.kv_amax[layer] = stats.kv_amax
         if algorithm == "awq":
-            _awq_layer(stats, recipe, result)
+            _awq_layer(stats, recipe, result, tick)
         elif algorithm == "gptq":
-            _gptq_layer(stats, recipe, result)
+            _gptq_layer(stats, recipe, result, tick)
 
     total = len(run.blocks)
     start = last = time.perf_counter()
     for stats in run.layers():
-        consume(stats)
+        def tick(what: str, index: int = stats.index, began: float = last) -> None:
+            # Within a slow layer (an 8B model's take a minute or more here), a line per step past the first
+            # few seconds: the per-layer line alone would leave long silences.
+            into = time.perf_counter() - began
+            if into >= STEP_PROGRESS_S:
+                say(f"        layer {index + 1}/{total}: {what}, {into:.0f}s into the layer")
+
+        consume(stats, tick)
         now = time.perf_counter()
         result.layer_seconds.append(now - last)
         last = now
@@ -168,6 +185,9 @@ def collect(config, param_reader: Callable[[object], Callable[[str], np.ndarray]
         run.release_head()
     result.layer_seconds.append(time.perf_counter() - last)
     return result
+
+
+STEP_PROGRESS_S = 5.0  # a layer's steps say when they finish once the layer has taken this long
 
 
 def progress_line(done: int, total: int, elapsed: float, what: str, width: int = 20) -> str:

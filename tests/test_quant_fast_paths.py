@@ -151,7 +151,13 @@ def four_layer_llama(tmp_path_factory):
     return write_tiny_llama(tmp_path_factory.mktemp("four-layers") / "ckpt", seed=3, num_hidden_layers=4)
 
 
-def test_calibration_progress_has_a_line_per_layer_with_an_eta_and_none_under_quiet(tmp_path, four_layer_llama):
+def test_calibration_progress_has_a_line_per_layer_with_an_eta_and_none_under_quiet(tmp_path, four_layer_llama,
+                                                                                   monkeypatch):
+    from llmc.quant import collect
+
+    # Steps within a layer report once the layer has taken STEP_PROGRESS_S; this fixture's layers take
+    # milliseconds, so 0 makes every step report.
+    monkeypatch.setattr(collect, "STEP_PROGRESS_S", 0.0)
     args = ["build", str(four_layer_llama), "--cache-dir", str(tmp_path / "cache"), "--quant", "int4-gptq",
             "--calib-samples", "4", "--calib-seq-len", "32"]
     loud = CliRunner().invoke(cli, [*args, "-o", str(tmp_path / "a")])
@@ -160,6 +166,10 @@ def test_calibration_progress_has_a_line_per_layer_with_an_eta_and_none_under_qu
     assert [re.search(r"layer (\d)/4", ln).group(1) for ln in lines] == ["1", "2", "3", "4"], loud.stderr
     assert all(re.search(r"s/layer, .* elapsed, ETA \d+(m\d\ds|s)", ln) for ln in lines), lines
     assert "ETA 0s" in lines[-1] and "[" + "#" * 20 + "]" in lines[-1]
+    steps = [ln.strip() for ln in loud.stderr.splitlines() if "into the layer" in ln]
+    assert [re.match(r"layer (\d)/4: (\S+) quantized, \d+s into the layer", ln).groups() for ln in steps] == [
+        (str(i), g) for i in range(1, 5) for g in ("q_proj/k_proj/v_proj", "o_proj", "gate_proj/up_proj", "down_proj")
+    ], steps
     assert loud.stdout.strip()  # the summary line
     quiet = CliRunner().invoke(cli, [*args, "-o", str(tmp_path / "b"), "--no-cache", "-q"])
     assert quiet.exit_code == 0, quiet.stderr
