@@ -327,11 +327,11 @@ def test_retry_after_follows_the_rate_requests_finish():
     from llmc.serve.loop import RATE_WINDOW_S, drain_seconds
 
     rng = np.random.default_rng()
-    rate = float(rng.uniform(0.5, 20.0))  # requests per second
     now = 1000.0
-    times = list(now - np.arange(0, RATE_WINDOW_S - 1, 1 / rate)[::-1])
     stale = [now - RATE_WINDOW_S - 5.0] * 50  # finished long ago: they say nothing about now
-    needed = int(rng.integers(1, 40))
-    got = drain_seconds(stale + times, now, needed)
-    assert got == pytest.approx(needed / rate, rel=0.05)
-    assert drain_seconds(stale + times[-1:], now, needed) is None  # one completion is no rate
+    for rate in [0.5, *rng.uniform(0.5, 20.0, 8)]:  # requests per second; 0.5: the fewest completions per window
+        times = list(now - np.arange(0, RATE_WINDOW_S - 1, 1 / rate)[::-1])
+        needed = int(rng.integers(1, 40))
+        got = drain_seconds(stale + times, now, needed)
+        assert got == pytest.approx(needed / rate, rel=0.05), rate
+        assert drain_seconds(stale + times[-1:], now, needed) is None  # one completion is no rate
