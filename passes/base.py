@@ -33,7 +33,11 @@ def count_nodes(model: ir.Model) -> int:
 
 def apply(graph_pass: GraphPass, model: ir.Model) -> dict[str, int]:
     """Run one pass and add graph-level statistics: nodes before/after, removed and added."""
-    before = {id(n) for n in ir.traversal.RecursiveGraphIterator(model.graph)}
+    # The nodes themselves are held until the count: a node the pass removes and frees could otherwise lend its
+    # address (its id) to one the pass creates, which then counted as neither removed nor added. That made
+    # fold-constants' counts, and with them two clean builds' manifests, differ now and then.
+    nodes_before = list(ir.traversal.RecursiveGraphIterator(model.graph))
+    before = {id(n) for n in nodes_before}
     stats = dict(graph_pass.run(model))
     after = {id(n) for n in ir.traversal.RecursiveGraphIterator(model.graph)}
     stats.update(
@@ -42,6 +46,7 @@ def apply(graph_pass: GraphPass, model: ir.Model) -> dict[str, int]:
         nodes_removed=len(before - after),
         nodes_added=len(after - before),
     )
+    del nodes_before
     return stats
 
 
