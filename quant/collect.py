@@ -169,8 +169,9 @@ def collect(config, param_reader: Callable[[object], Callable[[str], np.ndarray]
     start = last = time.perf_counter()
     for stats in run.layers():
         def tick(what: str, index: int = stats.index, began: float = last) -> None:
-            # Within a slow layer (an 8B model's take a minute or more here), a line per step past the first
-            # few seconds: the per-layer line alone would leave long silences.
+            # Within a slow layer (an 8B model's take a minute or more here), a line per step once the layer has
+            # run STEP_PROGRESS_S: the per-layer line alone would leave long silences. (At 5 s a 1B layer printed
+            # six lines every 10 s on 2 cores.)
             into = time.perf_counter() - began
             if into >= STEP_PROGRESS_S:
                 say(f"        layer {index + 1}/{total}: {what}, {into:.0f}s into the layer")
@@ -187,7 +188,7 @@ def collect(config, param_reader: Callable[[object], Callable[[str], np.ndarray]
     return result
 
 
-STEP_PROGRESS_S = 5.0  # a layer's steps say when they finish once the layer has taken this long
+STEP_PROGRESS_S = 15.0  # a layer's steps say when they finish once the layer has taken this long (s)
 
 
 def progress_line(done: int, total: int, elapsed: float, what: str, width: int = 20) -> str:
