@@ -1,5 +1,5 @@
 """Builds the C++ core (CPU paged-attention kernel and its ONNX Runtime custom-op library, KV block
-manager, the read-bandwidth probe of `llmc bench`) as part of `pip install`.
+manager, the read-bandwidth probe of `llmc bench`, calibration's Gram kernel) as part of `pip install`.
 
 Metadata lives in pyproject.toml; only the extension needs code.
 """
@@ -8,6 +8,8 @@ from pybind11.setup_helpers import Pybind11Extension
 from setuptools import Extension, setup
 
 _PA = "plugins/paged_attention/csrc"
+# Portable builds: kernels for newer instruction sets are chosen at run time (target attributes, CPU checks).
+_OPENMP = {"extra_compile_args": ["-O3", "-fopenmp", "-march=x86-64-v2", "-Wno-psabi"], "extra_link_args": ["-fopenmp"]}
 
 ext_modules = [
     Pybind11Extension(
@@ -15,8 +17,7 @@ ext_modules = [
         [f"{_PA}/paged_attention_cpu.cpp"],
         depends=[f"{_PA}/paged_attention_core.h", "plugins/csrc/parallel_for.h", "plugins/csrc/exp_nonpos.h"],
         cxx_std=17,
-        extra_compile_args=["-O3", "-fopenmp", "-march=x86-64-v2", "-Wno-psabi"],
-        extra_link_args=["-fopenmp"],
+        **_OPENMP,
     ),
     # Not a Python module: a plain shared library that ONNX Runtime loads as a custom-op library
     # (SessionOptions.register_custom_ops_library) and the runtime binds the KV pool of through ctypes
@@ -31,21 +32,9 @@ ext_modules = [
         extra_compile_args=["-std=c++17", "-O3", "-fopenmp", "-march=x86-64-v2", "-fvisibility=hidden", "-Wno-psabi"],
         extra_link_args=["-fopenmp"],
     ),
-    Pybind11Extension(
-        "llmc.runtime._membench",
-        ["runtime/csrc/membench.cpp"],
-        cxx_std=17,
-        extra_compile_args=["-O3", "-fopenmp", "-march=x86-64-v2", "-Wno-psabi"],
-        extra_link_args=["-fopenmp"],
-    ),
+    Pybind11Extension("llmc.runtime._membench", ["runtime/csrc/membench.cpp"], cxx_std=17, **_OPENMP),
     # Calibration's float32 Gram matrices of bfloat16 activations (AVX-512 BF16, dispatched at run time).
-    Pybind11Extension(
-        "llmc.quant._gram",
-        ["quant/csrc/gram_bf16.cpp"],
-        cxx_std=17,
-        extra_compile_args=["-O3", "-fopenmp", "-march=x86-64-v2", "-Wno-psabi"],
-        extra_link_args=["-fopenmp"],
-    ),
+    Pybind11Extension("llmc.quant._gram", ["quant/csrc/gram_bf16.cpp"], cxx_std=17, **_OPENMP),
     Pybind11Extension(
         "llmc.runtime._block_manager",
         ["runtime/csrc/block_manager.cpp"],

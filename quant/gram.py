@@ -9,6 +9,8 @@ torch's GEMMs.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 # Gram matrices are summed as row panels of their upper triangle: X^T X is symmetric, so half its GEMM flops (less
@@ -18,8 +20,10 @@ import numpy as np
 GRAM_PANEL = 1024
 
 
+@functools.cache
 def kernel_available() -> bool:
-    """Whether the AVX-512 BF16 kernel is built and this CPU runs it."""
+    """Whether the AVX-512 BF16 kernel is built and this CPU runs it (asked once: every batch of every layer
+    asks)."""
     try:
         from llmc.quant import _gram
     except ImportError:  # a source tree whose extensions were not built: torch's GEMMs do the work

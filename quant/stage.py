@@ -26,7 +26,7 @@ import onnx_ir as ir
 from llmc.errors import LlmcError
 from llmc.passes.base import GraphPass
 from llmc.quant import evaluate
-from llmc.quant.recipe import QuantRecipe
+from llmc.quant.recipe import QuantRecipe, resolve_calib_device
 
 PASS_NAME = "quantize"
 EVAL_WINDOW = 256
@@ -59,6 +59,7 @@ class QuantStage:
         self.say = progress or (lambda msg: None)
         self.reference: ir.Model | None = None
         self.calibration = None
+        self.calib_device: str | None = None  # where calibration ran, once it has
         self.stats: dict = {}
         self.timings: dict[str, float] = {}
         self.accuracy: evaluate.Accuracy | None = None
@@ -87,7 +88,8 @@ class QuantStage:
         seq_len = min(r.calib_seq_len, int(getattr(config, "max_position_embeddings", r.calib_seq_len)))
         docs, eos = calibration.tokenize(self.checkpoint.path / "tokenizer.json", calibration.load_texts(r.calib_data))
         samples = calibration.sample_sequences(docs, r.calib_samples, seq_len, r.seed, separator=eos)
-        device = "cpu" if r.calib_device == "auto" else r.calib_device  # the build resolves auto; a bare stage: CPU
+        # The build resolved "auto" already (before its cache key); a stage used on its own resolves it the same way.
+        self.calib_device = device = resolve_calib_device(r).calib_device
         self.say(f"      calibrate on {samples.shape[0]} x {samples.shape[1]} tokens "
                  f"({r.calib_data or 'built-in pydoc text'}, seed {r.seed}) on the {device.upper()}")
         if self.params is None:
@@ -166,7 +168,7 @@ class QuantStage:
             out["quantization"]["calibration"] = {
                 "data": r.calib_data or "built-in: pydoc_data.topics train split", "samples": r.calib_samples,
                 "seq_len": r.calib_seq_len, "seed": r.seed, "tokens": self.calibration.num_tokens,
-                "device": "cpu" if r.calib_device == "auto" else r.calib_device}
+                "device": self.calib_device}
             out["quantization"]["layers"] = _rounded(self.calibration.decisions)
             if self.calibration.kv_amax and r.kv_cache_dtype:
                 out["quantization"]["kv_cache_amax"] = {str(k): [float(f"{a:.6g}") for a in v]

@@ -30,6 +30,7 @@ PROMPT_LEN, NEW_TOKENS, BATCHES, PREFILL_LEN = 128, 128, (1, 8, 64), 2048
 
 QUANT_LABEL = {"fp8": "fp8", "int4": "int4-awq"}  # engine key -> what --quant built it
 
+
 def _llmc(*args, log: list) -> tuple[int, float, str]:
     t0 = time.time()
     proc = subprocess.run([sys.executable, "-m", "llmc.cli.main", *map(str, args)], capture_output=True, text=True)
