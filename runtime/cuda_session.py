@@ -22,6 +22,8 @@ import numpy as np
 import torch
 
 from llmc.runtime import cuda_kernels
+from llmc.runtime.device_sampler import sample_rows
+from llmc.runtime.sampler import SampleRow
 from llmc.runtime.torch_ops import DTYPES, OPS, paged_attention_torch
 from llmc.runtime.torch_program import Program, load_weights, read_spec
 
@@ -70,6 +72,7 @@ class CudaSession:
     """Executes a CUDA engine's program. ``run(feeds, pool)`` as :class:`~llmc.runtime.session.OrtSession`."""
 
     spinning = False
+    samples_on_device = True  # the engine samples plain rows with sample(), reading only ids back
     spin_reason = "CUDA engine (ONNX Runtime's thread pool is not used)"
 
     def __init__(self, root: Path, manifest: dict, device: str = "cuda", cuda_graphs: bool = True,
@@ -105,6 +108,7 @@ class CudaSession:
         self._graph_pool = None
         self.graph_replays = 0
         self.eager_steps = 0
+        self.rows_sampled_on_device = 0
 
     # -- KV pool ----------------------------------------------------------------------------------
 
@@ -226,6 +230,24 @@ class CudaSession:
 
     def run(self, feeds: dict[str, np.ndarray], pool: TorchKVPool) -> np.ndarray:
         """Run one step; returns logits ``[n_logits, vocab]`` (float32, host)."""
+        return self.host_rows(self.run_device(feeds, pool))
+
+    def host_rows(self, logits: torch.Tensor, rows: list[int] | None = None) -> np.ndarray:
+        """``logits[rows]`` (all rows if None) as float32 on the host."""
+        if rows is not None:
+            logits = logits[torch.tensor(rows, dtype=torch.int64, device=logits.device)]
+        return logits.float().cpu().numpy()
+
+    def sample(self, logits: torch.Tensor, rows: list[SampleRow]) -> tuple[list[int], list[dict[int, float] | None]]:
+        """Sample ``rows`` of a step's device logits where they are (:func:`.device_sampler.sample_rows`)."""
+        self.rows_sampled_on_device += len(rows)
+        return sample_rows(logits, rows)
+
+    def run_device(self, feeds: dict[str, np.ndarray], pool: TorchKVPool) -> torch.Tensor:
+        """Run one step; returns logits ``[n_logits, vocab]`` on the device, in the program's output dtype.
+
+        A replayed graph's logits live in its static output buffer: read them before the next step.
+        """
         if pool is not self._pool:
             self._pool = pool
             self._graphs.clear()
@@ -243,7 +265,7 @@ class CudaSession:
             with torch.inference_mode():
                 logits = self.program.run(tensors)[0]
             self.eager_steps += 1
-        return logits.float().cpu().numpy()
+        return logits
 
     def _static_feeds(self, b: int) -> dict[str, torch.Tensor]:
         z = dict(dtype=torch.int64, device=self.device)

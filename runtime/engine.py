@@ -28,7 +28,7 @@ import numpy as np
 from llmc.errors import LlmcError, UnsupportedError
 from llmc.runtime import artifact
 from llmc.runtime.kv_cache import BlockManager, KVPool
-from llmc.runtime.sampler import SamplingParams, sample, token_logprobs
+from llmc.runtime.sampler import SampleRow, SamplingParams, sample, token_logprobs
 from llmc.runtime.scheduler import Request, Scheduler, SchedulerConfig, SchedulerOutput
 from llmc.runtime.session import OrtSession, custom_ops_of
 from llmc.runtime.speculative import SpeculativeConfig, Speculator
@@ -406,20 +406,62 @@ class Engine:
             # Whole decode/verify steps (proposals and verification included; prefill chunks cost another
             # amount per token) feed the cost model that sizes the drafts. Decided now: sampling changes tokens.
             pure = self.speculator is not None and all(c.samples and c.num_tokens == 1 + len(c.draft) for c in chunks)
-            logits = self._session.run(feeds, self._pool)
-            self.scheduler.complete(sched)
-            now = time.perf_counter()
-            row = 0
-            for chunk in sampling:
-                if chunk.draft:
-                    outputs.append(self._accept_draft(chunk, logits[row: row + 1 + len(chunk.draft)], now, masks))
-                else:
-                    outputs.append(self._accept(chunk.request, logits[row], now, masks))
-                row += 1 + len(chunk.draft)
+            if getattr(self._session, "samples_on_device", False):
+                outputs += self._sample_on_device(sched, sampling, feeds, masks)
+            else:
+                logits = self._session.run(feeds, self._pool)
+                self.scheduler.complete(sched)
+                now = time.perf_counter()
+                row = 0
+                for chunk in sampling:
+                    if chunk.draft:
+                        outputs.append(self._accept_draft(chunk, logits[row: row + 1 + len(chunk.draft)], now,
+                                                          masks))
+                    else:
+                        outputs.append(self._accept(chunk.request, logits[row], now, masks))
+                    row += 1 + len(chunk.draft)
             if pure:
                 self.speculator.observe_step(len(ids), len(chunks), time.perf_counter() - t0)
             self._busy += time.perf_counter() - t0
             return outputs
+
+    def _sample_on_device(self, sched: SchedulerOutput, sampling: list, feeds: dict[str, np.ndarray],
+                          masks) -> list[RequestOutput]:
+        """Run the step on a session that samples where its logits are (the CUDA engine's).
+
+        Plain rows (no drafts, no constraint) are sampled there in one batch, and only their token ids
+        (and the logprobs asked for) come back; verify chunks and constrained rows copy their logits rows
+        to the host and take the numpy path. Each sampled row's uniform comes from its request's own
+        generator, as the numpy sampler draws it, so a seed gives the same tokens on either path.
+        """
+        logits = self._session.run_device(feeds, self._pool)
+        self.scheduler.complete(sched)
+        now = time.perf_counter()
+        starts = np.cumsum([0] + [1 + len(c.draft) for c in sampling])
+        plain = [i for i, c in enumerate(sampling) if not c.draft and c.request.params.structured is None]
+        rows = []
+        for i in plain:
+            r = sampling[i].request
+            p = r.params
+            rows.append(SampleRow(int(starts[i]), p, r.tokens if p.uses_history else (), r.prompt_len,
+                                  None if p.greedy else float(r.rng.random())))
+        tokens, lps = self._session.sample(logits, rows)
+        picked = {i: (t, lp) for i, t, lp in zip(plain, tokens, lps, strict=True)}
+        rest = [i for i in range(len(sampling)) if i not in picked]
+        host_idx = [int(j) for i in rest for j in range(starts[i], starts[i + 1])]
+        host = self._session.host_rows(logits, host_idx) if host_idx else None
+        outputs, at = [], 0
+        for i, chunk in enumerate(sampling):
+            if i in picked:
+                outputs.append(self._emit(chunk.request, *picked[i], now))
+                continue
+            n = 1 + len(chunk.draft)
+            if chunk.draft:
+                outputs.append(self._accept_draft(chunk, host[at: at + n], now, masks))
+            else:
+                outputs.append(self._accept(chunk.request, host[at], now, masks))
+            at += n
+        return outputs
 
     def _accept_draft(self, chunk, logits: np.ndarray, now: float, masks=None) -> RequestOutput:
         """A verify chunk's ``[1 + k, vocab]`` logits: emit the kept drafts and one more token, in order.
@@ -503,6 +545,11 @@ class Engine:
         else:
             token = sample(logits, p, r.rng, r.tokens if p.uses_history else (), r.prompt_len)
         lp = token_logprobs(logits, token, p.logprobs) if p.logprobs is not None else None
+        return self._emit(r, token, lp, now, allowed)
+
+    def _emit(self, r: Request, token: int, lp: dict[int, float] | None, now: float,
+              allowed: np.ndarray | None = None) -> RequestOutput:
+        """Append the token chosen for ``r`` (``allowed``: its constraint's mask rows, if it has one)."""
         self.scheduler.append_token(r, token)
         structured = self._structured.advance(r, token, self.eos_token_ids) if allowed is not None else None
         reason = self._record(r, token, lp, now, structured)

@@ -83,6 +83,19 @@ class SamplingParams:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
 
+@dataclass
+class SampleRow:
+    """One logits row for a sampler that runs where the logits are (:mod:`llmc.runtime.device_sampler`):
+    its index in the step's logits, its parameters, its history and, when sampled, its uniform in [0, 1)
+    (drawn from the request's generator as :func:`sample` draws it)."""
+
+    index: int
+    params: SamplingParams
+    context: Sequence[int] = ()  # prompt + output ids (read only when a penalty is on)
+    prompt_len: int = 0
+    uniform: float | None = None  # required when params.temperature > 0
+
+
 def apply_repetition_penalty(logits: np.ndarray, context: Sequence[int], penalty: float) -> np.ndarray:
     """Return a copy of ``logits`` ``[vocab]`` with every token of ``context`` penalised (HF semantics)."""
     out = np.array(logits, dtype=np.float32, copy=True)

@@ -387,7 +387,7 @@ def print_engine(r: dict) -> None:
                 x.get("error", "") or (f"greedy agree {x['greedy_agree_with_bf16']:.2f}"
                                        if "greedy_agree_with_bf16" in x else "")] for x in r["rows"]])
     for k in ("parity", "batched_equals_single", "graphs_equal_eager", "attention_route", "prefill_llmc_tok_s",
-              "prefill_transformers_tok_s", "copy_bandwidth_gbs", "make_model_s"):
+              "prefill_transformers_tok_s", "copy_bandwidth_gbs", "make_model_s", "sampling"):
         if k in r:
             print(f"  {k}: {r[k]}")
     for b in r.get("builds", []):

@@ -100,6 +100,31 @@ def _prefill_rate(engine, ids: list[int]) -> float:
     return len(ids) / (time.perf_counter() - t)
 
 
+def _sampling_rows(engine, rng, vocab: int) -> list[dict]:
+    """Batch-64 seeded top-p sampling: tok/s with the device sampler and with the host (numpy) one, same tokens."""
+    from llmc.runtime import SamplingParams
+
+    ps = [rng.integers(3, vocab, PROMPT_LEN).tolist() for _ in range(64)]
+    seeds = rng.integers(1 << 31, size=64).tolist()
+    params = [SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True, temperature=0.8, top_p=0.9, seed=s)
+              for s in seeds]
+    rows, tokens = [], []
+    for where in ("device", "host"):
+        engine._session.samples_on_device = where == "device"
+        engine.reset_prefix_cache()
+        t = time.perf_counter()
+        outs = engine.generate(ps, params)
+        secs = time.perf_counter() - t
+        tokens.append([o.token_ids for o in outs])
+        rows.append({"sampler": where, "batch": 64, "tok_s": 64 * NEW_TOKENS / secs})
+    engine._session.samples_on_device = True
+    same = sum(a == b for x, y in zip(*tokens, strict=True) for a, b in zip(x, y, strict=True))
+    for r in rows:
+        r["same_tokens_frac"] = same / (64 * NEW_TOKENS)
+    print(rows, flush=True)
+    return rows
+
+
 def run_quick(report: dict) -> dict:
     """The bf16 engine alone, for a short lease: build, CUDA graphs vs eager tokens, decode b1/8/64, prefill."""
     import numpy as np
@@ -262,6 +287,7 @@ def run_engine(budget_s: float, t_start: float, report: dict) -> dict:
             rows.append({"who": label, "batch": b, "tok_s": rate,
                          "roofline_frac": rate / b * step_bytes / copy_bw})
             print(rows[-1], flush=True)
+    res["sampling"] = _sampling_rows(e, rng, cfg["vocab_size"])
     ids = rng.integers(3, cfg["vocab_size"], PREFILL_LEN).tolist()
     res["prefill_llmc_tok_s"] = _prefill_rate(e, ids)
     res["graph_replays"], res["eager_steps"] = e._session.graph_replays, e._session.eager_steps
