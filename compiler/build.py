@@ -128,6 +128,12 @@ def _check_cuda_request(options: BuildOptions, target: Target) -> BuildOptions:
     if fmt is not None and fmt.family == "nvfp4":
         raise UnsupportedError(f"--quant {fmt.name} on {target.flag}: the CUDA engine has no NVFP4 kernels yet; use "
                                "--quant fp8 or int4-awq, or --engine tensorrt for a TensorRT export")
+    if options.quant.kv_cache_dtype == "fp16" and options.dtype != "float16":
+        # The attention kernels read a cache in the engine's own dtype or as FP8 codes; a float16 cache beside
+        # bfloat16 activations would be a third format for every kernel, for no memory saved.
+        raise UnsupportedError(f"--kv-cache-dtype fp16 on {target.flag}: the CUDA engine's KV cache is in its "
+                               f"compute dtype ({options.dtype}) or FP8; use --kv-cache-dtype fp8 (half the "
+                               "memory), --dtype float16, or leave --kv-cache-dtype out")
     if options.aot_kernels and importlib.util.find_spec("triton") is None:
         raise UnsupportedError(f"{target.flag}: the CUDA engine's kernels are compiled ahead of time with Triton, "
                                "which is not installed here; pip install 'llmc[gpu]' (or triton) and build again")
@@ -387,8 +393,8 @@ def _compile(ckpt: Checkpoint, digest: str, plan: _Plan, dest: Path, say: Progre
             "inputs": list(traced.inputs), "outputs": list(GRAPH_OUTPUTS), "vocab_size": traced.vocab_size,
             **({"rope_recompute_at": traced.rope_recompute_at} if traced.rope_recompute_at else {}),
         }
-        # The cache holds what the kernels write: the engine dtype (an fp8 cache is emulated in the graph).
-        fields["kv_cache"] = {**fields["kv_cache"], "dtype": cuda_files.dtype}
+        # The cache holds what the kernels write: the engine dtype, or E4M3 codes (--kv-cache-dtype fp8).
+        fields["kv_cache"] = {**fields["kv_cache"], "dtype": cuda_files.kv_cache_dtype}
         fields["target"] = {"name": target.name, "backend": "cuda", "sm": target.sm}
         fields["toolchain"] = {**fields["toolchain"], **_cuda_toolchain(int(target.sm.replace(".", "")))}
     elif gpu:  # the CPU form of the same graph (for the accuracy check) keeps the ONNX Runtime fields

@@ -62,6 +62,11 @@ class TorchKVPool:
             v[dst] = v[src]
 
 
+def _pool_dtype(name: str) -> torch.dtype:
+    """The KV pool's torch dtype: an FP8 cache holds E4M3 codes as bytes (the attention kernels read uint8)."""
+    return torch.uint8 if name == "float8_e4m3fn" else DTYPES[name]
+
+
 def attention_key(attrs: dict) -> str:
     """The configuration an attention kernel is specialised for (the compiler names kernels by it)."""
     return (f"h{attrs['num_heads']}-kv{attrs['num_kv_heads']}-d{attrs['head_size']}-s{float(attrs['scale']):.9g}"
@@ -97,7 +102,8 @@ class CudaSession:
         self.attention_route = "aot-triton" if on_gpu and self.kernels else "torch"
         if on_gpu and os.environ.get("LLMC_CUDA_ATTENTION") == "torch":  # debugging: the plain-torch attention
             self.kernels, self.attention_route = {}, "torch"
-        self._kv_scales = torch.ones(2, dtype=torch.float32, device=self.device)
+        self._kv_scales: dict[int, torch.Tensor] = {}  # layer -> [k_scale, v_scale] of an FP8 cache (persistent:
+        # CUDA graphs capture their addresses)
         self.program = Program(spec, load_weights(root, spec, self.device), self._attention,
                                self._fused_overrides() if self.kernels else None)
         self.cuda_graphs = bool(cuda_graphs and on_gpu and self.kernels)
@@ -115,7 +121,7 @@ class CudaSession:
     def allocate_pool(self, kv: dict, num_blocks: int) -> TorchKVPool:
         self._graphs.clear()  # graphs hold pointers into the pool they were captured with
         self._pool = TorchKVPool.allocate(kv["num_layers"], num_blocks, kv["num_kv_heads"], kv["block_size"],
-                                          kv["head_size"], DTYPES[kv["dtype"]], self.device)
+                                          kv["head_size"], _pool_dtype(kv["dtype"]), self.device)
         return self._pool
 
     def blocks_that_fit(self, kv: dict, gpu_memory_utilization: float, reserve_bytes: int) -> int:
@@ -123,13 +129,18 @@ class CudaSession:
         free, total = torch.cuda.mem_get_info(self.device)
         budget = free - (1.0 - gpu_memory_utilization) * total - reserve_bytes
         per = TorchKVPool.bytes_per_block(kv["num_layers"], kv["num_kv_heads"], kv["block_size"], kv["head_size"],
-                                          DTYPES[kv["dtype"]])
+                                          _pool_dtype(kv["dtype"]))
         return max(0, int(budget // per))
 
     # -- attention --------------------------------------------------------------------------------
 
     def _attention(self, attrs, query, key, value, slot_mapping, block_tables, context_lens, query_start_loc):
-        k_cache, v_cache = self._pool.layers[attrs["layer_idx"]]
+        layer = attrs["layer_idx"]
+        k_cache, v_cache = self._pool.layers[layer]
+        scales = self._kv_scales.get(layer)
+        if scales is None:  # [k_scale, v_scale] of an FP8 cache (the kernels read them; ones otherwise)
+            scales = self._kv_scales[layer] = torch.tensor(
+                [attrs.get("k_scale", 1.0), attrs.get("v_scale", 1.0)], dtype=torch.float32, device=self.device)
         t, s = query.shape[0], context_lens.shape[0]
         kernel = self.kernels.get((attention_key(attrs), "decode" if t <= s else "prefill"))
         if kernel is None:
@@ -137,13 +148,13 @@ class CudaSession:
                                          query_start_loc, k_cache, v_cache, num_heads=attrs["num_heads"],
                                          num_kv_heads=attrs["num_kv_heads"], scale=attrs["scale"],
                                          sliding_window=attrs.get("sliding_window", 0),
-                                         softcap=attrs.get("softcap", 0.0))
+                                         softcap=attrs.get("softcap", 0.0), kv_scales=scales)
         query, key, value = query.contiguous(), key.contiguous(), value.contiguous()
         out = torch.empty_like(query)
         info = kernel.info
         grid = (-(-t // info.block_q) + s, info.num_kv_heads, 1)
         kernel.launch(grid, [query, key, value, slot_mapping, block_tables, context_lens, query_start_loc,
-                             k_cache, v_cache, self._kv_scales, s, block_tables.shape[1], out, k_cache, v_cache],
+                             k_cache, v_cache, scales, s, block_tables.shape[1], out, k_cache, v_cache],
                       torch.cuda.current_stream(self.device).cuda_stream)
         return out
 

@@ -183,6 +183,38 @@ def test_fp8_cuda_engine_on_cpu_matches_the_cpu_engine_of_the_recipe(tmp_path, t
     assert (lg.argmax(-1) == lc.argmax(-1)).mean() >= 0.95
 
 
+def test_fp8_kv_cache_cuda_engine_stores_e4m3_codes_and_matches_the_cpu_engine(tmp_path, tiny_llama):
+    """--kv-cache-dtype fp8 on a GPU target: the pool holds E4M3 codes (one byte per value) with the calibrated
+    per-layer scales, written and read by the attention kernels; the CPU engine of the recipe emulates the same
+    rounding with Q/DQ in its graph. The attention kernels are compiled for the FP8 cache."""
+    recipe = QuantRecipe(quant="none", kv_cache_dtype="fp8", calib_samples=4, calib_seq_len=32)
+    cuda = build(tiny_llama, tmp_path / "g", BuildOptions(target="h100", dtype="float32", quant=recipe))
+    m = cuda.manifest
+    assert m["kv_cache"]["dtype"] == "float8_e4m3fn"
+    assert cuda.report["backend_fusions"]["fp8-kv-cache"] == m["kv_cache"]["num_layers"]
+    spec = json.loads((cuda.out_dir / "program.json").read_text())
+    assert not [n for n in spec["nodes"] if n["op"] in ("QuantizeLinear", "DequantizeLinear")]
+    attn = [n["attrs"] for n in spec["nodes"] if n["op"] == "PagedAttention"]
+    assert all(a["k_scale"] > 0 and a["v_scale"] > 0 for a in attn)
+    assert {(k["config"]["cache_dtype"], k["config"]["fp8_native"]) for k in m["engine"]["kernels"]
+            if k["variant"] != "fused"} == {("u8", True)}
+    cpu = build(tiny_llama, tmp_path / "c", BuildOptions(target="cpu", quant=recipe))
+    g, c = Engine.load(cuda.out_dir, device="cpu"), Engine.load(cpu.out_dir)
+    assert all(k.dtype.itemsize == 1 for layer in g._pool.layers for k in layer)
+    ids = _fresh_ids(50, g.vocab_size)
+    lg, lc = g.score(ids), c.score(ids)
+    # Same codes, same scales; as with FP8 linears, a last-bit difference upstream can flip one code.
+    rel = np.abs(lg - lc).max(-1) / np.abs(lc).max()
+    assert (rel < 1e-4).mean() >= 0.5, rel
+    assert _mean_kl(lc, lg) < 1e-3
+    # decode steps (one token a step, read back from the E4M3 pool) against the CPU engine
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    got = [o.token_ids for o in g.generate(PROMPTS, params)]
+    want = [o.token_ids for o in c.generate(PROMPTS, params)]
+    agree = sum(a == b for x, y in zip(got, want, strict=True) for a, b in zip(x, y, strict=True))
+    assert agree >= 0.9 * 16 * len(PROMPTS), (got, want)
+
+
 def test_int4_cuda_engine_on_cpu_matches_onnxruntime_on_the_same_qdq_graph(tmp_path, tiny_llama, monkeypatch):
     """The INT4 CUDA engine (fused Int4Linear) against ONNX Runtime running the block-wise Q/DQ graph it was
     lowered from: a CPU engine built with the GPU builds' quantized form (what their accuracy figures score)."""
@@ -263,6 +295,10 @@ def test_cuda_engine_refusals_before_any_work(tmp_path, tiny_llama):
     assert not (tmp_path / "x").exists()
     r = runner.invoke(cli, ["build", str(tiny_llama), "-o", str(tmp_path / "y"), "--gpu", "h100", "--dtype", "fp64"])
     assert r.exit_code == 2 and "--dtype" in r.stderr
+    r = runner.invoke(cli, ["build", str(tiny_llama), "-o", str(tmp_path / "z"), "--gpu", "h100", "--kv-cache-dtype",
+                            "fp16"])
+    assert r.exit_code == 3 and "--kv-cache-dtype fp16" in r.stderr and "fp8" in r.stderr
+    assert not (tmp_path / "z").exists()
 
 
 @pytest.mark.parametrize("model_type", sorted(SUPPORTED_MODEL_TYPES))

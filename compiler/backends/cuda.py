@@ -38,7 +38,7 @@ from llmc.runtime.cuda_session import attention_key
 
 ENGINE_DTYPES = ("bfloat16", "float16", "float32")
 KERNEL_DIR = "kernels"
-_TL = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+_TL = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "float8_e4m3fn": "u8"}  # u8: FP8 E4M3 codes
 _ST = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "I64", "int32": "I32", "int8": "I8",
        "uint8": "U8", "bool": "BOOL", "float8_e4m3fn": "F8_E4M3"}
 _SIZE = {"F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1}
@@ -139,6 +139,23 @@ def _match_fp8_linear(node: ir.Node) -> tuple | None:
     return q.inputs[0], q.inputs[1], w8, ws
 
 
+def _match_fp8_qdq(v: ir.Value | None) -> tuple[ir.Value, float] | None:
+    """``DQ(Q(x, s, zp), s, zp)`` to E4M3 with one static scale ``s`` (the quantize pass's FP8 KV cache) ->
+    (x, s)."""
+    dq = _producer(v, "DequantizeLinear")
+    q = _producer(dq.inputs[0], "QuantizeLinear") if dq is not None else None
+    if q is None or len(q.inputs) < 3 or q.inputs[2] is None or q.inputs[2].dtype != ir.DataType.FLOAT8E4M3FN:
+        return None
+    scale = _const(q.inputs[1])
+    if scale is None or scale.numpy().size != 1 or _const(dq.inputs[1]) is None:
+        return None
+    if float(_const(dq.inputs[1]).numpy().reshape(-1)[0]) != float(scale.numpy().reshape(-1)[0]):
+        return None
+    if q.attributes.get_int("saturate", 1) != 1 or q.attributes.get_int("axis", 1) not in (0, 1):
+        return None
+    return q.inputs[0], float(scale.numpy().reshape(-1)[0])
+
+
 def _match_int4_linear(node: ir.Node) -> tuple | None:
     """``MatMul(x, DQ(codes [K, N] int4/uint4, scales [K/g, N], [zp], axis=0, block_size=g))``."""
     x, b = node.inputs
@@ -169,6 +186,9 @@ class _Lowering:
         self.weights: dict[str, _Weight] = {}
         self.fusions = {"fp8-linear": 0, "int4-linear": 0}
         self.fused: set[int] = set()  # ids of the MatMul nodes a lowering fusion replaced
+        # ids of PagedAttention nodes whose K and V pass through FP8 Q/DQ -> ((k, k_scale), (v, v_scale)):
+        # the cache itself stores E4M3 codes with those scales (the kernels quantize on write).
+        self.kv_fp8: dict[int, tuple] = {}
         self.kernel_requests: dict[str, dict] = {}  # fused-kernel key -> AOT request (llmc.plugins.triton_aot)
 
     # weights ------------------------------------------------------------------------------------
@@ -212,6 +232,14 @@ class _Lowering:
             if node.op_type == "MatMul" and node.domain == "" and (_match_fp8_linear(node) or
                                                                   _match_int4_linear(node)):
                 self.fused.add(id(node))
+            elif node.op_type == torch_program.ATTENTION_OP:
+                kv = (_match_fp8_qdq(node.inputs[1]), _match_fp8_qdq(node.inputs[2]))
+                if all(kv):
+                    self.kv_fp8[id(node)] = kv
+        layers = sum(1 for n in self.graph if n.op_type == torch_program.ATTENTION_OP)
+        if self.kv_fp8 and len(self.kv_fp8) != layers:  # one pool, one format: every layer or none
+            raise UnsupportedError(f"the CUDA engine needs an FP8 KV cache in every attention layer or none "
+                                   f"({len(self.kv_fp8)} of {layers} have one)")
         dead = self._dead_after_fusion()
         for node in self.graph:
             if id(node) in dead:
@@ -267,7 +295,7 @@ class _Lowering:
                 if id(node) in dead or node.op_type not in ("DequantizeLinear", "QuantizeLinear"):
                     continue
                 users = [u.node if hasattr(u, "node") else u[0] for o in node.outputs for u in o.uses()]
-                if users and all(id(u) in self.fused or id(u) in dead for u in users):
+                if users and all(id(u) in self.fused or id(u) in dead or id(u) in self.kv_fp8 for u in users):
                     dead.add(id(node))
                     changed = True
         return dead
@@ -293,6 +321,10 @@ class _Lowering:
                 name = self.dtype
             attrs["to"] = name
         inputs = [self.input_name(node, i, v) for i, v in enumerate(node.inputs)]
+        if id(node) in self.kv_fp8:
+            (k, k_scale), (v, v_scale) = self.kv_fp8[id(node)]
+            inputs[1], inputs[2] = k.name, v.name
+            attrs.update(k_scale=k_scale, v_scale=v_scale)
         key = self._fused_kernel(node, inputs, attrs)
         if key is not None:
             attrs["kernel"] = key
@@ -338,6 +370,7 @@ class CudaEngineFiles:
     kernels: list[dict]
     fusions: dict[str, int]
     dtype: str
+    kv_cache_dtype: str  # what the KV pool stores: the engine dtype, or float8_e4m3fn codes
 
 
 def attention_configs(nodes: list[dict]) -> dict[str, dict]:
@@ -404,8 +437,8 @@ def ptxas_cuda_version(sm: int) -> str | None:
     return m.group(1) if m else None
 
 
-def emit(model: ir.Model, out_dir: Path, *, sm: int, dtype: str = "bfloat16", cache_dtype: str | None = None,
-         block_size: int = 16, say: Callable[[str], None] | None = None, aot: bool = True) -> CudaEngineFiles:
+def emit(model: ir.Model, out_dir: Path, *, sm: int, dtype: str = "bfloat16", block_size: int = 16,
+         say: Callable[[str], None] | None = None, aot: bool = True) -> CudaEngineFiles:
     """Lower ``model`` and write the CUDA engine's files into ``out_dir``."""
     if dtype not in ENGINE_DTYPES:
         raise UnsupportedError(f"--dtype {dtype}: the CUDA engine computes in one of {', '.join(ENGINE_DTYPES)}")
@@ -420,13 +453,16 @@ def emit(model: ir.Model, out_dir: Path, *, sm: int, dtype: str = "bfloat16", ca
     say(f"      writing {len(low.weights)} weights ({dtype})")
     write_safetensors(out_dir / torch_program.WEIGHTS_FILE, list(low.weights.values()))
     configs = attention_configs(low.nodes)
+    kv_dtype = "float8_e4m3fn" if low.kv_fp8 else dtype
+    if low.kv_fp8:
+        low.fusions["fp8-kv-cache"] = len(low.kv_fp8)
     if not aot or os.environ.get("LLMC_CUDA_NO_AOT") == "1":  # an engine whose ops all run in plain torch
         say("      no ahead-of-time kernels (attention in plain torch, no CUDA graphs)")
         kernels = []
     else:
         say(f"      compiling {2 * len(configs)} attention and {len(low.kernel_requests)} fused kernels for sm_{sm} "
             "ahead of time")
-        kernels = compile_kernels(configs, sm, dtype, cache_dtype or dtype, block_size, out_dir)
+        kernels = compile_kernels(configs, sm, dtype, kv_dtype, block_size, out_dir)
         kernels += compile_fused(low.kernel_requests, sm, out_dir)
     return CudaEngineFiles(program=torch_program.PROGRAM_FILE, weights=torch_program.WEIGHTS_FILE, kernels=kernels,
-                           fusions=low.fusions, dtype=dtype)
+                           fusions=low.fusions, dtype=dtype, kv_cache_dtype=kv_dtype)
