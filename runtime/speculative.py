@@ -316,6 +316,7 @@ class StepCost:
         self.prior_ratio = prior_ratio
         self.refit_every = refit_every
         self._stale = 0  # observations since the last fit
+        self.version = 0  # counts refits: what is derived from the fit holds until it changes
         self._fit: tuple[float, float, int | None] = (0.0, 0.0, None)  # (a, b, the one size seen or None)
 
     def __len__(self) -> int:
@@ -328,6 +329,7 @@ class StepCost:
     def _refit(self) -> tuple[float, float, int | None]:
         if self._stale >= self.refit_every or (self._stale and len(self._obs) <= self.refit_every):
             self._stale = 0
+            self.version += 1
             x = np.fromiter((o[0] for o in self._obs), np.float64, len(self._obs))
             y = np.fromiter((o[1] for o in self._obs), np.float64, len(self._obs))
             # Each step size's median time (a few steps stalled by another process do not move it); sizes
@@ -346,6 +348,12 @@ class StepCost:
                 b, a = np.polyfit(sizes, medians, 1, w=counts.astype(np.float64))
                 self._fit = (max(float(a), 1e-6), max(float(b), 0.0), None)
         return self._fit
+
+    def trusted(self) -> bool:
+        """Whether some step size ran ``MIN_COUNT`` times: before that the fit is a line through single steps,
+        one of which may have stalled (a first step of a new shape: 11 ms where 0.4 are usual, measured)."""
+        self._refit()
+        return bool(self._medians)
 
     def slope(self) -> float | None:
         """Seconds per token, or ``None`` while steps of only one size (or none) were seen."""
@@ -384,7 +392,11 @@ class SpecState:
     max_tokens: int
     accepted: float = 2.0  # decayed counts; the prior says "a draft is kept 2 times in 3"
     rejected: float = 1.0
-    idle_steps: int = 0  # steps since the last proposal while adaptation chose 0 drafts
+    # Steps since the last proposal while adaptation chose 0 drafts. A new request starts due for a probe: its
+    # first decode step tries the drafts on its own text, whatever the engine's recent requests kept (one probe
+    # per request costs at most one verify step's excess; a warm-up on other text had kept a 5M-parameter
+    # model's requests from ever speculating on text they would have copied 85% of).
+    idle_steps: int = 1 << 30
     probe_every: int = 16  # idle steps between probes; doubles after each probe that does not pay
     probing: bool = False  # the last proposal was a probe, not yet verified
     probed: bool = False  # a probe was verified: the next choice judges it (its outcome sets probe_every)
@@ -422,12 +434,15 @@ class SpecState:
         to a plain decode step (``step_costs[0] == 1``). With acceptance ``a``, ``k`` drafts emit
         ``(1 - a^(k+1)) / (1 - a)`` tokens on average (each draft is kept only if those before it were,
         plus the target's own token). Speculating must beat plain decode by ``margin`` (the cost
-        estimates are noisy; a marginal win is not worth a possible loss). When 0 wins, one draft is
-        still proposed after ``probe_every`` idle steps so that a request whose text starts to repeat
-        is noticed; each probe after which 0 still wins doubles the wait (up to ``PROBE_MAX``: text that
-        never repeats, or a draft model whose drafts are kept too rarely to pay, costs ~nothing), one after
-        which speculation pays resets it. The wait is also at least ``(step_costs[1] - 1) / PROBE_BUDGET``
-        steps (at most ``PROBE_MAX``), so that probes cost at most ``PROBE_BUDGET`` of the plain steps between them.
+        estimates are noisy; a marginal win is not worth a possible loss). When 0 wins, the most drafts
+        (``max_tokens``) are still proposed after ``probe_every`` idle steps so that a request whose text
+        starts to repeat is noticed: a probe of one draft could never show it, as one kept draft moves the
+        acceptance too little to pay for a step whose first draft is dear (a tiny model whose verify step's
+        fixed cost is twice a plain step's, measured), while a run of kept drafts does. Each probe after
+        which 0 still wins doubles the wait (up to ``PROBE_MAX``: text that never repeats, or a draft model
+        whose drafts are kept too rarely to pay, costs ~nothing), one after which speculation pays resets
+        it. The wait is also at least ``(step_costs[max_tokens] - 1) / PROBE_BUDGET`` steps (at most
+        ``PROBE_MAX``), so that probes cost at most ``PROBE_BUDGET`` of the plain steps between them.
         """
         a = self.acceptance
         best_k, best = 0, margin
@@ -440,12 +455,13 @@ class SpecState:
             self.probe_every = self.PROBE_MIN if best_k else min(2 * self.probe_every, self.PROBE_MAX)
         if best_k == 0:
             self.idle_steps += 1
-            excess = step_costs[1] - 1.0 if len(step_costs) > 1 else 0.0
+            probe = min(self.max_tokens, len(step_costs) - 1)
+            excess = step_costs[probe] - 1.0 if probe > 0 else 0.0
             wait = min(max(self.probe_every, math.ceil(excess / self.PROBE_BUDGET)), self.PROBE_MAX)
-            if self.idle_steps >= wait:
+            if self.idle_steps >= wait and probe > 0:
                 self.idle_steps = 0
                 self.probing = True
-                return 1
+                return probe
         else:
             self.idle_steps = 0
             self.probing = False
@@ -468,9 +484,10 @@ def step_costs(plain: StepCost, verify: StepCost, batch: int, max_k: int) -> lis
     cost is not one line through both: on a CPU the first extra token per sequence turns the
     matrix-vector products of a 1-token step into matrix products, which cost more than the per-token
     slope of larger steps predicts (+33% for a 2-token step of the default model, then ~+8% per token).
-    Until ``verify`` holds ``StepCost.MIN_COUNT`` steps, drafts cost what ``plain``'s line says (nearly free), so
-    that speculation gets measured at all, and one stalled first verify step (ORT allocating for a new shape:
-    30 ms where 3 are usual) does not price drafts out for good.
+    Until ``verify`` holds ``StepCost.MIN_COUNT`` steps of one size (:meth:`StepCost.trusted`), drafts cost what
+    ``plain``'s line says (nearly free), so that speculation gets measured at all, and one stalled first verify
+    step (ORT allocating for a new shape: 30 ms where 3 are usual) does not price drafts out for good: a line
+    through three single steps of three sizes, one stalled, priced a 7-token step at 57 plain ones.
     """
     bp, bv = plain.slope(), verify.slope()
     if len(plain):
@@ -482,7 +499,7 @@ def step_costs(plain: StepCost, verify: StepCost, batch: int, max_k: int) -> lis
     costs = [1.0]
     for k in range(1, max_k + 1):
         n = batch * (1 + k)
-        if len(verify) >= StepCost.MIN_COUNT:
+        if verify.trusted():
             t = verify.predict(n, bv if bv is not None else bp)
         else:
             t = plain.predict(n, bp)
@@ -499,6 +516,8 @@ class Speculator:
         self.plain_cost = StepCost()  # the target's decode steps without drafts
         self.verify_cost = StepCost()  # decode steps with drafts: proposal + verify step + verification
         self._verify_by_batch: dict[int, StepCost] = {}  # the same, per number of requests in the step
+        self._costs_key: tuple | None = None
+        self._costs: list[float] = []
         # Decayed kept / rejected counts over all requests' recent verify steps (a new request's prior).
         self._recent = (SpecState.accepted, SpecState.rejected)
 
@@ -513,6 +532,17 @@ class Speculator:
             self._verify_by_batch.clear()  # bounded: continuous batching visits many batch sizes
         self._verify_by_batch.setdefault(seqs, StepCost(window=64)).observe(tokens, seconds)
 
+    def _step_costs(self, batch: int) -> list[float]:
+        """:func:`step_costs` for ``batch``, recomputed only when a fit it reads was refitted (computing them
+        took 80 us a step, a quarter of a 5M-parameter model's decode step on these cores)."""
+        verify = self.verify_fit(batch)
+        plain = self.plain_cost
+        plain.trusted(), verify.trusted()  # refit now if due, so that the versions say whether anything moved
+        key = (batch, id(verify), plain.version, verify.version, len(plain) > 0, len(verify) > 0)
+        if self._costs_key != key:
+            self._costs_key, self._costs = key, step_costs(plain, verify, batch, self.config.num_tokens)
+        return self._costs
+
     def verify_fit(self, batch: int) -> StepCost:
         """The verify-step fit for ``batch`` requests: its own once it has a few steps, else all batches'.
 
@@ -521,7 +551,7 @@ class Speculator:
         add only their own work; a line through both would make drafts look cheap at batch 8.
         """
         own = self._verify_by_batch.get(batch)
-        return own if own is not None and len(own) >= StepCost.MIN_COUNT else self.verify_cost
+        return own if own is not None and own.trusted() else self.verify_cost
 
     @property
     def draft_seconds(self) -> float:
@@ -556,7 +586,7 @@ class Speculator:
         decoding = [r for r in running if r.num_remaining == 1]
         cfg = self.config
         batch = max(1, len(decoding))
-        costs = step_costs(self.plain_cost, self.verify_fit(batch), batch, cfg.num_tokens)
+        costs = self._step_costs(batch)
         wanted: dict[int, tuple[Request, int]] = {}
         for r in decoding:
             if r.spec is None:
@@ -567,8 +597,9 @@ class Speculator:
             if self.draft is None:
                 r.draft = ngram_propose(r.tokens, k, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
                 r.draft_probs = None
-                if not r.draft:  # no match: nothing verified, so this probe tells nothing
+                if not r.draft and r.spec.probing:  # no match: nothing verified, nothing spent; probe again next step
                     r.spec.probing = False
+                    r.spec.idle_steps = 1 << 30
             else:
                 wanted[r.seq_id] = (r, k)
         if self.draft is not None:

@@ -84,7 +84,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--induction-head", type=_head, default=(1, 3), metavar="LAYER.HEAD",
                    help="the head that --attention-supervision teaches to attend to the token after the current "
                         "token's earlier occurrence (later layer than --previous-token-head)")
+    p.add_argument("--plant-induction", action="store_true",
+                   help="start from a hand-set induction circuit (plant_induction: two layers, bigram-keyed copying "
+                        "heads, rope theta 1e6, untied LM head), kept as set while the rest trains; needs --layers 2, "
+                        "64 dims per head, --kv-heads equal to --heads (e.g. --hidden-size 256 --heads 4)")
     args = p.parse_args(argv)
+    if args.plant_induction and (args.layers != 2 or args.kv_heads != args.heads or args.hidden_size % args.heads
+                                 or induction_layout(args.hidden_size, args.heads, args.hidden_size // args.heads)
+                                 is None):
+        p.error(f"--plant-induction: needs --layers 2, 64 dims per head (--hidden-size / --heads), --kv-heads equal "
+                f"to --heads and a width whose four token codes of (hidden - 1) // 4 dims fit the heads (256 / 4, "
+                f"384 / 6); got {args.layers} layers, hidden {args.hidden_size}, {args.heads} heads, {args.kv_heads} "
+                "KV heads")
     for name in ("repeat_fraction", "tile_fraction"):
         if not 0.0 <= getattr(args, name) <= 1.0:
             p.error(f"--{name.replace('_', '-')} {getattr(args, name)}: must be in [0, 1]")
@@ -197,6 +208,120 @@ def induction_aux_loss(attentions: tuple[torch.Tensor, ...], inputs: torch.Tenso
     return loss
 
 
+PLANT_ROPE_THETA = 1e6  # rotary pairs 16-31 of a 64-dim head turn < 1e-3 rad per position: content matching
+
+
+def induction_layout(hidden: int, heads: int, head_dim: int) -> tuple[int, int, int] | None:
+    """(code dims, layer-0 heads, layer-1 heads) :func:`plant_induction` uses in this shape, or None if it cannot:
+    the residual stream holds four token codes and a constant, layer 0 copies two codes 64 dims a head, layer 1
+    matches 16 dims of each of two codes a head."""
+    n_e = (hidden - 1) // 4
+    h0, h1 = 2 * -(-n_e // head_dim), -(-n_e // 16)
+    return (n_e, h0, h1) if head_dim == 64 and n_e >= 32 and h0 <= heads and h1 <= heads else None
+
+
+@torch.no_grad()
+def plant_induction(model: LlamaForCausalLM, seed: int = 0, prev_gain: float = 150.0, match_gain: float = 360.0,
+                    out_gain: float = 100.0) -> dict[str, torch.Tensor]:
+    """Set ``model``'s weights (2 layers, 64-dim heads, untied LM head; :func:`induction_layout`) to a two-layer
+    induction circuit: the model predicts that what followed an earlier occurrence of its last two tokens
+    follows again. Training then adds the language around it (the MLPs start as no-ops).
+
+    Why planted: real LLMs learn this circuit (induction heads) from code and chat corpora after ~10M tokens;
+    models trained from scratch on these 2 cores stayed on the plateau before it (docs/speculative.md), and
+    prompt lookup (speculative decoding) is worth something only on a model that copies.
+
+    Residual stream, with n = (hidden - 1) // 4: a unit-norm random code E[t] of each token in dims [0, n), a
+    constant 1 in n, the previous token's code in [n + 1, 2n + 1) and the one before in [2n + 1, 3n + 1)
+    (written by layer 0), the copied token's code in [3n + 1, 4n + 1) (written by layer 1); the LM head
+    reads only the last.
+
+    - Layer 0: position-only heads from the constant dimension, whose rotary phases make the score
+      ``prev_gain * sum_j cos(theta_j (delta - d))`` peak at distance d = 1 or 2; each copies 64 dims of E at
+      that position into its slot. Its other heads start small and random, for the text.
+    - Layer 1: each head matches a 16-dim slice of (E[i], E[i-1]) against (E[j-1], E[j-2]) in the slow rotary
+      pairs (``match_gain`` sets the softmax's sharpness) and copies that slice of E[j]: together the heads
+      carry E of the token after the earlier occurrence of the bigram.
+    - LM head: ``out_gain * E`` on the copy slot. Random-token spans are copied 98% right at 256 positions,
+      96% at 900, before any training (hidden 384).
+
+    Returns the circuit's entries per parameter name (boolean masks): training keeps them as set
+    (:func:`restore_frozen`). Trained freely, 200 steps of text took the held-out quoted-passage NLL from 0.82
+    to 4.9 (the model unlearned copying faster than the text taught it to use it).
+    """
+    cfg = model.config
+    hd, d, vocab, heads = cfg.head_dim, cfg.hidden_size, cfg.vocab_size, cfg.num_attention_heads
+    layout = induction_layout(d, heads, hd)
+    if layout is None or cfg.num_hidden_layers != 2 or cfg.num_key_value_heads != heads or cfg.tie_word_embeddings:
+        raise ValueError("plant_induction: needs 2 layers, 64-dim heads with as many KV heads, an untied LM head "
+                         "and enough width and heads (induction_layout)")
+    n_e, h0, h1 = layout
+    const, prev1, prev2, out = n_e, n_e + 1, 2 * n_e + 1, 3 * n_e + 1
+    gen = torch.Generator().manual_seed(seed)
+    code = torch.randn(vocab, n_e, generator=gen)
+    code /= code.norm(dim=1, keepdim=True)
+    theta = PLANT_ROPE_THETA ** (-torch.arange(hd // 2, dtype=torch.float64) / (hd // 2))
+    for name, p in model.named_parameters():
+        p.fill_(1.0) if "norm" in name else p.zero_()
+    model.model.embed_tokens.weight[:, :n_e] = code
+    model.model.embed_tokens.weight[:, const] = 1.0
+    # RMSNorm divides by the root mean square over d dims: sqrt(d / k) for k unit-norm parts
+    a0 = model.model.layers[0].self_attn
+    f0 = math.sqrt(d / 2)
+    chunks = [(lo, min(lo + hd, n_e)) for lo in range(0, n_e, hd)]
+    plan = [(dst, dist, lo, hi) for dst, dist in ((prev1, 1), (prev2, 2)) for lo, hi in chunks]
+    for h, (dst, dist, lo, hi) in enumerate(plan):
+        a0.q_proj.weight[h * hd: h * hd + hd // 2, const] = prev_gain / f0
+        a0.k_proj.weight[h * hd: h * hd + hd // 2, const] = (torch.cos(dist * theta) / f0).float()
+        a0.k_proj.weight[h * hd + hd // 2: (h + 1) * hd, const] = (torch.sin(dist * theta) / f0).float()
+        for i in range(hi - lo):
+            a0.v_proj.weight[h * hd + i, lo + i] = 1.0 / f0
+            a0.o_proj.weight[dst + lo + i, h * hd + i] = 1.0
+    free = list(range(h0 * hd, heads * hd))
+    for w in (a0.q_proj.weight, a0.k_proj.weight, a0.v_proj.weight):
+        w[free] = torch.randn(len(free), d, generator=gen) * 0.02
+    a0.o_proj.weight[:, free] = torch.randn(d, len(free), generator=gen) * 0.02
+    a1 = model.model.layers[1].self_attn
+    f1 = math.sqrt(d / 4)
+    slow = [j for j in range(hd // 4, hd // 2)] + [j + hd // 2 for j in range(hd // 4, hd // 2)]  # 32 dims
+    bounds = [round(n_e * h / h1) for h in range(h1 + 1)]
+    for h in range(h1):
+        for k, e in enumerate(range(bounds[h], bounds[h + 1])):
+            a1.q_proj.weight[h * hd + slow[k], e] = match_gain / f1
+            a1.k_proj.weight[h * hd + slow[k], prev1 + e] = 1.0 / f1
+            a1.q_proj.weight[h * hd + slow[16 + k], prev1 + e] = match_gain / f1
+            a1.k_proj.weight[h * hd + slow[16 + k], prev2 + e] = 1.0 / f1
+            a1.v_proj.weight[h * hd + k, e] = 1.0 / f1
+            a1.o_proj.weight[out + e, h * hd + k] = 1.0
+    model.lm_head.weight[:, out: out + n_e] = out_gain * code / math.sqrt(d / 5)
+    for layer in model.model.layers:  # down_proj stays 0: each MLP starts as a no-op that training can grow
+        layer.mlp.gate_proj.weight.normal_(0.0, 0.02, generator=gen)
+        layer.mlp.up_proj.weight.normal_(0.0, 0.02, generator=gen)
+    params = dict(model.named_parameters())
+    frozen = {name: torch.zeros_like(params[name], dtype=torch.bool) for name in (
+        "model.embed_tokens.weight", "lm_head.weight",
+        *(f"model.layers.{i}.self_attn.{w}_proj.weight" for i in (0, 1) for w in "qkvo"))}
+    frozen["model.embed_tokens.weight"][:, : const + 1] = True
+    frozen["lm_head.weight"][:, out: out + n_e] = True
+    for layer, used in ((0, h0), (1, h1)):
+        for w in "qkv":
+            frozen[f"model.layers.{layer}.self_attn.{w}_proj.weight"][: used * hd] = True
+        frozen[f"model.layers.{layer}.self_attn.o_proj.weight"][:, : used * hd] = True
+    # Layer 0's MLP stays off: what it would add to the residual stream dilutes (through RMSNorm) the codes that
+    # layer 1 matches on, so that its copy heads turn soft.
+    frozen["model.layers.0.mlp.down_proj.weight"] = torch.ones_like(params["model.layers.0.mlp.down_proj.weight"],
+                                                                   dtype=torch.bool)
+    return frozen
+
+
+@torch.no_grad()
+def restore_frozen(model: torch.nn.Module, frozen: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Put back the entries ``frozen`` holds (name -> (mask, values)) after an optimizer step moved them."""
+    params = dict(model.named_parameters())
+    for name, (mask, values) in frozen.items():
+        params[name][mask] = values[mask]
+
+
 def lr_at(step: int, args: argparse.Namespace) -> float:
     """Linear warmup, then cosine decay to ``min_lr_ratio * lr`` at the last step."""
     if step < args.warmup:
@@ -288,9 +413,9 @@ def main(argv: list[str] | None = None) -> int:
         num_attention_heads=args.heads,
         num_key_value_heads=args.kv_heads,
         max_position_embeddings=args.max_position_embeddings,
-        rope_theta=10000.0,
+        rope_theta=PLANT_ROPE_THETA if args.plant_induction else 10000.0,
         rms_norm_eps=1e-5,
-        tie_word_embeddings=True,
+        tie_word_embeddings=not args.plant_induction,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
@@ -304,6 +429,10 @@ def main(argv: list[str] | None = None) -> int:
         config = model.config
     else:
         model = LlamaForCausalLM(config)
+    frozen = {}
+    if args.plant_induction and args.init_from is None:
+        params = dict(model.named_parameters())
+        frozen = {n: (m, params[n].detach().clone()) for n, m in plant_induction(model, seed=args.seed).items()}
     if args.attention_supervision:  # attention weights are returned only by the eager implementation
         model.set_attn_implementation("eager")
     n_params = sum(p.numel() for p in model.parameters())
@@ -354,6 +483,8 @@ def main(argv: list[str] | None = None) -> int:
         loss_t.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
+        if frozen:  # the planted circuit stays as set; the rest learns around it
+            restore_frozen(model, frozen)
         window_loss += loss_t.item()
         window_steps += 1
 
@@ -456,6 +587,9 @@ def write_model_card(
     origin = "trained from scratch"
     if args.init_from is not None:
         origin = f"fine-tuned from `{args.init_from}`"
+    elif args.plant_induction:
+        origin = ("trained from a hand-set induction circuit (`plant_induction`: it copies what followed an earlier "
+                  "occurrence of its last two tokens before any training)")
     if args.repeat_fraction:
         origin += (f", with {args.repeat_fraction:.0%} of its training windows quoting a passage again "
                    "(passage, blank line, the passage from a point in its first half, then the text that "
