@@ -407,36 +407,38 @@ class Engine:
             # amount per token) feed the cost model that sizes the drafts. Decided now: sampling changes tokens.
             pure = self.speculator is not None and all(c.samples and c.num_tokens == 1 + len(c.draft) for c in chunks)
             if getattr(self._session, "samples_on_device", False):
-                outputs += self._sample_on_device(sched, sampling, feeds, masks)
+                picked, host = self._sample_on_device(sampling, feeds)
             else:
-                logits = self._session.run(feeds, self._pool)
-                self.scheduler.complete(sched)
-                now = time.perf_counter()
-                row = 0
-                for chunk in sampling:
-                    if chunk.draft:
-                        outputs.append(self._accept_draft(chunk, logits[row: row + 1 + len(chunk.draft)], now,
-                                                          masks))
-                    else:
-                        outputs.append(self._accept(chunk.request, logits[row], now, masks))
-                    row += 1 + len(chunk.draft)
+                picked, host = {}, self._session.run(feeds, self._pool)
+            self.scheduler.complete(sched)
+            now = time.perf_counter()
+            at = 0  # host rows: every sampling chunk's but those sampled on the device, in order
+            for i, chunk in enumerate(sampling):
+                if i in picked:
+                    outputs.append(self._emit(chunk.request, *picked[i], now))
+                    continue
+                n = 1 + len(chunk.draft)
+                if chunk.draft:
+                    outputs.append(self._accept_draft(chunk, host[at: at + n], now, masks))
+                else:
+                    outputs.append(self._accept(chunk.request, host[at], now, masks))
+                at += n
             if pure:
                 self.speculator.observe_step(len(ids), len(chunks), time.perf_counter() - t0)
             self._busy += time.perf_counter() - t0
             return outputs
 
-    def _sample_on_device(self, sched: SchedulerOutput, sampling: list, feeds: dict[str, np.ndarray],
-                          masks) -> list[RequestOutput]:
+    def _sample_on_device(self, sampling: list, feeds: dict[str, np.ndarray]
+                          ) -> tuple[dict[int, tuple[int, dict[int, float] | None]], np.ndarray | None]:
         """Run the step on a session that samples where its logits are (the CUDA engine's).
 
         Plain rows (no drafts, no constraint) are sampled there in one batch, and only their token ids
-        (and the logprobs asked for) come back; verify chunks and constrained rows copy their logits rows
-        to the host and take the numpy path. Each sampled row's uniform comes from its request's own
-        generator, as the numpy sampler draws it, so a seed gives the same tokens on either path.
+        (and the logprobs asked for) come back: ``{chunk index: (token, logprobs)}``. The other chunks'
+        rows (verify chunks, constrained rows) come back as host logits, in order, for the numpy path.
+        Each sampled row's uniform comes from its request's own generator, as the numpy sampler draws it,
+        so a seed gives the same tokens on either path.
         """
         logits = self._session.run_device(feeds, self._pool)
-        self.scheduler.complete(sched)
-        now = time.perf_counter()
         starts = np.cumsum([0] + [1 + len(c.draft) for c in sampling])
         plain = [i for i, c in enumerate(sampling) if not c.draft and c.request.params.structured is None]
         rows = []
@@ -447,21 +449,8 @@ class Engine:
                                   None if p.greedy else float(r.rng.random())))
         tokens, lps = self._session.sample(logits, rows)
         picked = {i: (t, lp) for i, t, lp in zip(plain, tokens, lps, strict=True)}
-        rest = [i for i in range(len(sampling)) if i not in picked]
-        host_idx = [int(j) for i in rest for j in range(starts[i], starts[i + 1])]
-        host = self._session.host_rows(logits, host_idx) if host_idx else None
-        outputs, at = [], 0
-        for i, chunk in enumerate(sampling):
-            if i in picked:
-                outputs.append(self._emit(chunk.request, *picked[i], now))
-                continue
-            n = 1 + len(chunk.draft)
-            if chunk.draft:
-                outputs.append(self._accept_draft(chunk, host[at: at + n], now, masks))
-            else:
-                outputs.append(self._accept(chunk.request, host[at], now, masks))
-            at += n
-        return outputs
+        host_idx = [int(j) for i in range(len(sampling)) if i not in picked for j in range(starts[i], starts[i + 1])]
+        return picked, self._session.host_rows(logits, host_idx) if host_idx else None
 
     def _accept_draft(self, chunk, logits: np.ndarray, now: float, masks=None) -> RequestOutput:
         """A verify chunk's ``[1 + k, vocab]`` logits: emit the kept drafts and one more token, in order.
