@@ -573,3 +573,15 @@ def test_sampled_constrained_tokens_follow_the_plain_distribution(tiny_engine, t
         return [np.bincount([letters.index(o.text[pos]) for o in outs], minlength=8) for pos in range(4)]
 
     _plain_and_speculative_agree(tiny_engine, tiny_engine_bf16, run, n, 0.0, first_position=0)
+
+
+def test_a_new_request_probes_at_once_only_where_the_probe_is_cheap_for_it():
+    """A new request's first decode step tries its own text (the engine's recent acceptance may come from other
+    text), unless that probe costs more than PROBE_BUDGET of the request: a draft model's first probe also runs
+    the draft over the prompt, 5 plain steps here, which a 128-token request does not repay at 2%."""
+    cheap, dear = linear(0.2), [1.0, 4.0, 4.2, 4.4, 4.6, 4.8, 5.0]
+    s = SpecState(max_tokens=6, accepted=0.0, rejected=4.0)  # recent requests kept nothing
+    assert s.choose(cheap, remaining=128) == 6 and s.probing
+    s = SpecState(max_tokens=6, accepted=0.0, rejected=4.0)
+    assert [s.choose(dear, remaining=128) for _ in range(16)] == [0] * 16  # waits as any idle request does
+    assert SpecState(max_tokens=6, accepted=0.0, rejected=4.0).choose(dear, remaining=1000) == 6
