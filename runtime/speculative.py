@@ -399,7 +399,7 @@ class SpecState:
     # Steps since the last proposal while adaptation chose 0 drafts. A new request starts due for a probe (NEW):
     # its first decode step tries the drafts on its own text, whatever the engine's recent requests kept (a
     # warm-up on other text had kept a 3M-parameter model's requests from ever speculating on text they would
-    # have copied 85% of), unless that probe would cost more than PROBE_BUDGET of the request (choose()).
+    # have copied 85% of), unless that probe would cost more than FIRST_PROBE_BUDGET of the request (choose()).
     idle_steps: int = 1 << 30
     NEW = 1 << 30
     probe_every: int = 16  # idle steps between probes; doubles after each probe that does not pay
@@ -415,8 +415,11 @@ class SpecState:
     # Probes may cost this share of the plain steps between them: a probe that keeps nothing costs a verify
     # step's excess over a plain one, so where that excess is large (a draft model at batch 8: ~0.9 of a step,
     # its catch-up over the idle tokens included) probes wait longer than PROBE_MIN.
-    PROBE_BUDGET = 0.05  # at 2%, probes of 6 drafts on a 3M-parameter copying model came every 100-200 steps:
-    # later than its requests ended, so it never speculated on text it would have copied 88% of (0.84x; 2.3x at 5%)
+    PROBE_BUDGET = 0.02
+    # A new request's first probe may cost this share of its steps: with 2% the first probes of a 3M-parameter
+    # copying model waited for its verify fit, then came after its 128-token requests ended (0.84x on text it
+    # copies 88% of; 2.3x at 5%). At batch 8 of the 14M default model, 5% for every probe cost 6% (0.94x).
+    FIRST_PROBE_BUDGET = 0.05
 
     @property
     def acceptance(self) -> float:
@@ -449,13 +452,13 @@ class SpecState:
         whose drafts are kept too rarely to pay, costs ~nothing), one after which speculation pays resets
         it. The wait is also at least ``(step_costs[max_tokens] - 1) / PROBE_BUDGET`` steps (at most
         ``PROBE_MAX``), so that probes cost at most ``PROBE_BUDGET`` of the plain steps between them. A new
-        request probes at its first decode step only where that probe costs at most ``PROBE_BUDGET`` of its
-        ``remaining`` tokens' steps: a draft model's first probe also runs the draft over the whole prompt,
+        request probes at its first decode step only where that probe costs at most ``FIRST_PROBE_BUDGET`` of
+        its ``remaining`` tokens' steps: a draft model's first probe also runs the draft over the whole prompt,
         ~20% of a 128-token request on a 3M-parameter target.
         """
         probe = min(self.max_tokens, len(step_costs) - 1)
         if self.idle_steps >= self.NEW and remaining is not None and probe > 0:
-            if step_costs[probe] - 1.0 > self.PROBE_BUDGET * remaining:
+            if step_costs[probe] - 1.0 > self.FIRST_PROBE_BUDGET * remaining:
                 self.idle_steps = 0
         a = self.acceptance
         best_k, best = 0, margin

@@ -215,7 +215,7 @@ def test_kept_probes_that_do_not_pay_back_off_too():
     keep their draft half the time, yet speculation never pays, so they grow rarer all the same; and while a
     verify step costs 0.9 of a step more than a plain one, probes wait 0.9 / PROBE_BUDGET steps, not PROBE_MIN."""
     s = SpecState(max_tokens=6, accepted=1.0, rejected=1.0)
-    costs = [1.0, 3.9, 4.0, 4.1, 4.2, 4.3, 4.4]  # the first draft dear (2.9 steps with a catch-up), the rest 0.1
+    costs = [1.0, 1.9, 2.0, 2.1, 2.2, 2.3, 2.4]  # the first draft dear (0.9 of a step), the rest 0.1 each
     assert s.choose(costs) == 6 and s.probing  # a new request's first decode step tries its own text
     s.record(6, 1)
     gaps, idle, kept = [], 0, 1
@@ -228,7 +228,7 @@ def test_kept_probes_that_do_not_pay_back_off_too():
             s.record(6, kept)
             gaps.append(idle)
             idle = 0
-    wait = math.ceil(3.4 / SpecState.PROBE_BUDGET)  # a probe of 6 drafts costs 3.4 steps more than a plain one
+    wait = math.ceil(1.4 / SpecState.PROBE_BUDGET)  # a probe of 6 drafts costs 1.4 steps more than a plain one
     assert gaps[:4] == [wait, wait, 128, 256]  # kept or not, each probe doubles the wait
     # Where a verify step costs little more than a plain one (prompt lookup at batch 1), probes keep PROBE_MIN.
     s = SpecState(max_tokens=6, accepted=0.0, rejected=4.0)
@@ -577,8 +577,8 @@ def test_sampled_constrained_tokens_follow_the_plain_distribution(tiny_engine, t
 
 def test_a_new_request_probes_at_once_only_where_the_probe_is_cheap_for_it():
     """A new request's first decode step tries its own text (the engine's recent acceptance may come from other
-    text), unless that probe costs more than PROBE_BUDGET of the request: a draft model's first probe also runs
-    the draft over the prompt, 9 plain steps here, which a 128-token request does not repay at 5%."""
+    text), unless that probe costs more than FIRST_PROBE_BUDGET of the request: a draft model's first probe also
+    runs the draft over the prompt, 9 plain steps here, which a 128-token request does not repay at 5%."""
     cheap, dear = linear(0.2), [1.0, 8.0, 8.2, 8.4, 8.6, 8.8, 9.0]
     s = SpecState(max_tokens=6, accepted=0.0, rejected=4.0)  # recent requests kept nothing
     assert s.choose(cheap, remaining=128) == 6 and s.probing
