@@ -84,7 +84,10 @@ def test_rows_are_read_at_their_index_and_bf16_logits_are_widened_first():
     tokens, lps = sample_rows(logits, rows)
     for (i, s), t, lp in zip(at, tokens, lps, strict=True):
         assert t == sample(widened[i], p, np.random.default_rng(s))
-        assert lp.keys() == token_logprobs(widened[i], t, 2).keys()
+        want = token_logprobs(widened[i], t, 2)
+        # bf16 logits tie often, and which of two tied ids numpy's argpartition keeps is arbitrary: compare values
+        assert lp[t] == pytest.approx(want[t], abs=1e-12)
+        assert sorted(lp.values())[-2:] == pytest.approx(sorted(want.values())[-2:], abs=1e-12)
 
 
 def test_sampled_frequencies_follow_the_distribution():
