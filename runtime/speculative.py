@@ -396,12 +396,7 @@ class SpecState:
     max_tokens: int
     accepted: float = 2.0  # decayed counts; the prior says "a draft is kept 2 times in 3"
     rejected: float = 1.0
-    # Steps since the last proposal while adaptation chose 0 drafts. A new request starts due for a probe (NEW):
-    # its first decode step tries the drafts on its own text, whatever the engine's recent requests kept (a
-    # warm-up on other text had kept a 3M-parameter model's requests from ever speculating on text they would
-    # have copied 85% of), unless that probe would cost more than FIRST_PROBE_BUDGET of the request (choose()).
-    idle_steps: int = 1 << 30
-    NEW = 1 << 30
+    idle_steps: int = 0  # steps since the last proposal while adaptation chose 0 drafts
     probe_every: int = 16  # idle steps between probes; doubles after each probe that does not pay
     probing: bool = False  # the last proposal was a probe, not yet verified
     probed: bool = False  # a probe was verified: the next choice judges it (its outcome sets probe_every)
@@ -416,10 +411,6 @@ class SpecState:
     # step's excess over a plain one, so where that excess is large (a draft model at batch 8: ~0.9 of a step,
     # its catch-up over the idle tokens included) probes wait longer than PROBE_MIN.
     PROBE_BUDGET = 0.02
-    # A new request's first probe may cost this share of its steps: with 2% the first probes of a 3M-parameter
-    # copying model waited for its verify fit, then came after its 128-token requests ended (0.84x on text it
-    # copies 88% of; 2.3x at 5%). At batch 8 of the 14M default model, 5% for every probe cost 6% (0.94x).
-    FIRST_PROBE_BUDGET = 0.05
 
     @property
     def acceptance(self) -> float:
@@ -436,7 +427,7 @@ class SpecState:
             self.probing = False
             self.probed = True
 
-    def choose(self, step_costs: Sequence[float], margin: float = 1.02, remaining: int | None = None) -> int:
+    def choose(self, step_costs: Sequence[float], margin: float = 1.02) -> int:
         """Drafts to propose next: maximises expected tokens per unit of step time.
 
         ``step_costs[k]`` is the expected time of a step in which requests carry ``k`` drafts, relative
@@ -451,15 +442,9 @@ class SpecState:
         which 0 still wins doubles the wait (up to ``PROBE_MAX``: text that never repeats, or a draft model
         whose drafts are kept too rarely to pay, costs ~nothing), one after which speculation pays resets
         it. The wait is also at least ``(step_costs[max_tokens] - 1) / PROBE_BUDGET`` steps (at most
-        ``PROBE_MAX``), so that probes cost at most ``PROBE_BUDGET`` of the plain steps between them. A new
-        request probes at its first decode step only where that probe costs at most ``FIRST_PROBE_BUDGET`` of
-        its ``remaining`` tokens' steps: a draft model's first probe also runs the draft over the whole prompt,
-        ~20% of a 128-token request on a 3M-parameter target.
+        ``PROBE_MAX``), so that probes cost at most ``PROBE_BUDGET`` of the plain steps between them.
         """
         probe = min(self.max_tokens, len(step_costs) - 1)
-        if self.idle_steps >= self.NEW and remaining is not None and probe > 0:
-            if step_costs[probe] - 1.0 > self.FIRST_PROBE_BUDGET * remaining:
-                self.idle_steps = 0
         a = self.acceptance
         best_k, best = 0, margin
         for k in range(1, min(self.max_tokens, len(step_costs) - 1) + 1):
@@ -593,7 +578,7 @@ class Speculator:
     def num_drafts(self, r: Request, costs: Sequence[float]) -> int:
         """How many drafts ``r`` gets this step: adaptive choice, capped so no draft passes ``max_tokens``."""
         room = r.params.max_tokens - (len(r.tokens) - r.prompt_len) - 1  # the target's own token always comes
-        k = r.spec.choose(costs, remaining=room + 1) if self.config.adaptive else self.config.num_tokens
+        k = r.spec.choose(costs) if self.config.adaptive else self.config.num_tokens
         return max(0, min(k, room))
 
     def propose(self, running: list[Request]) -> None:
@@ -614,7 +599,7 @@ class Speculator:
                 r.draft_probs = None
                 if not r.draft and r.spec.probing:  # no match: nothing verified, nothing spent; probe again next step
                     r.spec.probing = False
-                    r.spec.idle_steps = SpecState.NEW
+                    r.spec.idle_steps = SpecState.PROBE_MAX
             else:
                 wanted[r.seq_id] = (r, k)
         if self.draft is not None:

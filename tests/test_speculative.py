@@ -201,7 +201,7 @@ def test_failed_probes_back_off_and_a_kept_probe_resets():
             s.record(4, 0)  # the probe's drafts are rejected
             gaps.append(idle)
             idle = 0
-    assert gaps == [1, 32, 64, 128]  # a new request probes at once; each failed probe doubles the wait
+    assert gaps == [20, 32, 64, 128]  # each failed probe doubles the wait
     for _ in range(300):
         if s.choose(costs):
             break
@@ -216,9 +216,8 @@ def test_kept_probes_that_do_not_pay_back_off_too():
     verify step costs 0.9 of a step more than a plain one, probes wait 0.9 / PROBE_BUDGET steps, not PROBE_MIN."""
     s = SpecState(max_tokens=6, accepted=1.0, rejected=1.0)
     costs = [1.0, 1.9, 2.0, 2.1, 2.2, 2.3, 2.4]  # the first draft dear (0.9 of a step), the rest 0.1 each
-    assert s.choose(costs) == 6 and s.probing  # a new request's first decode step tries its own text
-    s.record(6, 1)
-    gaps, idle, kept = [], 0, 1
+    assert s.choose(costs) == 0
+    gaps, idle, kept = [], 0, 0
     for _ in range(600):
         k = s.choose(costs)
         idle += 1
@@ -229,10 +228,10 @@ def test_kept_probes_that_do_not_pay_back_off_too():
             gaps.append(idle)
             idle = 0
     wait = math.ceil(1.4 / SpecState.PROBE_BUDGET)  # a probe of 6 drafts costs 1.4 steps more than a plain one
-    assert gaps[:4] == [wait, wait, 128, 256]  # kept or not, each probe doubles the wait
+    assert gaps[:4] == [wait - 1, wait, wait, 128]  # kept or not, each probe doubles the wait
     # Where a verify step costs little more than a plain one (prompt lookup at batch 1), probes keep PROBE_MIN.
     s = SpecState(max_tokens=6, accepted=0.0, rejected=4.0)
-    assert [s.choose(linear(0.05)) for _ in range(33)] == ([6] + [0] * 15) * 2 + [6]
+    assert [s.choose(linear(0.05)) for _ in range(32)] == ([0] * 15 + [6]) * 2
 
 
 def test_choose_follows_measured_costs_not_a_line():
@@ -574,14 +573,3 @@ def test_sampled_constrained_tokens_follow_the_plain_distribution(tiny_engine, t
 
     _plain_and_speculative_agree(tiny_engine, tiny_engine_bf16, run, n, 0.0, first_position=0)
 
-
-def test_a_new_request_probes_at_once_only_where_the_probe_is_cheap_for_it():
-    """A new request's first decode step tries its own text (the engine's recent acceptance may come from other
-    text), unless that probe costs more than FIRST_PROBE_BUDGET of the request: a draft model's first probe also
-    runs the draft over the prompt, 9 plain steps here, which a 128-token request does not repay at 5%."""
-    cheap, dear = linear(0.2), [1.0, 8.0, 8.2, 8.4, 8.6, 8.8, 9.0]
-    s = SpecState(max_tokens=6, accepted=0.0, rejected=4.0)  # recent requests kept nothing
-    assert s.choose(cheap, remaining=128) == 6 and s.probing
-    s = SpecState(max_tokens=6, accepted=0.0, rejected=4.0)
-    assert [s.choose(dear, remaining=128) for _ in range(16)] == [0] * 16  # waits as any idle request does
-    assert SpecState(max_tokens=6, accepted=0.0, rejected=4.0).choose(dear, remaining=1000) == 6
