@@ -25,7 +25,7 @@ from llmc.runtime import cuda_kernels
 from llmc.runtime.device_sampler import sample_rows
 from llmc.runtime.sampler import SampleRow
 from llmc.runtime.torch_ops import DTYPES, OPS, paged_attention_torch
-from llmc.runtime.torch_program import Program, load_weights, read_spec
+from llmc.runtime.torch_program import ATTENTION_OP, Program, load_weights, read_spec
 
 GRAPH_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 _META = ("input_ids", "positions", "slot_mapping", "block_tables", "context_lens", "query_start_loc",
@@ -102,8 +102,10 @@ class CudaSession:
         self.attention_route = "aot-triton" if on_gpu and self.kernels else "torch"
         if on_gpu and os.environ.get("LLMC_CUDA_ATTENTION") == "torch":  # debugging: the plain-torch attention
             self.kernels, self.attention_route = {}, "torch"
-        self._kv_scales: dict[int, torch.Tensor] = {}  # layer -> [k_scale, v_scale] of an FP8 cache (persistent:
-        # CUDA graphs capture their addresses)
+        # layer -> [k_scale, v_scale] of an FP8 cache (ones otherwise), made once: CUDA graphs capture their addresses
+        self._kv_scales = {int(n["attrs"]["layer_idx"]): torch.tensor(
+            [n["attrs"].get("k_scale", 1.0), n["attrs"].get("v_scale", 1.0)], dtype=torch.float32, device=self.device)
+            for n in spec["nodes"] if n["op"] == ATTENTION_OP}
         self.program = Program(spec, load_weights(root, spec, self.device), self._attention,
                                self._fused_overrides() if self.kernels else None)
         self.cuda_graphs = bool(cuda_graphs and on_gpu and self.kernels)
@@ -137,10 +139,7 @@ class CudaSession:
     def _attention(self, attrs, query, key, value, slot_mapping, block_tables, context_lens, query_start_loc):
         layer = attrs["layer_idx"]
         k_cache, v_cache = self._pool.layers[layer]
-        scales = self._kv_scales.get(layer)
-        if scales is None:  # [k_scale, v_scale] of an FP8 cache (the kernels read them; ones otherwise)
-            scales = self._kv_scales[layer] = torch.tensor(
-                [attrs.get("k_scale", 1.0), attrs.get("v_scale", 1.0)], dtype=torch.float32, device=self.device)
+        scales = self._kv_scales[layer]
         t, s = query.shape[0], context_lens.shape[0]
         kernel = self.kernels.get((attention_key(attrs), "decode" if t <= s else "prefill"))
         if kernel is None:

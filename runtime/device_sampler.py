@@ -26,7 +26,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from llmc.runtime.sampler import SampleRow
+from llmc.runtime.sampler import SampleRow, presence_frequency_deltas
 
 
 def _penalise(x: torch.Tensor, rows: Sequence[SampleRow]) -> None:
@@ -42,8 +42,7 @@ def _penalise(x: torch.Tensor, rows: Sequence[SampleRow]) -> None:
             x[i, ids] = torch.where(seen > 0, seen / pen, seen * pen)
         output = r.context[r.prompt_len:]
         if (p.presence_penalty != 0.0 or p.frequency_penalty != 0.0) and len(output):
-            ids, counts = np.unique(np.asarray(output, np.int64), return_counts=True)
-            delta = np.float32(p.presence_penalty) + np.float32(p.frequency_penalty) * counts.astype(np.float32)
+            ids, delta = presence_frequency_deltas(output, p.presence_penalty, p.frequency_penalty)
             x[i, torch.from_numpy(ids).to(x.device)] -= torch.from_numpy(delta).to(x.device)
 
 

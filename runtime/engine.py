@@ -406,7 +406,7 @@ class Engine:
             # Whole decode/verify steps (proposals and verification included; prefill chunks cost another
             # amount per token) feed the cost model that sizes the drafts. Decided now: sampling changes tokens.
             pure = self.speculator is not None and all(c.samples and c.num_tokens == 1 + len(c.draft) for c in chunks)
-            if getattr(self._session, "samples_on_device", False):
+            if self._session.samples_on_device:
                 picked, host = self._sample_on_device(sampling, feeds)
             else:
                 picked, host = {}, self._session.run(feeds, self._pool)

@@ -113,9 +113,17 @@ def apply_presence_frequency_penalty(logits: np.ndarray, output: Sequence[int], 
     out = np.array(logits, dtype=np.float32, copy=True)
     if not len(output) or (presence == 0.0 and frequency == 0.0):
         return out
-    ids, counts = np.unique(np.asarray(output, np.int64), return_counts=True)
-    out[ids] -= np.float32(presence) + np.float32(frequency) * counts.astype(np.float32)
+    ids, delta = presence_frequency_deltas(output, presence, frequency)
+    out[ids] -= delta
     return out
+
+
+def presence_frequency_deltas(output: Sequence[int], presence: float,
+                              frequency: float) -> tuple[np.ndarray, np.ndarray]:
+    """The ids in ``output`` and the float32 amounts ``presence + frequency * count`` to subtract from their
+    logits (the device sampler subtracts the same numbers)."""
+    ids, counts = np.unique(np.asarray(output, np.int64), return_counts=True)
+    return ids, np.float32(presence) + np.float32(frequency) * counts.astype(np.float32)
 
 
 def apply_penalties(logits: np.ndarray, params: SamplingParams, context: Sequence[int] = (),

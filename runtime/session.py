@@ -35,6 +35,8 @@ class OrtSession:
     load for 0.1 s, so one-off sessions (pass verification) pass False.
     """
 
+    samples_on_device = False  # returns host logits; the engine samples them with numpy
+
     def __init__(self, model: Path | bytes, num_threads: int | None = None, custom_ops: str = NATIVE,
                  optimize: bool = True, spin: bool | None = None) -> None:
         import onnxruntime as ort

@@ -447,7 +447,7 @@ class SpecState:
         probe = min(self.max_tokens, len(step_costs) - 1)
         a = self.acceptance
         best_k, best = 0, margin
-        for k in range(1, min(self.max_tokens, len(step_costs) - 1) + 1):
+        for k in range(1, probe + 1):
             gain = expected_tokens(a, k) / max(step_costs[k], 1e-9)
             if gain > best * 1.0001:
                 best_k, best = k, gain
