@@ -573,3 +573,51 @@ def test_sampled_constrained_tokens_follow_the_plain_distribution(tiny_engine, t
 
     _plain_and_speculative_agree(tiny_engine, tiny_engine_bf16, run, n, 0.0, first_position=0)
 
+
+
+def test_step_cost_fit_is_numpys_weighted_line_through_the_medians():
+    """The fit (plain Python, for speed) against np.unique / np.median / np.polyfit on random windows."""
+    rng = np.random.default_rng(7)
+    for _ in range(200):
+        c = StepCost(refit_every=1)
+        sizes = rng.choice(np.arange(1, 40), int(rng.integers(1, 5)), replace=False)
+        obs = [(int(rng.choice(sizes)), float(rng.random() * 1e-3)) for _ in range(int(rng.integers(1, 40)))]
+        for n, t in obs:
+            c.observe(n, t)
+        x = np.asarray([n for n, _ in obs], np.float64)
+        y = np.asarray([t for _, t in obs])
+        u, which, counts = np.unique(x, return_inverse=True, return_counts=True)
+        med = np.asarray([np.median(y[which == i]) for i in range(u.size)])
+        keep = counts >= StepCost.MIN_COUNT
+        if keep.any():
+            u, med, counts = u[keep], med[keep], counts[keep]
+        assert c.trusted() == bool(keep.any())
+        if u.size == 1:
+            assert c.slope() is None and c.predict(int(u[0])) == pytest.approx(med[0], rel=1e-12)
+            continue
+        b, a = np.polyfit(u, med, 1, w=counts.astype(np.float64))
+        assert c.slope() == pytest.approx(max(b, 0.0), rel=1e-9, abs=1e-15)
+        assert c.fit()[0] == pytest.approx(max(a, 1e-6), rel=1e-9, abs=1e-15)
+
+
+def test_a_request_proposed_for_again_with_nothing_new_gets_the_same_drafts(tiny_engine):
+    """A running request that a step did not schedule (its token budget ran out) is proposed for again with no new
+    token: the draft engine computes its last token again (it ran a step of no tokens and failed before)."""
+    rng = np.random.default_rng(8)
+    prompts = _loop_prompts(rng, 3)
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    expected = Engine.load(tiny_engine, enable_prefix_caching=False).generate(prompts, params)
+    spec = Engine.load(tiny_engine, speculative=_spec("draft", tiny_engine, num_tokens=4, adaptive=False))
+    reqs = [spec.submit(p, params) for p in prompts]
+    proposed = 0
+    while spec.has_unfinished():
+        running = spec.scheduler.running
+        spec.speculator.propose(running)
+        first = [list(r.draft) for r in running]
+        spec.speculator.propose(running)
+        assert [list(r.draft) for r in running] == first
+        proposed += sum(map(len, first))
+        spec.step()  # which proposes a third time
+        _check_invariants(spec)
+    assert [spec.result(r).token_ids for r in reqs] == [e.token_ids for e in expected]
+    assert proposed > 0 and spec.speculator.draft.blocks.num_used_blocks == 0
