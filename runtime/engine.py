@@ -405,7 +405,9 @@ class Engine:
                                                   [c.num_tokens for c in chunks])
             # Whole decode/verify steps (proposals and verification included; prefill chunks cost another
             # amount per token) feed the cost model that sizes the drafts. Decided now: sampling changes tokens.
-            pure = self.speculator is not None and all(c.samples and c.num_tokens == 1 + len(c.draft) for c in chunks)
+            # (Every chunk has num_tokens >= 1 + len(draft), with equality only for decodes, which all sample; a
+            # step is decode-only exactly when it has one logits row per token.)
+            pure = self.speculator is not None and len(ids) == len(rows)
             if self._session.samples_on_device:
                 picked, host = self._sample_on_device(sampling, feeds)
             else:

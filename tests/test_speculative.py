@@ -621,3 +621,26 @@ def test_a_request_proposed_for_again_with_nothing_new_gets_the_same_drafts(tiny
         _check_invariants(spec)
     assert [spec.result(r).token_ids for r in reqs] == [e.token_ids for e in expected]
     assert proposed > 0 and spec.speculator.draft.blocks.num_used_blocks == 0
+
+
+def test_cached_choices_equal_choices_made_afresh():
+    """``choose`` caches its last choice (and skips the work while idle): random runs of choices, costs and
+    verify outcomes give the same drafts as a twin whose cache is cleared before every choice."""
+    rng = np.random.default_rng(11)
+    menus = [linear(0.05), linear(0.3), [1.0, 1.9, 2.0, 2.1, 2.2, 2.3, 2.4], linear(0.1), linear(0.6)]
+    for _ in range(20):
+        cached, fresh = SpecState(max_tokens=6), SpecState(max_tokens=6)
+        costs = menus[0]
+        chosen = []
+        for _ in range(600):
+            if rng.random() < 0.02:
+                costs = list(menus[int(rng.integers(len(menus)))])  # a refit: new costs, sometimes equal ones
+            fresh._chosen_for = None
+            k = cached.choose(costs)
+            assert fresh.choose(costs) == k
+            chosen.append(k)
+            if k:
+                kept = int(rng.integers(0, k + 1)) if rng.random() < 0.5 else 0
+                cached.record(k, kept)
+                fresh.record(k, kept)
+        assert 0 < sum(map(bool, chosen)) < len(chosen)  # both speculating and idle steps were compared
