@@ -29,7 +29,9 @@ are long enough, and each gave one prompt.)
 Batch 1 (each prompt alone; rate = new tokens / wall time over all prompts, prefill included) and
 batch 8 (all prompts in one ``generate``). ``--rounds`` rounds; in each, every (target, workload,
 batch) group runs its methods back to back in an order that rotates by round, so the shared
-machine's drift hits them alike. A row reports the median tok/s over rounds and the median, min and
+machine's drift hits them alike. The methods run on one engine per target, its speculator swapped
+(``Engine.set_speculator``): separate engines of the same files ran 2-6% apart, plain against plain
+(memory placement), which the committed figures before this version include. A row reports the median tok/s over rounds and the median, min and
 max of its per-round ratio to the same round's plain run. Every speculative run's tokens are compared
 with the plain run's (greedy speculation must be exact).
 
@@ -188,17 +190,21 @@ def main(argv: list[str] | None = None) -> int:
     if args.copy_model is not None:
         models["copy"] = copy_model(args.copy_model)
     draft = build(args.draft_model, work / "draft")
-    configs = {"plain": None, "ngram": SpeculativeConfig("ngram", args.num_tokens),
+    configs = {"ngram": SpeculativeConfig("ngram", args.num_tokens),
                "draft": SpeculativeConfig("draft", args.num_tokens, draft_model=draft)}
-    engines = {}
+    # One engine per target, its speculator swapped per method: two engines loaded from the same files ran 2-6%
+    # apart here (memory placement; plain against plain, measured at batch 1), as much as what is compared.
+    engines, speculators = {}, {}
     for name, model in models.items():
-        target = build(model, work / name)
-        engines[name] = {m: Engine.load(target, num_threads=args.threads, speculative=c) for m, c in configs.items()}
-    tokenizer = engines["default"]["plain"].tokenizer
+        engines[name] = Engine.load(build(model, work / name), num_threads=args.threads)
+        speculators[name] = {"plain": None, **{m: engines[name].new_speculator(c, num_threads=args.threads)
+                                               for m, c in configs.items()}}
+    tokenizer = engines["default"].tokenizer
     prompts = workloads(tokenizer, max(8, args.prompts))
     plan = [(name, wl) for name in models for wl in prompts]
-    for group in engines.values():
-        for e in group.values():  # warm-up: ORT's first runs allocate
+    for name, e in engines.items():
+        for sp in speculators[name].values():  # warm-up: ORT's first runs allocate
+            e.set_speculator(sp)
             run(e, prompts["free"][:1], 1, 16)
 
     cells: dict[tuple, dict] = {}
@@ -209,7 +215,8 @@ def main(argv: list[str] | None = None) -> int:
                 order = METHODS[rnd % 3:] + METHODS[: rnd % 3]
                 got = {}
                 for m in order:
-                    e = engines[name][m]
+                    e = engines[name]
+                    e.set_speculator(speculators[name][m])
                     before = e.stats()
                     toks, secs, ids = run(e, chosen, batch, args.new_tokens)
                     after = e.stats()
@@ -243,14 +250,13 @@ def main(argv: list[str] | None = None) -> int:
                "identical_to_plain": c["identical"]}
         rows.append(row)
     fits = {}
-    for name, group in engines.items():
-        for m, e in group.items():
-            if e.speculator is not None:
+    for name, group in speculators.items():
+        for m, sp in group.items():
+            if sp is not None:
                 fits[f"{name}/{m}"] = {
                     kind: {"fixed_ms": round(a * 1e3, 3), "per_token_ms": round(b * 1e3, 4)}
-                    for kind, (a, b) in (("plain", e.speculator.plain_cost.fit()),
-                                         ("verify_b1", e.speculator.verify_fit(1).fit()),
-                                         ("verify_b8", e.speculator.verify_fit(8).fit()))}
+                    for kind, (a, b) in (("plain", sp.plain_cost.fit()), ("verify_b1", sp.verify_fit(1).fit()),
+                                         ("verify_b8", sp.verify_fit(8).fit()))}
 
     llama = {"error": "not measured: --no-llama-cpp"}
     if args.llama_cpp:

@@ -644,3 +644,28 @@ def test_cached_choices_equal_choices_made_afresh():
                 cached.record(k, kept)
                 fresh.record(k, kept)
         assert 0 < sum(map(bool, chosen)) < len(chosen)  # both speculating and idle steps were compared
+
+
+def test_speculators_swap_on_one_engine_between_requests(tiny_engine):
+    """``set_speculator`` changes how later requests speculate (benchmarks compare methods on one engine this
+    way); greedy outputs stay the plain ones whichever is in, and it refuses while a request is in the engine."""
+    rng = np.random.default_rng(12)
+    prompts = _loop_prompts(rng, 3)
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    expected = [o.token_ids for o in Engine.load(tiny_engine, enable_prefix_caching=False).generate(prompts, params)]
+    e = Engine.load(tiny_engine)
+    ngram = e.new_speculator(SpeculativeConfig("ngram", num_tokens=4, adaptive=False))
+    draft = e.new_speculator(_spec("draft", tiny_engine, num_tokens=4, adaptive=False))
+    assert e.set_speculator(ngram) is None
+    for sp in (None, draft, ngram, draft):
+        before = e.stats().spec_num_draft_tokens
+        e.set_speculator(sp)
+        assert [o.token_ids for o in e.generate(prompts, params)] == expected
+        assert (e.stats().spec_num_draft_tokens > before) == (sp is not None)
+    rid = e.submit(prompts[0], params)
+    with pytest.raises(LlmcError, match="set_speculator: requests are in the engine"):
+        e.set_speculator(ngram)
+    while e.has_unfinished():
+        e.step()
+    assert e.result(rid).token_ids == expected[0]
+    assert e.set_speculator(None) is draft and draft.draft.blocks.num_used_blocks == 0
