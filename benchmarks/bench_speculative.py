@@ -31,8 +31,9 @@ batch 8 (all prompts in one ``generate``). ``--rounds`` rounds; in each, every (
 batch) group runs its methods back to back in an order that rotates by round, so the shared
 machine's drift hits them alike. The methods run on one engine per target, its speculator swapped
 (``Engine.set_speculator``): separate engines of the same files ran 2-6% apart, plain against plain
-(memory placement), which the committed figures before this version include. A row reports the median tok/s over rounds and the median, min and
-max of its per-round ratio to the same round's plain run. Every speculative run's tokens are compared
+(memory placement), which the committed figures before this version include. A row reports the
+median tok/s over rounds and the median, min and max of its per-round ratio to the same round's
+plain run. Every speculative run's tokens are compared
 with the plain run's (greedy speculation must be exact).
 
 llama.cpp beside it (``--llama-cpp``, default on when the peers venv of benchmarks/peers/setup.sh
