@@ -398,7 +398,7 @@ class Engine:
                 return outputs
             t0 = time.perf_counter()
             if self.speculator is not None:  # drafts for decoding requests, consumed by schedule()
-                self.speculator.propose(self.scheduler.running)
+                self.speculator.propose(self.scheduler.running, len(self.scheduler.waiting))
                 if self._structured is not None:  # a constrained request's drafts end where its grammar says
                     for r in self.scheduler.running:
                         if r.draft:

@@ -17,6 +17,7 @@ from llmc.errors import LlmcError
 from llmc.runtime import Engine, SamplingParams
 from llmc.runtime.sampler import sample
 from llmc.runtime.speculative import (
+    NgramIndex,
     SpecState,
     SpeculativeConfig,
     Speculator,
@@ -669,3 +670,39 @@ def test_speculators_swap_on_one_engine_between_requests(tiny_engine):
         e.step()
     assert e.result(rid).token_ids == expected[0]
     assert e.set_speculator(None) is draft and draft.draft.blocks.num_used_blocks == 0
+
+
+def test_ngram_index_proposes_what_a_scan_proposes_as_the_sequence_grows():
+    """The incremental index against :func:`ngram_propose` (itself checked against a reference above), on random
+    sequences of small alphabets (many matches) growing by 1 to 7 tokens a step, as decodes and verify steps do."""
+    rng = np.random.default_rng(13)
+    checked = found = 0
+    for _ in range(60):
+        min_n = int(rng.integers(1, 4))
+        max_n = int(rng.integers(min_n, 6))
+        index = NgramIndex(min_n, max_n)
+        toks = rng.integers(0, int(rng.integers(2, 8)), int(rng.integers(1, 10))).tolist()
+        while len(toks) < 120:
+            k = int(rng.integers(0, 7))
+            want = ngram_propose(toks, k, min_n, max_n)
+            assert index.propose(toks, k) == want, (toks, k, min_n, max_n)
+            checked += 1
+            found += bool(want)
+            toks += rng.integers(0, 8, int(rng.integers(1, 8))).tolist()
+    assert checked > 1000 and 0.2 * checked < found < checked
+
+
+def test_first_drafts_and_later_drafts_are_priced_apart():
+    """Runs of drafts: a request whose 6-draft proposals are all kept one time in five. One rate for all drafts
+    says 0.6 and proposes single drafts where a first draft costs 0.3 of a step (1.6 tokens for 1.3x); the first
+    draft is kept 1 time in 5 (1.2 tokens for 1.3x), so no drafts pay."""
+    s = SpecState(max_tokens=6)
+    for _ in range(8):
+        for kept in (0, 0, 0, 0, 6):
+            s.learn(6, kept)
+    assert s.first_acceptance == pytest.approx(0.2, abs=0.1) and s.acceptance > 0.9
+    s.probe_every = SpecState.PROBE_MAX
+    assert s.choose(linear(0.3)) == 0
+    assert s.choose(linear(0.05)) == 6  # cheap drafts: the runs pay (1 + 0.2 * 6 tokens for 1.3x)
+    assert expected_tokens(1.0, 3, 0.2) == pytest.approx(1.6)
+    assert expected_tokens(0.5, 2, 0.5) == expected_tokens(0.5, 2) == pytest.approx(1.75)
