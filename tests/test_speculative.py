@@ -706,3 +706,59 @@ def test_first_drafts_and_later_drafts_are_priced_apart():
     assert s.choose(linear(0.05)) == 6  # cheap drafts: the runs pay (1 + 0.2 * 6 tokens for 1.3x)
     assert expected_tokens(1.0, 3, 0.2) == pytest.approx(1.6)
     assert expected_tokens(0.5, 2, 0.5) == expected_tokens(0.5, 2) == pytest.approx(1.75)
+
+
+def _decoding_request(seq_id: int, tokens: list[int], max_tokens: int = 500):
+    """A request in its decode phase (all but its last token computed), as the scheduler keeps it."""
+    from llmc.runtime.scheduler import Request
+
+    r = Request(f"r{seq_id}", seq_id, len(tokens), list(tokens), SamplingParams(max_tokens=max_tokens),
+                0.0, np.random.default_rng(seq_id))
+    r.num_computed = len(tokens) - 1
+    return r
+
+
+def test_prompt_lookup_shadows_resume_drafting_without_probes():
+    """An idle prompt-lookup request never probes (its would-be drafts are judged by the tokens that come), and
+    drafts again within a few steps of its text starting to repeat."""
+    sp = Speculator(SpeculativeConfig("ngram", num_tokens=4), vocab_size=512)
+    rng = np.random.default_rng(14)
+    r = _decoding_request(0, rng.integers(0, 512, 40).tolist())
+    r.spec = sp.new_state()
+    for _ in range(10):
+        r.spec.learn(4, 0)
+    for _ in range(300):  # no repeats: never a draft, no probe either
+        sp.propose([r])
+        assert not r.draft and not r.spec.probing
+        r.tokens.append(int(rng.integers(0, 512)))
+        r.num_computed += 1
+    loop = r.tokens[-12:]  # from now on the text repeats its last 12 tokens
+    steps = 0
+    while not r.draft:
+        r.tokens.append(loop[steps % len(loop)])
+        r.num_computed += 1
+        steps += 1
+        sp.propose([r])
+        assert steps < 40
+    assert r.draft == [loop[(steps + i) % len(loop)] for i in range(len(r.draft))]
+
+
+def test_a_closed_batch_drafts_together_or_not_at_all():
+    """With no request waiting, a batch runs as long as its longest request: a request whose drafts pay does not
+    draft while another's do not. With requests waiting (or alone) it drafts."""
+    rng = np.random.default_rng(15)
+    sp = Speculator(SpeculativeConfig("ngram", num_tokens=4), vocab_size=512)
+    phrase = rng.integers(0, 512, 8).tolist()
+    copying = _decoding_request(0, phrase * 4)
+    other = _decoding_request(1, rng.integers(0, 512, 40).tolist() + phrase[:3])
+    copying.spec, other.spec = sp.new_state(), sp.new_state()
+    for _ in range(10):
+        copying.spec.learn(4, 4)
+        other.spec.learn(4, 0)
+    sp.propose([copying, other], waiting=0)
+    assert copying.draft == [] and other.draft == []
+    sp.propose([copying, other], waiting=2)
+    assert copying.draft == phrase[:4] and other.draft == []
+    copying.draft = []
+    sp.propose([copying], waiting=0)
+    assert copying.draft == phrase[:4]
