@@ -29,7 +29,8 @@ are long enough, and each gave one prompt.)
 Batch 1 (each prompt alone; rate = new tokens / wall time over all prompts, prefill included) and
 batch 8 (all prompts in one ``generate``). ``--rounds`` rounds; in each, every (target, workload,
 batch) group runs its methods back to back in an order that rotates by round, so the shared
-machine's drift hits them alike. The methods run on one engine per target, its speculator swapped
+machine's drift hits them alike, after one untimed round (ORT's first step of each token count
+costs up to 2x). The methods run on one engine per target, its speculator swapped
 (``Engine.set_speculator``): separate engines of the same files ran 2-6% apart, plain against plain
 (memory placement), which the committed figures before this version include. A row reports the
 median tok/s over rounds and the median, min and max of its per-round ratio to the same round's
@@ -41,7 +42,8 @@ has llama-cpp-python): the same checkpoints converted to f32 GGUF (benchmarks/pe
 the same prompts' token ids, batch 1, plain vs ``LlamaPromptLookupDecoding``
 (benchmarks/peers/bench_llamacpp_lookup.py), run after llmc's rounds with its own interleaving.
 
-    python benchmarks/bench_speculative.py [--rounds 5] [--threads 2] [--prompts 4] [--no-copy-model]
+    python benchmarks/bench_speculative.py [--rounds 5] [--min-seconds 0.5] [--threads 2] [--prompts 4]
+                                           [--no-copy-model]
 
 Prints a table and writes ``benchmarks/results/bench_speculative.json``.
 """
@@ -106,19 +108,26 @@ def workloads(tokenizer, n: int) -> dict[str, list[list[int]]]:
     return {"repeat": repeat, "free": free}
 
 
-def run(engine, prompts: list[list[int]], batch: int, new_tokens: int):
-    """Generate for ``prompts`` (alone each at batch 1, all together otherwise): (tokens, seconds, outputs)."""
+def run(engine, prompts: list[list[int]], batch: int, new_tokens: int, min_seconds: float = 0.0):
+    """Generate for ``prompts`` (alone each at batch 1, all together otherwise), again until ``min_seconds`` have
+    passed (a run of the copy model at batch 1 takes ~0.1 s, where one stall of the shared machine moves it by
+    5%): (tokens, seconds, outputs of the last pass, passes)."""
     from llmc.runtime import SamplingParams
 
     params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
-    engine.reset_prefix_cache()
-    t = time.perf_counter()
-    if batch == 1:
-        outs = [engine.generate([p], params)[0] for p in prompts]
-    else:
-        outs = engine.generate(prompts, params)
-    seconds = time.perf_counter() - t
-    return sum(len(o.token_ids) for o in outs), seconds, [o.token_ids for o in outs]
+    tokens, seconds, passes = 0, 0.0, 0
+    while True:
+        passes += 1
+        engine.reset_prefix_cache()
+        t = time.perf_counter()
+        if batch == 1:
+            outs = [engine.generate([p], params)[0] for p in prompts]
+        else:
+            outs = engine.generate(prompts, params)
+        seconds += time.perf_counter() - t
+        tokens += sum(len(o.token_ids) for o in outs)
+        if seconds >= min_seconds:
+            return tokens, seconds, [o.token_ids for o in outs], passes
 
 
 def copy_model(path: Path) -> Path:
@@ -175,6 +184,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--num-tokens", type=int, default=6, help="SpeculativeConfig.num_tokens (most drafts per step)")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--min-seconds", type=float, default=0.5,
+                    help="each timed run repeats its prompts until this long (short runs are noisy)")
     ap.add_argument("--llama-cpp", action=argparse.BooleanOptionalAction, default=True,
                     help="measure llama.cpp's prompt lookup too (needs benchmarks/peers/setup.sh's venv)")
     ap.add_argument("--out", type=Path, default=RESULTS)
@@ -203,10 +214,16 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = engines["default"].tokenizer
     prompts = workloads(tokenizer, max(8, args.prompts))
     plan = [(name, wl) for name in models for wl in prompts]
-    for name, e in engines.items():
-        for sp in speculators[name].values():  # warm-up: ORT's first runs allocate
-            e.set_speculator(sp)
-            run(e, prompts["free"][:1], 1, 16)
+    # Warm-up: every method runs every group once, untimed. ORT plans its memory per input shape, and a step of
+    # a token count it has not seen costs up to 2x (measured: 1.5 vs 0.8 ms, 13 vs 7 ms); verify steps come in
+    # many token counts, so without this the first rounds charge speculation a one-time cost plain decode
+    # (one token per request) pays in its first few steps.
+    for name, wl in plan:
+        for batch in (1, 8):
+            chosen = prompts[wl][: args.prompts] if batch == 1 else prompts[wl][:8]
+            for sp in speculators[name].values():
+                engines[name].set_speculator(sp)
+                run(engines[name], chosen, batch, args.new_tokens)
 
     cells: dict[tuple, dict] = {}
     for rnd in range(args.rounds):
@@ -219,22 +236,23 @@ def main(argv: list[str] | None = None) -> int:
                     e = engines[name]
                     e.set_speculator(speculators[name][m])
                     before = e.stats()
-                    toks, secs, ids = run(e, chosen, batch, args.new_tokens)
+                    toks, secs, ids, passes = run(e, chosen, batch, args.new_tokens, args.min_seconds)
                     after = e.stats()
                     got[m] = (toks / secs, ids, after.spec_num_draft_tokens - before.spec_num_draft_tokens,
                               after.spec_num_accepted_tokens - before.spec_num_accepted_tokens,
                               after.spec_num_verify_steps - before.spec_num_verify_steps,
-                              after.num_steps - before.num_steps)
-                for m, (rate, ids, drafted, accepted, verifies, steps) in got.items():
+                              after.num_steps - before.num_steps, passes)
+                for m, (rate, ids, drafted, accepted, verifies, steps, passes) in got.items():
                     c = cells.setdefault((name, wl, batch, m), {"tok_s": [], "ratio": [], "drafted": 0,
                                                                 "accepted": 0, "verifies": 0, "steps": 0,
-                                                                "identical": True})
+                                                                "passes": 0, "identical": True})
                     c["tok_s"].append(rate)
                     c["ratio"].append(rate / got["plain"][0])
                     c["drafted"] += drafted
                     c["accepted"] += accepted
                     c["verifies"] += verifies
                     c["steps"] += steps
+                    c["passes"] += passes
                     c["identical"] &= ids == got["plain"][1]
                     c["ids"] = ids
                 print(f"round {rnd} {name:7s} {wl:6s} b{batch}  " + "  ".join(
@@ -244,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     for (name, wl, batch, m), c in cells.items():
         row = {"target": name, "workload": wl, "batch": batch, "method": m,
                "tok_s": summarize(c["tok_s"]), "vs_plain": summarize(c["ratio"]),
-               "steps_per_round": c["steps"] / args.rounds,
+               "steps_per_pass": round(c["steps"] / c["passes"], 1),
                "draft_tokens": c["drafted"], "accepted_tokens": c["accepted"],
                "acceptance_rate": round(c["accepted"] / c["drafted"], 3) if c["drafted"] else None,
                "mean_accepted_length": round(c["accepted"] / c["verifies"], 3) if c["verifies"] else None,
@@ -294,6 +312,7 @@ def main(argv: list[str] | None = None) -> int:
         "benchmark": "bench_speculative", "models": {k: str(v) for k, v in models.items()},
         "copy_train_args": COPY_TRAIN_ARGS, "draft_model": str(args.draft_model.relative_to(REPO)),
         "new_tokens": args.new_tokens, "num_tokens": args.num_tokens, "rounds": args.rounds,
+        "min_seconds": args.min_seconds,
         "threads": args.threads, "greedy": True, "ort_spin": os.environ["LLMC_ORT_SPIN"],
         "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
                     "python": platform.python_version(), "load_avg_at_end": os.getloadavg()},

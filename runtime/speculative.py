@@ -207,10 +207,19 @@ class NgramIndex:
         """
         size = len(tokens)
         lo, hi = self.min_n, self.max_n
-        for e in range(self._indexed, size - 1):  # n-grams ending at e became earlier ones: index them
-            for n in range(lo, min(hi, e + 1) + 1):
-                self._ends[n - lo][tuple(tokens[e - n + 1: e + 1])] = e
-        self._indexed = max(self._indexed, size - 1)
+        start, stop = self._indexed, size - 1  # n-grams ending in [start, stop) became earlier ones: index them
+        if stop - start > 8:  # a prompt: per n, zip builds the n-grams and dict.update keeps each one's latest end
+            for n in range(lo, hi + 1):
+                first = max(start, n - 1)
+                if first < stop:
+                    grams = zip(*(tokens[first - n + 1 + i: stop - n + 1 + i] for i in range(n)), strict=True)
+                    self._ends[n - lo].update(zip(grams, range(first, stop), strict=True))
+        else:
+            for e in range(start, stop):
+                gram = tuple(tokens[max(0, e - hi + 1): e + 1])
+                for n in range(lo, min(hi, e + 1) + 1):
+                    self._ends[n - lo][gram[len(gram) - n:]] = e
+        self._indexed = max(start, stop)
         if k < 1:
             return []
         for n in range(min(hi, size - 1), lo - 1, -1):
@@ -470,6 +479,7 @@ class SpecState:
     index: NgramIndex | None = field(default=None, repr=False)
     shadow: list[int] | None = field(default=None, repr=False)
     shadow_at: int = field(default=0, repr=False)
+    shadow_gap: int = field(default=4, repr=False)  # tokens between shadow starts (see SHADOW_GAP)
     # The last choice's inputs and outcome: the choice changes only when the costs or the acceptance do, and
     # recomputing it for every request every step was ~4 us a request, 2% of a 3M-parameter model's step.
     _chosen_for: tuple | None = field(default=None, repr=False)
@@ -483,6 +493,11 @@ class SpecState:
     # its catch-up over the idle tokens included) probes wait longer than PROBE_MIN.
     PROBE_BUDGET = 0.02
     PROBE_NEVER = 1 << 62
+    # Tokens between the starts of two shadow proposals: SHADOW_GAP, doubled by each shadow that keeps nothing up to
+    # SHADOW_GAP_MAX (where short matches abound and are rarely followed, a shadow a step, judged after one token,
+    # cost ~10 us a request a step: 2% of the default model's step at batch 8), back to SHADOW_GAP when one keeps some.
+    SHADOW_GAP = 4
+    SHADOW_GAP_MAX = 32
 
     def __post_init__(self) -> None:
         if self.first_kept is None:
@@ -524,6 +539,7 @@ class SpecState:
             return None
         self.learn(len(sh), kept)
         self.shadow = None
+        self.shadow_gap = min(2 * self.shadow_gap, self.SHADOW_GAP_MAX) if kept == 0 else self.SHADOW_GAP
         return len(sh), kept
 
     def record(self, proposed: int, kept: int) -> None:
@@ -562,8 +578,11 @@ class SpecState:
         else:
             a, p = self.acceptance, self.first_acceptance
             best_k, best = 0, margin
+            kept, run = 0.0, p  # expected_tokens(a, k, p) - 1, summed term by term
             for k in range(1, probe + 1):
-                gain = expected_tokens(a, k, p) / max(step_costs[k], 1e-9)
+                kept += run
+                run *= a
+                gain = (1.0 + kept) / max(step_costs[k], 1e-9)
                 if gain > best * 1.0001:
                     best_k, best = k, gain
             self._chosen_for, self._chosen = (margin, list(step_costs)), best_k
@@ -722,6 +741,7 @@ class Speculator:
         batch = max(1, len(decoding))
         costs = self._step_costs(batch)
         wanted: dict[int, tuple[Request, int]] = {}
+        together = cfg.adaptive and batch > 1 and not waiting
         picks = []
         for r in decoding:
             s = r.spec
@@ -732,9 +752,12 @@ class Speculator:
                 judged = s.judge_shadow(r.tokens)
                 if judged is not None:
                     self._learn_recent(*judged)
+            if together and s.index is not None and not all(picks):
+                picks.append(0)  # another request drafts nothing: so will this one (and it has no probes to time)
+                continue
             # The adaptive choice (0 for most requests most steps: this loop is kept lean).
             picks.append(s.choose(costs) if cfg.adaptive else cfg.num_tokens)
-        if cfg.adaptive and batch > 1 and not waiting:  # together or not at all
+        if together:  # together or not at all
             common = min(picks)
             if common < max(picks):
                 for r, k in zip(decoding, picks, strict=True):
@@ -747,7 +770,8 @@ class Speculator:
                 continue
             shadows = s.index is not None and cfg.adaptive
             if k == 0:
-                if shadows and not s.shadow:  # what it would draft now, judged by the tokens to come
+                # What it would draft now, judged by the tokens to come (one every shadow_gap tokens at most).
+                if shadows and not s.shadow and len(r.tokens) - s.shadow_at >= s.shadow_gap:
                     s.shadow, s.shadow_at = s.index.propose(r.tokens, cfg.num_tokens), len(r.tokens)
                 continue
             k = min(k, r.params.max_tokens - (len(r.tokens) - r.prompt_len) - 1)
