@@ -766,3 +766,39 @@ def test_a_closed_batch_drafts_together_or_not_at_all():
     copying.draft = []
     sp.propose([copying], waiting=0)
     assert copying.draft == phrase[:4]
+
+
+def test_a_sleeping_draft_speculator_probes_when_an_awake_one_does(tiny_engine):
+    """While every request of a draft model waits for its probe, proposals are skipped (SLEEP_MAX steps at most)
+    and the idle counts caught up on waking: the probes come at the same steps as with a speculator that never
+    sleeps, through a request joining and one leaving."""
+    def schedule(sleep_max: int) -> list[tuple[int, int]]:
+        draft = Engine.load(tiny_engine)
+        sp = Speculator(SpeculativeConfig("draft", num_tokens=3, draft_model=tiny_engine), draft.vocab_size, draft)
+        sp.SLEEP_MAX = sleep_max
+        rng = np.random.default_rng(16)
+        running = [_decoding_request(i, rng.integers(3, 200, 20).tolist()) for i in range(2)]
+        probes = []
+        for step in range(700):
+            if step == 150:
+                running.append(_decoding_request(2, rng.integers(3, 200, 20).tolist()))
+            if step == 400:
+                sp.release(running.pop(0))
+            for r in running:
+                if r.spec is None:
+                    r.spec = sp.new_state()
+                    for _ in range(6):
+                        r.spec.learn(3, 0)
+            sp.propose(running, waiting=1)  # requests waiting: each request's own choice
+            for r in running:
+                if r.draft:
+                    probes.append((step, r.seq_id))
+                    sp.record(r, len(r.draft), 0)
+                    r.draft = []
+                r.tokens.append(int(rng.integers(3, 200)))
+                r.num_computed += 1
+        return probes
+
+    awake = schedule(0)
+    assert len(awake) >= 6
+    assert schedule(Speculator.SLEEP_MAX) == awake
