@@ -480,6 +480,7 @@ class SpecState:
     shadow: list[int] | None = field(default=None, repr=False)
     shadow_at: int = field(default=0, repr=False)
     shadow_gap: int = field(default=4, repr=False)  # tokens between shadow starts (see SHADOW_GAP)
+    learned: int = 0  # verify steps and shadows learned from (its own evidence, beyond the prior)
     # The last choice's inputs and outcome: the choice changes only when the costs or the acceptance do, and
     # recomputing it for every request every step was ~4 us a request, 2% of a 3M-parameter model's step.
     _chosen_for: tuple | None = field(default=None, repr=False)
@@ -518,6 +519,7 @@ class SpecState:
     def learn(self, proposed: int, kept: int) -> None:
         """The acceptance statistics only: ``kept`` of ``proposed`` drafts were (or would have been) kept."""
         d = self.decay
+        self.learned += 1
         self.first_kept = d * self.first_kept + (1.0 if kept else 0.0)
         self.first_missed = d * self.first_missed + (0.0 if kept else 1.0)
         if kept and proposed > 1:  # the later drafts were tried only because the first was kept
@@ -772,10 +774,14 @@ class Speculator:
                 judged = s.judge_shadow(r.tokens)
                 if judged is not None:
                     self._learn_recent(*judged)
-            if zero and together:
+            if together and (zero or not s.learned):
                 # Another request drafts nothing, so this one will not either: no choice to make. (Its probe timer
-                # stands still, but in a closed batch a probe only runs when every request probes at once.)
+                # stands still, but in a closed batch a probe only runs when every request probes at once.) Nor
+                # does one that has no evidence of its own yet: a batch of new requests would all draft on the
+                # engine's recent rates alone, learned at other batch sizes (the default model at batch 8, after
+                # batch-1 runs: a verify step of 8 x 3 tokens at every batch's start, all rejected).
                 picks.append(0)
+                zero = True
                 continue
             # The adaptive choice (0 for most requests most steps: this loop is kept lean).
             k = s.choose(costs) if cfg.adaptive else cfg.num_tokens

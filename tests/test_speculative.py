@@ -766,6 +766,16 @@ def test_a_closed_batch_drafts_together_or_not_at_all():
     copying.draft = []
     sp.propose([copying], waiting=0)
     assert copying.draft == phrase[:4]
+    # New requests draft together only on evidence of their own, not on a prior however good.
+    fresh = [_decoding_request(5 + i, phrase * 4) for i in range(2)]
+    for r in fresh:
+        r.spec = SpecState(max_tokens=4, accepted=30.0, rejected=1.0, index=NgramIndex(1, 4))
+    sp.propose(fresh, waiting=0)
+    assert [r.draft for r in fresh] == [[], []]
+    for r in fresh:
+        r.spec.learn(4, 4)
+    sp.propose(fresh, waiting=0)
+    assert [r.draft for r in fresh] == [phrase[:4], phrase[:4]]
 
 
 def test_a_sleeping_draft_speculator_probes_when_an_awake_one_does(tiny_engine):
