@@ -42,7 +42,7 @@ has llama-cpp-python): the same checkpoints converted to f32 GGUF (benchmarks/pe
 the same prompts' token ids, batch 1, plain vs ``LlamaPromptLookupDecoding``
 (benchmarks/peers/bench_llamacpp_lookup.py), run after llmc's rounds with its own interleaving.
 
-    python benchmarks/bench_speculative.py [--rounds 5] [--min-seconds 0.5] [--threads 2] [--prompts 4]
+    python benchmarks/bench_speculative.py [--rounds 15] [--min-seconds 0.5] [--threads 2] [--prompts 4]
                                            [--no-copy-model]
 
 Prints a table and writes ``benchmarks/results/bench_speculative.json``.
@@ -183,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--prompts", type=int, default=4, help="prompts per workload at batch 1 (batch 8 uses 8)")
     ap.add_argument("--num-tokens", type=int, default=6, help="SpeculativeConfig.num_tokens (most drafts per step)")
-    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--min-seconds", type=float, default=0.5,
                     help="each timed run repeats its prompts until this long (short runs are noisy)")
