@@ -28,7 +28,8 @@ are long enough, and each gave one prompt.)
 
 Batch 1 (each prompt alone; rate = new tokens / wall time over all prompts, prefill included) and
 batch 8 (all prompts in one ``generate``). ``--rounds`` rounds; in each, every (target, workload,
-batch) group runs its methods back to back in an order that rotates by round, so the shared
+batch) group runs its methods (and ``control``: plain decode again, whose ratio to plain is the
+measurement's own spread) back to back in an order that rotates by round, so the shared
 machine's drift hits them alike, after one untimed round (ORT's first step of each token count
 costs up to 2x). The methods run on one engine per target, its speculator swapped
 (``Engine.set_speculator``): separate engines of the same files ran 2-6% apart, plain against plain
@@ -42,7 +43,7 @@ has llama-cpp-python): the same checkpoints converted to f32 GGUF (benchmarks/pe
 the same prompts' token ids, batch 1, plain vs ``LlamaPromptLookupDecoding``
 (benchmarks/peers/bench_llamacpp_lookup.py), run after llmc's rounds with its own interleaving.
 
-    python benchmarks/bench_speculative.py [--rounds 15] [--min-seconds 0.5] [--threads 2] [--prompts 4]
+    python benchmarks/bench_speculative.py [--rounds 16] [--min-seconds 0.5] [--threads 2] [--prompts 4]
                                            [--no-copy-model]
 
 Prints a table and writes ``benchmarks/results/bench_speculative.json``.
@@ -75,7 +76,9 @@ COPY_TRAIN_ARGS = ["--plant-induction", "--layers", "2", "--hidden-size", "256",
                    "--intermediate-size", "512", "--steps", "200", "--batch-size", "8", "--seq-len", "256",
                    "--lr", "1e-3", "--warmup", "20", "--repeat-fraction", "0.5", "--random-passages", "0.3",
                    "--log-every", "50", "--eval-every", "0"]
-METHODS = ("plain", "ngram", "draft")
+# "control" is plain decode again, timed like the others: its ratio to plain is the measurement's own spread, what
+# a method's figure must clear to differ from plain.
+METHODS = ("plain", "ngram", "draft", "control")
 
 
 def build(model: Path, out: Path) -> Path:
@@ -183,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--prompts", type=int, default=4, help="prompts per workload at batch 1 (batch 8 uses 8)")
     ap.add_argument("--num-tokens", type=int, default=6, help="SpeculativeConfig.num_tokens (most drafts per step)")
-    ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--rounds", type=int, default=16)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--min-seconds", type=float, default=0.5,
                     help="each timed run repeats its prompts until this long (short runs are noisy)")
@@ -210,8 +213,8 @@ def main(argv: list[str] | None = None) -> int:
     engines, speculators = {}, {}
     for name, model in models.items():
         engines[name] = Engine.load(build(model, work / name), num_threads=args.threads)
-        speculators[name] = {"plain": None, **{m: engines[name].new_speculator(c, num_threads=args.threads)
-                                               for m, c in configs.items()}}
+        made = {m: engines[name].new_speculator(c, num_threads=args.threads) for m, c in configs.items()}
+        speculators[name] = {"plain": None, "control": None, **made}
     tokenizer = engines["default"].tokenizer
     prompts = workloads(tokenizer, max(8, args.prompts))
     plan = [(name, wl) for name in models for wl in prompts]
@@ -235,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
         for name, wl in plan:
             for batch in (1, 8):
                 chosen = prompts[wl][: args.prompts] if batch == 1 else prompts[wl][:8]
-                order = METHODS[rnd % 3:] + METHODS[: rnd % 3]
+                order = METHODS[rnd % len(METHODS):] + METHODS[: rnd % len(METHODS)]
                 got = {}
                 for m in order:
                     e = engines[name]

@@ -7,15 +7,17 @@ scheduler schedules such chunks beside ordinary decodes and prefills and rewinds
 drafts (``BlockManager.rewind``); this module holds what is specific to speculation:
 
 - :class:`SpeculativeConfig`: the method and its limits, given to ``Engine.load``.
-- Proposers: :func:`ngram_propose` (prompt lookup: the tokens that followed the latest earlier
-  occurrence of the sequence's last n-gram, over prompt and output) and :class:`DraftProposer` (a
-  second, smaller llmc engine with the same tokenizer, its own KV pool, driven step by step).
+- Proposers: :class:`NgramIndex` (prompt lookup: the tokens that followed the latest earlier
+  occurrence of the sequence's last n-gram, over prompt and output, from an index kept up to date
+  per request; :func:`ngram_propose` is the same by a scan, its reference) and :class:`DraftProposer`
+  (a second, smaller llmc engine with the same tokenizer, its own KV pool, driven step by step).
 - :func:`verify`: greedy verification (exact: keeps drafts while they equal the target's choice) and
   rejection sampling (Leviathan et al. 2023, Chen et al. 2023) for ``temperature > 0``, which makes
   the emitted tokens' distribution exactly the target's (after penalties, temperature, top-k/p, min-p).
-- :class:`SpecState` and :class:`StepCost`: the per-request number of drafts adapts to the request's
-  acceptance rate and to what a step costs per extra token, dropping to zero where speculation does
-  not pay.
+- :class:`SpecState`, :class:`StepCost` and :class:`Speculator`: the per-request number of drafts adapts
+  to the request's acceptance rates and to what a step costs per extra token, dropping to zero where
+  speculation does not pay; an idle prompt-lookup request judges shadow proposals for free, an idle
+  draft-model request probes now and then; in a closed batch requests draft together or not at all.
 """
 
 from __future__ import annotations
@@ -569,6 +571,7 @@ class SpecState:
         whose drafts are kept too rarely to pay, costs ~nothing), one after which speculation pays resets
         it. The wait is also at least ``(step_costs[max_tokens] - 1) / PROBE_BUDGET`` steps (at most
         ``PROBE_MAX``), so that probes cost at most ``PROBE_BUDGET`` of the plain steps between them.
+        A prompt-lookup state (``index`` set) never probes: its shadow proposals tell the same for free.
         """
         cached = self._chosen_for is not None and self._chosen_for[0] == margin and self._chosen_for[1] == step_costs
         if cached and self._chosen == 0 and not self.probed and self.idle_steps + 1 < self._wait:
