@@ -678,7 +678,10 @@ class Speculator:
 
     def observe_step(self, tokens: int, seqs: int, seconds: float) -> None:
         """A decode-only step of ``seqs`` requests and ``tokens`` tokens took ``seconds`` (proposal and
-        sampling included)."""
+        sampling included). Not while asleep: nothing reads the fits then, and a refit would cost the steps
+        that sleeping spares."""
+        if self._asleep:
+            return
         if tokens == seqs:
             self.plain_cost.observe(tokens, seconds)
             return
@@ -749,8 +752,9 @@ class Speculator:
         in, and each request drafts what pays for itself.
         """
         if self._asleep or self._slept:
-            on = (len(running), id(running[0]), id(running[-1])) if running else None
-            if self._asleep and on == self._asleep_on:  # admissions, finishes and preemptions change it
+            # Admissions, finishes and preemptions change it; so does a queue forming behind a closed batch.
+            on = (len(running), id(running[0]), id(running[-1]), len(running) > 1 and not waiting) if running else None
+            if self._asleep and on == self._asleep_on:
                 self._asleep -= 1
                 self._slept += 1
                 return
@@ -835,6 +839,8 @@ class Speculator:
         steps = self.SLEEP_MAX
         for r in decoding:
             s = r.spec
+            if together and (s is None or not s.learned):
+                break  # in a closed batch this one drafts nothing (it cannot learn while idle): nor do the others
             if s is None:
                 continue
             if s._chosen_for is None or s._chosen or s.probing or s.probed or s._wait >= s.PROBE_NEVER:
@@ -847,7 +853,7 @@ class Speculator:
                 return
         if steps > 0:
             self._asleep, self._asleep_with = steps, decoding
-            self._asleep_on = (len(decoding), id(decoding[0]), id(decoding[-1]))
+            self._asleep_on = (len(decoding), id(decoding[0]), id(decoding[-1]), together)
 
     def verify(self, chunk, logits: np.ndarray) -> list[int]:
         """Tokens emitted by verify chunk ``chunk`` (a ``ScheduledChunk`` with drafts) from its logits rows."""

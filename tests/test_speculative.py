@@ -812,3 +812,26 @@ def test_a_sleeping_draft_speculator_probes_when_an_awake_one_does(tiny_engine):
     awake = schedule(0)
     assert len(awake) >= 6
     assert schedule(Speculator.SLEEP_MAX) == awake
+
+
+def test_a_closed_batch_of_draft_requests_sleeps_and_wakes_when_a_queue_forms(tiny_engine):
+    """In a closed batch, draft-model requests without evidence of their own draft nothing (and cannot learn while
+    idle), so the speculator sleeps; a request queued behind them wakes it, and each request chooses for itself."""
+    draft = Engine.load(tiny_engine)
+    sp = Speculator(SpeculativeConfig("draft", num_tokens=3, draft_model=tiny_engine), draft.vocab_size, draft)
+    rng = np.random.default_rng(17)
+    running = [_decoding_request(i, rng.integers(3, 200, 20).tolist()) for i in range(3)]
+    for r in running:
+        r.spec = sp.new_state()
+    skipped = 0
+    for _ in range(40):
+        before = sp._slept
+        sp.propose(running, waiting=0)
+        skipped += sp._slept > before
+        assert all(not r.draft for r in running)
+        for r in running:
+            r.tokens.append(int(rng.integers(3, 200)))
+            r.num_computed += 1
+    assert skipped >= 36  # asleep but for a step every SLEEP_MAX
+    sp.propose(running, waiting=2)  # a queue formed: awake, and the prior (2 in 3) says drafts pay
+    assert sp._slept == 0 and all(r.draft for r in running)
