@@ -752,9 +752,7 @@ class Speculator:
         in, and each request drafts what pays for itself.
         """
         if self._asleep or self._slept:
-            # Admissions, finishes and preemptions change it; so does a queue forming behind a closed batch.
-            on = (len(running), id(running[0]), id(running[-1]), len(running) > 1 and not waiting) if running else None
-            if self._asleep and on == self._asleep_on:
+            if self._asleep and self._batch_key(running, waiting) == self._asleep_on:
                 self._asleep -= 1
                 self._slept += 1
                 return
@@ -827,11 +825,17 @@ class Speculator:
                 else:
                     r.spec.probing = False
         elif self.draft is not None and cfg.adaptive and decoding and len(decoding) == len(running):
-            self._sleep(decoding, together)
+            self._sleep(decoding, together, self._batch_key(running, waiting))
 
     SLEEP_MAX = 32  # steps; a refit that would make drafts pay again is noticed this late at worst
 
-    def _sleep(self, decoding: list[Request], together: bool) -> None:
+    @staticmethod
+    def _batch_key(running: list[Request], waiting: int) -> tuple | None:
+        """What a sleep holds for: admissions, finishes and preemptions change it; so does a queue forming behind
+        a closed batch (its requests then choose for themselves)."""
+        return (len(running), id(running[0]), id(running[-1]), len(running) > 1 and not waiting) if running else None
+
+    def _sleep(self, decoding: list[Request], together: bool, key: tuple | None) -> None:
         """Skip the next steps' proposals while every request (in a closed batch: one) is sure to draft nothing:
         an idle choice each step cost ~3 us of a 0.18 ms step (a 3M-parameter target at batch 1), where a draft
         model that does not pay sits idle for good. A request's choice stays 0 until its probe is due, as long as
@@ -843,7 +847,7 @@ class Speculator:
                 break  # in a closed batch this one drafts nothing (it cannot learn while idle): nor do the others
             if s is None:
                 continue
-            if s._chosen_for is None or s._chosen or s.probing or s.probed or s._wait >= s.PROBE_NEVER:
+            if s._chosen_for is None or s._chosen or s.probing or s.probed:
                 steps = 0
             else:
                 steps = min(steps, s._wait - s.idle_steps - 2)
@@ -852,8 +856,7 @@ class Speculator:
             if steps <= 0:
                 return
         if steps > 0:
-            self._asleep, self._asleep_with = steps, decoding
-            self._asleep_on = (len(decoding), id(decoding[0]), id(decoding[-1]), together)
+            self._asleep, self._asleep_with, self._asleep_on = steps, decoding, key
 
     def verify(self, chunk, logits: np.ndarray) -> list[int]:
         """Tokens emitted by verify chunk ``chunk`` (a ``ScheduledChunk`` with drafts) from its logits rows."""
