@@ -9,6 +9,7 @@ from __future__ import annotations
 EXIT_BAD_INPUT = 2
 EXIT_UNSUPPORTED = 3
 EXIT_ACCURACY_GATE = 4
+EXIT_OUT_OF_MEMORY = 5
 EXIT_INTERNAL = 70
 
 

@@ -227,10 +227,6 @@ class _NoOnnxFiles:
     fusions: dict[str, int] = {}
 
 
-# EngineFiles attribute -> manifest engine field
-_ONNX_FILE_FIELDS = {"model": "model_file", "weights": "weights_file"}
-
-
 def _compile(ckpt: Checkpoint, digest: str, plan: _Plan, dest: Path, say: Progress, timings: dict[str, float],
              t0: float, info: dict | None = None) -> tuple[dict, dict]:
     """Stages 2-5: trace, optimise, emit and seal an artifact into the existing empty ``dest``.
@@ -406,31 +402,36 @@ def _compile(ckpt: Checkpoint, digest: str, plan: _Plan, dest: Path, say: Progre
         fields["toolchain"] = {**fields["toolchain"], **trt_backend.toolchain(target.backend)}
     manifest = artifact.seal(dest, fields)
     if qstage is not None:  # score the sealed engine against the unquantized graph, then re-seal with the figures
-        # The reference is the unquantized graph with the cache in the compute dtype (--kv-cache-dtype is scored).
-        reference_fields = {**cpu_fields, "kv_cache": {**cpu_fields["kv_cache"], "dtype": traced.compute_dtype}}
+        from llmc.quant.layerwise import KVShape
 
-        def emit_reference(model, where: Path) -> None:
-            ort_backend.emit(model, where, options.attention, fusions)
-            artifact.seal(where, reference_fields)
+        # The reference is the unquantized graph with the cache in the compute dtype (--kv-cache-dtype is scored),
+        # run layer by layer as the CPU backend lowers it.
+        kv = cpu_fields["kv_cache"]
+        reference_kv = KVShape(kv["num_layers"], kv["num_kv_heads"], kv["head_size"], kv["block_size"],
+                               traced.compute_dtype)
+
+        def lower(model) -> None:
+            ort_backend.lower(model, options.attention, fusions)
 
         # A CUDA engine is scored itself, on the GPU, where torch sees one; otherwise (and for TensorRT) the same
-        # quantized graph is scored on the CPU.
+        # quantized graph is scored on the CPU, lowered as the CPU backend would, without writing it out.
         scoring_device = _scoring_device(manifest) if cuda else None
-        with tempfile.TemporaryDirectory(prefix="llmc-quantized-cpu-") as cpu_dir:
-            if gpu and scoring_device is None:  # a GPU engine cannot run here: score its graph on the CPU
-                cpu_files = asdict(ort_backend.emit(cpu_graph, Path(cpu_dir), options.attention, fusions))
-                artifact.copy_tokenizer(ckpt.path, Path(cpu_dir))
-                cpu_fields["engine"].update({_ONNX_FILE_FIELDS.get(k, k): v for k, v in cpu_files.items()
-                                             if k != "fusions"})
-                artifact.seal(Path(cpu_dir), cpu_fields)
-            # The unquantized scores depend on the checkpoint and llmc alone: builds of other recipes reuse them.
-            scored = Path(cpu_dir) if gpu and scoring_device is None else dest
-            accuracy = qstage.evaluate(scored, emit_reference, device=scoring_device,
-                                       scored=("the engine's quantized graph (onnxruntime, on the CPU; the GPU engine "
-                                               "itself did not run)") if scored != dest else None,
-                                       reference_cache=(plan.cache_root or Store(None).root) / "reference",
-                                       reference_key=f"{digest} {sources_digest(_PACKAGE_ROOT)} "
-                                                     f"{json.dumps(reference_fields['toolchain'], sort_keys=True)}")
+        quantized_graph = None
+        if gpu and scoring_device is None:
+            lower(cpu_graph)
+            quantized_graph = cpu_graph
+        # The unquantized scores depend on the checkpoint and llmc alone: builds of other recipes reuse them.
+        accuracy = qstage.evaluate(
+            dest, lower, reference_kv, ort_backend.CUSTOM_OPS[options.attention], quantized_graph=quantized_graph,
+            quantized_kv=KVShape(kv["num_layers"], kv["num_kv_heads"], kv["head_size"], kv["block_size"],
+                                 kv["dtype"]),
+            device=scoring_device,
+            scored=("the engine's quantized graph (onnxruntime, on the CPU; the GPU engine itself did not run)"
+                    if quantized_graph is not None else None),
+            reference_cache=(plan.cache_root or Store(None).root) / "reference",
+            reference_key=f"{digest} {sources_digest(_PACKAGE_ROOT)} "
+                          f"{json.dumps(cpu_fields['toolchain'], sort_keys=True)}")
+        cpu_graph = None
         report.update(qstage.report())
         artifact.write_json(dest / "report.json", report)
         manifest = artifact.seal(dest, fields)

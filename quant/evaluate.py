@@ -120,8 +120,8 @@ def compare(reference: Callable[[int, list[int]], np.ndarray], quantized, window
             progress: Callable[[str], None] | None = None, precision: Precision | None = None) -> Accuracy:
     """Score windows with both engines until ``precision`` is met (all of them when None). ``reference(i, ids)``
     gives the unquantized engine's float32 log-probabilities ``[len(ids), vocab]`` of window ``i`` (from a cache
-    or an engine); ``quantized`` has ``score(ids) -> [n, vocab]`` logits. ``progress`` gets a line with an ETA
-    after each tenth of the windows (a 1B model takes minutes here)."""
+    or a scorer); ``quantized(i, ids)`` gives the quantized engine's logits ``[len(ids), vocab]``. ``progress``
+    gets a line with an ETA after each tenth of the windows (a 1B model takes minutes here)."""
     nll_ref = nll_q = kl = 0.0
     agree = positions = predicted = 0
     diffs: list[float] = []  # per window: the quantized engine's total NLL minus the reference's
@@ -146,7 +146,7 @@ def compare(reference: Callable[[int, list[int]], np.ndarray], quantized, window
             left = elapsed * max(0, total - positions) / positions
             progress(f"      scored {positions}/{total} tokens, {elapsed:.0f}s elapsed, ETA at most {left:.0f}s")
         lr = reference(i, ids).astype(np.float64)
-        lq = log_softmax(quantized.score(ids)).astype(np.float64)
+        lq = log_softmax(quantized(i, ids)).astype(np.float64)
         targets = np.asarray(ids[1:])
         rows = np.arange(len(targets))
         r, q = -float(lr[rows, targets].sum()), -float(lq[rows, targets].sum())
@@ -168,6 +168,34 @@ def compare(reference: Callable[[int, list[int]], np.ndarray], quantized, window
                     kl_mean=kl / positions, top1_agreement=agree / positions, tokens=positions,
                     windows=len(counts), window=max(len(w) for w in windows[: len(counts)]),
                     ppl_increase_ci95=100.0 * float(np.exp(d)) * ci if np.isfinite(ci) else None, stopped=stopped)
+
+
+def rounds(windows: list[list[int]], precision: Precision | None, round_tokens: int | None = None) -> list[int]:
+    """Where each round of layer-by-layer scoring ends (window indices, increasing): the first round reaches the
+    stopping rule's first check (``min_tokens``) and the window after it, the next the token limit, so a model
+    that is precise early pays for no more than one extra window, and the same windows are scored as one by one.
+    ``round_tokens`` caps a round's tokens (the memory of the activations kept between layers)."""
+    n = len(windows)
+    cum = [0]  # cum[i]: tokens of windows[:i], what compare() has scored when it reaches window i
+    for w in windows:
+        cum.append(cum[-1] + len(w))
+    if precision is None:
+        ends = [n]
+    else:  # compare() stops before window i once cum[i] reaches max_tokens; checks precision from min_tokens
+        stop = next((i for i in range(n + 1) if cum[i] >= precision.max_tokens), n)
+        first = next((i for i in range(n + 1) if cum[i] >= precision.min_tokens), n)
+        ends = sorted({min(first + 1, stop), stop})
+    if round_tokens is not None:
+        capped, start = [], 0
+        for end in ends:
+            for j in range(start + 1, end):
+                if cum[j + 1] - cum[start] > round_tokens:
+                    capped.append(j)
+                    start = j
+            capped.append(end)
+            start = end
+        ends = capped
+    return [e for e in ends if e > 0]
 
 
 def check_gate(accuracy: Accuracy, max_ppl_increase: float | None, recipe_name: str) -> None:

@@ -14,8 +14,8 @@ The accuracy report on real held-out text is the quantization-aware check.
 
 from __future__ import annotations
 
+import json
 import os
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -25,7 +25,7 @@ import onnx_ir as ir
 
 from llmc.errors import LlmcError
 from llmc.passes.base import GraphPass
-from llmc.quant import evaluate
+from llmc.quant import evaluate, layerwise
 from llmc.quant.recipe import QuantRecipe, resolve_calib_device
 
 PASS_NAME = "quantize"
@@ -115,37 +115,68 @@ class QuantStage:
                                     form=self.form)
         return {k: v for k, v in self.stats.items() if isinstance(v, int)}
 
-    def evaluate(self, engine_dir: Path, emit_reference: Callable[[ir.Model, Path], None],
+    def evaluate(self, engine_dir: Path, lower: Callable[[ir.Model], object], kv: layerwise.KVShape,
+                 custom_ops: str, *, quantized_graph: ir.Model | None = None,
+                 quantized_kv: layerwise.KVShape | None = None,
                  reference_cache: Path | None = None, reference_key: str = "",
                  precision: evaluate.Precision | None = None, device: str | None = None,
-                 scored: str | None = None) -> evaluate.Accuracy:
-        """Score the engine at ``engine_dir`` against the reference graph, emitted by ``emit_reference(model,
-        dir)`` into a temporary loadable engine (``dir`` exists and is empty) when its scores are not in
-        ``reference_cache`` (a directory; None: no cache) under ``reference_key`` (what determines the reference:
-        the checkpoint's digest and llmc's sources). Scoring stops at ``precision`` (default :class:`Precision`).
-        ``device``: where a CUDA engine at ``engine_dir`` runs (None: a CPU engine). ``scored``: what the figures
-        are of, for the report (default: the engine at ``engine_dir``, named from its manifest)."""
-        from llmc.runtime import Engine
+                 scored: str | None = None, round_tokens: int | None = None) -> evaluate.Accuracy:
+        """Score the quantized engine against the unquantized graph on held-out text, one layer at a time
+        (llmc.quant.layerwise: the memory of a layer, not of the model).
 
+        The reference is the graph the quantize pass kept, made what ONNX Runtime runs by ``lower(model)`` (the CPU
+        backend's lowering and fusions, in place), with the KV cache ``kv`` and the custom-op library
+        ``custom_ops``; its scores come from ``reference_cache`` (a directory; None: no cache) under
+        ``reference_key`` (the checkpoint's digest and llmc's sources) when a build scored them before. The
+        quantized side is ``quantized_graph`` (lowered already; its cache ``quantized_kv``) where given, else the
+        CPU engine at ``engine_dir`` (its model file, memory-mapped), or with ``device`` the CUDA engine there, run
+        whole on that device.
+        ``engine_dir`` holds the tokenizer either way. Scoring stops at ``precision`` (default :class:`Precision`);
+        windows go through the layers in rounds of at most ``round_tokens`` tokens (default: to the precision
+        rule's first check, then to its limit). ``scored``: what the figures are of, for the report."""
         if self.reference is None:
             raise RuntimeError("the quantize pass has not run")
         t = time.perf_counter()
-        self.say(f"      evaluate {self.name} against the unquantized graph on held-out text")
+        self.say(f"      evaluate {self.name} against the unquantized graph on held-out text, layer by layer")
         windows = evaluate.heldout_windows(engine_dir / "tokenizer.json", EVAL_WINDOW, EVAL_TOKENS)
-        with tempfile.TemporaryDirectory(prefix="llmc-reference-") as tmp:
-            reference = ReferenceScores(windows, reference_cache, reference_key,
-                                        lambda: _load_reference(self.reference, Path(tmp), emit_reference))
-            quantized = Engine.load(engine_dir, verify=False, kv_cache_tokens=2 * EVAL_WINDOW,
-                                    **({"device": device, "cuda_graphs": False} if device else {}))
-            if precision is None:
-                n = self.recipe.eval_tokens
-                # A fixed count: no early stop before it.
-                precision = evaluate.Precision() if n is None else evaluate.Precision(n, n, 0.0)
-            self.accuracy = evaluate.compare(reference, quantized, windows, progress=self.say, precision=precision)
-            self.accuracy.reference_cached = reference.engine is None
-            self.accuracy.scored = scored or _scored_engine(quantized, device)
-            reference.save()
-            self.timings["evaluate_reference_load"] = reference.load_seconds
+        if precision is None:
+            n = self.recipe.eval_tokens
+            # A fixed count: no early stop before it.
+            precision = evaluate.Precision() if n is None else evaluate.Precision(n, n, 0.0)
+        plan = evaluate.rounds(windows, precision, round_tokens)
+
+        def reference_scorer(kv=kv, custom_ops=custom_ops):
+            lower(self.reference)
+            return layerwise.LayerwiseScorer(self.reference, custom_ops, kv, "unquantized", self.say)
+
+        reference = ReferenceScores(windows, reference_cache, reference_key, lambda: _Rounds(reference_scorer(),
+                                                                                             windows, plan))
+        if device is not None:
+            from llmc.runtime import Engine
+
+            engine = Engine.load(engine_dir, verify=False, kv_cache_tokens=2 * EVAL_WINDOW, device=device,
+                                 cuda_graphs=False)
+            quantized = _WholeEngine(engine)
+            what = scored or _scored_engine(engine.manifest, device)
+        else:
+            if quantized_graph is None:
+                quantized_graph, kv, custom_ops = _engine_graph(engine_dir)
+                what = scored or _scored_engine(json.loads((engine_dir / "manifest.json").read_text()), None)
+            else:
+                what = scored or "the engine's quantized graph (onnxruntime, on the CPU)"
+                kv = quantized_kv or kv
+            quantized = _Rounds(layerwise.LayerwiseScorer(quantized_graph, custom_ops, kv, "quantized", self.say),
+                                windows, plan)
+        self.accuracy = evaluate.compare(reference, quantized, windows, progress=self.say, precision=precision)
+        self.accuracy.reference_cached = reference.engine is None
+        self.accuracy.scored = what
+        reference.save()
+        self.timings["evaluate_reference_load"] = reference.load_seconds
+        for side, scorer in (("reference", getattr(reference.engine, "scorer", None)),
+                             ("quantized", getattr(quantized, "scorer", None))):
+            if scorer is not None:
+                self.timings[f"evaluate_{side}_sessions"] = scorer.session_seconds
+                self.timings[f"evaluate_{side}_run"] = scorer.run_seconds
         self.reference = None
         self.timings["evaluate"] = time.perf_counter() - t
         self.say(f"      {self.accuracy.summary()}"
@@ -182,31 +213,68 @@ def _rounded(rows: list[dict]) -> list[dict]:
     return [{k: float(f"{v:.6g}") if isinstance(v, float) else v for k, v in row.items()} for row in rows]
 
 
-def _scored_engine(engine, device: str | None) -> str:
+def _scored_engine(manifest: dict, device: str | None) -> str:
     """What the accuracy figures scored, named from the engine's manifest."""
     if device is None:
-        return f"the engine ({engine.manifest['engine'].get('backend', 'onnxruntime')}, on the CPU)"
-    dtype = engine.manifest["engine"].get("dtype", "?")
+        return f"the engine ({manifest['engine'].get('backend', 'onnxruntime')}, on the CPU)"
+    dtype = manifest["engine"].get("dtype", "?")
     where = "GPU" if device == "cuda" else device.upper()
     return f"the CUDA engine itself ({dtype}, on the {where})"
 
 
-def _load_reference(model: ir.Model, where: Path, emit_reference: Callable[[ir.Model, Path], None]):
-    from llmc.runtime import Engine
+def _engine_graph(engine_dir: Path) -> tuple[ir.Model, layerwise.KVShape, str]:
+    """A CPU engine's graph (weights memory-mapped from its files, read a stage at a time), KV layout and
+    custom-op library, from its manifest."""
+    from llmc.runtime.session import custom_ops_of
 
-    emit_reference(model, where)
-    return Engine.load(where, verify=False, kv_cache_tokens=2 * EVAL_WINDOW)
+    manifest = json.loads((engine_dir / "manifest.json").read_text())
+    kv = manifest["kv_cache"]
+    shape = layerwise.KVShape(kv["num_layers"], kv["num_kv_heads"], kv["head_size"], kv["block_size"], kv["dtype"])
+    return ir.load(engine_dir / manifest["engine"]["model_file"]), shape, custom_ops_of(manifest)
+
+
+class _WholeEngine:
+    """``(index, ids) -> logits`` from an engine run whole (a CUDA engine on its device)."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+
+    def __call__(self, index: int, ids: list[int]) -> np.ndarray:
+        return self.engine.score(ids)
+
+
+class _Rounds:
+    """``(index, ids) -> logits`` from a :class:`~llmc.quant.layerwise.LayerwiseScorer`: asked for window ``index``
+    it scores the round of windows that holds it (``plan``: each round's end), all of them through every layer,
+    and hands each window's logits out once."""
+
+    def __init__(self, scorer: layerwise.LayerwiseScorer, windows: list[list[int]], plan: list[int]) -> None:
+        self.scorer, self.windows, self.plan = scorer, windows, plan
+        self.ready: dict[int, np.ndarray] = {}
+        self.done = 0  # windows scored so far
+
+    def __call__(self, index: int, ids: list[int]) -> np.ndarray:
+        if index not in self.ready:
+            if index < self.done:
+                raise RuntimeError(f"window {index} was scored and handed out already")
+            end = next((e for e in self.plan if e > index), len(self.windows))
+            for i, logits in enumerate(self.scorer.run(self.windows[self.done:end]), self.done):
+                self.ready[i] = logits
+            self.done = end
+        return self.ready.pop(index)
 
 
 class ReferenceScores:
-    """The unquantized engine's log-probabilities of each held-out window, from the cache when a build of the same
-    checkpoint (any recipe) scored them before, else from the engine ``load()`` returns (emitted only then).
+    """The unquantized graph's log-probabilities of each held-out window, from the cache when a build of the same
+    checkpoint (any recipe) scored them before, else from the scorer ``load()`` returns (``(index, ids) ->
+    logits``; made only then).
 
     Cache file: ``<dir>/<sha256 of key and windows>.npz`` holding float32 ``logp [tokens, vocab]`` and the
     window ``lengths``; written whole, atomically, when this build scored more windows than it held, unless
     larger than :data:`REFERENCE_CACHE_LIMIT` bytes."""
 
-    def __init__(self, windows: list[list[int]], directory: Path | None, key: str, load: Callable[[], object]):
+    def __init__(self, windows: list[list[int]], directory: Path | None, key: str,
+                 load: Callable[[], Callable[[int, list[int]], np.ndarray]]):
         import hashlib
         import json
 
@@ -239,7 +307,7 @@ class ReferenceScores:
             t = time.perf_counter()
             self.engine = self.load()
             self.load_seconds = time.perf_counter() - t
-        logp = evaluate.log_softmax(self.engine.score(ids))
+        logp = evaluate.log_softmax(self.engine(index, ids))
         self.scores.append(logp)
         return logp
 

@@ -32,13 +32,16 @@ class OrtSession:
     ``custom_ops`` names the library its PagedAttention nodes need (:data:`NATIVE` or :data:`PYOP`).
     ``optimize=False`` runs the graph as written (no ORT graph rewrites). ``spin``: whether ORT's threads
     spin between ops; None (serving) decides by :mod:`llmc.runtime.spin_policy`, which samples the CPU
-    load for 0.1 s, so one-off sessions (pass verification) pass False.
+    load for 0.1 s, so one-off sessions (pass verification) pass False. ``initializers``: arrays for the
+    graph's initializers that it declares without data (ONNX Runtime reads them in place; the session keeps
+    them alive): how the accuracy report runs a model one layer at a time (llmc.quant.layerwise).
     """
 
     samples_on_device = False  # returns host logits; the engine samples them with numpy
 
     def __init__(self, model: Path | bytes, num_threads: int | None = None, custom_ops: str = NATIVE,
-                 optimize: bool = True, spin: bool | None = None) -> None:
+                 optimize: bool = True, spin: bool | None = None,
+                 initializers: dict[str, np.ndarray] | None = None) -> None:
         import onnxruntime as ort
 
         if custom_ops == NATIVE:
@@ -84,21 +87,29 @@ class OrtSession:
         if os.environ.get("LLMC_ORT_PROFILE"):
             so.enable_profiling = True
             so.profile_file_prefix = os.environ["LLMC_ORT_PROFILE"]
+        if initializers:
+            self._initializers = initializers  # ORT reads them in place for the session's life
+            names = list(initializers)
+            so.add_external_initializers(names, [ort.OrtValue.ortvalue_from_numpy(initializers[n]) for n in names])
         source = model if isinstance(model, bytes) else str(model)
         self._session = ort.InferenceSession(source, so, providers=["CPUExecutionProvider"])
         self.input_names = tuple(i.name for i in self._session.get_inputs())
 
-    def run(self, feeds: dict[str, np.ndarray], pool: KVPool | Sequence[tuple[np.ndarray, np.ndarray]]) -> np.ndarray:
-        """Run one step; returns logits ``[n_logits, vocab]``. Writes the step's K/V into ``pool``
-        (a :class:`KVPool` or its per-layer ``(k_cache, v_cache)`` list)."""
+    def run(self, feeds: dict[str, np.ndarray], pool: KVPool | Sequence[tuple[np.ndarray, np.ndarray]],
+            outputs: list[str] | None = None):
+        """Run one step; returns logits ``[n_logits, vocab]`` (or, with ``outputs``, the list of those outputs).
+        Writes the step's K/V into ``pool`` (a :class:`KVPool` or its per-layer ``(k_cache, v_cache)`` list)."""
         layers = pool.layers if isinstance(pool, KVPool) else pool
+        names = outputs or _LOGITS
         if self._native is not None:
             # Hot path: a lock and an identity check per step; pointers are re-sent only when the pool changes.
             with self._native.lock:
                 self._native.bind(layers)
-                return self._session.run(_LOGITS, feeds)[0]
-        with self._binding(layers):
-            return self._session.run(_LOGITS, feeds)[0]
+                result = self._session.run(names, feeds)
+        else:
+            with self._binding(layers):
+                result = self._session.run(names, feeds)
+        return result if outputs is not None else result[0]
 
     def end_profiling(self) -> str | None:
         """Stop ORT profiling (on with LLMC_ORT_PROFILE) and return the trace file's path, else None."""

@@ -6,9 +6,18 @@
 2. Create a randomly initialised LlamaForCausalLM (torch.manual_seed(0)) and
    save it (safetensors, float32) together with the tokenizer.
 
-usage: make_model.py [small|1b|all]
+usage: make_model.py [small|1b|3b|8b|all] [--dtype float32|bfloat16] [--out DIR]
   small -> $PEERS_ROOT/model     (hidden 576, inter 1536, 30 layers, 9 heads, 3 kv)
   1b    -> $PEERS_ROOT/model-1b  (Llama-3.2-1B shape with vocab 8192)
+  3b    -> $PEERS_ROOT/model-3b  (Llama-3.2-3B shape with vocab 8192: hidden 3072, 28 layers, 24/8 heads)
+  8b    -> $PEERS_ROOT/model-8b  (Llama-3.1-8B shape with vocab 8192: hidden 4096, inter 14336, 32 layers,
+                                  32/8 heads, untied LM head)
+
+``--dtype bfloat16`` (the default for 3b and 8b) writes the checkpoint tensor by tensor into 2 GB safetensors
+shards with an index, as the hub's checkpoints are: an 8B model is never whole in memory (the build-scale
+benchmark runs on a 24 GB machine). Weights are N(0, 0.02) (transformers' initializer_range), norms ones,
+each tensor from its own generator seeded by its name, so a shape's checkpoint is the same on every machine.
+With bfloat16 the output directory gets a ``-bf16`` suffix unless ``--out`` is given.
 """
 import json
 import os
@@ -26,7 +35,14 @@ SHAPES = {
                   num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3),
     "1b": dict(out=f"{ROOT}/model-1b", hidden_size=2048, intermediate_size=8192,
                num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8),
+    "3b": dict(out=f"{ROOT}/model-3b", hidden_size=3072, intermediate_size=8192,
+               num_hidden_layers=28, num_attention_heads=24, num_key_value_heads=8),
+    "8b": dict(out=f"{ROOT}/model-8b", hidden_size=4096, intermediate_size=14336,
+               num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=False),
 }
+# Shapes written streamed in bfloat16 unless --dtype says otherwise (they do not fit this machine in float32).
+STREAMED = ("3b", "8b")
+SHARD_BYTES = 2 << 30
 
 
 def corpus():
@@ -66,34 +82,106 @@ def train_tokenizer():
     return PreTrainedTokenizerFast.from_pretrained(TOK_DIR)
 
 
-def make(name, tok):
+def _config(name, tok, dtype):
     s = dict(SHAPES[name])
     out = s.pop("out")
+    s.setdefault("tie_word_embeddings", True)
     cfg = LlamaConfig(
         vocab_size=8192, max_position_embeddings=2048, rope_theta=10000.0,
-        tie_word_embeddings=True, rms_norm_eps=1e-5, hidden_act="silu",
+        rms_norm_eps=1e-5, hidden_act="silu",
         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
         pad_token_id=None, attention_bias=False, mlp_bias=False, **s)
-    cfg.torch_dtype = "float32"
+    cfg.torch_dtype = dtype
+    return cfg, out
+
+
+def _finish(out, tok_dir, dtype):
+    import shutil
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(f"{tok_dir}/{f}", f"{out}/{f}")
+    # make sure config says the dtype whatever the transformers version writes
+    cp = f"{out}/config.json"
+    c = json.load(open(cp))
+    c["torch_dtype"] = dtype
+    if "dtype" in c:
+        c["dtype"] = dtype
+    json.dump(c, open(cp, "w"), indent=2)
+
+
+def make_streamed(name, tok, dtype="bfloat16", out=None):
+    """Write the checkpoint one tensor at a time (meta-device model for names and shapes)."""
+    import hashlib
+
+    from safetensors.torch import save_file
+
+    cfg, default_out = _config(name, tok, dtype)
+    out = out or default_out + ("-bf16" if dtype == "bfloat16" else "")
+    os.makedirs(out, exist_ok=True)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    params = [(n, p.shape) for n, p in model.named_parameters()]
+    torch_dtype = getattr(torch, dtype)
+    shards, current, size = [], {}, 0
+    for n, shape in params:
+        numel = 1
+        for d in shape:
+            numel *= d
+        nbytes = numel * torch_dtype.itemsize
+        if current and size + nbytes > SHARD_BYTES:
+            shards.append(current)
+            current, size = {}, 0
+        current[n] = shape
+        size += nbytes
+    if current:
+        shards.append(current)
+    total = sum(1 for _ in params)
+    index, done = {}, 0
+    for i, shard in enumerate(shards):
+        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        tensors = {}
+        for n, shape in shard.items():
+            if n.endswith("norm.weight"):
+                tensors[n] = torch.ones(shape, dtype=torch_dtype)
+            else:
+                g = torch.Generator().manual_seed(int(hashlib.sha256(n.encode()).hexdigest()[:12], 16))
+                tensors[n] = (torch.randn(shape, generator=g) * 0.02).to(torch_dtype)
+            index[n] = fname
+            done += 1
+        save_file(tensors, f"{out}/{fname}", metadata={"format": "pt"})
+        del tensors
+        print(f"  {fname}: {done}/{total} tensors", flush=True)
+    n_params = sum(p.numel() for p in model.parameters())
+    cfg.save_pretrained(out)
+    json.dump({"metadata": {"total_size": n_params * torch_dtype.itemsize}, "weight_map": index},
+              open(f"{out}/model.safetensors.index.json", "w"), indent=2)
+    _finish(out, TOK_DIR, dtype)
+    print(f"{name}: {n_params/1e6:.2f} M params ({dtype}) -> {out}")
+    return out
+
+
+def make(name, tok):
+    cfg, out = _config(name, tok, "float32")
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg).to(torch.float32).eval()
     n = sum(p.numel() for p in model.parameters())
     print(f"{name}: {n/1e6:.2f} M params -> {out}")
     model.save_pretrained(out, safe_serialization=True)
-    import shutil
-    for f in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(f"{TOK_DIR}/{f}", f"{out}/{f}")
-    # make sure config says float32 whatever the transformers version writes
-    cp = f"{out}/config.json"
-    c = json.load(open(cp))
-    c["torch_dtype"] = "float32"
-    if "dtype" in c:
-        c["dtype"] = "float32"
-    json.dump(c, open(cp, "w"), indent=2)
+    _finish(out, TOK_DIR, "float32")
 
 
 if __name__ == "__main__":
-    which = sys.argv[1] if len(sys.argv) > 1 else "all"
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("which", nargs="?", default="all", choices=[*SHAPES, "all"])
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
+                    help="checkpoint dtype (default: float32 for small/1b, bfloat16 for 3b/8b)")
+    ap.add_argument("--out", default=None, help="output directory (default: under $PEERS_ROOT)")
+    args = ap.parse_args()
     tok = train_tokenizer()
-    for name in (["small", "1b"] if which == "all" else [which]):
-        make(name, tok)
+    for name in (["small", "1b"] if args.which == "all" else [args.which]):
+        dtype = args.dtype or ("bfloat16" if name in STREAMED else "float32")
+        if dtype == "bfloat16" or name in STREAMED:
+            make_streamed(name, tok, dtype, args.out)
+        else:
+            make(name, tok)

@@ -1,0 +1,188 @@
+"""This process's memory: resident size, per-stage peaks, ``--max-memory`` sizes, and a guard that stops a build
+with one line before the kernel's OOM killer would.
+
+Linux only where it reads ``/proc`` (elsewhere the figures are None and the guard watches nothing). Peaks per stage
+come from the kernel's own high-water mark (``VmHWM``), which writing ``5`` to ``/proc/self/clear_refs`` resets,
+so a stage's peak is exact, not sampled.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+GB = 1 << 30
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mb": 1 << 20, "mib": 1 << 20,
+          "g": GB, "gb": GB, "gib": GB, "t": 1 << 40, "tb": 1 << 40, "tib": 1 << 40}
+
+
+def parse_size(text: str) -> int:
+    """Bytes in ``8G``, ``8GB``, ``512M``, ``1.5g``, ``4096`` (binary units: 1G = 2^30 bytes). Raises ValueError."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text or "")
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"{text!r} is not a size; write it like 8G, 512M or 1.5G")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def format_size(n: int | float) -> str:
+    return f"{n / GB:.1f} GB" if n >= GB / 10 else f"{n / (1 << 20):.0f} MB"
+
+
+def _status_kb(field: str) -> int | None:
+    try:
+        text = Path("/proc/self/status").read_text()
+    except OSError:
+        return None
+    m = re.search(rf"^{field}:\s+(\d+) kB", text, re.M)
+    return int(m.group(1)) * 1024 if m else None
+
+
+def rss() -> int | None:
+    """Resident bytes now."""
+    return _status_kb("VmRSS")
+
+
+def rss_gb() -> float:
+    return (rss() or 0) / GB
+
+
+def peak_rss() -> int | None:
+    """The resident high-water mark since the process started or :func:`reset_peak`."""
+    return _status_kb("VmHWM")
+
+
+def reset_peak() -> bool:
+    """Start a new high-water mark at the current resident size; False where the kernel does not allow it."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def available() -> int | None:
+    """``MemAvailable`` of the machine (or of this cgroup's limit, where one is lower), in bytes."""
+    try:
+        m = re.search(r"^MemAvailable:\s+(\d+) kB", Path("/proc/meminfo").read_text(), re.M)
+    except OSError:
+        return None
+    avail = int(m.group(1)) * 1024 if m else None
+    limit = _cgroup_limit()
+    if limit is not None and avail is not None:
+        try:
+            used = int(Path("/sys/fs/cgroup/memory.current").read_text())
+            avail = min(avail, max(0, limit - used))
+        except (OSError, ValueError):
+            pass
+    return avail
+
+
+def total() -> int | None:
+    """The machine's memory (or this cgroup's limit, where lower), in bytes."""
+    try:
+        m = re.search(r"^MemTotal:\s+(\d+) kB", Path("/proc/meminfo").read_text(), re.M)
+    except OSError:
+        return None
+    mem = int(m.group(1)) * 1024 if m else None
+    limit = _cgroup_limit()
+    return min(x for x in (mem, limit) if x is not None) if (mem or limit) else None
+
+
+def _cgroup_limit() -> int | None:
+    try:
+        text = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+    except OSError:
+        return None
+    return None if text == "max" else int(text)
+
+
+class StagePeaks:
+    """Peak resident bytes per named stage: ``with peaks.stage("emit"): ...``; ``peaks.figures`` in GB."""
+
+    def __init__(self) -> None:
+        self.figures: dict[str, float] = {}
+        self.exact = reset_peak()
+
+    def start(self, name: str) -> None:
+        self._name = name
+        if self.exact:
+            reset_peak()
+
+    def stop(self) -> None:
+        name = getattr(self, "_name", None)
+        peak = peak_rss()
+        if name is not None and peak is not None:
+            self.figures[name] = max(self.figures.get(name, 0.0), round(peak / GB, 3))
+        self._name = None
+
+
+class MemoryExceeded(Exception):
+    """Raised in the main thread by :class:`Guard` when the build goes past its limit."""
+
+
+class Guard:
+    """Watches this process's resident size (every ``interval`` seconds, in a thread) and stops the main thread
+    with :class:`MemoryExceeded` when it passes ``limit`` bytes (``--max-memory``) or when the machine's available
+    memory falls under ``reserve`` bytes (where the OOM killer would soon strike, with no message). ``what()``
+    names the stage for the message. A main thread inside a long native call is stopped when the call returns;
+    if it does not return within ``grace`` seconds past the limit, the guard cleans up with ``on_abort`` and ends
+    the process with ``exit_code``, printing ``message`` itself."""
+
+    def __init__(self, limit: int | None, what: Callable[[], str], *, reserve: int = 256 << 20,
+                 interval: float = 0.1, grace: float = 20.0, exit_code: int = 7,
+                 on_abort: Callable[[], None] | None = None) -> None:
+        self.limit, self.what, self.reserve, self.interval = limit, what, reserve, interval
+        self.grace, self.exit_code, self.on_abort = grace, exit_code, on_abort
+        self.message: str | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._old_handler = None
+
+    def __enter__(self) -> Guard:
+        if rss() is None or threading.current_thread() is not threading.main_thread():
+            return self  # nothing to read, or no way to interrupt the caller
+        self._old_handler = signal.signal(signal.SIGUSR2, self._raise)
+        self._thread = threading.Thread(target=self._watch, name="llmc-memory-guard", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            signal.signal(signal.SIGUSR2, self._old_handler)
+
+    def _raise(self, signum, frame) -> None:
+        if self.message is not None and not self._stop.is_set():
+            raise MemoryExceeded(self.message)
+
+    def _watch(self) -> None:
+        while not self._stop.wait(self.interval):
+            now = rss() or 0
+            avail = available()
+            if self.limit is not None and now > self.limit:
+                self.message = (f"--max-memory {format_size(self.limit)}: the build reached {format_size(now)} "
+                                f"resident in {self.what()}")
+            elif avail is not None and avail < self.reserve:
+                self.message = (f"out of memory: the build held {format_size(now)} in {self.what()} with "
+                                f"{format_size(avail)} left on this machine")
+            else:
+                continue
+            os.kill(os.getpid(), signal.SIGUSR2)
+            deadline = time.monotonic() + self.grace
+            while not self._stop.wait(0.05):
+                if time.monotonic() > deadline or (available() or self.reserve) < self.reserve // 4:
+                    if self.on_abort is not None:
+                        try:
+                            self.on_abort()
+                        except Exception:  # noqa: BLE001 - best effort before exiting
+                            pass
+                    os.write(2, f"error: {self.message}\n".encode())
+                    os._exit(self.exit_code)
+            return

@@ -1,0 +1,296 @@
+"""Run an engine graph over token windows one decoder layer at a time, so that scoring a model needs the memory of
+one layer's weights, not of the model.
+
+The accuracy report scores the quantized engine and the unquantized reference on held-out windows. Loading either
+as one ONNX Runtime session holds the whole model (an 8B reference in float32: 32 GB). Here the graph ONNX Runtime
+would run (lowered for the CPU backend, fusions applied: the same nodes, the same kernels) is cut into stages:
+
+- a node's stage is the largest decoder-layer index among its weights' names (``model.layers.7.mlp...`` -> 7) and
+  its inputs' stages; nodes with neither (the embedding gather, position arithmetic) form stage -1, and the final
+  norm and LM head join the last layer's stage;
+- each stage becomes its own model: its nodes, its weights, and as inputs the values it reads from earlier stages
+  (the residual stream, positions) or from the graph's inputs.
+
+Every window goes through stage 0 before any goes through stage 1. Between stages only the carried values are
+kept (windows x tokens x hidden, in float32); a stage's weights are read (from the checkpoint, lazily derived, or
+memory-mapped from the artifact) when its session is made and dropped with it. ONNX Runtime gets them as external
+initializers (``SessionOptions.add_external_initializers``: its kernels use the arrays without a copy), except
+dtypes numpy cannot hold natively (bfloat16, FP8, INT4), which travel in the model bytes.
+
+The session options are the engine's own (:class:`llmc.runtime.session.OrtSession`), so each stage computes what
+the whole engine computes: the figures equal whole-model scoring's (tested to 1e-5 relative).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import onnx_ir as ir
+
+# The first dotted all-digit component of a weight's name is its decoder layer (``model.layers.3.``,
+# ``transformer.h.3.``, ``model.layers.3.mlp.experts.5.``).
+_LAYER = re.compile(r"(?:^|\.)(\d+)(?=\.|$)")
+PRE = -1  # the stage of nodes before the first layer (embeddings, position arithmetic)
+# numpy dtypes ONNX Runtime takes as external initializers (OrtValue.ortvalue_from_numpy).
+_NATIVE = {ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.DOUBLE, ir.DataType.INT8, ir.DataType.UINT8,
+           ir.DataType.INT16, ir.DataType.UINT16, ir.DataType.INT32, ir.DataType.UINT32, ir.DataType.INT64,
+           ir.DataType.UINT64, ir.DataType.BOOL}
+
+
+# Initializers smaller than this travel in the model bytes: shape inference must read constant shape arguments.
+EMBED_BELOW = 1 << 16
+
+
+def layer_of(name: str) -> int | None:
+    """The decoder layer a weight belongs to, from its name; None for weights of no layer."""
+    m = _LAYER.search(name or "")
+    return int(m.group(1)) if m else None
+
+
+@dataclass
+class Stage:
+    """One slice of the graph: ``nodes`` in graph order, the ``weights`` they read, the ``inputs`` they read from
+    earlier stages or the graph's inputs, and the ``outputs`` later stages (or the graph's outputs) read."""
+
+    index: int
+    nodes: list[ir.Node] = field(default_factory=list)
+    weights: list[ir.Value] = field(default_factory=list)
+    inputs: list[ir.Value] = field(default_factory=list)
+    outputs: list[ir.Value] = field(default_factory=list)
+
+    def weight_bytes(self) -> int:
+        return sum(_nbytes(v.const_value) for v in self.weights)
+
+
+def _nbytes(t) -> int:
+    n = 1
+    for d in t.shape:
+        n *= int(d)
+    return n * t.dtype.itemsize if t.dtype.itemsize >= 1 else -(-n * t.dtype.bitwidth // 8)
+
+
+class NotLayered(Exception):
+    """The graph cannot be cut into layers (subgraphs capture outer values); score it whole."""
+
+
+def partition(model: ir.Model) -> list[Stage]:
+    """Cut ``model``'s graph into stages (see the module docstring). Raises :class:`NotLayered` for graphs with
+    control-flow subgraphs, whose captured outer values are not node inputs."""
+    graph = model.graph
+    initializers = graph.initializers
+    stage_of: dict[int, int] = {}  # id(node) -> stage
+    order: list[tuple[ir.Node, int]] = []
+    for node in graph:
+        if any(a.type in (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS) for a in node.attributes.values()
+               if isinstance(a, ir.Attr)):
+            raise NotLayered(f"{node.op_type} node {node.name!r} has a subgraph")
+        s = PRE
+        for v in node.inputs:
+            if v is None:
+                continue
+            producer = v.producer()
+            if producer is not None:
+                s = max(s, stage_of[id(producer)])
+            elif v.name in initializers:
+                layer = layer_of(v.name)
+                if layer is not None:
+                    s = max(s, layer)
+        stage_of[id(node)] = s
+        order.append((node, s))
+    by_index: dict[int, Stage] = {}
+    for node, s in order:
+        by_index.setdefault(s, Stage(s)).nodes.append(node)
+    stages = [by_index[k] for k in sorted(by_index)]
+    graph_outputs = {id(v) for v in graph.outputs}
+    for stage in stages:
+        own = {id(n) for n in stage.nodes}
+        seen: set[int] = set()
+        for node in stage.nodes:
+            for v in node.inputs:
+                if v is None or id(v) in seen:
+                    continue
+                seen.add(id(v))
+                producer = v.producer()
+                if producer is not None and id(producer) in own:
+                    continue
+                if producer is None and v.name in initializers:
+                    stage.weights.append(v)
+                else:
+                    stage.inputs.append(v)
+            for v in node.outputs:
+                if id(v) in graph_outputs or any(id(use.node) not in own for use in v.uses()):
+                    stage.outputs.append(v)
+    return stages
+
+
+def _placeholder(value: ir.Value):
+    """A TensorProto naming an initializer with no data (ONNX Runtime takes the data as an external initializer)."""
+    import onnx
+
+    t = value.const_value
+    proto = onnx.TensorProto()
+    proto.name = value.name
+    proto.data_type = int(t.dtype)
+    proto.dims.extend(int(d) for d in t.shape)
+    proto.data_location = onnx.TensorProto.EXTERNAL
+    entry = proto.external_data.add()
+    entry.key, entry.value = "location", "llmc-external-initializer"
+    return proto
+
+
+def _embedded(value: ir.Value):
+    """A TensorProto holding an initializer's bytes (ONNX's packing: INT4 two to a byte)."""
+    import onnx
+
+    t = value.const_value
+    proto = onnx.TensorProto()
+    proto.name = value.name
+    proto.data_type = int(t.dtype)
+    proto.dims.extend(int(d) for d in t.shape)
+    proto.raw_data = t.tobytes()
+    return proto
+
+
+def _value_info(value: ir.Value, array: np.ndarray | None):
+    """``value``'s ValueInfoProto; where the graph does not know its type, the type of the array it holds."""
+    import onnx
+    from onnx import helper
+
+    if value.type is not None or array is None:
+        return ir.serde.serialize_value(value)
+    dims = [f"{value.name}_d{i}" for i in range(array.ndim)]
+    return helper.make_tensor_value_info(value.name, helper.np_dtype_to_tensor_dtype(array.dtype), dims) \
+        if array.dtype != np.dtype(object) else onnx.ValueInfoProto(name=value.name)
+
+
+def stage_model(model: ir.Model, stage: Stage, carried: dict[str, np.ndarray]) -> tuple[bytes, dict[str, np.ndarray]]:
+    """The stage as serialized ONNX bytes, and the external initializers its session takes (name -> array).
+
+    ``carried``: an array of every input that comes from an earlier stage (for its dtype where the graph lacks
+    one)."""
+    from onnx import helper
+
+    external: dict[str, np.ndarray] = {}
+    protos = []
+    for v in stage.weights:
+        t = v.const_value
+        if t.dtype in _NATIVE and _nbytes(t) >= EMBED_BELOW:
+            array = np.asarray(t.numpy())
+            if not array.flags.c_contiguous or not array.flags.writeable:
+                array = np.array(array, order="C")  # ORT reads it in place: an owned, contiguous copy
+            external[v.name] = array
+            protos.append(_placeholder(v))
+        else:  # small (shape arguments, which shape inference reads), or bfloat16 / FP8 / INT4 codes: in the model
+            # bytes (ir packs them as ONNX stores them)
+            protos.append(_embedded(v))
+        if isinstance(t, ir.ExternalTensor):
+            t.release()  # unmap: the artifact's pages would otherwise stay mapped (and counted) until the end
+    graph = helper.make_graph(
+        [ir.serde.serialize_node(n) for n in stage.nodes], f"stage_{stage.index}",
+        [_value_info(v, carried.get(v.name)) for v in stage.inputs],
+        [ir.serde.serialize_value(v) for v in stage.outputs], initializer=protos)
+    opsets = [helper.make_opsetid(domain, version) for domain, version in model.opset_imports.items()]
+    proto = helper.make_model(graph, opset_imports=opsets, ir_version=model.ir_version)
+    for f in model.functions.values():
+        proto.functions.append(ir.serde.serialize_function(f))
+    return proto.SerializeToString(), external
+
+
+@dataclass
+class KVShape:
+    """The scoring pool's per-layer cache: ``num_layers`` x ``[blocks, num_kv_heads, block_size, head_size]``."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_size: int
+    block_size: int
+    dtype: str = "float32"
+
+
+def window_feeds(ids: list[int], block_size: int) -> dict[str, np.ndarray]:
+    """The graph inputs of one window scored as one prefill step on blocks ``0..``, as ``Engine.score`` feeds them
+    (``rope_lengths``: every token's sequence length, for graphs that take it)."""
+    n = len(ids)
+    p = np.arange(n, dtype=np.int64)
+    table = np.arange(-(-n // block_size), dtype=np.int64)
+    return {"input_ids": np.asarray(ids, np.int64), "positions": p,
+            "slot_mapping": table[p // block_size] * block_size + p % block_size,
+            "block_tables": table[None, :], "context_lens": np.asarray([n], np.int64),
+            "query_start_loc": np.asarray([0, n], np.int64), "logits_indices": p,
+            "rope_lengths": np.full(n, n, np.int64)}
+
+
+class LayerwiseScorer:
+    """Logits of token windows from ``model`` (a graph lowered for the ONNX Runtime backend), one stage at a time.
+
+    ``custom_ops``: the custom-op library its attention nodes need (``engine.custom_ops``); ``kv``: the engine's KV
+    cache layout. ``progress`` gets a line per stage once a pass over the stages has run ``PROGRESS_S`` seconds,
+    with the process's resident memory."""
+
+    PROGRESS_S = 10.0
+
+    def __init__(self, model: ir.Model, custom_ops: str, kv: KVShape, name: str = "model",
+                 progress: Callable[[str], None] | None = None) -> None:
+        self.model = model
+        self.stages = partition(model)
+        self.custom_ops = custom_ops
+        self.kv = kv
+        self.name = name
+        self.say = progress or (lambda msg: None)
+        self.graph_inputs = {v.name for v in model.graph.inputs}
+        self.output = model.graph.outputs[0].name
+        self.session_seconds = 0.0
+        self.run_seconds = 0.0
+
+    def largest_stage_bytes(self) -> int:
+        return max(s.weight_bytes() for s in self.stages)
+
+    def run(self, windows: list[list[int]]) -> list[np.ndarray]:
+        """float32 logits ``[len(w), vocab]`` of every window ``w`` (each scored alone, as ``Engine.score`` does)."""
+        from llmc.runtime.kv_cache import KVPool
+        from llmc.runtime.session import OrtSession
+
+        if not windows:
+            return []
+        kv = self.kv
+        blocks = max(-(-len(w) // kv.block_size) for w in windows)
+        pool = KVPool.allocate(kv.num_layers, blocks, kv.num_kv_heads, kv.block_size, kv.head_size, kv.dtype)
+        feeds = [window_feeds(w, kv.block_size) for w in windows]
+        carried: list[dict[str, np.ndarray]] = [{} for _ in windows]
+        # After which stage each carried value is read for the last time.
+        last_use: dict[str, int] = {}
+        for i, stage in enumerate(self.stages):
+            for v in stage.inputs:
+                last_use[v.name] = i
+        start = time.perf_counter()
+        out: list[np.ndarray] = []
+        for i, stage in enumerate(self.stages):
+            t = time.perf_counter()
+            blob, external = stage_model(self.model, stage, carried[0])
+            session = OrtSession(blob, custom_ops=self.custom_ops, spin=False, initializers=external)
+            del blob
+            self.session_seconds += time.perf_counter() - t
+            t = time.perf_counter()
+            wanted = [v.name for v in stage.outputs]
+            for w, values in enumerate(carried):
+                inputs = {name: (values[name] if name in values else feeds[w][name])
+                          for name in session.input_names}
+                results = session.run(inputs, pool, outputs=wanted)
+                values.update(zip(wanted, results, strict=True))
+                for name in [n for n in values if last_use.get(n, -1) <= i and n != self.output]:
+                    del values[name]
+            self.run_seconds += time.perf_counter() - t
+            del session, external
+            elapsed = time.perf_counter() - start
+            if elapsed >= self.PROGRESS_S and (i + 1) % max(1, len(self.stages) // 8) == 0:
+                from llmc.memory import rss_gb
+
+                self.say(f"        {self.name}: stage {i + 1}/{len(self.stages)} of {len(windows)} windows, "
+                         f"{elapsed:.0f}s, {rss_gb():.1f} GB resident")
+        for values in carried:
+            out.append(values.pop(self.output))
+        return out
