@@ -96,7 +96,8 @@ def test_streamed_report_equals_whole_engine_scoring(tmp_path, default_engine):
     from llmc.quant.recipe import QuantRecipe
 
     out = tmp_path / "int4"
-    result = build(Path(__file__).resolve().parents[1] / "assets" / "default-model", out, BuildOptions(quant=QuantRecipe(quant="int4")))
+    default_model = Path(__file__).resolve().parents[1] / "assets" / "default-model"
+    result = build(default_model, out, BuildOptions(quant=QuantRecipe(quant="int4")))
     acc = result.report["accuracy"]
     quantized, reference = Engine.load(out, kv_cache_tokens=512), Engine.load(default_engine, kv_cache_tokens=512)
     windows = evaluate.heldout_windows(out / "tokenizer.json", 256, 65536)

@@ -21,7 +21,6 @@ With bfloat16 the output directory gets a ``-bf16`` suffix unless ``--out`` is g
 """
 import json
 import os
-import sys
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
