@@ -103,23 +103,40 @@ def _cgroup_limit() -> int | None:
 
 
 class StagePeaks:
-    """Peak resident bytes per named stage: ``with peaks.stage("emit"): ...``; ``peaks.figures`` in GB."""
+    """Peak resident memory per named stage, in GB (``figures``): ``start(name)`` ... ``stop()``, nestable (a
+    sub-stage's peak counts for its parent too). Exact where the kernel lets the high-water mark be reset
+    (``exact``); elsewhere each figure is the process's peak so far."""
 
     def __init__(self) -> None:
-        self.figures: dict[str, float] = {}
+        # Before the first stage: start-up, reading the checkpoint's index, hashing its files.
+        peak = peak_rss()
+        self.figures: dict[str, float] = {"load": round(peak / GB, 3)} if peak is not None else {}
+        self._stack: list[str] = []
         self.exact = reset_peak()
 
+    @property
+    def current(self) -> str | None:
+        return self._stack[-1] if self._stack else None
+
+    def _fold(self) -> None:
+        peak = peak_rss()
+        if peak is not None:
+            for name in self._stack:
+                self.figures[name] = max(self.figures.get(name, 0.0), round(peak / GB, 3))
+
     def start(self, name: str) -> None:
-        self._name = name
+        self._fold()
+        self._stack.append(name)
         if self.exact:
             reset_peak()
 
     def stop(self) -> None:
-        name = getattr(self, "_name", None)
-        peak = peak_rss()
-        if name is not None and peak is not None:
-            self.figures[name] = max(self.figures.get(name, 0.0), round(peak / GB, 3))
-        self._name = None
+        if not self._stack:
+            return
+        self._fold()
+        self._stack.pop()
+        if self.exact:
+            reset_peak()
 
 
 class MemoryExceeded(Exception):

@@ -1,7 +1,8 @@
 """``llmc``: build, run, verify and inspect engines.
 
 Exit codes: 0 success; 1 verification found problems; 2 bad input; 3 unsupported request;
-4 accuracy gate failed; 70 internal error (a bug: please report it with LLMC_DEBUG=1 output).
+4 accuracy gate failed; 5 out of memory (--max-memory or the machine's);
+70 internal error (a bug: please report it with LLMC_DEBUG=1 output).
 """
 
 from __future__ import annotations
@@ -171,6 +172,11 @@ def _quant_options(f):
 @click.option("--cache-dir", type=click.Path(path_type=Path), default=None,
               help="Build cache directory [default: $LLMC_CACHE_DIR, else $XDG_CACHE_HOME/llmc or ~/.cache/llmc].")
 @click.option("--no-cache", is_flag=True, help="Rebuild even on a cache hit, and replace the cache entry.")
+@click.option("--max-memory", default=None, metavar="SIZE",
+              help="Most resident memory the build may use, e.g. 8G or 512M: refused up front (exit 5) when the "
+                   "build's estimate is larger, the accuracy report's rounds sized to it, and a build that goes past "
+                   "it stops with one line (exit 5) [default: the machine's memory; the build stops with one line "
+                   "if that runs out].")
 @click.option("--json", "as_json", is_flag=True,
               help="Print one JSON object with the result instead of text (no progress lines).")
 @click.option("-q", "--quiet", is_flag=True, help="No progress output.")
@@ -178,8 +184,8 @@ def _quant_options(f):
 def build(checkpoint: Path, output: Path, disabled_passes: tuple[str, ...], verify_passes: bool, target: str,
           gpu: str | None, engine_kind: str, engine_dtype: str, max_batch_size: int | None,
           max_num_tokens: int | None, max_seq_len: int | None,
-          block_size: int, force: bool, cache_dir: Path | None, no_cache: bool, as_json: bool, quiet: bool,
-          max_ppl_increase: float | None, **quant_args) -> None:
+          block_size: int, force: bool, cache_dir: Path | None, no_cache: bool, max_memory: str | None,
+          as_json: bool, quiet: bool, max_ppl_increase: float | None, **quant_args) -> None:
     """Build an engine from a Hugging Face CHECKPOINT directory.
 
     Builds go through the build cache: an identical earlier build (same checkpoint bytes, recipe,
@@ -198,10 +204,18 @@ def build(checkpoint: Path, output: Path, disabled_passes: tuple[str, ...], veri
     if quant["calib_data"] is not None:
         quant["calib_data"] = str(quant["calib_data"])
     target = _gpu_target(gpu, target)
+    limit = None
+    if max_memory is not None:
+        from llmc.memory import parse_size
+
+        try:
+            limit = parse_size(max_memory)
+        except ValueError as exc:
+            raise LlmcError(f"--max-memory {exc}") from None
     options = BuildOptions(target=target, block_size=block_size, force=force, disabled_passes=disabled_passes,
                            verify_passes=verify_passes, quant=QuantRecipe(**quant), max_ppl_increase=max_ppl_increase,
                            max_batch_size=max_batch_size, max_num_tokens=max_num_tokens, max_seq_len=max_seq_len,
-                           engine=engine_kind, dtype=engine_dtype)
+                           engine=engine_kind, dtype=engine_dtype, max_memory=limit)
     try:
         result = build_cached(checkpoint, output, options, progress=progress, cache_dir=cache_dir,
                               refresh=no_cache)

@@ -25,7 +25,7 @@ from llmc.build_cache import KeyInputs, Store, sources_digest
 from llmc.compiler import artifact
 from llmc.compiler.checkpoint import Checkpoint, load_checkpoint
 from llmc.compiler.targets import GPU_BACKENDS, TARGETS, Target, get_target
-from llmc.errors import LlmcError, UnsupportedError
+from llmc.errors import EXIT_OUT_OF_MEMORY, LlmcError, UnsupportedError
 from llmc.plugins.paged_attention import KV_LAYOUT
 from llmc.quant import recipe as quant_recipe
 from llmc.quant.recipe import QuantRecipe
@@ -43,7 +43,7 @@ COMPUTE_DTYPE = "float32"
 # matter; resolving it to the pass list would import the pass modules on every cache hit).
 # Any other field, including ones added later, is part of the recipe: a spurious miss is safe,
 # a wrong hit is not.
-_NOT_IN_RECIPE = frozenset({"force", "extra_passes", "self_check"})
+_NOT_IN_RECIPE = frozenset({"force", "extra_passes", "self_check", "max_memory"})
 _PACKAGE_ROOT = Path(llmc.__file__).resolve().parent
 
 
@@ -80,6 +80,10 @@ class BuildOptions:
     # onnxruntime-extensions Python op, one Python call per layer per step; for debugging/comparison).
     # The CLI takes it from $LLMC_ATTENTION_ROUTE. Part of the recipe, hence of the cache key.
     attention: str = field(default_factory=lambda: os.environ.get("LLMC_ATTENTION_ROUTE", "native"))
+    # The most resident memory the build may use, in bytes (``--max-memory``; None: what the machine has). The
+    # build refuses up front when its estimate exceeds it, sizes the accuracy report's rounds to it, and stops
+    # with exit 5 if it goes past it anyway. It changes no figure, so it is not part of the recipe.
+    max_memory: int | None = None
 
 
 @dataclass
@@ -229,6 +233,30 @@ class _NoOnnxFiles:
 
 def _compile(ckpt: Checkpoint, digest: str, plan: _Plan, dest: Path, say: Progress, timings: dict[str, float],
              t0: float, info: dict | None = None) -> tuple[dict, dict]:
+    """:func:`_compile_stages` under the memory guard: past ``--max-memory``, or with the machine about to run out,
+    the build stops with one line (exit 5) instead of dying to the kernel's OOM killer; peak resident memory per
+    stage goes to build_info.json."""
+    from llmc import memory
+
+    peaks = memory.StagePeaks()
+    guard = memory.Guard(plan.options.max_memory, lambda: peaks.current or "the build",
+                         exit_code=EXIT_OUT_OF_MEMORY, on_abort=lambda: shutil.rmtree(dest, ignore_errors=True))
+    try:
+        with guard:
+            return _compile_stages(ckpt, digest, plan, dest, say, timings, t0, info, peaks)
+    except memory.MemoryExceeded as exc:
+        raise LlmcError(f"{exc}; no engine was written. {_memory_fix(plan.options.max_memory)}",
+                        exit_code=EXIT_OUT_OF_MEMORY) from None
+
+
+def _memory_fix(limit: int | None) -> str:
+    if limit is not None:
+        return "Raise --max-memory, or leave it out to use what the machine has"
+    return "Free memory (other processes), or build on a machine with more memory; --max-memory N sizes the build"
+
+
+def _compile_stages(ckpt: Checkpoint, digest: str, plan: _Plan, dest: Path, say: Progress,
+                    timings: dict[str, float], t0: float, info: dict | None, peaks) -> tuple[dict, dict]:
     """Stages 2-5: trace, optimise, emit and seal an artifact into the existing empty ``dest``.
 
     Returns (manifest, report). ``timings`` (seconds) is filled in; they, and ``info``, go to
@@ -248,7 +276,8 @@ def _compile(ckpt: Checkpoint, digest: str, plan: _Plan, dest: Path, say: Progre
         from llmc.quant.stage import QuantStage
 
         # GPU engines take INT4 as block-wise DequantizeLinear (TensorRT's INT4 GEMM form), not MatMulNBits.
-        qstage = QuantStage(ckpt, options.quant, say, form="qdq" if gpu else "cpu", params=param_reader(ckpt))
+        qstage = QuantStage(ckpt, options.quant, say, form="qdq" if gpu else "cpu", params=param_reader(ckpt),
+                            memory=peaks)
         for warning in quant_recipe.check_target(options.quant, target.name, TARGETS):
             say(f"      warning: {warning}")
     # The quantize pass runs after the fusions, before the final dead-code elimination.
@@ -257,6 +286,8 @@ def _compile(ckpt: Checkpoint, digest: str, plan: _Plan, dest: Path, say: Progre
     fusions = frozenset(n for n in BACKEND_FUSIONS if backend_fusion_enabled(n, options.disabled_passes))
 
     def stage(name: str, n: int) -> None:
+        peaks.stop()
+        peaks.start(_STAGE_KEYS[n])
         say(f"[{n}/5] {name}")
 
     check = pending = None
@@ -425,6 +456,7 @@ def _compile(ckpt: Checkpoint, digest: str, plan: _Plan, dest: Path, say: Progre
             dest, lower, reference_kv, ort_backend.CUSTOM_OPS[options.attention], quantized_graph=quantized_graph,
             quantized_kv=KVShape(kv["num_layers"], kv["num_kv_heads"], kv["head_size"], kv["block_size"],
                                  kv["dtype"]),
+            round_tokens=_round_tokens(options.max_memory, traced),
             device=scoring_device,
             scored=("the engine's quantized graph (onnxruntime, on the CPU; the GPU engine itself did not run)"
                     if quantized_graph is not None else None),
@@ -439,11 +471,31 @@ def _compile(ckpt: Checkpoint, digest: str, plan: _Plan, dest: Path, say: Progre
         from llmc.quant.evaluate import check_gate
 
         check_gate(accuracy, options.max_ppl_increase, qstage.name)
+    peaks.stop()
     timings["total"] = time.perf_counter() - t0
-    build_info = {"timings_s": {k: round(v, 3) for k, v in timings.items()}, **(info or {})}
+    build_info = {"timings_s": {k: round(v, 3) for k, v in timings.items()}, **(info or {}),
+                  "memory": {"peak_rss_gb": peaks.figures, "exact": peaks.exact,
+                             "max_memory_gb": round(options.max_memory / GB, 3) if options.max_memory else None}}
     artifact.write_build_info(dest, build_info)
     os.chmod(dest, 0o755)
     return manifest, report
+
+
+_STAGE_KEYS = {2: "trace", 3: "passes", 4: "emit", 5: "write"}
+GB = 1 << 30
+
+
+def _round_tokens(max_memory: int | None, traced) -> int | None:
+    """Tokens per round of the accuracy report that fit ``max_memory`` beside the largest stage: each token keeps
+    a few hidden-sized float32 values between layers and, until its round is scored, a row of logits per side."""
+    if max_memory is None:
+        return None
+    hidden = traced.num_heads * traced.head_size
+    per_token = 4 * (4 * hidden + 2 * traced.vocab_size)
+    return max(EVAL_MIN_ROUND, (max_memory // 8) // per_token)
+
+
+EVAL_MIN_ROUND = 256  # one window: rounds are never smaller
 
 
 def _scoring_device(manifest: dict) -> str | None:

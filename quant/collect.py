@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
@@ -35,7 +36,7 @@ class LinearQuant:
     parameter name, ``"previous-linear"`` (already folded into the producing linear's weights), or
     None (an explicit ``Mul`` in the graph)."""
 
-    weights: int4.Int4Weights | None = None
+    weights: int4.Int4Weights | int4.SpilledInt4 | None = None
     input_scale: np.ndarray | None = None
     fold: str | None = None
 
@@ -138,13 +139,15 @@ def _gptq_layer(stats: LayerStats, recipe: QuantRecipe, result: CalibrationResul
 
 def collect(config, param_reader: Callable[[object], Callable[[str], np.ndarray]], samples: np.ndarray,
             recipe: QuantRecipe, progress: Callable[[str], None] | None = None, head: bool = True,
-            compute: str | None = None, device: str = "cpu") -> CalibrationResult:
+            compute: str | None = None, device: str = "cpu", spill_dir=None) -> CalibrationResult:
     """Run calibration over ``samples [n, seq_len]`` and apply the recipe's algorithm layer by layer
     (``param_reader`` as in :class:`~llmc.quant.calibration.LayerwiseCalibration`). ``head``: calibrate the LM
     head too (False when the build keeps it out of the format, e.g. INT8 beside INT4 on the CPU). ``compute``:
     the calibration forward's and Gram matrices' GEMM dtype; default :data:`ALGORITHM_COMPUTE` for AWQ/GPTQ,
     float32 for range collection (FP8, NVFP4, the FP8 KV cache: no Gram matrices, only maxima). ``device``: where
-    the calibration forward and its statistics run (``"cpu"`` or ``"cuda"``); AWQ and GPTQ run on the CPU."""
+    the calibration forward and its statistics run (``"cpu"`` or ``"cuda"``); AWQ and GPTQ run on the CPU.
+    ``spill_dir``: a directory where each layer's INT4 weights go once the layer is done (None: kept in memory), so
+    that calibrating a model holds one layer's weights, not the model's."""
     say = progress or (lambda msg: None)
     algorithm = recipe.format.algorithm if recipe.format is not None and recipe.format.family == "int4" else None
     result = CalibrationResult(num_tokens=int(samples.size))
@@ -177,6 +180,10 @@ def collect(config, param_reader: Callable[[object], Callable[[str], np.ndarray]
                 say(f"        layer {index + 1}/{total}: {what}, {into:.0f}s into the layer")
 
         consume(stats, tick)
+        if spill_dir is not None:
+            for name, lq in result.linears.items():
+                if isinstance(lq.weights, int4.Int4Weights):
+                    lq.weights = int4.spill(lq.weights, Path(spill_dir) / f"{len(result.layer_seconds)}-{name}.npz")
         now = time.perf_counter()
         result.layer_seconds.append(now - last)
         last = now
@@ -192,12 +199,14 @@ STEP_PROGRESS_S = 15.0  # a layer's steps say when they finish once the layer ha
 
 
 def progress_line(done: int, total: int, elapsed: float, what: str, width: int = 20) -> str:
-    """``[#####...............] layer 4/16 (awq) 12.5 s/layer, 37s elapsed, ETA 2m30s``: one line per finished
-    layer (a build's stderr is often a log file, where carriage-return redraws would pile up)."""
+    """``[#####...............] layer 4/16 (awq) 12.5 s/layer, 37s elapsed, ETA 2m30s, 1.2 GB resident``: one line
+    per finished layer (a build's stderr is often a log file, where carriage-return redraws would pile up)."""
+    from llmc.memory import rss_gb
+
     filled = round(width * done / total)
     rate = elapsed / done
     return (f"      [{'#' * filled}{'.' * (width - filled)}] layer {done}/{total} ({what}) {rate:.1f} s/layer, "
-            f"{_duration(elapsed)} elapsed, ETA {_duration(rate * (total - done))}")
+            f"{_duration(elapsed)} elapsed, ETA {_duration(rate * (total - done))}, {rss_gb():.1f} GB resident")
 
 
 def _duration(seconds: float) -> str:

@@ -252,11 +252,13 @@ def _int4_site(b: _Builder, site: LinearSite, recipe: QuantRecipe, calib: Calibr
     nodes: list[ir.Node] = []
     specs = _int4_specs(site.weight_value.name, site, recipe, form)
     if found and all(f is not None and f.weights is not None for f in found):
-        q = int4.concat([f.weights for f in found])
-        if q.n != site.n or q.k != site.k:
-            raise RuntimeError(f"calibrated INT4 weights of {site.members} are [{q.n}, {q.k}], the graph's "
+        n, k = sum(f.weights.n for f in found), found[0].weights.k
+        if n != site.n or k != site.k or any(f.weights.k != k for f in found):
+            raise RuntimeError(f"calibrated INT4 weights of {site.members} are [{n}, {k}], the graph's "
                                f"weight {site.weight_value.name} is [{site.n}, {site.k}]")
-        inputs = [b.const(spec.name, array) for spec, array in zip(specs, _int4_arrays(q, form), strict=True)]
+        # Packed when the backend writes them (calibrated weights may be spilled to disk: quant.int4.spill).
+        parts = [f.weights for f in found]
+        inputs = b.lazy([], lambda: _int4_arrays(int4.concat([int4.materialize(p) for p in parts]), form), specs)
         b.stats["calibrated"] = b.stats.get("calibrated", 0) + 1
         scale, fold = found[0].input_scale, found[0].fold
         if scale is not None and not (fold == "previous-linear" or (fold and _fold_into_norm(b, fold, scale))):

@@ -70,6 +70,44 @@ class Int4Weights:
         return self.q.astype(np.int8) - 8
 
 
+@dataclass
+class SpilledInt4:
+    """:class:`Int4Weights` written to ``path`` (codes two to a byte), so that a model's calibrated INT4 weights
+    wait for the graph pass and the backend on disk, not in memory (an 8B model's codes are 3.5 GB)."""
+
+    path: object
+    n: int
+    k: int
+    group_size: int
+
+    def load(self) -> Int4Weights:
+        with np.load(self.path) as f:
+            packed, scales = f["packed"], f["scales"]
+            zp = f["zero_points"] if "zero_points" in f.files else None
+        q = np.empty((packed.shape[0], packed.shape[1] * 2), np.uint8)
+        q[:, 0::2] = packed & 0xF
+        q[:, 1::2] = packed >> 4
+        return Int4Weights(q, scales, zp, self.group_size, self.k)
+
+    def dequantize(self) -> np.ndarray:
+        return self.load().dequantize()
+
+
+def spill(w: Int4Weights, path) -> SpilledInt4:
+    """Write ``w`` to ``path`` (an .npz) and return the handle that reads it back."""
+    packed = (w.q[:, 0::2] | (w.q[:, 1::2] << 4)).astype(np.uint8)  # group sizes are even: K padded is too
+    arrays = {"packed": packed, "scales": w.scales}
+    if w.zero_points is not None:
+        arrays["zero_points"] = w.zero_points
+    with open(path, "wb") as f:
+        np.savez(f, **arrays)
+    return SpilledInt4(path, w.n, w.k, w.group_size)
+
+
+def materialize(w: Int4Weights | SpilledInt4) -> Int4Weights:
+    return w.load() if isinstance(w, SpilledInt4) else w
+
+
 def padded_groups(w: np.ndarray, group_size: int) -> np.ndarray:
     n, k = w.shape
     n_groups = -(-k // group_size)

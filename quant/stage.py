@@ -16,7 +16,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import tempfile
 import time
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 
@@ -46,7 +49,7 @@ class QuantStage:
     calibrates."""
 
     def __init__(self, checkpoint, recipe: QuantRecipe, progress: Callable[[str], None] | None = None,
-                 form: str = "cpu", *, params: ParamReader | None = None) -> None:
+                 form: str = "cpu", *, params: ParamReader | None = None, memory=None) -> None:
         if not (Path(checkpoint.path) / "tokenizer.json").is_file():
             # Calibration and the accuracy check both run on text.
             raise LlmcError(f"{checkpoint.path}: no tokenizer.json; quantized builds (--quant, --kv-cache-dtype) "
@@ -63,6 +66,15 @@ class QuantStage:
         self.stats: dict = {}
         self.timings: dict[str, float] = {}
         self.accuracy: evaluate.Accuracy | None = None
+        # llmc.memory.StagePeaks of the build (calibration and evaluation get peaks of their own), or None.
+        self.memory = memory
+
+    def _sub(self, name: str | None) -> None:
+        if self.memory is not None:
+            if name is None:
+                self.memory.stop()
+            else:
+                self.memory.start(name)
 
     @property
     def graph_pass(self) -> GraphPass:
@@ -97,7 +109,11 @@ class QuantStage:
         # The CPU form stores the LM head apart from the INT4 format (quant.graph: INT8 or full precision) unless
         # --lm-head int4: its AWQ search (a 1B model's: ~30 s) would be thrown away.
         head = not (r.format is not None and r.format.family == "int4" and self.form == "cpu" and r.lm_head != "int4")
-        return collect(config, self.params, samples, r, progress=self.say, head=head, device=device)
+        # INT4 weights wait on disk for the graph pass, a layer at a time (removed with the stage).
+        self._spill = tempfile.mkdtemp(prefix="llmc-calibration-")
+        weakref.finalize(self, shutil.rmtree, self._spill, True)
+        return collect(config, self.params, samples, r, progress=self.say, head=head, device=device,
+                       spill_dir=self._spill)
 
     def _run(self, model: ir.Model) -> dict[str, int]:
         from llmc.quant.graph import quantize_model
@@ -105,7 +121,11 @@ class QuantStage:
         self.reference = model.clone()
         t = time.perf_counter()
         if self.recipe.needs_calibration():
-            self.calibration = self._calibrate()
+            self._sub("calibrate")
+            try:
+                self.calibration = self._calibrate()
+            finally:
+                self._sub(None)
             # Per-layer times go to build_info.json's timings (unsealed: report.json depends on the inputs only).
             *layers, head = self.calibration.layer_seconds
             self.timings.update({f"calibrate_layer_{i}": v for i, v in enumerate(layers)})
@@ -167,7 +187,11 @@ class QuantStage:
                 kv = quantized_kv or kv
             quantized = _Rounds(layerwise.LayerwiseScorer(quantized_graph, custom_ops, kv, "quantized", self.say),
                                 windows, plan)
-        self.accuracy = evaluate.compare(reference, quantized, windows, progress=self.say, precision=precision)
+        self._sub("evaluate")
+        try:
+            self.accuracy = evaluate.compare(reference, quantized, windows, progress=self.say, precision=precision)
+        finally:
+            self._sub(None)
         self.accuracy.reference_cached = reference.engine is None
         self.accuracy.scored = what
         reference.save()

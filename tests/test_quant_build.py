@@ -12,6 +12,7 @@ import pytest
 from click.testing import CliRunner
 
 from llmc.cli.main import cli
+from llmc.quant import int4
 from llmc.quant.recipe import QuantRecipe
 
 CALIB = ("--calib-samples", "8", "--calib-seq-len", "64")
@@ -203,7 +204,10 @@ def test_same_seed_calibration_gives_byte_identical_weights(tiny_llama, quant):
         stage = QuantStage(ckpt, QuantRecipe(quant=quant, group_size=32, calib_samples=6, calib_seq_len=48, seed=seed),
                            params=param_reader(ckpt))
         result = stage._calibrate()
-        return {name: (lq.weights.matmulnbits_b().tobytes(), lq.weights.scales.tobytes(),
+        # Calibrated weights wait on disk (quant.int4.spill) until the graph pass reads them.
+        loaded = {name: int4.materialize(lq.weights) for name, lq in result.linears.items()}
+        assert all(isinstance(lq.weights, int4.SpilledInt4) for lq in result.linears.values())
+        return {name: (loaded[name].matmulnbits_b().tobytes(), loaded[name].scales.tobytes(),
                        None if lq.input_scale is None else lq.input_scale.tobytes())
                 for name, lq in sorted(result.linears.items())}
 
