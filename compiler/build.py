@@ -108,6 +108,18 @@ class _Plan:
     target: Target
     # Where GPU builders keep their timing caches (the build cache's root; see build_cached).
     cache_root: Path | None = None
+    # The build's memory estimate (compiler.memory_plan.Estimate) and, under --max-memory, the accuracy report's
+    # round size in tokens.
+    memory: object | None = None
+    round_tokens: int | None = None
+
+
+def _plan_memory(ckpt: Checkpoint, plan: _Plan) -> None:
+    """Refuse, before any work, a build whose estimate exceeds --max-memory (exit 5); size its rounds to it."""
+    from llmc.compiler import memory_plan
+
+    plan.memory, plan.round_tokens = memory_plan.check(plan.options.max_memory, ckpt.tensors, ckpt.config,
+                                                       plan.options.quant)
 
 
 def _validate(options: BuildOptions) -> None:
@@ -456,7 +468,7 @@ def _compile_stages(ckpt: Checkpoint, digest: str, plan: _Plan, dest: Path, say:
             dest, lower, reference_kv, ort_backend.CUSTOM_OPS[options.attention], quantized_graph=quantized_graph,
             quantized_kv=KVShape(kv["num_layers"], kv["num_kv_heads"], kv["head_size"], kv["block_size"],
                                  kv["dtype"]),
-            round_tokens=_round_tokens(options.max_memory, traced),
+            round_tokens=plan.round_tokens,
             device=scoring_device,
             scored=("the engine's quantized graph (onnxruntime, on the CPU; the GPU engine itself did not run)"
                     if quantized_graph is not None else None),
@@ -475,7 +487,9 @@ def _compile_stages(ckpt: Checkpoint, digest: str, plan: _Plan, dest: Path, say:
     timings["total"] = time.perf_counter() - t0
     build_info = {"timings_s": {k: round(v, 3) for k, v in timings.items()}, **(info or {}),
                   "memory": {"peak_rss_gb": peaks.figures, "exact": peaks.exact,
-                             "max_memory_gb": round(options.max_memory / GB, 3) if options.max_memory else None}}
+                             "max_memory_gb": round(options.max_memory / GB, 3) if options.max_memory else None,
+                             "estimate": plan.memory.to_json() if plan.memory is not None else None,
+                             "round_tokens": plan.round_tokens}}
     artifact.write_build_info(dest, build_info)
     os.chmod(dest, 0o755)
     return manifest, report
@@ -485,17 +499,7 @@ _STAGE_KEYS = {2: "trace", 3: "passes", 4: "emit", 5: "write"}
 GB = 1 << 30
 
 
-def _round_tokens(max_memory: int | None, traced) -> int | None:
-    """Tokens per round of the accuracy report that fit ``max_memory`` beside the largest stage: each token keeps
-    a few hidden-sized float32 values between layers and, until its round is scored, a row of logits per side."""
-    if max_memory is None:
-        return None
-    hidden = traced.num_heads * traced.head_size
-    per_token = 4 * (4 * hidden + 2 * traced.vocab_size)
-    return max(EVAL_MIN_ROUND, (max_memory // 8) // per_token)
 
-
-EVAL_MIN_ROUND = 256  # one window: rounds are never smaller
 
 
 def _scoring_device(manifest: dict) -> str | None:
@@ -630,6 +634,7 @@ def build(checkpoint_dir: str | Path, out_dir: str | Path, options: BuildOptions
     t0 = time.perf_counter()
     say("[1/5] load checkpoint")
     ckpt = load_checkpoint(checkpoint_dir)
+    _plan_memory(ckpt, plan)
     digest = ckpt.digest()
     timings["load"] = time.perf_counter() - t0
 
@@ -713,6 +718,7 @@ def build_cached(checkpoint_dir: str | Path, out_dir: str | Path, options: Build
     t0 = time.perf_counter()
     say("[1/5] load checkpoint")
     ckpt = load_checkpoint(checkpoint_dir)
+    _plan_memory(ckpt, plan)
     digest = ckpt.digest()
     timings["load"] = time.perf_counter() - t0
 
