@@ -139,8 +139,9 @@ class StagePeaks:
             reset_peak()
 
 
-class MemoryExceeded(Exception):
-    """Raised in the main thread by :class:`Guard` when the build goes past its limit."""
+class MemoryExceeded(BaseException):
+    """Raised in the main thread by :class:`Guard` when the build goes past its limit. A BaseException, like
+    KeyboardInterrupt: it lands wherever the main thread is, and no ``except Exception`` there may swallow it."""
 
 
 class Guard:

@@ -217,6 +217,17 @@ def _kill_point(name: str) -> None:
     point, _, sig = os.environ.get("LLMC_TEST_KILL_AT", "").partition(":")
     if point == name:
         os.kill(os.getpid(), getattr(signal, f"SIG{sig or 'KILL'}"))
+    # LLMC_TEST_HOLD_AT=<name>:<MB> holds that much more memory from here on, to prove that the memory guard stops
+    # a build past --max-memory with one line and leaves nothing behind.
+    point, _, mb = os.environ.get("LLMC_TEST_HOLD_AT", "").partition(":")
+    if point == name:
+        import numpy as np
+
+        _HELD.append(np.ones(int(mb) << 20, np.uint8))
+        time.sleep(1.0)  # the guard samples every 0.1 s
+
+
+_HELD: list = []
 
 
 def canonical_recipe(options: BuildOptions) -> dict:

@@ -109,3 +109,22 @@ def test_stage_peaks_are_the_high_water_mark_of_each_stage():
     del small
     peaks.stop()
     assert peaks.figures["big"] - peaks.figures["small"] > 0.3
+
+
+def test_a_build_past_max_memory_stops_in_one_line_and_leaves_nothing(tmp_path, wide_llama):
+    """The guard in a real build: past --max-memory after tracing (600 MB more held there, a test hook), the build
+    stops with exit 5 and one line naming the limit and the stage; no output, no cache entry, no staging."""
+    import os
+
+    env_hold = {"LLMC_TEST_HOLD_AT": "after-trace:900"}
+    out, cache = tmp_path / "never", tmp_path / "cache"
+    proc = subprocess.run([str(Path(sys.executable).with_name("llmc")), "build", str(wide_llama), "-o", str(out),
+                           "--cache-dir", str(cache), "--quant", "int4", "--max-memory", "1.3G"],
+                          capture_output=True, text=True, timeout=900, env={**os.environ, **env_hold})
+    assert proc.returncode == 5, proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: --max-memory 1.3 GB: the build reached") and "resident in trace" in last
+    assert "Traceback" not in proc.stderr
+    assert not out.exists() and not list(tmp_path.glob(".never.tmp-*"))
+    assert not [p for p in cache.rglob("*") if p.is_dir() and p.parent.name == "tmp"]
+    assert not list(cache.rglob("manifest.json"))
