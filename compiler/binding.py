@@ -226,6 +226,8 @@ def _dimension_fields(config: dict) -> list[tuple[str, int]]:
         kv = config.get("num_key_value_heads")
         if kv:
             out.append(("num_key_value_heads x head_dim", kv * head_dim))
+        elif "num_key_value_heads" in config:  # transformers reads null as one key/value head per query head
+            out.append(("num_key_value_heads (null: as many as num_attention_heads) x head_dim", heads[1] * head_dim))
     return out
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from llmc.compiler.config_check import check_config, check_tokenizer
+from llmc.compiler.config_check import check_config, check_field_types, check_tokenizer
 from llmc.errors import LlmcError, UnsupportedError
 
 # Architectures whose engines are tested against transformers end to end (tests/test_architectures.py).
@@ -152,6 +152,15 @@ def _read_safetensors_header(path: Path) -> dict[str, TensorEntry]:
     return entries
 
 
+def _json_kind(value: object) -> str:
+    """The JSON name of ``value``'s type, as a user who wrote the file would call it."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    return {int: "number", float: "number", str: "string", list: "array", dict: "object"}.get(type(value), "value")
+
+
 def load_checkpoint(path: str | Path) -> Checkpoint:
     """Validate a checkpoint directory and index its tensors. Raises :class:`LlmcError` on bad input."""
     root = Path(path)
@@ -166,11 +175,18 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
         config = json.loads(cfg_path.read_text())
     except json.JSONDecodeError as exc:
         raise LlmcError(f"{cfg_path}: not valid JSON ({exc}); fix or re-download it") from None
+    if not isinstance(config, dict):
+        raise LlmcError(f"{cfg_path}: holds a JSON {_json_kind(config)}, not an object of config fields; use the "
+                        "config.json the model came with (it starts with '{')")
     model_type = config.get("model_type")
     if model_type is None:
         raise LlmcError(
             f"{cfg_path}: field 'model_type' is missing; add it (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
         )
+    if not isinstance(model_type, str):
+        raise LlmcError(f"{cfg_path}: field 'model_type' is {json.dumps(model_type)}; it must be a string naming "
+                        f"the architecture (supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
+    check_field_types(config, cfg_path)
     recurrent = [f for f in _RECURRENT_FIELDS if f in config]
     if model_type in RECURRENT_MODEL_TYPES or (model_type not in SUPPORTED_MODEL_TYPES and recurrent):
         why = f"field {recurrent[0]!r}" if recurrent else "its model type"

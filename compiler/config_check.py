@@ -38,6 +38,11 @@ _POSITIVE = (
 # 0 is transformers' own default for these where the feature is off (qwen2_moe: sliding_window 0 with
 # use_sliding_window false), and the attention lowering reads 0 as "no window".
 _ZERO_MEANS_OFF = frozenset({"sliding_window"})
+_DTYPE_FIELDS = ("dtype", "torch_dtype")
+_OBJECT_FIELDS = ("text_config", "quantization_config", "rope_scaling", "rope_parameters")
+# Per-layer lists and layer-index lists: transformers iterates them, and a scalar fails as "'bool' object is
+# not iterable", naming no field.
+_LIST_FIELDS = ("layer_types", "mlp_layer_types", "mlp_only_layers", "no_rope_layers", "moe_layers")
 _LAYER_INDEX = re.compile(r"\.(?:layers|h|blocks|layer)\.(\d+)\.")
 
 
@@ -62,6 +67,32 @@ def check_config(config: dict, cfg_path: Path, tensor_names: list[str] | None = 
         sections.append(("text_config.", config["text_config"]))
     for prefix, section in sections:
         _check_section(section, cfg_path, prefix, tensor_names or [])
+
+
+def check_field_types(config: dict, cfg_path: Path) -> None:
+    """Raise :class:`LlmcError` (exit 2) for a field llmc reads before transformers does, or that transformers
+    reads without naming it when its type is wrong (``text_config: 3`` fails as "'int' object has no attribute
+    'to_dict'"; ``dtype: []`` as an IndexError)."""
+    sections = [("", config)]
+    if isinstance(config.get("text_config"), dict):
+        sections.append(("text_config.", config["text_config"]))
+    for prefix, section in sections:
+        for name in _OBJECT_FIELDS:
+            value = section.get(name)
+            if value is not None and not isinstance(value, dict):
+                raise LlmcError(f"{cfg_path}: field '{prefix}{name}' is {json.dumps(value)}; it must be an object "
+                                "({...}) or null: use the value from the config.json the model came with")
+        for name in _LIST_FIELDS:
+            value = section.get(name)
+            if value is not None and not isinstance(value, list):
+                raise LlmcError(f"{cfg_path}: field '{prefix}{name}' is {json.dumps(value)}; it must be an array "
+                                "([...], one entry per layer or layer indices) or null: use the value from the "
+                                "config.json the model came with")
+        for name in _DTYPE_FIELDS:
+            value = section.get(name)
+            if value is not None and not isinstance(value, str):
+                raise LlmcError(f"{cfg_path}: field '{prefix}{name}' is {json.dumps(value)}; it must be a string "
+                                "naming the weights' dtype (\"float32\", \"bfloat16\", \"float16\") or null")
 
 
 def _check_section(config: dict, cfg_path: Path, prefix: str, tensor_names: list[str]) -> None:

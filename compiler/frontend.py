@@ -122,7 +122,15 @@ def _build_module(checkpoint: Checkpoint, compute_dtype: str):
     except Exception as exc:  # transformers raises many types for a bad config
         # Its messages can span lines (validator name, then the reason); the error is one line.
         reason = " ".join(str(exc).split())
-        raise LlmcError(f"{checkpoint.path / 'config.json'}: transformers cannot read it: {reason}") from None
+        raise LlmcError(f"{checkpoint.path / 'config.json'}: transformers cannot read it: {reason.rstrip('.')}; give "
+                        "each field the type and range the model's config class takes, or use the config.json the "
+                        "model came with") from None
+    sub_configs = getattr(type(config), "sub_configs", None) or {}
+    if checkpoint.config.get("text_config") is not None and "text_config" not in sub_configs:
+        # transformers keeps the stray object as a plain dict, then fails deep inside model construction
+        raise LlmcError(f"{checkpoint.path / 'config.json'}: field 'text_config' is set, but model_type "
+                        f"{checkpoint.model_type!r} ({type(config).__name__}) has no text sub-model; remove the "
+                        "field or fix 'model_type'")
     config._attn_implementation = ATTN_IMPLEMENTATION
     with no_init_weights(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
