@@ -19,7 +19,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
-from llmc.errors import LlmcError
+from llmc.errors import LlmcError, os_fault, os_fault_errno
 from llmc.runtime import artifact
 
 _SUFFIXES = (".tar", ".tar.gz", ".tgz")
@@ -69,8 +69,11 @@ def pack(engine: str | Path, out: str | Path, *, force: bool = False) -> PackRes
                    | ({artifact.BUILD_INFO} if (root / artifact.BUILD_INFO).is_file() else set()))
     dirs = sorted({p.as_posix() for n in names for p in PurePosixPath(n).parents if p.as_posix() != "."})
     mtime = _mtime()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{out.name}.tmp-", dir=out.parent)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp_name = tempfile.mkstemp(prefix=f".{out.name}.tmp-", dir=out.parent)
+    except OSError as exc:
+        raise _fault(exc, out, "creating the archive", out) from None
     tmp = Path(tmp_name)
     try:
         with os.fdopen(fd, "wb") as raw:
@@ -89,10 +92,21 @@ def pack(engine: str | Path, out: str | Path, *, force: bool = False) -> PackRes
             if gz:
                 stream.close()
         os.replace(tmp, out)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        # The engine's files are read here too: name the one the OS names, else the archive being written.
+        raise _fault(exc, out, "writing the archive", out) from None
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
     return PackResult(out, names, out.stat().st_size, check.artifact_digest)
+
+
+def _fault(exc: OSError, path: Path, doing: str, out: Path) -> BaseException:
+    """An OS fault as one line (the original error otherwise: not the user's to fix)."""
+    if os_fault_errno(exc) is None:
+        return exc
+    return os_fault(exc, path, doing, elsewhere=f"choose another -o than {out}")
 
 
 def _normalise(name: str) -> str:
@@ -185,8 +199,11 @@ def unpack(archive: str | Path, out: str | Path, *, force: bool = False) -> arti
             if reason:
                 raise LlmcError(f"{src}: member {m.name!r} {reason}; refusing to unpack")
             seen.add(name)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+        try:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+        except OSError as exc:
+            raise _fault(exc, out, "creating the engine directory", out) from None
         try:
             _second_guard(src, members, tmp)
             _extract(src, tf, members, tmp)
@@ -202,6 +219,9 @@ def unpack(archive: str | Path, out: str | Path, *, force: bool = False) -> arti
                 shutil.rmtree(trash, ignore_errors=True)
             else:
                 os.rename(tmp, out)
+        except OSError as exc:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise _fault(exc, out, "extracting the engine", out) from None
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise

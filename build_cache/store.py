@@ -36,7 +36,7 @@ from pathlib import Path
 
 from filelock import FileLock, Timeout
 
-from llmc.errors import LlmcError
+from llmc.errors import LlmcError, os_fault, os_fault_errno
 
 STORE_FORMAT = 1
 ENTRY_META = "entry.json"
@@ -91,13 +91,16 @@ class Store:
     @contextmanager
     def lock(self, key: str, on_wait: Callable[[], None] | None = None) -> Iterator[None]:
         """Hold ``key``'s lock; calls ``on_wait()`` once if another process holds it and we must wait."""
-        lock = self._lock(key)
         try:
-            lock.acquire(blocking=False)
-        except Timeout:
-            if on_wait is not None:
-                on_wait()
-            lock.acquire()
+            lock = self._lock(key)
+            try:
+                lock.acquire(blocking=False)
+            except Timeout:
+                if on_wait is not None:
+                    on_wait()
+                lock.acquire()
+        except OSError as exc:
+            raise self._fault(exc, "locking a build cache entry") from None
         try:
             yield
         finally:
@@ -167,14 +170,28 @@ class Store:
         call :meth:`publish`.
         """
         self._clear_staging(key)
-        self.tmp_dir.mkdir(parents=True, exist_ok=True)
         path = self.tmp_dir / f"{key}.{uuid.uuid4().hex[:12]}"
-        path.mkdir()
+        try:
+            self.tmp_dir.mkdir(parents=True, exist_ok=True)
+            path.mkdir()
+        except OSError as exc:
+            raise self._fault(exc, "creating a build directory in the build cache") from None
         try:
             yield path
+        except OSError as exc:
+            shutil.rmtree(path, ignore_errors=True)
+            if os_fault_errno(exc) is None:
+                raise
+            # Most writes of a build land here; the OS rarely names the file of a failed write.
+            raise self._fault(exc, "writing the engine into the build cache") from None
         except BaseException:
             shutil.rmtree(path, ignore_errors=True)
             raise
+
+    def _fault(self, exc: OSError, doing: str) -> LlmcError:
+        if os_fault_errno(exc) is None:
+            raise exc
+        return os_fault(exc, self.root, doing, elsewhere="pass --cache-dir or set LLMC_CACHE_DIR to another directory")
 
     def publish(self, key: str, staged: Path, meta: dict) -> Entry:
         """Seal ``staged`` (holding ``artifact/``) as the entry for ``key`` by one atomic rename.
@@ -184,6 +201,12 @@ class Store:
         artifact = staged / ARTIFACT
         if not artifact.is_dir():
             raise RuntimeError(f"{staged}: no {ARTIFACT}/ to publish")
+        try:
+            return self._publish(key, staged, artifact, meta)
+        except OSError as exc:
+            raise self._fault(exc, "publishing a build cache entry") from None
+
+    def _publish(self, key: str, staged: Path, artifact: Path, meta: dict) -> Entry:
         # Read-only files: a hard link or an accidental write cannot change a cached artifact.
         for f in artifact.rglob("*"):
             if f.is_file():

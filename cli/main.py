@@ -1,12 +1,14 @@
 """``llmc``: build, run, verify and inspect engines.
 
-Exit codes: 0 success; 1 verification found problems; 2 bad input; 3 unsupported request;
+Exit codes: 0 success; 1 verification found problems; 2 bad input, or a path llmc cannot read or write (disk
+full, read-only, permission denied, an input deleted mid-build); 3 unsupported request;
 4 accuracy gate failed; 5 out of memory (--max-memory or the machine's);
 70 internal error (a bug: please report it with LLMC_DEBUG=1 output).
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -18,7 +20,7 @@ from pathlib import Path
 import click
 
 from llmc import __version__
-from llmc.errors import EXIT_INTERNAL, LlmcError
+from llmc.errors import EXIT_INTERNAL, LlmcError, os_fault, os_fault_errno
 
 
 class _Group(click.Group):
@@ -32,15 +34,26 @@ class _Group(click.Group):
             sys.exit(exc.exit_code)
         except (click.exceptions.Exit, click.exceptions.Abort, click.ClickException, SystemExit):
             raise
+        except OSError as exc:
+            # A full disk or a read-only directory is the user's to fix, wherever it strikes. A missing file
+            # is not converted here: llmc names the inputs it reads itself, so one that escapes is a bug.
+            if os_fault_errno(exc) in (None, errno.ENOENT, errno.ENOTDIR):
+                self._internal(exc)
+            fault = os_fault(exc)
+            click.echo(f"error: {fault}", err=True)
+            sys.exit(fault.exit_code)
         except KeyboardInterrupt:
             click.echo("interrupted", err=True)
             sys.exit(130)
         except Exception as exc:  # noqa: BLE001 - the last line of defence
-            if os.environ.get("LLMC_DEBUG"):
-                traceback.print_exc()
-            click.echo(f"internal error: {type(exc).__name__}: {exc} (rerun with LLMC_DEBUG=1 and report it)",
-                       err=True)
-            sys.exit(EXIT_INTERNAL)
+            self._internal(exc)
+
+    @staticmethod
+    def _internal(exc: BaseException) -> None:
+        if os.environ.get("LLMC_DEBUG"):
+            traceback.print_exc()
+        click.echo(f"internal error: {type(exc).__name__}: {exc} (rerun with LLMC_DEBUG=1 and report it)", err=True)
+        sys.exit(EXIT_INTERNAL)
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
@@ -217,8 +230,14 @@ def build(checkpoint: Path, output: Path, disabled_passes: tuple[str, ...], veri
                            max_batch_size=max_batch_size, max_num_tokens=max_num_tokens, max_seq_len=max_seq_len,
                            engine=engine_kind, dtype=engine_dtype, max_memory=limit)
     try:
-        result = build_cached(checkpoint, output, options, progress=progress, cache_dir=cache_dir,
-                              refresh=no_cache)
+        try:
+            result = build_cached(checkpoint, output, options, progress=progress, cache_dir=cache_dir,
+                                  refresh=no_cache)
+        except OSError as exc:
+            # What escapes the build cache's own handling is the copy to -o (or the twin's scratch space).
+            if os_fault_errno(exc) in (None, errno.ENOENT, errno.ENOTDIR):
+                raise
+            raise os_fault(exc, output, "writing the engine", elsewhere=f"choose another -o than {output}") from None
     except LlmcError as exc:
         if as_json:  # CI reads stdout: one object on failure too; the error line still goes to stderr
             click.echo(json.dumps({"status": "error", "exit_code": exc.exit_code, "error": str(exc)}))

@@ -6,6 +6,7 @@ backend writes the engine (see :func:`tensor_reader`).
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
@@ -16,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from llmc.compiler.config_check import check_config, check_field_types, check_tokenizer
-from llmc.errors import LlmcError, UnsupportedError
+from llmc.errors import LlmcError, UnsupportedError, os_fault, os_fault_errno
 
 # Architectures whose engines are tested against transformers end to end (tests/test_architectures.py).
 SUPPORTED_MODEL_TYPES = (
@@ -98,9 +99,12 @@ class Checkpoint:
         for f in sorted(self.path.iterdir()):
             if f.is_file() and (f.suffix in {".json", ".safetensors", ".model", ".txt", ".jinja"}):
                 h.update(f.name.encode() + b"\0")
-                with open(f, "rb") as fh:
-                    for chunk in iter(lambda: fh.read(1 << 22), b""):
-                        h.update(chunk)
+                try:
+                    with open(f, "rb") as fh:
+                        for chunk in iter(lambda: fh.read(1 << 22), b""):
+                            h.update(chunk)
+                except OSError as exc:
+                    raise changed_during_build(f, exc) from None
         return "sha256:" + h.hexdigest()
 
 
@@ -117,6 +121,13 @@ def is_tested(model_type: str) -> bool:
 
 
 def _read_safetensors_header(path: Path) -> dict[str, TensorEntry]:
+    try:
+        return _read_header(path)
+    except OSError as exc:  # deleted or made unreadable since the directory was listed
+        raise changed_during_build(path, exc) from None
+
+
+def _read_header(path: Path) -> dict[str, TensorEntry]:
     size = path.stat().st_size
     with open(path, "rb") as fh:
         raw = fh.read(8)
@@ -244,9 +255,21 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
     return checkpoint
 
 
+def changed_during_build(path: Path, exc: Exception) -> LlmcError:
+    """A checkpoint file that vanished, shrank or became unreadable after llmc listed it, as one line."""
+    if isinstance(exc, OSError) and os_fault_errno(exc) not in (None, errno.ENOENT):
+        return os_fault(exc, path, "reading the checkpoint", elsewhere="copy it where this user can read it")
+    reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+    return LlmcError(f"{path}: vanished or changed while llmc was building from it ({reason}); leave the checkpoint "
+                     "in place and unchanged until the build finishes, then run it again")
+
+
 def read_tensor(entry: TensorEntry) -> np.ndarray:
     """Read one tensor from disk (memory-mapped); bfloat16 is returned as float32."""
-    mm = np.memmap(entry.file, dtype=np.uint8, mode="r", offset=entry.offset, shape=(entry.nbytes,))
+    try:
+        mm = np.memmap(entry.file, dtype=np.uint8, mode="r", offset=entry.offset, shape=(entry.nbytes,))
+    except (OSError, ValueError) as exc:  # ValueError: the file is now shorter than its header said
+        raise changed_during_build(entry.file, exc) from None
     if entry.fp8_scale is not None:
         import ml_dtypes
 

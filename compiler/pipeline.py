@@ -52,11 +52,29 @@ def run_pipeline(model: ir.Model, passes: Sequence[GraphPass], verify: Verifier 
     for p in passes:
         if progress:
             progress(p.name)
-        s = base.apply(p, model)
+        try:
+            s = base.apply(p, model)
+        except Exception as exc:
+            cause = _user_error(exc)
+            if cause is None:
+                raise
+            raise cause from None
         stats.append({"pass": p.name, **s})
         if verify is not None:
             verify(p.name, model)
     return stats
+
+
+def _user_error(exc: BaseException) -> LlmcError | None:
+    """The :class:`LlmcError` under ``exc``, if any: onnx_ir wraps whatever a rewrite raises in layers of
+    PassError, and a pass that reads weights meets the checkpoint's faults (a file deleted mid-build)."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, LlmcError):
+            return exc
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return None
 
 
 def backend_fusion_enabled(name: str, disabled: Sequence[str]) -> bool:
