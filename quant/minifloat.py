@@ -58,7 +58,20 @@ class Minifloat:
 
         Infinities saturate; NaN becomes the NaN code with its sign, and raises ``ValueError`` in a
         format that has no NaN.
+
+        Encodes ``ENCODE_CHUNK`` elements at a time: the float64 arithmetic below makes a dozen temporaries
+        the size of its input, which for an 8B model's gate/up weight would be 16 GB.
         """
+        x = np.asarray(x)
+        if x.ndim == 0 or x.size <= ENCODE_CHUNK:
+            return self._encode(x)
+        out = np.empty(x.shape, np.uint8)
+        rows = max(1, ENCODE_CHUNK // max(1, x[0].size))
+        for start in range(0, x.shape[0], rows):
+            out[start : start + rows] = self._encode(x[start : start + rows])
+        return out
+
+    def _encode(self, x: np.ndarray) -> np.ndarray:
         x = np.asarray(x, dtype=np.float64)
         nan = np.isnan(x)
         if nan.any() and self.nan_code is None:
@@ -92,6 +105,8 @@ class Minifloat:
         """``decode(encode(x))``: ``x`` rounded onto the format's grid, as float32."""
         return self.decode(self.encode(x))
 
+
+ENCODE_CHUNK = 1 << 20  # elements per step of Minifloat.encode (float64 temporaries of 8 MB each)
 
 E4M3 = Minifloat("float8_e4m3fn", exponent_bits=4, mantissa_bits=3, bias=7, max_finite=448.0, nan_code=0x7F)
 E2M1 = Minifloat("float4_e2m1fn", exponent_bits=2, mantissa_bits=1, bias=1, max_finite=6.0, nan_code=None)

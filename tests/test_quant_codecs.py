@@ -218,3 +218,22 @@ def test_spilled_int4_weights_read_back_identical(tmp_path, symmetric, k):
         assert np.array_equal(back.zero_points, w.zero_points)
     assert np.array_equal(handle.dequantize(), w.dequantize())
     assert int4.materialize(w) is w
+
+
+@pytest.mark.parametrize("shape, transposed", [((3000, 700), False), ((700, 3000), True), ((2_100_000,), False)])
+def test_chunked_e4m3_encode_equals_the_whole_array_encode(shape, transposed, monkeypatch):
+    """Large arrays are encoded a chunk of rows at a time (bounded temporaries): the same codes as one pass, for
+    contiguous, transposed and 1-D inputs, specials (NaN, inf, signed zero, subnormals, ties) included."""
+    from llmc.quant import minifloat
+
+    rng = np.random.default_rng(7)
+    x = (rng.standard_normal(shape) * np.exp(rng.uniform(-12, 8, shape))).astype(np.float32)
+    flat = x.reshape(-1)
+    flat[:6] = [np.nan, -np.inf, np.inf, -0.0, 2.0**-9, 0.5625]
+    if transposed:
+        x = x.T
+    whole = minifloat.E4M3._encode(x)
+    monkeypatch.setattr(minifloat, "ENCODE_CHUNK", 4096)
+    assert np.array_equal(minifloat.E4M3.encode(x), whole)
+    monkeypatch.setattr(minifloat, "ENCODE_CHUNK", 1 << 20)
+    assert np.array_equal(minifloat.E4M3.encode(x), whole)
