@@ -33,6 +33,12 @@ LOGIT_RTOL = 2e-3  # of the logits' largest magnitude
 PROMPT_LENGTHS = (5, 37)  # the second crosses the twin's sliding windows (at most 24)
 NEW_TOKENS = 8
 _WIDTH_FIELDS = ("hidden_size", "n_embd", "d_model")
+# Per-layer lists whose values are kinds (attention / MLP types, rotary on or off): the twin keeps a layer of
+# each kind, so up to the first layer of the last kind; a list of more distinct values (sizes) is cut only.
+_FEW_KINDS = 4
+_NOT_PER_LAYER = {"architectures", "bad_words_ids"}
+# Lists of layer indices (not one entry per layer): the indices past the twin's last layer go.
+_LAYER_INDEX_LISTS = ("mlp_only_layers", "moe_layers")
 _SIZE_ONLY = {"torch_dtype", "dtype", "quantization_config", "_name_or_path", "architectures", "transformers_version",
               "use_cache", "auto_map"}
 
@@ -82,7 +88,8 @@ def shrink_config(config: dict) -> dict:
     for key in ("moe_intermediate_size", "shared_expert_intermediate_size"):
         if isinstance(c.get(key), int):
             c[key] = c[wkey] if wkey else 32
-    top_k = c.get("num_experts_per_tok") or 1
+    # HunYuan calls it moe_topk; the twin needs as many experts as a token is routed to.
+    top_k = next((c[k] for k in ("num_experts_per_tok", "moe_topk") if isinstance(c.get(k), int)), 1)
     for key in ("num_local_experts", "num_experts", "n_routed_experts"):
         if isinstance(c.get(key), int) and c[key] > 1:
             c[key] = max(top_k, min(c[key], 4))
@@ -106,20 +113,37 @@ def shrink_config(config: dict) -> dict:
         for key in ("first_k_dense_replace", "decoder_sparse_step", "interleave_moe_layer_step"):
             if isinstance(c.get(key), int) and c[key] > 0:  # keep a layer of each kind: dense and MoE
                 keep = max(keep, c[key] + 1)
-        types = c.get("layer_types")
-        if isinstance(types, list) and types:
-            seen: set = set()
-            for i, t in enumerate(types):  # up to the first layer of the last type to appear
-                if t not in seen:
-                    seen.add(t)
-                    keep = max(keep, i + 1)
-            c["layer_types"] = types[:min(layers, keep)]
-        c[lkey] = min(layers, keep)
-        for key in ("mlp_only_layers",):
-            if isinstance(c.get(key), list):
-                c[key] = [i for i in c[key] if i < c[lkey]]
+        for key in _per_layer_lists(c, layers):
+            values = c[key]
+            if all(isinstance(v, (str, bool, int)) for v in values) and len(set(values)) <= _FEW_KINDS:
+                seen: set = set()
+                for i, v in enumerate(values):  # up to the first layer of the last kind to appear
+                    if v not in seen:
+                        seen.add(v)
+                        keep = max(keep, i + 1)
+        c = cut_layers(c, lkey, min(layers, keep))
     if isinstance(c.get("sliding_window"), int) and c["sliding_window"] > 24:
         c["sliding_window"] = 24
+    return c
+
+
+def _per_layer_lists(config: dict, layers: int) -> list[str]:
+    """Fields holding one entry per decoder layer (``layer_types``, ``mlp_layer_types``, ``no_rope_layers``,
+    whatever a family names them): any list as long as the layer count, except token ids."""
+    return [k for k, v in config.items() if isinstance(v, list) and len(v) == layers and k not in _NOT_PER_LAYER
+            and not k.endswith(("_token_id", "_token_ids"))]
+
+
+def cut_layers(config: dict, lkey: str, n: int) -> dict:
+    """``config`` with its first ``n`` decoder layers only: the count and every per-layer list cut to match
+    (config classes refuse a per-layer list whose length differs from the count), layer-index lists filtered."""
+    layers = config[lkey]
+    c = {**config, lkey: n}
+    for key in _per_layer_lists(config, layers):
+        c[key] = config[key][:n]
+    for key in _LAYER_INDEX_LISTS:
+        if isinstance(c.get(key), list) and key not in _per_layer_lists(config, layers):
+            c[key] = [i for i in c[key] if not isinstance(i, int) or i < n]
     return c
 
 
@@ -219,9 +243,7 @@ def diagnose(twin: dict, ckpt: Path, tmp: Path, build_twin, cuda: bool) -> str:
         lkey = _layer_count_key(twin)
         layers = twin.get(lkey) if lkey else None
         for k in range(1, layers if isinstance(layers, int) else 1):
-            cut = {**twin, lkey: k}
-            if isinstance(twin.get("layer_types"), list):
-                cut["layer_types"] = twin["layer_types"][:k]
+            cut = cut_layers(twin, lkey, k)
             cut_ckpt = write_twin(cut, tmp / f"diag-cut{k}")
             build_twin(cut_ckpt, tmp / f"diag-cut{k}-engine", disabled_passes=unfused)
             if compare(tmp / f"diag-cut{k}-engine", cut_ckpt, cuda)[2] is not None:

@@ -37,6 +37,13 @@ TRIED_FAMILIES = {
     "glm4_moe": (dict(BASE, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
                       n_group=2, topk_group=1, first_k_dense_replace=1),
                  "sigmoid grouped routing with a shared expert, partial rotary", "builds"),
+    # 5 layers (3 sliding, 1 full, 1 sliding): the self-check's twin keeps 4, so its per-layer lists are cut.
+    "cohere2_moe": (dict(BASE, head_dim=16, num_hidden_layers=5, num_experts=4, num_experts_per_tok=2,
+                         sliding_window=16),
+                    "per-layer MLP kinds (mlp_layer_types), sliding + full layers, MoE, parallel attention + MLP",
+                    "builds"),
+    "hunyuan_v1_moe": (dict(BASE, head_dim=16, num_experts=4, moe_topk=2),
+                       "query/key RMSNorm after rotary (a norm over 4-D per-head tensors), MoE", "builds"),
 }
 
 # Tried the same way and listed in the coverage matrix, but not in tests/test_mechanisms.py: each built and

@@ -109,18 +109,29 @@ def test_layer_norm_keeps_its_mean_subtraction():
 
 # -- residual add + RMSNorm ---------------------------------------------------------------------------
 
-def _skip_model(b_shape):
+def _skip_model(b_shape, a_shape=(1, 6, 16)):
     nodes = [helper.make_node("Add", ["a", "b"], ["s"]),
              helper.make_node("RMSNormalization", ["s", "w"], ["y"], epsilon=1e-5, axis=-1),
              helper.make_node("Mul", ["s", "y"], ["z"])]  # the sum is also used: the next residual
-    return _model(nodes, [helper.make_tensor_value_info("a", F, [1, 6, 16]),
+    return _model(nodes, [helper.make_tensor_value_info("a", F, list(a_shape)),
                           helper.make_tensor_value_info("b", F, b_shape)],
-                  [helper.make_tensor_value_info("z", F, [1, 6, 16])], [_w("w", 16)])
+                  [helper.make_tensor_value_info("z", F, list(a_shape))], [_w("w", a_shape[-1])])
 
 
 def test_skip_rms_norm_fires_and_is_exact():
     m = _check(_skip_model([1, 6, 16]), normalization.skip_rms_norm, {"a": _x(1, 6, 16), "b": _x(1, 6, 16)}, 1)
     assert _ops(m).count("SkipRMSNormalization") == 1 and "Add" not in _ops(m)
+
+
+def test_skip_rms_norm_over_per_head_4d_tensors_runs_on_onnx_runtime():
+    """HunYuan normalizes rotated queries and keys ([batch, heads, tokens, head size]; rotary ends in an Add):
+    ONNX Runtime's SkipSimplifiedLayerNormalization takes 2-D or 3-D input only, so the backend lowers this one
+    as Add + RMSNormalization."""
+    shape = (1, 4, 6, 16)
+    m = _check(_skip_model(list(shape), shape), normalization.skip_rms_norm, {"a": _x(*shape), "b": _x(*shape)}, 1)
+    lowered = ir.serde.deserialize_model(ir.serde.serialize_model(m))
+    ort_backend.lower(lowered)
+    assert "SkipSimplifiedLayerNormalization" not in _ops(lowered) and "RMSNormalization" in _ops(lowered)
 
 
 def test_skip_rms_norm_not_on_broadcast_add():

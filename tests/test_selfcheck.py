@@ -99,3 +99,41 @@ def test_shrunk_deepseek_twin_keeps_a_moe_layer_and_valid_grouped_routing():
     per_group = twin["n_routed_experts"] // twin["n_group"]
     assert twin["num_experts_per_tok"] == config["num_experts_per_tok"] <= per_group * twin["topk_group"]
     assert twin["kv_lora_rank"] < config["kv_lora_rank"] and twin["head_dim"] == twin["qk_rope_head_dim"]
+
+
+@pytest.mark.parametrize("model_type, overrides", [
+    ("cohere2_moe", {}),  # layer_types and mlp_layer_types: 40 entries each
+    ("cohere2_moe", {"num_hidden_layers": 5, "mlp_layer_types": ["dense", "sparse", "sparse", "sparse", "dense"]}),
+    ("smollm3", {}),  # no_rope_layers: per-layer 0/1 flags, a NoPE layer every 4th
+    ("qwen3_moe", {"num_hidden_layers": 6, "mlp_only_layers": [1, 5]}),  # layer indices, not per-layer entries
+])
+def test_shrunk_twin_cuts_every_per_layer_list_with_the_layer_count(model_type, overrides):
+    """transformers' config classes refuse a per-layer list whose length is not the layer count, whatever the
+    family calls it; the twin cuts each one, keeps a layer of each kind, and its config class accepts it."""
+    from transformers import AutoConfig
+
+    config = {k: v for k, v in AutoConfig.for_model(model_type, **overrides).to_dict().items()
+              if not k.startswith("_")}
+    layers = config["num_hidden_layers"]
+    per_layer = [k for k, v in config.items() if isinstance(v, list) and len(v) == layers and k != "mlp_only_layers"]
+    twin = selfcheck.shrink_config(config)
+    n = twin["num_hidden_layers"]
+    assert n < layers or model_type == "qwen3_moe"
+    for key in per_layer:
+        assert twin[key] == config[key][:n], key
+        assert set(twin[key]) == set(config[key]), f"{key}: a kind of layer was lost"
+    if "mlp_only_layers" in overrides:
+        assert twin["mlp_only_layers"] == [i for i in overrides["mlp_only_layers"] if i < n]
+    AutoConfig.for_model(**twin)  # raises if any per-layer list disagrees with the count
+    cut = selfcheck.cut_layers(twin, "num_hidden_layers", 1)  # the diagnosis's one-layer cut
+    AutoConfig.for_model(**cut)
+    assert all(len(cut[k]) == 1 for k in per_layer)
+
+
+def test_shrunk_hunyuan_twin_has_as_many_experts_as_its_moe_topk():
+    """HunYuan names its top-k moe_topk: a twin with fewer experts than that cannot route a token."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model("hunyuan_v1_moe", num_experts=64, moe_topk=8, head_dim=128).to_dict()
+    twin = selfcheck.shrink_config({k: v for k, v in config.items() if not k.startswith("_")})
+    assert twin["moe_topk"] == 8 <= twin["num_experts"] < 64

@@ -49,6 +49,18 @@ class EngineFiles:
 def _lower_skip_rms_norm(graph: ir.Graph, node: ir.Node) -> None:
     # ORT's SkipSimplifiedLayerNormalization: outputs (y, mean, inv_std_var, input+skip sum).
     eps = node.attributes["epsilon"].value
+    shape = node.inputs[0].shape
+    if shape is None or shape.rank() not in (2, 3):
+        # ORT's kernel takes 2-D or 3-D input only; a norm over per-head 4-D tensors (HunYuan normalizes
+        # rotated queries and keys, and rotary ends in an Add) runs as the two standard ops.
+        a, b, weight = node.inputs
+        add = ir.node("Add", [a, b])
+        norm = ir.node("RMSNormalization", [add.outputs[0], weight], attributes={"epsilon": eps, "axis": -1})
+        graph.insert_before(node, [add, norm])
+        replace_value(node.outputs[0], norm.outputs[0])
+        replace_value(node.outputs[1], add.outputs[0])
+        graph.remove(node, safe=True)
+        return
     fused = ir.node("SkipSimplifiedLayerNormalization", list(node.inputs), attributes={"epsilon": eps},
                     domain=MS_DOMAIN, num_outputs=4)
     graph.insert_before(node, fused)
