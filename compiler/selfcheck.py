@@ -18,15 +18,18 @@ sources, toolchain) under the build cache root, so a family costs seconds once, 
 from __future__ import annotations
 
 import dataclasses
+import errno
 import hashlib
 import json
 import logging
+import os
+import re
 import tempfile
 import time
 from pathlib import Path
 
 import llmc
-from llmc.errors import UnsupportedError
+from llmc.errors import LlmcError, UnsupportedError, os_fault, os_fault_errno
 
 LOGPROB_ATOL = 2e-3  # nats; float32 engines agree with transformers to ~1e-5
 LOGIT_RTOL = 2e-3  # of the logits' largest magnitude
@@ -39,6 +42,7 @@ _FEW_KINDS = 4
 _NOT_PER_LAYER = {"architectures", "bad_words_ids"}
 # Lists of layer indices (not one entry per layer): the indices past the twin's last layer go.
 _LAYER_INDEX_LISTS = ("mlp_only_layers", "moe_layers")
+_OS_ERROR_IN_MESSAGE = re.compile(r"\(os error (\d+)\)")
 _SIZE_ONLY = {"torch_dtype", "dtype", "quantization_config", "_name_or_path", "architectures", "transformers_version",
               "use_cache", "auto_map"}
 
@@ -278,9 +282,29 @@ def run(config: dict, model_type: str, build_twin, lowering: dict, toolchain: di
     hf_logging.disable_progress_bar()  # the twin's save/load bars are not the user's build progress
     try:
         return _run_twin(twin, model_type, key, record, build_twin, cuda, cacheable, t0)
+    except Exception as exc:
+        fault = _scratch_fault(exc)
+        if fault is None:
+            raise
+        raise fault from None
     finally:
         if bars:
             hf_logging.enable_progress_bar()
+
+
+def _scratch_fault(exc: Exception) -> LlmcError | None:
+    """A full or read-only temporary directory (the twin's checkpoint and engine live there) as one line; None
+    for anything else. safetensors, written in Rust, reports the OS error in its message only."""
+    if not isinstance(exc, OSError):
+        found = _OS_ERROR_IN_MESSAGE.search(str(exc))
+        if found is None:
+            return None
+        code = int(found.group(1))
+        exc = OSError(code, os.strerror(code))
+    if os_fault_errno(exc) in (None, errno.ENOENT, errno.ENOTDIR):
+        return None
+    return os_fault(exc, tempfile.gettempdir(), "writing the self-check's random twin",
+                    elsewhere="set TMPDIR to a writable directory with a few MiB free")
 
 
 def _run_twin(twin: dict, model_type: str, key: str, record: Path | None, build_twin, cuda: bool, cacheable: bool,

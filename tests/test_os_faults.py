@@ -161,3 +161,17 @@ def test_checkpoint_deleted_during_the_build(tiny_llama, tmp_path):
     assert any(m.startswith("[3/5]") for m in seen)
     _no_leftovers(out)
     _no_cache_entry(cache)
+
+
+def test_self_check_scratch_space_on_a_full_disk(tiny_llama, full_disk, tmp_path):
+    """The self-check writes its random twin (checkpoint and engine) under TMPDIR; safetensors reports the full
+    disk in its own exception type, which must still end in one line."""
+    import sys
+
+    env = dict(os.environ, TMPDIR=str(full_disk), LLMC_SELF_CHECK="1")
+    out = tmp_path / "engine"
+    proc = subprocess.run([sys.executable, "-m", "llmc.cli.main", "build", str(tiny_llama), "-o", str(out),
+                           "--cache-dir", str(tmp_path / "cache"), "-q"], capture_output=True, text=True, env=env)
+    _assert_one_line(proc.returncode, proc.stderr, *_NO_SPACE, str(full_disk), "TMPDIR")
+    _no_leftovers(out)
+    _no_cache_entry(tmp_path / "cache")
