@@ -18,7 +18,7 @@ import numpy as np
 import onnx_ir as ir
 
 from llmc.compiler.binding import account, bind
-from llmc.compiler.checkpoint import Checkpoint, TensorEntry, read_tensor
+from llmc.compiler.checkpoint import Checkpoint, TensorEntry, changed_during_build, read_tensor
 from llmc.errors import LlmcError, UnsupportedError
 from llmc.plugins.paged_attention import INPUT_NAMES
 
@@ -393,7 +393,10 @@ def _load_converted(checkpoint: Checkpoint, dtype: str) -> dict:
     )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        hf = AutoModelForCausalLM.from_pretrained(checkpoint.path, dtype=getattr(torch, dtype))
+        try:
+            hf = AutoModelForCausalLM.from_pretrained(checkpoint.path, dtype=getattr(torch, dtype))
+        except OSError as exc:  # the files load_checkpoint indexed are gone (transformers says which)
+            raise changed_during_build(checkpoint.path, exc) from None
     return {k: v.detach() for k, v in hf.state_dict().items()}
 
 
