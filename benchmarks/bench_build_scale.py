@@ -61,7 +61,7 @@ def _tree_rss(pid: int) -> int:
 def largest_layer_fp32(ckpt: Path) -> tuple[str, int]:
     """The largest decoder layer (or layer-less tensor) of the checkpoint, and its size in float32 bytes."""
     from llmc.compiler.checkpoint import load_checkpoint
-    from llmc.quant.layerwise import layer_of
+    from llmc.quant.layer_names import layer_of
 
     sizes: dict[str, int] = {}
     for name, entry in load_checkpoint(ckpt).tensors.items():

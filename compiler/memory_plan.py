@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from llmc.quant.layerwise import layer_of
+from llmc.quant.layer_names import layer_of
 
 GB = 1 << 30
 # Python, torch, transformers, ONNX Runtime and the traced graph of a large model, measured: 0.55 GB at the

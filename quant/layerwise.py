@@ -23,7 +23,6 @@ the whole engine computes: the figures equal whole-model scoring's (tested to 1e
 
 from __future__ import annotations
 
-import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -31,9 +30,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import onnx_ir as ir
 
-# The first dotted all-digit component of a weight's name is its decoder layer (``model.layers.3.``,
-# ``transformer.h.3.``, ``model.layers.3.mlp.experts.5.``).
-_LAYER = re.compile(r"(?:^|\.)(\d+)(?=\.|$)")
+from llmc.quant.layer_names import layer_of
+
 PRE = -1  # the stage of nodes before the first layer (embeddings, position arithmetic)
 # numpy dtypes ONNX Runtime takes as external initializers (OrtValue.ortvalue_from_numpy).
 _NATIVE = {ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.DOUBLE, ir.DataType.INT8, ir.DataType.UINT8,
@@ -43,12 +41,6 @@ _NATIVE = {ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.DOUBLE, ir.DataTy
 
 # Initializers smaller than this travel in the model bytes: shape inference must read constant shape arguments.
 EMBED_BELOW = 1 << 16
-
-
-def layer_of(name: str) -> int | None:
-    """The decoder layer a weight belongs to, from its name; None for weights of no layer."""
-    m = _LAYER.search(name or "")
-    return int(m.group(1)) if m else None
 
 
 @dataclass
