@@ -63,6 +63,8 @@ class Minifloat:
         the size of its input, which for an 8B model's gate/up weight would be 16 GB.
         """
         x = np.asarray(x)
+        if self.name == "float8_e4m3fn" and x.dtype in (np.float32, np.float16):
+            return _e4m3_fast(x)
         if x.ndim == 0 or x.size <= ENCODE_CHUNK:
             return self._encode(x)
         out = np.empty(x.shape, np.uint8)
@@ -107,6 +109,21 @@ class Minifloat:
 
 
 ENCODE_CHUNK = 1 << 20  # elements per step of Minifloat.encode (float64 temporaries of 8 MB each)
+
+
+def _e4m3_fast(x: np.ndarray) -> np.ndarray:
+    """E4M3 codes of a float32/float16 array by ml_dtypes' C conversion (one rounding, to nearest even), after
+    saturating at ±448 (ml_dtypes turns out-of-range values into NaN): the codes of :meth:`Minifloat._encode`,
+    which stays the reference (tests hold them equal), ~20x faster. Building a GPU engine scores its quantized
+    graph on the CPU, re-encoding every FP8 weight per stage and round."""
+    import ml_dtypes
+
+    nan = np.isnan(x)
+    y = np.clip(x, -448.0, 448.0)
+    codes = y.astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
+    if nan.any():  # keep NaN's sign, as the reference does
+        codes = np.where(nan, np.where(np.signbit(x), 0xFF, 0x7F), codes).astype(np.uint8)
+    return codes
 
 E4M3 = Minifloat("float8_e4m3fn", exponent_bits=4, mantissa_bits=3, bias=7, max_finite=448.0, nan_code=0x7F)
 E2M1 = Minifloat("float4_e2m1fn", exponent_bits=2, mantissa_bits=1, bias=1, max_finite=6.0, nan_code=None)

@@ -232,8 +232,26 @@ def test_chunked_e4m3_encode_equals_the_whole_array_encode(shape, transposed, mo
     flat[:6] = [np.nan, -np.inf, np.inf, -0.0, 2.0**-9, 0.5625]
     if transposed:
         x = x.T
+    x = x.astype(np.float64)  # float32 takes the ml_dtypes path (tested below); float64 the chunked reference
     whole = minifloat.E4M3._encode(x)
     monkeypatch.setattr(minifloat, "ENCODE_CHUNK", 4096)
     assert np.array_equal(minifloat.E4M3.encode(x), whole)
     monkeypatch.setattr(minifloat, "ENCODE_CHUNK", 1 << 20)
     assert np.array_equal(minifloat.E4M3.encode(x), whole)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_fast_e4m3_encode_equals_the_reference_on_every_float16_and_random_float32(dtype):
+    """The ml_dtypes path gives the reference codec's codes: every float16 bit pattern (NaN, inf, subnormals, ties
+    included), and float32 values over the whole range with exact ties and values just above 448."""
+    from llmc.quant import minifloat
+
+    if dtype == np.float16:
+        x = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16)
+    else:
+        rng = np.random.default_rng(3)
+        x = (rng.standard_normal(1 << 20) * np.exp(rng.uniform(-25, 8, 1 << 20))).astype(np.float32)
+        grid = minifloat.E4M3.table[np.isfinite(minifloat.E4M3.table)]
+        mids = ((np.sort(grid)[1:] + np.sort(grid)[:-1]) / 2).astype(np.float32)
+        x = np.concatenate([x, mids, -mids, np.float32([448.1, 463.9, 464.0, 1e30, -1e30, np.nan, -np.nan, -0.0])])
+    assert np.array_equal(minifloat.E4M3.encode(x), minifloat.E4M3._encode(x))
