@@ -382,7 +382,7 @@ def _compile_stages(ckpt: Checkpoint, digest: str, plan: _Plan, dest: Path, say:
         info = {**(info or {}), "engine_build": gpu_details}
         files = _NoOnnxFiles()
     else:
-        files = ort_backend.emit(traced.model, dest, options.attention, fusions)
+        files = ort_backend.emit(traced.model, dest, options.attention, fusions, say=say)
     fused = files.fusions
     timings["emit"] = time.perf_counter() - t
     _kill_point("after-emit")

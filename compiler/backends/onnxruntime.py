@@ -46,6 +46,31 @@ class EngineFiles:
     fusions: dict[str, int] = field(default_factory=dict)  # matches per backend fusion (for report.json)
 
 
+PROGRESS_S = 15.0
+
+
+def _progress(say):
+    """An ``ir.save`` callback that reports every ``PROGRESS_S`` seconds (None without ``say``)."""
+    if say is None:
+        return None
+    import time
+
+    from llmc.memory import rss_gb
+
+    start = last = time.perf_counter()
+    done = 0
+
+    def callback(tensor, info) -> None:
+        nonlocal last, done
+        done += 1
+        now = time.perf_counter()
+        if now - last >= PROGRESS_S:
+            last = now
+            say(f"      wrote {done}/{info.total} tensors, {now - start:.0f}s, {rss_gb():.1f} GB resident")
+
+    return callback
+
+
 def _lower_skip_rms_norm(graph: ir.Graph, node: ir.Node) -> None:
     # ORT's SkipSimplifiedLayerNormalization: outputs (y, mean, inv_std_var, input+skip sum).
     eps = node.attributes["epsilon"].value
@@ -134,14 +159,16 @@ def lower(model: ir.Model, attention: str = "native", fusions: frozenset[str] | 
 
 
 def emit(model: ir.Model, out_dir: Path, attention: str = "native",
-         fusions: frozenset[str] | None = None) -> EngineFiles:
+         fusions: frozenset[str] | None = None, say=None) -> EngineFiles:
     """Lower and write ``model.onnx`` with its weights in ``model.onnx.data`` (streamed, one tensor at a time).
 
     ``attention`` picks PagedAttention's route (see the module docstring), ``fusions`` the native
     route's backend fusions (see :func:`lower`); the returned :class:`EngineFiles` names the custom-op
-    library the engine needs and what each backend fusion matched.
+    library the engine needs and what each backend fusion matched. ``say`` gets a progress line (tensors
+    written, resident memory) every ``PROGRESS_S`` seconds: an 8B model's weights take minutes to quantize and
+    write.
     """
     stats = lower(model, attention, fusions)
-    ir.save(model, out_dir / MODEL_FILE, external_data=WEIGHTS_FILE)
+    ir.save(model, out_dir / MODEL_FILE, external_data=WEIGHTS_FILE, callback=_progress(say))
     return EngineFiles(model=MODEL_FILE, weights=WEIGHTS_FILE, custom_ops=CUSTOM_OPS[attention],
                        fusions={name: stats[name] for name in FUSIONS})
