@@ -83,17 +83,6 @@ def available() -> int | None:
     return avail
 
 
-def total() -> int | None:
-    """The machine's memory (or this cgroup's limit, where lower), in bytes."""
-    try:
-        m = re.search(r"^MemTotal:\s+(\d+) kB", Path("/proc/meminfo").read_text(), re.M)
-    except OSError:
-        return None
-    mem = int(m.group(1)) * 1024 if m else None
-    limit = _cgroup_limit()
-    return min(x for x in (mem, limit) if x is not None) if (mem or limit) else None
-
-
 def _cgroup_limit() -> int | None:
     try:
         text = Path("/sys/fs/cgroup/memory.max").read_text().strip()

@@ -119,8 +119,9 @@ def partition(model: ir.Model) -> list[Stage]:
     return stages
 
 
-def _placeholder(value: ir.Value):
-    """A TensorProto naming an initializer with no data (ONNX Runtime takes the data as an external initializer)."""
+def _tensor_proto(value: ir.Value, embed: bool):
+    """An initializer's TensorProto: holding its bytes (``embed``; ONNX's packing, INT4 two to a byte), or naming it
+    with no data (ONNX Runtime takes the data as an external initializer)."""
     import onnx
 
     t = value.const_value
@@ -128,22 +129,12 @@ def _placeholder(value: ir.Value):
     proto.name = value.name
     proto.data_type = int(t.dtype)
     proto.dims.extend(int(d) for d in t.shape)
-    proto.data_location = onnx.TensorProto.EXTERNAL
-    entry = proto.external_data.add()
-    entry.key, entry.value = "location", "llmc-external-initializer"
-    return proto
-
-
-def _embedded(value: ir.Value):
-    """A TensorProto holding an initializer's bytes (ONNX's packing: INT4 two to a byte)."""
-    import onnx
-
-    t = value.const_value
-    proto = onnx.TensorProto()
-    proto.name = value.name
-    proto.data_type = int(t.dtype)
-    proto.dims.extend(int(d) for d in t.shape)
-    proto.raw_data = t.tobytes()
+    if embed:
+        proto.raw_data = t.tobytes()
+    else:
+        proto.data_location = onnx.TensorProto.EXTERNAL
+        entry = proto.external_data.add()
+        entry.key, entry.value = "location", "llmc-external-initializer"
     return proto
 
 
@@ -175,10 +166,10 @@ def stage_model(model: ir.Model, stage: Stage, carried: dict[str, np.ndarray]) -
             if not array.flags.c_contiguous or not array.flags.writeable:
                 array = np.array(array, order="C")  # ORT reads it in place: an owned, contiguous copy
             external[v.name] = array
-            protos.append(_placeholder(v))
+            protos.append(_tensor_proto(v, embed=False))
         else:  # small (shape arguments, which shape inference reads), or bfloat16 / FP8 / INT4 codes: in the model
             # bytes (ir packs them as ONNX stores them)
-            protos.append(_embedded(v))
+            protos.append(_tensor_proto(v, embed=True))
         if isinstance(t, ir.ExternalTensor):
             t.release()  # unmap: the artifact's pages would otherwise stay mapped (and counted) until the end
     graph = helper.make_graph(
