@@ -93,6 +93,19 @@ def partition(model: ir.Model) -> list[Stage]:
                     s = max(s, layer)
         stage_of[id(node)] = s
         order.append((node, s))
+    # Nodes that read only weights (a dequantized LM head named without a layer index) run where they are used:
+    # left in stage -1 their outputs would be carried, weight-sized, beside every window.
+    constant: set[int] = set()
+    for node, _ in order:
+        if all(v is None or (v.producer() is None and v.name in initializers)
+               or (v.producer() is not None and id(v.producer()) in constant) for v in node.inputs):
+            constant.add(id(node))
+    for node, _ in reversed(order):
+        if id(node) in constant:
+            users = [stage_of[id(u.node)] for out in node.outputs for u in out.uses()]
+            if users and min(users) > stage_of[id(node)]:
+                stage_of[id(node)] = min(users)
+    order = [(node, stage_of[id(node)]) for node, _ in order]
     by_index: dict[int, Stage] = {}
     for node, s in order:
         by_index.setdefault(s, Stage(s)).nodes.append(node)

@@ -56,6 +56,12 @@ def test_partition_feeds_each_stage_only_from_earlier_ones(default_engine):
                 produced[out.name] = i
     assert sum(len(s.nodes) for s in stages) == sum(1 for _ in model.graph)
     assert stages[-1].outputs[-1].name == "logits"
+    # A node that reads only weights runs in the stage of its first user: its output is never carried.
+    carried = {v.name for stage in stages for v in stage.inputs}
+    for stage in stages:
+        for node in stage.nodes:
+            if all(v is None or v.name in model.graph.initializers for v in node.inputs):
+                assert not any(out.name in carried for out in node.outputs), node.op_type
 
 
 def test_layer_of_reads_the_first_index_in_a_weight_name():
