@@ -59,20 +59,15 @@ def _tree_rss(pid: int) -> int:
 
 
 def largest_layer_fp32(ckpt: Path) -> tuple[str, int]:
-    """The largest decoder layer (or layer-less tensor) of the checkpoint, and its size in float32 bytes."""
+    """The largest decoder layer (or layer-less tensor) of the checkpoint, and its size in float32 bytes (the
+    build's own memory plan, compiler/memory_plan.py)."""
     from llmc.compiler.checkpoint import load_checkpoint
-    from llmc.quant.layer_names import layer_of
+    from llmc.compiler.memory_plan import estimate
+    from llmc.quant.recipe import QuantRecipe
 
-    sizes: dict[str, int] = {}
-    for name, entry in load_checkpoint(ckpt).tensors.items():
-        layer = layer_of(name)
-        key = f"layer {layer}" if layer is not None else name
-        n = 1
-        for d in entry.shape:
-            n *= d
-        sizes[key] = sizes.get(key, 0) + 4 * n
-    key = max(sizes, key=sizes.get)
-    return key, sizes[key]
+    c = load_checkpoint(ckpt)
+    est = estimate(c.tensors, c.config, QuantRecipe())
+    return est.largest, est.largest_bytes
 
 
 def checkpoint(shape: str, root: Path) -> Path:
