@@ -1,0 +1,486 @@
+"""Sweep every causal-LM model type of the installed transformers through ``llmc build`` (docs/family_sweep.md).
+
+For each ``model_type`` in transformers' ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``:
+
+1. make a tiny random checkpoint from the family's own config class: its defaults, with every size field
+   it has made small (``GENERIC``: width 64, 2 layers, 4 heads, vocabulary 512, ...) and a per-family
+   table (``FAMILY_OVERRIDES``) where the defaults need more than that; per-layer lists (``layer_types``
+   and the like) are cut with the layer count, keeping a layer of each kind;
+2. build it with ``llmc build`` in a subprocess, the architecture self-check on;
+3. if it builds, generate 32 greedy tokens for 3 prompts (3, 20 and 45 tokens) with the engine and with
+   transformers' ``generate``.
+
+Each family ends in one outcome: ``match`` (the engine's tokens equal transformers'), ``mismatch`` (they
+differ: a wrong engine the self-check let through), ``refused`` (exit 3, with the one-line reason),
+``not decoder-only`` (an encoder-decoder or encoder model under a causal-LM head), ``cannot instantiate
+small`` (with why), ``bad input`` (exit 2: llmc rejected the fixture's config), or ``internal error``
+(exit 70, a traceback, a crash or a timeout). Every family runs in its own process with a timeout; results
+are kept in the JSON file as each family finishes, and a rerun skips the families already there (``--redo``
+runs them again).
+
+    python scripts/family_sweep.py                           # every type; writes docs/family_sweep.{md,json}
+    python scripts/family_sweep.py --families llama,bloom --json /tmp/s.json --md /tmp/s.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from importlib.metadata import version
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+COMMAND = "python scripts/family_sweep.py"
+PROMPT_LENGTHS = (3, 20, 45)
+GREEDY_TOKENS = 32
+SEED = 0
+MAX_PARAMETERS = 20_000_000  # above this a fixture is not "tiny": the family's defaults need a table entry
+VOCAB = 512
+
+# Size fields made small wherever a family's config has them (top level and text_config).
+GENERIC = {
+    "vocab_size": VOCAB,
+    **dict.fromkeys(("hidden_size", "n_embd", "d_model", "dim", "hidden_dim", "embed_dim", "n_embed", "d_embed",
+                     "model_dim", "word_embed_proj_dim"), 64),
+    **dict.fromkeys(("num_hidden_layers", "n_layer", "num_layers", "n_layers", "num_decoder_layers"), 2),
+    **dict.fromkeys(("num_attention_heads", "n_head", "num_heads", "n_heads", "decoder_attention_heads"), 4),
+    **dict.fromkeys(("num_key_value_heads", "num_kv_heads", "n_kv_heads", "multi_query_group_num",
+                     "num_key_value_groups"), 2),
+    "head_dim": 16,
+    **dict.fromkeys(("intermediate_size", "n_inner", "ffn_dim", "ffn_hidden_size", "d_ff", "inner_hidden_size",
+                     "decoder_ffn_dim", "intermediate_size_mlp", "dense_intermediate_size"), 128),
+    **dict.fromkeys(("moe_intermediate_size", "expert_intermediate_size", "shared_expert_intermediate_size",
+                     "moe_ffn_hidden_size", "shared_intermediate_size", "expert_ffn_hidden_size"), 32),
+    **dict.fromkeys(("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts"), 4),
+    **dict.fromkeys(("max_position_embeddings", "n_positions", "n_ctx", "max_seq_len", "seq_length",
+                     "max_sequence_length"), 256),
+    # Multi-head latent attention and grouped routing.
+    "kv_lora_rank": 16, "q_lora_rank": 24, "qk_rope_head_dim": 8, "qk_nope_head_dim": 16, "v_head_dim": 16,
+    "n_group": 2, "topk_group": 1,
+}
+# Fields whose default must stay within the fixture's experts / layers.
+_TOP_K = ("num_experts_per_tok", "moe_topk", "top_k", "moe_top_k", "num_experts_per_token")
+_WINDOWS = ("sliding_window", "attention_window_size")
+# Token ids must index the small vocabulary.
+_TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id", "sep_token_id", "cls_token_id", "unk_token_id",
+              "decoder_start_token_id", "mask_token_id", "image_token_id", "image_token_index", "video_token_id",
+              "audio_token_id", "boi_token_id", "eoi_token_id", "forced_eos_token_id", "forced_bos_token_id")
+
+# Where a family's defaults need more than GENERIC (model_type -> fields, applied last; a dict value is merged into
+# the sub-config of that name). Most entries fill fields whose defaults are None or inconsistent at small sizes.
+_INDEXER = dict(index_n_heads=2, index_head_dim=16, index_topk=8)
+FAMILY_OVERRIDES: dict[str, dict] = {
+    "nemotron": dict(num_key_value_heads=2),  # the default (None) fails in transformers' own attention
+    "lfm2_moe": dict(layer_types=["conv", "full_attention"], num_dense_layers=1),
+    "cohere_compass_text": dict(rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                                 "sliding_attention": {"rope_type": "default",
+                                                                       "rope_theta": 10000.0}}),
+    "dbrx": dict(attn_config={"kv_n_heads": 2, "rope_theta": 10000.0},
+                 ffn_config={"ffn_hidden_size": 128, "moe_num_experts": 4, "moe_top_k": 2}),
+    "kolibri1_1": dict(index_num_heads=2, index_topk=8, index_pool_size=64, index_compression=4,
+                       index_num_local_tokens=8, index_num_sink_tokens=2, mlp_only_intermediate_size=128),
+    "dots3_note_text": dict(num_key_value_heads=4, head_dim=24, index_n_heads=2, index_head_dim=16, index_topk=8,
+                            shared_experts_intermediate_size=32),
+    "mamba2": dict(num_heads=8, n_groups=1, time_step_rank=8, state_size=16),
+    "qwen4_exp_text": dict(indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=32,
+                           indexer_compress_ratio=4, hc_lowrank=16, ple_embed_dim=64, ngram_vocab_size_base=1024,
+                           split_ngram_parts=4, heads_per_ngram=2, linear_key_head_dim=16, linear_value_head_dim=16,
+                           linear_num_key_heads=2, linear_num_value_heads=4),
+    "reformer": dict(is_decoder=True, axial_pos_embds_dim=[32, 32], axial_pos_shape=[16, 16], feed_forward_size=128,
+                     attention_head_size=16, attn_layers=["local", "lsh"]),
+    "dots1": dict(n_shared_experts=1),
+    "gemma3n_text": dict(num_hidden_layers=10, num_kv_shared_layers=5, intermediate_size=[128] * 10,
+                         layer_types=(["sliding_attention"] * 4 + ["full_attention"]) * 2,
+                         activation_sparsity_pattern=[0.95] * 2 + [0.0] * 8, laurel_rank=8),
+    "gemma4_text": dict(vocab_size_per_layer_input=512, hidden_size_per_layer_input=16),
+    "inkling2_text": dict(output_vocab_size=VOCAB),
+    "inkling2_loop_text": dict(output_vocab_size=VOCAB),
+}
+FAMILY_OVERRIDES["qwen4_exp"] = {"text_config": FAMILY_OVERRIDES["qwen4_exp_text"]}
+FAMILY_OVERRIDES["dots3_note"] = {"text_config": FAMILY_OVERRIDES["dots3_note_text"]}
+FAMILY_OVERRIDES["gemma3n"] = {"text_config": FAMILY_OVERRIDES["gemma3n_text"]}
+FAMILY_OVERRIDES["gemma4"] = {"text_config": FAMILY_OVERRIDES["gemma4_text"]}
+_LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
+
+
+def _small(section: dict) -> dict:
+    """Overrides for one config section (a ``to_dict()``): GENERIC's fields it has, and its token ids."""
+    out = {k: v for k, v in GENERIC.items() if k in section and not isinstance(section[k], (dict, list))
+           and (section[k] is not None or k in ("kv_lora_rank", "q_lora_rank", "n_group", "topk_group")
+                and False)}
+    heads = next((k for k in ("num_attention_heads", "n_head", "num_heads", "n_heads") if k in out), None)
+    for k in ("num_key_value_heads", "num_kv_heads", "n_kv_heads"):
+        if heads and k in out and section[k] == section[heads]:
+            out[k] = out[heads]  # multi-head attention stays multi-head (some families require it)
+    experts = next((out[k] for k in ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+                    if k in out), None)
+    if experts is None:  # a family whose experts default to None (dense unless set): give it some
+        for k in ("n_routed_experts", "num_experts"):
+            if k in section and section[k] is None and any(section.get(t) is None for t in _TOP_K if t in section):
+                out[k] = experts = 4
+    for k in _TOP_K:
+        if k in section and experts is not None and (section[k] is None or isinstance(section[k], int)
+                                                     and section[k] > experts):
+            out[k] = 2
+    for k in _WINDOWS:
+        if isinstance(section.get(k), int):
+            out[k] = 16
+    for k in _TOKEN_IDS:
+        v = section.get(k)
+        if isinstance(v, int) and v >= VOCAB:
+            out[k] = 2 if "eos" in k else 1 if "bos" in k else 0 if "pad" in k else min(v, VOCAB - 1) % 64 + 3
+        elif isinstance(v, list) and any(isinstance(i, int) and i >= VOCAB for i in v):
+            out[k] = [2]
+    for k in ("vocab_size_per_layer_input", "emb_dim"):
+        if isinstance(section.get(k), int):
+            out[k] = VOCAB if k.startswith("vocab") else 64
+    if "hidden_size_per_layer_input" in section and isinstance(section["hidden_size_per_layer_input"], int) \
+            and section["hidden_size_per_layer_input"]:
+        out["hidden_size_per_layer_input"] = 16
+    _cut_lists(section, out)
+    # A nested config (text, vision, audio, encoder, patcher, ...): the same, recursively.
+    for k, v in section.items():
+        if isinstance(v, dict) and k not in ("rope_parameters", "rope_scaling", "id2label", "label2id",
+                                             "quantization_config", "per_layer_config") \
+                and any(g in v for g in GENERIC):
+            out[k] = {**v, **_small(v)}
+    return out
+
+
+def _cut_lists(section: dict, out: dict) -> None:
+    """Cut per-layer lists (one entry per default layer) to the fixture's layer count, keeping a layer of each
+    kind (the count grows to the first layer of the last kind, as the self-check's twin does); a list of sizes
+    (``intermediate_size`` per layer) gets the small size; ``per_layer_config`` keeps the layers that remain."""
+    from llmc.compiler.selfcheck import _per_layer_lists, cut_layers
+
+    lkey = next((k for k in _LAYER_KEYS if isinstance(section.get(k), int)), None)
+    if lkey is None:
+        return
+    layers = section[lkey]
+    lists = _per_layer_lists(section, layers)
+    keep = out.get(lkey, layers)
+    for key in lists:
+        values = section[key]
+        if key not in GENERIC and all(isinstance(v, (str, bool, int)) for v in values) \
+                and len(set(map(str, values))) <= 4:
+            seen: set = set()
+            for i, v in enumerate(values):
+                if str(v) not in seen:
+                    seen.add(str(v))
+                    keep = max(keep, i + 1)
+    keep = min(keep, layers)
+    cut = cut_layers(section, lkey, keep)
+    out[lkey] = keep
+    for key in lists + ["mlp_only_layers", "moe_layers"]:
+        if key in section and cut.get(key) != section.get(key):
+            out[key] = [GENERIC[key]] * keep if key in GENERIC else cut[key]
+    plc = section.get("per_layer_config")
+    if isinstance(plc, dict):
+        out["per_layer_config"] = {k: {**v, **{f: g for f, g in _small(v).items() if f in v}}
+                                   for k, v in plc.items() if str(k).isdigit() and int(k) < keep}
+
+
+def tiny_config(model_type: str):
+    """The family's config class at its defaults with every size field small (GENERIC, then FAMILY_OVERRIDES)."""
+    from transformers import AutoConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    defaults = CONFIG_MAPPING[model_type]().to_dict()
+    overrides = _small(defaults)
+    for k, v in FAMILY_OVERRIDES.get(model_type, {}).items():
+        overrides[k] = {**overrides[k], **v} if isinstance(v, dict) and isinstance(overrides.get(k), dict) else v
+    return AutoConfig.for_model(model_type, **overrides)
+
+
+def write_fixture(model_type: str, out: Path) -> dict:
+    """Write the tiny random checkpoint of ``model_type`` (float32, no tokenizer: engines take token ids);
+    return facts about it. Raises :class:`CannotInstantiate` when the family cannot be made tiny."""
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    try:
+        config = tiny_config(model_type)
+    except Exception as exc:  # noqa: BLE001 - the family's config class refuses the small sizes
+        raise CannotInstantiate(f"its config class refuses small sizes: {_one_line(exc)}") from None
+    with torch.device("meta"):
+        try:
+            meta = AutoModelForCausalLM.from_config(config)
+        except Exception as exc:  # noqa: BLE001
+            if getattr(config, "is_encoder_decoder", False):
+                raise NotDecoderOnly(f"an encoder-decoder config ({type(config).__name__}) whose causal-LM class "
+                                     f"cannot be built from it alone: {_one_line(exc)}") from None
+            raise CannotInstantiate(f"its model class cannot be built from the small config: {_one_line(exc)}") \
+                from None
+    n = sum(p.numel() for p in meta.parameters())
+    if n > MAX_PARAMETERS:
+        big = max(meta.named_parameters(), key=lambda kv: kv[1].numel())
+        raise CannotInstantiate(f"{n / 1e6:.0f}M parameters with every known size field small (largest: {big[0]} "
+                                f"{tuple(big[1].shape)}); it needs an entry in FAMILY_OVERRIDES")
+    del meta
+    torch.manual_seed(SEED)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.08 if any(s in name for s in ("embed", "wte", "wpe", "lm_head")) else 0.15)
+            elif bool((p == 1).all()):  # a norm's scale: around 1, not exactly 1, so a wrong norm shows
+                p.uniform_(0.8, 1.2)
+            elif bool((p == 0).all()):  # a bias, or a (1 + w) norm's w: around 0, not exactly 0
+                p.uniform_(-0.2, 0.2) if "norm" in name or "ln" in name else p.normal_(0.0, 0.05)
+    model.generation_config = GenerationConfig(do_sample=False)
+    model.save_pretrained(out)
+    return {"model_class": type(model).__name__, "parameters": sum(p.numel() for p in model.parameters()),
+            "encoder_decoder": bool(getattr(config, "is_encoder_decoder", False))}
+
+
+class CannotInstantiate(Exception):
+    pass
+
+
+class NotDecoderOnly(Exception):
+    pass
+
+
+def _one_line(exc: BaseException, limit: int = 300) -> str:
+    text = " ".join(f"{type(exc).__name__}: {exc}".split())
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def _greedy_reference(hf, prompt: list[int], n: int) -> list[int]:
+    import torch
+
+    with torch.no_grad():
+        try:
+            out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                              eos_token_id=None, pad_token_id=0)
+            return out[0, len(prompt):].tolist()
+        except Exception:  # noqa: BLE001 - a family whose generate() needs more: the plain forward, no cache
+            ids = list(prompt)
+            for _ in range(n):
+                ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
+            return ids[len(prompt):]
+
+
+def run_one(model_type: str, work: Path) -> dict:
+    """One family, start to end: its outcome and the evidence."""
+    import numpy as np
+
+    t0 = time.perf_counter()
+    row: dict = {"model_type": model_type}
+    ckpt = work / "checkpoint"
+    try:
+        row.update(write_fixture(model_type, ckpt))
+    except CannotInstantiate as exc:
+        row.update(outcome="cannot instantiate small", reason=str(exc))
+        return row
+    except NotDecoderOnly as exc:
+        row.update(outcome="not decoder-only", reason=str(exc))
+        return row
+    env = dict(os.environ, LLMC_SELF_CHECK="1", LLMC_CACHE_DIR=str(work / "cache"))
+    engine = work / "engine"
+    proc = subprocess.run([sys.executable, "-m", "llmc.cli.main", "build", str(ckpt), "-o", str(engine), "-q"],
+                          capture_output=True, text=True, env=env)
+    row["build_seconds"] = round(time.perf_counter() - t0, 1)
+    row["exit_code"] = proc.returncode
+    lines = proc.stderr.strip().splitlines()
+    last = (lines or [""])[-1].replace(str(ckpt), "<checkpoint>").replace(str(work), "<work>")
+    if "Traceback" in proc.stderr or proc.returncode not in (0, 2, 3, 4, 5):
+        row.update(outcome="internal error", reason=last[:500])
+        if "Traceback" in proc.stderr:
+            row["traceback_tail"] = proc.stderr[-2000:]
+        return row
+    if proc.returncode == 3:
+        row.update(outcome="not decoder-only" if row["encoder_decoder"] and "encoder" in last else "refused",
+                   reason=last.removeprefix("error: "))
+        return row
+    if proc.returncode != 0:
+        row.update(outcome="bad input" if proc.returncode == 2 else f"exit {proc.returncode}",
+                   reason=last.removeprefix("error: "))
+        return row
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from llmc.runtime import Engine, SamplingParams
+
+    eng = Engine.load(engine)
+    hf = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+    rng = np.random.default_rng(SEED)
+    prompts = [rng.integers(4, min(eng.vocab_size, VOCAB), n).tolist() for n in PROMPT_LENGTHS]
+    params = SamplingParams(max_tokens=GREEDY_TOKENS, ignore_eos=True)
+    got = [eng.generate([p], params)[0].token_ids for p in prompts]
+    want = [_greedy_reference(hf, p, GREEDY_TOKENS) for p in prompts]
+    differs = {len(p): next(i for i, (a, b) in enumerate(zip(g, w, strict=True)) if a != b)
+               for p, g, w in zip(prompts, got, want, strict=True) if g != w}
+    if differs:
+        row.update(outcome="mismatch", reason="first differing token: " + ", ".join(
+            f"{i} after the {n}-token prompt" for n, i in differs.items()))
+    else:
+        row.update(outcome="match", reason=_fusions(engine))
+    row["seconds"] = round(time.perf_counter() - t0, 1)
+    return row
+
+
+def _fusions(engine: Path) -> str:
+    """The fusion passes that fired in the build (report.json), as the match's note."""
+    from llmc.passes.registry import BY_NAME
+
+    report = json.loads((engine / "report.json").read_text())
+    fired = [f"{p['pass']} x{p['matches']}" for p in report.get("passes", [])
+             if p.get("matches") and p["pass"] in BY_NAME and BY_NAME[p["pass"]].fusion]
+    fired += [f"{k} x{v}" for k, v in report.get("backend_fusions", {}).items() if v]
+    return "fusions: " + (", ".join(fired) or "none")
+
+
+# Common families first, so that a partial run says the most.
+POPULAR = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "phi", "mixtral",
+           "qwen3_moe", "qwen2_moe", "deepseek_v3", "deepseek_v2", "gpt2", "gpt_neox", "falcon", "olmo2", "olmo",
+           "cohere", "cohere2", "starcoder2", "granite", "gpt_oss", "llama4_text", "glm4", "glm", "stablelm",
+           "smollm3", "exaone4", "internlm3", "ministral", "ministral3", "seed_oss", "hunyuan_v1_dense",
+           "hunyuan_v1_moe", "ernie4_5", "ernie4_5_moe", "minimax_m2", "glm4_moe", "olmoe", "phimoe", "dbrx",
+           "jetmoe", "granitemoe", "bloom", "mpt", "opt", "gptj", "gpt_neo", "codegen", "gpt_bigcode", "persimmon",
+           "nemotron", "helium", "apertus", "arcee", "cohere2_moe", "diffllama", "bitnet", "qwen3_5_text",
+           "qwen3_next", "gemma4_text", "mamba", "rwkv", "jamba")
+
+
+def sweep_order() -> list[str]:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    every = list(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+    return [t for t in POPULAR if t in every] + sorted(t for t in every if t not in POPULAR)
+
+
+def run_isolated(model_type: str, timeout: float, keep: Path | None = None) -> dict:
+    """``run_one`` in a child process of its own (a session, so a timeout kills its whole tree), in a scratch
+    directory; a crash or a timeout is an outcome, never the end of the sweep."""
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix=f"llmc-sweep-{model_type}-") as tmp:
+        work = keep / model_type if keep is not None else Path(tmp)
+        work.mkdir(parents=True, exist_ok=True)
+        proc = subprocess.Popen([sys.executable, __file__, "--one", model_type, "--work", str(work)],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                                cwd=REPO_ROOT)
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)  # the child's own session: its build and self-check worker too
+            proc.communicate()
+            return {"model_type": model_type, "outcome": "timeout",
+                    "reason": f"no outcome within {timeout:.0f} s (fixture, build and comparison)",
+                    "seconds": round(time.perf_counter() - t0, 1)}
+    rows = [line for line in out.splitlines() if line.startswith("{")]
+    if proc.returncode == 0 and rows:
+        return json.loads(rows[-1])
+    tail = (err.strip().splitlines() or ["(no output)"])[-1]
+    return {"model_type": model_type, "outcome": "internal error",
+            "reason": f"the sweep's worker failed (exit {proc.returncode}): {tail[:400]}",
+            "traceback_tail": err[-2000:], "seconds": round(time.perf_counter() - t0, 1)}
+
+
+OUTCOMES = ("match", "refused", "not decoder-only", "cannot instantiate small", "bad input", "mismatch",
+            "internal error", "timeout")
+
+
+def render_markdown(data: dict) -> str:
+    meta, rows = data["meta"], data["rows"]
+    counts = {o: sum(r["outcome"] == o for r in rows.values()) for o in OUTCOMES}
+    counts.update({r["outcome"]: counts.get(r["outcome"], 0) for r in rows.values() if r["outcome"] not in counts})
+    summary = ", ".join(f"{n} {o}" for o, n in counts.items() if n)
+    lines = [
+        "# Family sweep: every causal-LM model type of transformers through `llmc build`",
+        "",
+        f"<!-- Generated by `{COMMAND}`; do not edit by hand. -->",
+        f"Generated by `{COMMAND}` (writes this file and `docs/family_sweep.json`); do not edit it by hand. "
+        f"Run: {meta['updated_at']} with llmc {meta['llmc']}, transformers {meta['transformers']}, torch "
+        f"{meta['torch']}, target `cpu`.",
+        "",
+        f"**{len(rows)} of {meta['types_total']} model types** in transformers' `MODEL_FOR_CAUSAL_LM_MAPPING_NAMES` "
+        f"run: {summary}.",
+        "",
+        "Each family gets a tiny random float32 checkpoint of its own config class (defaults, with every size "
+        "field small and a per-family table where that is not enough: `scripts/family_sweep.py`), built by "
+        f"`llmc build` with the architecture self-check on. A build that succeeds generates {GREEDY_TOKENS} greedy "
+        f"tokens after each of {len(PROMPT_LENGTHS)} prompts ({', '.join(map(str, PROMPT_LENGTHS))} tokens); "
+        "**match** means they equal transformers' `generate`. **refused**: `llmc build` stopped with exit 3 and the "
+        "reason shown. **cannot instantiate small**: the family's classes cannot be made tiny here (why shown). "
+        "**internal error**: exit 70, a traceback, or no outcome within the timeout. The random fixtures exercise "
+        "the default configuration of each family only; options a family's real checkpoints set differently can "
+        "still be refused (or caught by the self-check) when they are built.",
+        "",
+        "| model_type | outcome | reason / mechanism |",
+        "|---|---|---|",
+    ]
+    for t in sorted(rows):
+        r = rows[t]
+        reason = str(r.get("reason", "")).replace("|", "\\|")
+        lines.append(f"| {t} | {r['outcome']} | {reason} |")
+    lines.append("")
+    return "\n".join(lines)
+
+
+def _save(data: dict, json_path: Path, md_path: Path) -> None:
+    import llmc
+
+    data["meta"].update(updated_at=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), llmc=llmc.__version__,
+                        **{pkg: version(pkg) for pkg in ("torch", "transformers", "onnxruntime")})
+    texts = ((json_path, json.dumps(data, indent=1, sort_keys=True) + "\n"), (md_path, render_markdown(data)))
+    for path, text in texts:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        part = path.with_suffix(path.suffix + ".tmp")
+        part.write_text(text)
+        part.replace(path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--families", help="comma-separated model types (default: every causal-LM type)")
+    parser.add_argument("--json", type=Path, default=REPO_ROOT / "docs" / "family_sweep.json")
+    parser.add_argument("--md", type=Path, default=REPO_ROOT / "docs" / "family_sweep.md")
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds per family (default 300)")
+    parser.add_argument("--redo", action="store_true", help="run families already in the JSON file again")
+    parser.add_argument("--redo-outcomes", help="comma-separated outcomes to run again (e.g. 'internal error')")
+    parser.add_argument("--keep", type=Path, help="keep each family's checkpoint and engine under this folder")
+    parser.add_argument("--one", help=argparse.SUPPRESS)
+    parser.add_argument("--work", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.one:  # the worker: one family, its row as the last line of stdout
+        import logging
+        import warnings
+
+        warnings.simplefilter("ignore")
+        logging.disable(logging.WARNING)
+        print(json.dumps(run_one(args.one, args.work)), flush=True)
+        return 0
+
+    every = sweep_order()
+    families = args.families.split(",") if args.families else every
+    unknown = [f for f in families if f not in every]
+    if unknown:
+        parser.error(f"--families: {', '.join(unknown)} not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES")
+    data = json.loads(args.json.read_text()) if args.json.is_file() else {"meta": {}, "rows": {}}
+    data["meta"].update(command=COMMAND, types_total=len(every), timeout_s=args.timeout)
+    redo = set(args.redo_outcomes.split(",")) if args.redo_outcomes else set()
+    for family in families:
+        old = data["rows"].get(family)
+        if old is not None and not args.redo and old["outcome"] not in redo:
+            continue
+        row = run_isolated(family, args.timeout, args.keep)
+        row.setdefault("seconds", row.get("build_seconds"))
+        data["rows"][family] = row
+        _save(data, args.json, args.md)
+        print(f"{family}: {row['outcome']} ({row.get('seconds')} s) {str(row.get('reason', ''))[:160]}",
+              file=sys.stderr, flush=True)
+    bad = [t for t, r in data["rows"].items() if r["outcome"] in ("internal error", "timeout", "mismatch")]
+    print(f"{len(data['rows'])} of {len(every)} types in {args.json}"
+          + (f"; needing work: {', '.join(bad)}" if bad else ""), file=sys.stderr)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
