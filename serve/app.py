@@ -24,6 +24,7 @@ from llmc.serve.metrics import Metrics
 from llmc.serve.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from llmc.serve.state import ServeConfig, ServerState
 from llmc.serve.text import TokenStrings
+from llmc.serve.tool_parsers import family_of_template
 
 
 def create_app(engine: Engine, config: ServeConfig) -> FastAPI:
@@ -36,6 +37,9 @@ def create_app(engine: Engine, config: ServeConfig) -> FastAPI:
                         token_strings=TokenStrings(engine.tokenizer) if engine.tokenizer is not None else None,
                         created=int(time.time()))
 
+    template = state.chat_template
+    state.tool_family = config.tool_call_parser or (
+        family_of_template(template.source) if template is not None and template.takes_tools else None) or "hermes"
     log = logging.getLogger("llmc.serve")
     if state.chat_template is None:
         log.warning("%s has no chat template: /v1/chat/completions answers 400", engine.path)

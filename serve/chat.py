@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import jinja2
+import jinja2.meta
 from jinja2 import nodes
 from jinja2.ext import Extension
 from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -63,12 +64,20 @@ class ChatTemplate:
         env.globals["raise_exception"] = _raise
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
         self._special = special_tokens
+        self.source = source
+        self.variables: set[str] = set()  # the context variables it reads (e.g. "tools")
         try:
             self._template: jinja2.Template | None = env.from_string(source)
             self.error: str | None = None
+            self.variables = set(jinja2.meta.find_undeclared_variables(env.parse(source)))
         except jinja2.exceptions.TemplateSyntaxError as exc:  # the engine's file: completions still serve
             self._template = None
             self.error = f"line {exc.lineno}: {exc.message}"
+
+    @property
+    def takes_tools(self) -> bool:
+        """Whether the template renders ``tools`` itself (else serve/tools.py writes a generic system prompt)."""
+        return "tools" in self.variables
 
     @classmethod
     def from_engine(cls, engine_dir: Path, tokenizer_config: dict) -> ChatTemplate | None:

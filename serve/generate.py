@@ -20,12 +20,15 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from llmc.errors import LlmcError
 from llmc.runtime import GenerationOutput, SamplingParams
+from llmc.serve import tools
 from llmc.serve.errors import APIError
 from llmc.serve.loop import Delivery, LoopDead, QueueFull
 from llmc.serve.protocol import ChatCompletionRequest, CompletionRequest
 from llmc.serve.state import ServerState
 from llmc.serve.structured import precompile, requested
 from llmc.serve.text import TextStream
+from llmc.serve.tool_parsers import PARSERS
+from llmc.serve.tools import ChoiceOutput, ToolSpec
 
 MAX_RETRY_AFTER = 60  # seconds: past this an estimate says little; clients should back off on their own
 
@@ -50,6 +53,19 @@ class Plan:
     return_token_ids: bool
     created: int = field(default_factory=lambda: int(time.time()))
     structured_field: str | None = None  # the request field a constraint came from (serve/structured.py)
+    tool_spec: ToolSpec | None = None  # tools in play (serve/tools.py)
+    tool_family: str | None = None  # the format calls are parsed from (None: not parsed)
+    reasoning: str | None = None  # the reasoning parser (serve/reasoning.py)
+    keep_special: bool = False  # decode with special tokens kept: the format's markers are special tokens
+
+    @property
+    def parses(self) -> bool:
+        """Whether choices' text goes through the reasoning / tool parsers (serve/tools.ChoiceOutput)."""
+        return self.kind == "chat" and (self.tool_family is not None or self.reasoning is not None)
+
+    def output(self) -> ChoiceOutput:
+        tools = self.tool_spec.tools if self.tool_spec is not None else None
+        return ChoiceOutput(self.tool_family, tools, self.reasoning)
 
     @property
     def choice_ids(self) -> list[str]:
@@ -163,8 +179,6 @@ def _refuse_unsupported(req: CompletionRequest | ChatCompletionRequest) -> None:
             unsupported.append(("suffix", "suffix (insertion) is not supported"))
         if req.best_of is not None and req.best_of != req.n:
             unsupported.append(("best_of", "best_of other than n is not supported; use n"))
-    elif req.tools:
-        unsupported.append(("tools", "tool calling is not supported"))
     if unsupported:
         name, why = unsupported[0]
         raise APIError(400, f"{name}: {why}", param=name, code="unsupported")
@@ -199,28 +213,59 @@ def plan_chat(state: ServerState, req: ChatCompletionRequest, body: dict) -> Pla
                        param="messages", code="no_chat_template")
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs: needs logprobs=true", param="top_logprobs")
-    prompts = [chat_prompt_ids(state, req.messages, req.add_generation_prompt, req.chat_template_kwargs)]
+    if req.chat_template_kwargs is not None and not isinstance(req.chat_template_kwargs, dict):
+        raise APIError(400, "chat_template_kwargs: must be an object", param="chat_template_kwargs")
+    tool_spec = tools.validate(req.tools, req.tool_choice, req.parallel_tool_calls)
+    prompts = [chat_prompt_ids(state, req.messages, req.add_generation_prompt, req.chat_template_kwargs, tool_spec)]
     limit = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     which = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     max_tokens = _check_lengths(state, prompts, limit, None, which, "messages")
     top = (req.top_logprobs or 0) if req.logprobs else None
     spec, where = requested(req.response_format, req.structured_outputs)
+    reasoning = state.config.reasoning_parser
+    family = None
+    if tool_spec is not None and tool_spec.choice != "none":
+        family = state.tool_family
+        forced = tools.constraint(tool_spec, family, _special_ids(state))
+        if forced is not None:
+            if spec is not None:
+                raise APIError(400, f"{where}: cannot be combined with tool_choice {tool_spec.choice!r} (or strict "
+                               "tools), which constrains the output itself", param=where, code="invalid_value")
+            spec, where = forced, "tools"
+    if reasoning == "gpt_oss" and family is None:
+        family = "harmony"  # gpt-oss's reasoning is its analysis channel
     params = _sampling(state, req, 1, max_tokens, top, spec)
+    keep = family is not None and PARSERS[family].needs_special_tokens
     return Plan("chat", f"chatcmpl-{uuid.uuid4().hex}", state.config.model_name, prompts, req.n, params,
                 bool(req.stream), bool(req.stream_options and req.stream_options.include_usage), top,
-                _return_token_ids(body), structured_field=where if spec is not None else None)
+                _return_token_ids(body), structured_field=where if spec is not None else None,
+                tool_spec=tool_spec, tool_family=family, reasoning=reasoning, keep_special=keep)
 
 
-def chat_prompt_ids(state: ServerState, messages, add_generation_prompt: bool, extra: dict | None) -> list[int]:
+def _special_ids(state: ServerState) -> dict[str, int]:
+    """Special tokens of the engine's tokenizer by their text (a grammar names them by id)."""
+    tok = state.engine.tokenizer
+    if tok is None:
+        return {}
+    added = getattr(tok, "_tok", None)
+    decoder = added.get_added_tokens_decoder() if added is not None else {}
+    return {t.content: i for i, t in decoder.items() if t.special}
+
+
+def chat_prompt_ids(state: ServerState, messages, add_generation_prompt: bool, extra: dict | None,
+                    tool_spec: ToolSpec | None = None) -> list[int]:
     if state.chat_template is None:
         raise APIError(400, "messages: this engine has no chat template", param="messages", code="no_chat_template")
     flat = []
     for m in messages:
-        d = m.model_dump(exclude_none=False)
-        if isinstance(m.content, list):  # content parts: the text ones, joined (images are not served)
-            d["content"] = "".join(p.text for p in m.content)
+        d = m.model_dump(exclude_none=False) if not isinstance(m, dict) else dict(m)
+        content = d.get("content")
+        if isinstance(content, list):  # content parts: the text ones, joined (images are not served)
+            d["content"] = "".join(p["text"] if isinstance(p, dict) else p.text for p in content)
         flat.append(d)
-    text = state.chat_template.render(flat, add_generation_prompt=add_generation_prompt, extra=extra)
+    flat, tool_extra = tools.template_messages(flat, tool_spec, state.chat_template.takes_tools)
+    text = state.chat_template.render(flat, add_generation_prompt=add_generation_prompt,
+                                      extra={**(extra or {}), **tool_extra})
     # The template wrote the special tokens (BOS…) itself.
     return state.tokenizer.encode(text, add_special_tokens=False)
 
@@ -236,6 +281,8 @@ class _Choice:
     logprobs: list[dict[int, float]] = field(default_factory=list)
     final: GenerationOutput | None = None
     finish_reason: str | None = None
+    out: ChoiceOutput | None = None  # reasoning / tool-call parsing (chat with tools or a reasoning parser)
+    parsed: bool = False  # out has seen the whole text
 
 
 async def run(state: ServerState, plan: Plan, request: Request, arrival: float) -> Response:
@@ -264,7 +311,8 @@ async def run(state: ServerState, plan: Plan, request: Request, arrival: float) 
         raise APIError(400, str(exc), param="prompt") from exc
     index = {rid: i for i, rid in enumerate(plan.choice_ids)}
     tok = state.engine.tokenizer
-    choices = [_Choice(i, TextStream(tok, p.stop) if tok is not None else None) for i, p in enumerate(plan.params)]
+    choices = [_Choice(i, TextStream(tok, p.stop, not plan.keep_special) if tok is not None else None,
+                       out=plan.output() if plan.parses else None) for i, p in enumerate(plan.params)]
     if plan.stream:
         return StreamingResponse(_stream(state, plan, sink, index, choices), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -319,25 +367,52 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-def _choice_text(c: _Choice, tok) -> str:
+def _choice_text(c: _Choice, tok, keep_special: bool = False) -> str:
+    if keep_special and tok is not None:  # the engine's text has them dropped
+        text = tok.decode(c.token_ids, skip_special_tokens=False)
+        if c.final is not None and c.final.text is not None and c.final.text != tok.decode(c.token_ids):
+            return c.final.text  # cut before a stop string: no markers to keep
+        return text
     if c.final is not None and c.final.text is not None:
         return c.final.text
     return tok.decode(c.token_ids) if tok is not None else ""
+
+
+def _finish_reason(c: _Choice) -> str | None:
+    """OpenAI's: ``tool_calls`` when the answer made calls and ended by itself."""
+    if c.out is not None and c.out.calls and c.finish_reason == "stop":
+        return "tool_calls"
+    return c.finish_reason
+
+
+def _message(c: _Choice, text: str) -> dict:
+    if c.out is None:
+        return {"role": "assistant", "content": text}
+    if c.finish_reason is not None and not c.parsed:
+        c.out.feed(text)
+        c.out.finish(truncated=c.finish_reason == "length")
+        c.parsed = True
+    msg: dict = {"role": "assistant", "content": c.out.content}
+    if c.out.calls:
+        msg["tool_calls"] = [tools.tool_call_json(None, cid, call) for _, cid, call in c.out.calls]
+    if c.out.reasoning is not None or c.out.tools is not None and c.out.reasoning_text is not None:
+        msg["reasoning"] = msg["reasoning_content"] = c.out.reasoning_text
+    return msg
 
 
 def _response(state: ServerState, plan: Plan, choices: list[_Choice]) -> dict:
     tok = state.engine.tokenizer
     out = []
     for c in choices:
-        text = _choice_text(c, tok)
+        text = _choice_text(c, tok, plan.keep_special)
         if plan.kind == "completion":
             ch = {"index": c.index, "text": text, "logprobs": _completion_logprobs(state, c.token_ids, c.logprobs,
                                                                                    plan.top_logprobs),
                   "finish_reason": c.finish_reason}
         else:
-            ch = {"index": c.index, "message": {"role": "assistant", "content": text},
+            ch = {"index": c.index, "message": _message(c, text),
                   "logprobs": _chat_logprobs(state, c.token_ids, c.logprobs, plan.top_logprobs),
-                  "finish_reason": c.finish_reason}
+                  "finish_reason": _finish_reason(c)}
         if plan.return_token_ids:
             ch["token_ids"] = c.token_ids
             ch["prompt_token_ids"] = plan.prompts[c.index // plan.n]
@@ -420,6 +495,44 @@ def sse_event(obj: dict) -> bytes:
     return b"data: " + text.encode() + b"\n\n"
 
 
+def _parsed_chunks(state: ServerState, plan: Plan, c: _Choice, delta: str, new: list[int],
+                   lps: list) -> list[dict]:
+    """A parsed chat choice's next chunks: content and reasoning, then each finished call as two deltas (its
+    index, id, type and name; then its arguments), then the finish reason."""
+    em = c.out.feed(delta)
+    if c.finish_reason is not None:
+        rest = c.out.finish(truncated=c.finish_reason == "length")
+        em.content, em.reasoning, em.calls = (em.content + rest.content, em.reasoning + rest.reasoning,
+                                              em.calls + rest.calls)
+        c.parsed = True
+    deltas: list[dict] = []
+    if em.content or em.reasoning:
+        d: dict = {}
+        if em.reasoning:
+            d["reasoning"] = d["reasoning_content"] = em.reasoning
+        if em.content:
+            d["content"] = em.content
+        deltas.append(d)
+    for index, cid, call in em.calls:
+        deltas.append({"tool_calls": [{"index": index, "id": cid, "type": "function",
+                                       "function": {"name": call.name, "arguments": ""}}]})
+        deltas.append({"tool_calls": [{"index": index, "function": {"arguments": call.arguments}}]})
+    if c.finish_reason is not None or (not deltas and (plan.top_logprobs is not None or plan.return_token_ids)):
+        deltas.append({})
+    chunks = []
+    for k, d in enumerate(deltas):
+        ch = {"index": c.index, "delta": d, "logprobs": None, "finish_reason": None}
+        if k == 0:
+            ch["logprobs"] = _chat_logprobs(state, new, lps, plan.top_logprobs)
+            if plan.return_token_ids:
+                ch["token_ids"] = new
+        chunks.append(ch)
+    if c.finish_reason is not None:
+        chunks[-1]["finish_reason"] = _finish_reason(c)
+        _structured_fields(plan, c, chunks[-1])
+    return chunks
+
+
 async def _stream(state: ServerState, plan: Plan, sink: asyncio.Queue, index: dict[str, int],
                   choices: list[_Choice]) -> AsyncIterator[bytes]:
     obj = "text_completion" if plan.kind == "completion" else "chat.completion.chunk"
@@ -443,12 +556,16 @@ async def _stream(state: ServerState, plan: Plan, sink: asyncio.Queue, index: di
             if c.finish_reason is not None:
                 left -= 1
                 if c.text is not None:  # the engine's final text: cut before a stop string this token completed
-                    delta = c.text.finish(_choice_text(c, state.engine.tokenizer))
+                    delta = c.text.finish(_choice_text(c, state.engine.tokenizer, plan.keep_special))
             elif c.text is not None and new:
                 delta = c.text.add(new)
             if not (delta or c.finish_reason or plan.top_logprobs is not None or plan.return_token_ids):
                 continue  # text held back (a split character, a possible stop string): nothing to say yet
             lps = d.output.new_logprobs or []
+            if c.out is not None:
+                for chunk in _parsed_chunks(state, plan, c, delta, new, lps):
+                    yield sse_event({**head, "choices": [chunk]})
+                continue
             if plan.kind == "completion":
                 ch = {"index": c.index, "text": delta, "logprobs": _completion_logprobs(
                     state, new, lps, plan.top_logprobs, offsets[c.index]), "finish_reason": c.finish_reason}

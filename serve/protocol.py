@@ -6,7 +6,7 @@ depend on the engine (context length, vocabulary, ``n``) are checked where the e
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -80,7 +80,10 @@ class ChatCompletionRequest(_Sampling):
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict | None = None
-    tools: list | None = None
+    # Tool calling (serve/tools.py validates these itself, to name the failing part in OpenAI's words).
+    tools: Any = None
+    tool_choice: Any = None
+    parallel_tool_calls: Any = None
 
 
 class TokenizeRequest(_Body):

@@ -25,6 +25,8 @@ class ServeConfig:
     stall_timeout: float = 60.0  # /health turns 503 when one step runs longer than this (seconds)
     retry_after: int = 1  # seconds, in the Retry-After header of a 429
     drain_timeout: float = 30.0  # after SIGTERM: seconds running requests get to finish
+    tool_call_parser: str | None = None  # None: from the chat template (serve/tool_parsers.py), else hermes
+    reasoning_parser: str | None = None  # None: reasoning stays in the content (serve/reasoning.py)
 
 
 @dataclass
@@ -36,6 +38,7 @@ class ServerState:
     chat_template: ChatTemplate | None
     token_strings: TokenStrings | None
     draining: bool = False
+    tool_family: str = "hermes"  # the tool-call format parsed and enforced (serve/tool_parsers.py)
     created: int = field(default=0)  # unix time the server started (/v1/models)
 
     @property

@@ -75,7 +75,9 @@ async def precompile(engine, spec: StructuredOutputs, where: str) -> None:
     try:
         await asyncio.to_thread(lambda: engine.structured.compiler.compile(spec))
     except LlmcError as exc:
-        if where == "response_format":
+        if where == "tools":  # the grammar made from the tools' schemas (serve/tools.py)
+            field_name = "tools"
+        elif where == "response_format":
             field_name = "response_format.json_schema.schema" if spec.kind == "json" else where
         else:
             field_name = f"{where}.{spec.kind}"

@@ -18,8 +18,9 @@ class TextStream:
     be the start of a stop string the engine cuts.
     """
 
-    def __init__(self, tokenizer: Tokenizer, stop: list[str]) -> None:
+    def __init__(self, tokenizer: Tokenizer, stop: list[str], skip_special_tokens: bool = True) -> None:
         self._tok = tokenizer
+        self._skip = skip_special_tokens  # False: keep them (tool formats whose markers are special tokens)
         self._ids: list[int] = []
         self._start = 0  # the window: tokens [start, read) are decoded into text already, read.. are new
         self._read = 0
@@ -29,8 +30,8 @@ class TextStream:
 
     def add(self, token_ids: list[int]) -> str:
         self._ids += token_ids
-        before = self._tok.decode(self._ids[self._start:self._read]) if self._read > self._start else ""
-        after = self._tok.decode(self._ids[self._start:])
+        before = self._tok.decode(self._ids[self._start:self._read], self._skip) if self._read > self._start else ""
+        after = self._tok.decode(self._ids[self._start:], self._skip)
         if after.endswith("\ufffd") or len(after) <= len(before) or not after.startswith(before):
             return ""  # an incomplete character (or nothing new yet): wait for the next token
         self._text += after[len(before):]

@@ -54,12 +54,34 @@ ASSISTANT_TOKEN = "<|assistant|>"
 SPECIAL_TOKENS = (EOS_TOKEN, BOS_TOKEN, USER_TOKEN, ASSISTANT_TOKEN)
 
 # Each turn is "<marker>\n<content><eos>\n"; system text has no marker of its own, so it is
-# rendered as a user turn rather than inventing a token the model never saw.
+# rendered as a user turn rather than inventing a token the model never saw.  With ``tools`` the
+# template opens with a user turn listing them (llmc serve's generic tool prompt, serve/tools.py) and
+# writes calls in the hermes format: ``<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>``;
+# a tool's result is a user turn ``<tool_response>\n...\n</tool_response>``.  Without tools it renders
+# exactly as before (the model was trained before tools were added).
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
+    "{% if tools %}"
+    "{{ '<|user|>\\n# Tools\\n\\nYou may call one or more functions to answer. Their signatures, one JSON "
+    "object per line:\\n<tools>\\n' }}"
+    "{% for tool in tools %}"
+    "{{ (tool['function'] if tool['function'] is defined else tool) | tojson }}{{ '\\n' }}"
+    "{% endfor %}"
+    "{{ '</tools>\\n\\nTo call a function, answer with one block per call:\\n<tool_call>\\n{\"name\": "
+    "<function-name>, \"arguments\": <arguments-as-a-JSON-object>}\\n</tool_call>' + eos_token + '\\n' }}"
+    "{% endif %}"
     "{% for message in messages %}"
     "{% if message['role'] == 'assistant' %}"
-    "{{ '<|assistant|>\\n' + message['content'] + eos_token + '\\n' }}"
+    "{{ '<|assistant|>\\n' + (message['content'] or '') }}"
+    "{% for call in (message['tool_calls'] or []) %}"
+    "{% set f = call['function'] if call['function'] is defined else call %}"
+    "{{ ('\\n' if (message['content'] or not loop.first) else '') + '<tool_call>\\n{\"name\": \"' + f['name'] "
+    "+ '\", \"arguments\": ' + (f['arguments'] if f['arguments'] is string else f['arguments'] | tojson) "
+    "+ '}\\n</tool_call>' }}"
+    "{% endfor %}"
+    "{{ eos_token + '\\n' }}"
+    "{% elif message['role'] == 'tool' %}"
+    "{{ '<|user|>\\n<tool_response>\\n' + message['content'] + '\\n</tool_response>' + eos_token + '\\n' }}"
     "{% else %}"
     "{{ '<|user|>\\n' + message['content'] + eos_token + '\\n' }}"
     "{% endif %}"

@@ -108,8 +108,10 @@ CASES = [
      ["exactly one of"]),
     ("/v1/completions", {**GOOD, "response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}},
      400, "structured_outputs", ["not both"]),
-    ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools",
-     ["not supported"]),
+    ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}],
+                              "tool_choice": {"type": "function", "function": {"name": "g"}}}, 400, "tool_choice",
+     ["'g' is not one of the tools"]),
+    ("/v1/chat/completions", {**CHAT, "tools": []}, 400, "tools", ["too short"]),
     ("/v1/completions", {**GOOD, "prompt": [[5]] * 600}, 400, "prompt", ["600 choices", "--max-queue"]),
     ("/detokenize", {"tokens": [1, 4096]}, 400, "tokens", ["outside the vocabulary"]),
     ("/tokenize", {}, 400, "prompt", ["exactly one of prompt or messages"]),
@@ -220,7 +222,6 @@ def test_unknown_fields_are_ignored_as_openai_does(http):
                                            "echo": False, "logit_bias": {}, "response_format": {"type": "text"}})
     assert r.status_code == 200, r.text
     r = http.post("/v1/chat/completions", json={**CHAT, "tool_choice": "none", "parallel_tool_calls": False,
-                                                "tools": [],
                                                 "messages": [{"role": "user", "content": "hi", "name": "bob"}]})
     assert r.status_code == 200, r.text
 
