@@ -275,3 +275,41 @@ def test_a_template_without_tools_gets_the_generic_prompt_and_hermes_blocks():
     assert text.startswith("[system] # Tools") and "You are helpful." in text
     assert '"name": "get_weather"' in text and "<tool_response>\nsunny, 21 C\n</tool_response>" in text
     assert parse("hermes", text[text.index("<tool_call>", text.index("[assistant]")):]).calls[0].name == "get_weather"
+
+
+# -- the grammars that force calls, per format ---------------------------------------------------------------
+
+FORCED = [("hermes", '<tool_call>\n{"name": "w", "arguments": ARGS}\n</tool_call>'),
+          ("llama3_json", '{"name": "w", "parameters": ARGS}'),
+          ("mistral", '[TOOL_CALLS][{"name": "w", "arguments": ARGS}]'),
+          ("harmony", "<|channel|>commentary to=functions.w <|constrain|>json<|message|>ARGS<|call|>")]
+
+
+@pytest.mark.parametrize("family,template", FORCED, ids=[f[0] for f in FORCED])
+def test_forcing_grammar_accepts_exactly_valid_calls_and_the_parser_reads_them_back(family, template):
+    from llmc.runtime.structured import GrammarCompiler
+    from llmc.serve.tools import constraint
+    from llmc.testing.corpus import train_bpe_tokenizer
+
+    specials = ["<|channel|>", "<|constrain|>", "<|message|>", "<|call|>", "[TOOL_CALLS]"]
+    tok = train_bpe_tokenizer(vocab_size=300)
+    tok.add_special_tokens({"additional_special_tokens": specials})
+    compiler = GrammarCompiler(tok.backend_tokenizer.to_str(), len(tok), [0])
+    tool = {"type": "function", "function": {"name": "w", "parameters": {
+        "type": "object", "properties": {"c": {"type": "string"}, "n": {"type": "integer", "maximum": 5}},
+        "required": ["c"], "additionalProperties": False}}}
+    grammar = constraint(validate([tool], "required", False), family, {t: tok.convert_tokens_to_ids(t)
+                                                                        for t in specials})
+
+    def accepted(text: str) -> bool:
+        m = compiler.compile(grammar)
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+        return m.validate_tokens(ids) == len(ids) and not m.is_error()
+
+    good = template.replace("ARGS", '{"c": "x", "n": 3}')
+    assert accepted(good)
+    assert parse(family, good).calls == [ToolCall("w", '{"c": "x", "n": 3}')]
+    assert not accepted(template.replace("ARGS", '{"c": "x", "n": 9}'))  # over the maximum
+    assert not accepted(template.replace("ARGS", '{"n": 3}'))  # c is required
+    assert not accepted(template.replace('"w"', '"v"').replace("functions.w", "functions.v").replace(
+        "ARGS", '{"c": "x"}'))  # another tool
