@@ -1,4 +1,5 @@
-"""The README's serving example works as printed: `llmc serve`, its curl call and its openai call (port swapped)."""
+"""The README's serving example works as printed: `llmc serve`, its curl call, its openai call and its tool call
+(port swapped)."""
 
 from __future__ import annotations
 
@@ -16,19 +17,19 @@ import pytest
 README = Path(__file__).resolve().parent.parent / "README.md"
 
 
-def _serving_blocks() -> tuple[str, str, str]:
+def _serving_blocks() -> tuple[str, str, str, str]:
     section = README.read_text().split("\n## Serving\n", 1)[1].split("\n## ", 1)[0]
     blocks = re.findall(r"```(\w+)\n(.*?)```", section, re.S)
     serve = next(line for lang, b in blocks if lang == "bash" for line in b.splitlines()
                  if line.startswith("llmc serve "))
     curl = next(b for lang, b in blocks if lang == "bash" and b.startswith("curl "))
-    python = next(b for lang, b in blocks if lang == "python")
-    return serve, curl, python
+    python, tools = [b for lang, b in blocks if lang == "python"][:2]
+    return serve, curl, python, tools
 
 
 @pytest.mark.skipif(shutil.which("curl") is None, reason="curl is not installed")
 def test_readme_serving_example_runs_as_printed(default_engine, tmp_path):
-    serve, curl, python = _serving_blocks()
+    serve, curl, python, tools = _serving_blocks()
     args = serve.split("#")[0].split()
     assert args[:3] == ["llmc", "serve", "engines/m"] and "8000" in args
     (tmp_path / "engines").mkdir()
@@ -58,6 +59,10 @@ def test_readme_serving_example_runs_as_printed(default_engine, tmp_path):
                             capture_output=True, text=True, timeout=60)
         assert py.returncode == 0, py.stderr
         assert len(py.stdout.strip()) > 20
+        py = subprocess.run([sys.executable, "-c", tools.replace("localhost:8000", f"localhost:{port}")],
+                            capture_output=True, text=True, timeout=60)  # the tool call example
+        assert py.returncode == 0, py.stderr
+        assert py.stdout.startswith("tool_calls get_weather {'city': "), py.stdout
     finally:
         proc.terminate()
         assert proc.wait(30) == 0
