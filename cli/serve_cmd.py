@@ -74,13 +74,15 @@ def _bind(host: str, port: int) -> socket.socket:
                    "for a template that does not take tools).")
 @click.option("--reasoning-parser", default=None, type=click.Choice(["qwen3", "deepseek_r1", "gpt_oss"]),
               help="Split the model's reasoning into message.reasoning (and reasoning_content).")
+@click.option("--responses-store-size", default=1024, show_default=True,
+              help="/v1/responses kept in memory for previous_response_id (past it the oldest is evicted; 0: none).")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug"]))
 def serve(engine: Path, host: str, port: int, served_model_name: str | None, api_key: str | None, max_queue: int,
           max_body_size: str, max_n: int, drain_timeout: float, stall_timeout: float, kv_cache_tokens: int,
           max_num_seqs: int, max_num_tokens: int, threads: int | None, device: str | None, speculative: str | None,
           num_speculative_tokens: int, tool_call_parser: str | None, reasoning_parser: str | None,
-          log_level: str) -> None:
+          responses_store_size: int, log_level: str) -> None:
     """Serve ENGINE over HTTP with the OpenAI API: /v1/completions, /v1/chat/completions, /v1/models,
     /tokenize, /detokenize, /health, /ready and Prometheus /metrics.
 
@@ -117,7 +119,8 @@ def serve(engine: Path, host: str, port: int, served_model_name: str | None, api
     name = served_model_name or Path(os.path.abspath(engine)).name
     config = ServeConfig(model_name=name, api_key=api_key, max_queue=max_queue, max_body_size=body_limit,
                          max_n=max_n, stall_timeout=stall_timeout, drain_timeout=drain_timeout,
-                         tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser)
+                         tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser,
+                         responses_store_size=responses_store_size)
     sock = _bind(host, port)
     bound = sock.getsockname()[1]
     click.echo(f"llmc serve: {name!r} on http://{host}:{bound}/v1 (metrics: /metrics)", err=True)

@@ -16,12 +16,13 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from llmc.runtime import Engine
-from llmc.serve import generate
+from llmc.serve import generate, responses
 from llmc.serve.chat import ChatTemplate
 from llmc.serve.errors import APIError, from_validation
 from llmc.serve.loop import EngineLoop
 from llmc.serve.metrics import Metrics
 from llmc.serve.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from llmc.serve.responses import ResponsesRequest, ResponseStore
 from llmc.serve.state import ServeConfig, ServerState
 from llmc.serve.text import TokenStrings
 from llmc.serve.tool_parsers import family_of_template
@@ -117,6 +118,25 @@ def create_app(engine: Engine, config: ServeConfig) -> FastAPI:
         authorize(request)
         req, data = await body_of(request, ChatCompletionRequest)
         return await generate.run(state, generate.plan_chat(state, req, data), request, arrival)
+
+    store = ResponseStore(config.responses_store_size)
+    app.state.llmc_responses = store
+
+    @app.post("/v1/responses")
+    async def create_response(request: Request) -> Response:
+        arrival = time.perf_counter()
+        authorize(request)
+        req, _ = await body_of(request, ResponsesRequest)
+        return await responses.create(state, store, request, req, arrival)
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str, request: Request) -> dict:
+        authorize(request)
+        item = store.get(response_id)
+        if item is None:
+            raise APIError(404, f"response_id: {response_id!r} is not stored here (store: false, or evicted)",
+                           param="response_id", code="not_found")
+        return item.response
 
     @app.get("/v1/models")
     async def models(request: Request) -> dict:

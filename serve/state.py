@@ -27,6 +27,7 @@ class ServeConfig:
     drain_timeout: float = 30.0  # after SIGTERM: seconds running requests get to finish
     tool_call_parser: str | None = None  # None: from the chat template (serve/tool_parsers.py), else hermes
     reasoning_parser: str | None = None  # None: reasoning stays in the content (serve/reasoning.py)
+    responses_store_size: int = 1024  # /v1/responses kept for previous_response_id (oldest evicted first)
 
 
 @dataclass
