@@ -367,9 +367,12 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-def _choice_text(c: _Choice, tok, keep_special: bool = False) -> str:
+def _choice_text(c: _Choice, tok, keep_special: bool = False, eos_ids=()) -> str:
     if keep_special and tok is not None:  # the engine's text has them dropped
-        text = tok.decode(c.token_ids, skip_special_tokens=False)
+        ids = c.token_ids
+        if c.finish_reason == "stop" and ids and ids[-1] in eos_ids:
+            ids = ids[:-1]  # the end-of-sequence token is no text (the parsers end open messages themselves)
+        text = tok.decode(ids, skip_special_tokens=False)
         if c.final is not None and c.final.text is not None and c.final.text != tok.decode(c.token_ids):
             return c.final.text  # cut before a stop string: no markers to keep
         return text
@@ -404,7 +407,7 @@ def _response(state: ServerState, plan: Plan, choices: list[_Choice]) -> dict:
     tok = state.engine.tokenizer
     out = []
     for c in choices:
-        text = _choice_text(c, tok, plan.keep_special)
+        text = _choice_text(c, tok, plan.keep_special, state.engine.eos_token_ids)
         if plan.kind == "completion":
             ch = {"index": c.index, "text": text, "logprobs": _completion_logprobs(state, c.token_ids, c.logprobs,
                                                                                    plan.top_logprobs),
@@ -556,7 +559,8 @@ async def _stream(state: ServerState, plan: Plan, sink: asyncio.Queue, index: di
             if c.finish_reason is not None:
                 left -= 1
                 if c.text is not None:  # the engine's final text: cut before a stop string this token completed
-                    delta = c.text.finish(_choice_text(c, state.engine.tokenizer, plan.keep_special))
+                    delta = c.text.finish(_choice_text(c, state.engine.tokenizer, plan.keep_special,
+                                                       state.engine.eos_token_ids))
             elif c.text is not None and new:
                 delta = c.text.add(new)
             if not (delta or c.finish_reason or plan.top_logprobs is not None or plan.return_token_ids):

@@ -61,7 +61,7 @@ def _args_text(value: Any) -> str | None:
     if isinstance(value, str):
         try:
             value = json.loads(value) if value.strip() else {}
-        except ValueError:
+        except (ValueError, RecursionError):
             return None
     if not isinstance(value, dict):
         return None
@@ -81,7 +81,7 @@ def _call_from_obj(obj: Any, args_keys=("arguments", "parameters")) -> ToolCall 
 def _calls_from_json(text: str, args_keys=("arguments", "parameters")) -> list[ToolCall] | None:
     try:
         value = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
     items = value if isinstance(value, list) else [value]
     if not items:
@@ -425,7 +425,7 @@ class PythonicParser(ToolParser):
                 return None
             try:
                 calls.append(ToolCall(name, json.dumps(args, ensure_ascii=False)))
-            except (TypeError, ValueError):  # a set, bytes, complex: no JSON for it
+            except (TypeError, ValueError, RecursionError):  # a set, bytes, complex: no JSON for it
                 return None
         return calls
 
@@ -461,7 +461,10 @@ class Qwen3CoderParser(ToolParser):
                 value = value[1:] if value.startswith("\n") else value
                 value = value[:-1] if value.endswith("\n") else value
                 args[key] = _typed(value, props.get(key))
-            calls.append(ToolCall(name, json.dumps(args, ensure_ascii=False)))
+            try:
+                calls.append(ToolCall(name, json.dumps(args, ensure_ascii=False)))
+            except (TypeError, ValueError, RecursionError):
+                return None
         return calls
 
 
@@ -475,7 +478,7 @@ def _typed(value: str, schema: Any) -> Any:
         return None
     try:
         return json.loads(value)
-    except ValueError:
+    except (ValueError, RecursionError):
         pass
     if "boolean" in types and value.strip().lower() in ("true", "false"):
         return value.strip().lower() == "true"

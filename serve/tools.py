@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import re
 import uuid
 from dataclasses import dataclass, field
@@ -30,6 +31,7 @@ from llmc.serve.errors import APIError
 from llmc.serve.reasoning import ReasoningParser
 from llmc.serve.tool_parsers import Parsed, ToolCall, make_parser
 
+log = logging.getLogger("llmc.serve")
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 GENERIC_TOOL_PROMPT = (
@@ -304,9 +306,15 @@ class ChoiceOutput:
         else:
             answer = text
         if self.tools is not None:
-            parsed = self.tools.feed(answer)
-            if final:
-                parsed += self.tools.finish(truncated)
+            try:
+                parsed = self.tools.feed(answer)
+                if final:
+                    parsed += self.tools.finish(truncated)
+            except Exception:  # a parser bug must not cost the answer: the rest is content
+                log.exception("tool-call parser %s failed; the rest of the answer is content",
+                              type(self.tools).__name__)
+                parsed = Parsed(content=self.tools._buf[self.tools._pos:])
+                self.tools = None
         else:
             parsed = Parsed(content=answer)
         out.reasoning += parsed.reasoning

@@ -313,3 +313,24 @@ def test_forcing_grammar_accepts_exactly_valid_calls_and_the_parser_reads_them_b
     assert not accepted(template.replace("ARGS", '{"n": 3}'))  # c is required
     assert not accepted(template.replace('"w"', '"v"').replace("functions.w", "functions.v").replace(
         "ARGS", '{"c": "x"}'))  # another tool
+
+
+FRAGMENTS = ["<tool_call>", "</tool_call>", "<tool_", "{", "}", "[", "]", '"', "\\", '"name"', ": ", ", ", '"f"',
+             '"arguments"', '"parameters"', "{}", "\n", " ", "text", ";", "[TOOL_CALLS]", "[ARGS]", "f(", ")", "=1",
+             "'", "<function=f>", "</function>", "<parameter=a>", "</parameter>", "<|channel|>", "<|message|>",
+             "<|end|>", "<|call|>", "<|start|>", "analysis", "final", "commentary to=functions.f ", "<|python_tag|>",
+             "<think>", "</think>", "[" * 40, "{" * 30]
+
+
+@pytest.mark.parametrize("family", ["hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder", "harmony"])
+def test_random_texts_never_raise_and_stream_as_they_parse_whole(family):
+    rng = random.Random(family)
+    for _ in range(300):
+        text = "".join(rng.choice(FRAGMENTS) for _ in range(rng.randint(1, 25)))
+        whole = parse(family, text, QWEN_TOOLS)
+        got = _chunked(family, text, rng, QWEN_TOOLS)
+        assert (got.content, got.calls, got.reasoning) == (whole.content, whole.calls, whole.reasoning), text
+        for c in whole.calls:
+            assert isinstance(json.loads(c.arguments), dict)
+        if not whole.calls and family not in ("harmony",):  # no call: nothing is lost, only edge space
+            assert whole.content.strip() == text.strip()
