@@ -232,6 +232,8 @@ def plan_chat(state: ServerState, req: ChatCompletionRequest, body: dict) -> Pla
                 raise APIError(400, f"{where}: cannot be combined with tool_choice {tool_spec.choice!r} (or strict "
                                "tools), which constrains the output itself", param=where, code="invalid_value")
             spec, where = forced, "tools"
+            if tool_spec.forced and reasoning in ("qwen3", "deepseek_r1"):
+                reasoning = None  # a forced call is the whole answer, written at once: no think block to split
     if reasoning == "gpt_oss" and family is None:
         family = "harmony"  # gpt-oss's reasoning is its analysis channel
     params = _sampling(state, req, 1, max_tokens, top, spec)

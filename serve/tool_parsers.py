@@ -418,7 +418,7 @@ class PythonicParser(ToolParser):
                 return None
             name = ast.unparse(node.func)
             try:
-                args = {kw.arg: ast.literal_eval(kw.value) for kw in node.keywords if kw.arg is not None}
+                args = {kw.arg: ast.literal_eval(_json_names(kw.value)) for kw in node.keywords if kw.arg is not None}
             except (ValueError, SyntaxError, TypeError, RecursionError):
                 return None
             if len(args) != len(node.keywords):
@@ -466,6 +466,21 @@ class Qwen3CoderParser(ToolParser):
             except (TypeError, ValueError, RecursionError):
                 return None
         return calls
+
+
+class _JsonNames(ast.NodeTransformer):
+    """JSON's ``true`` / ``false`` / ``null`` as Python's constants (models write both in pythonic calls)."""
+
+    _VALUES = {"true": True, "false": False, "null": None}
+
+    def visit_Name(self, node: ast.Name) -> ast.AST:
+        if node.id in self._VALUES:
+            return ast.copy_location(ast.Constant(self._VALUES[node.id]), node)
+        return node
+
+
+def _json_names(node: ast.AST) -> ast.AST:
+    return _JsonNames().visit(node)
 
 
 def _typed(value: str, schema: Any) -> Any:

@@ -11,7 +11,8 @@
 - Enforcement: a named tool, ``required``, and ``strict: true`` tools under ``auto`` are constrained with
   llguidance to the format's wrapper around the tools' JSON Schemas (:func:`constraint`), so a forced
   call's arguments always validate; unforced ``auto`` with strict tools uses a lazy constraint that
-  switches on at the format's trigger (``<tool_call>``).
+  switches on at the format's trigger (``<tool_call>``; hermes only). pythonic and qwen3_coder calls are
+  built argument by argument (each property's schema; qwen3_coder's raw strings as regular expressions).
 - The answer: :class:`ChoiceOutput` runs the reasoning parser, then the tool parser, on a choice's text
   (whole or streamed) and gives content, reasoning and calls with their ids.
 """
@@ -42,7 +43,7 @@ GENERIC_TOOL_PROMPT = (
 
 # Forced calls are written with the separators json.dumps uses (what the parsers return, too).
 _COMPACT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-FORCEABLE = ("hermes", "llama3_json", "mistral", "harmony")
+FORCEABLE = ("hermes", "llama3_json", "mistral", "harmony", "pythonic", "qwen3_coder")
 
 
 @dataclass
@@ -258,11 +259,111 @@ def constraint(spec: ToolSpec, family: str, special_ids: dict[str, int]) -> Stru
         sep = '(", " call)*' if spec.parallel and spec.choice == "required" else ""
         head = (f'start: {opener} "[" call {sep} "]"\n'
                 f'call: {_lit("{" + chr(34) + "name" + chr(34) + ": ")} ({body}) "}}"\n')
-    else:  # harmony: one call per message; the <|...|> markers are special tokens
+    elif family == "harmony":  # one call per message; the <|...|> markers are special tokens
         body = " | ".join(f'{_lit("commentary to=functions." + n + " ")} <|constrain|> "json" <|message|> args_{k}'
                           for k, n in enumerate(names))
         head = f"start: <|channel|> ({body}) <|call|>\n"
+    else:  # pythonic, qwen3_coder: each argument on its own (schemas of the properties)
+        rules = []
+        calls = [_keyword_call(family, k, n, spec.function(n), rules) for k, n in enumerate(names)]
+        if family == "pythonic":
+            sep = '(", " call)*' if spec.parallel and spec.choice == "required" else ""
+            head = f'start: "[" call {sep} "]"\ncall: {" | ".join(calls)}\n'
+        else:
+            sep = '("\\n" call)*' if spec.parallel and spec.choice == "required" else ""
+            head = f'%llguidance {{}}\nstart: call {sep}\ncall: {" | ".join(calls)}\nTEXT: /(.|\\n)*/\n'
     return StructuredOutputs(grammar=head + "\n".join(rules) + "\n")
+
+
+def _subset(prefix: str, items: list[tuple[str, bool]], sep: str | None, rules: list[str]) -> str:
+    """A lark expression for ``items`` in order, each present if required (else by choice), joined by ``sep``
+    (a lark literal; None: no separator); its rules go to ``rules``; "" when there are no items."""
+    n = len(items)
+    nullable = [all(not req for _, req in items[i:]) for i in range(n + 1)]
+    defined: set[str] = set()
+
+    def name(i: int, first: bool) -> str:  # the rule for items[i:], non-empty (define it on first use)
+        rule = f"{prefix}_{i}_{int(first)}"
+        if rule not in defined:
+            defined.add(rule)
+            expr, req = items[i]
+            item = expr if first or sep is None else f"{sep} {expr}"
+            alts = [f"{item} {ref(i + 1, False)}".strip()]
+            if not req and i + 1 < n:
+                alts.append(name(i + 1, first))
+            rules.append(f"{rule}: " + " | ".join(alts))
+        return rule
+
+    def ref(i: int, first: bool) -> str:
+        if i == n:
+            return ""
+        return name(i, first) + ("?" if nullable[i] else "")
+
+    return ref(0, True)
+
+
+_STRING_KEYS = {"type", "description", "title", "minLength", "maxLength", "pattern", "enum", "const", "default",
+                "examples"}
+
+
+def _keyword_call(family: str, k: int, name: str, fn: dict, rules: list[str]) -> str:
+    """One tool's call in the pythonic (``name(a=1, b="x")``) or qwen3_coder (``<function=name>`` with a
+    ``<parameter=a>`` block per argument) format: the properties in order, required ones always."""
+    root = fn.get("parameters") or {}
+    props = root.get("properties") or {}
+    required = set(root.get("required") or [])
+    defs = {d: root[d] for d in ("$defs", "definitions") if d in root}
+    items = []
+    for j, (key, sub) in enumerate(props.items()):
+        sub = dict(sub) if isinstance(sub, dict) else {}
+        if family == "pythonic" and not key.isidentifier():
+            raise APIError(400, f"tools: {name}.{key}: not a Python identifier, so no keyword argument in the "
+                           "pythonic format", param="tools", code="unsupported")
+        value = f"v_{k}_{j}"
+        if family == "qwen3_coder" and sub.get("type") == "string":
+            rules.append(_raw_string(value, sub, name, key))
+        else:
+            schema = {**sub, **defs, "x-guidance": dict(_COMPACT)}
+            rules.append(f"{value}: %json {json.dumps(schema, ensure_ascii=False)}")
+            if family == "qwen3_coder":
+                value += " " + _lit("\n</parameter>\n")
+        if family == "pythonic":
+            items.append((f"{_lit(key + '=')} {value}", key in required))
+        else:
+            items.append((f"{_lit('<parameter=' + key + '>' + chr(10))} {value}", key in required))
+    args = _subset(f"a_{k}", items, '", "' if family == "pythonic" else None, rules)
+    if family == "pythonic":
+        return f'{_lit(name + "(")} {args} ")"'
+    return f'{_lit("<tool_call>" + chr(10) + "<function=" + name + ">" + chr(10))} {args} ' \
+           f'{_lit("</function>" + chr(10) + "</tool_call>")}'
+
+
+def _raw_string(rule: str, schema: dict, tool: str, key: str) -> str:
+    """qwen3_coder writes string arguments raw, up to ``\\n</parameter>``: a lark rule for one, with the string
+    keywords of ``schema`` (length, pattern, enum, const) as a regular expression."""
+    unsupported = sorted(set(schema) - _STRING_KEYS)
+    if unsupported:
+        raise APIError(400, f"tools: {tool}.{key}: {unsupported[0]!r} cannot be enforced on a raw string in the "
+                       "qwen3_coder format", param="tools", code="unsupported")
+    end = _lit("\n</parameter>\n")
+    choices = [schema["const"]] if "const" in schema else schema.get("enum")
+    if choices is not None:
+        if not all(isinstance(c, str) for c in choices):
+            raise APIError(400, f"tools: {tool}.{key}: a string's enum must hold strings", param="tools",
+                           code="invalid_value")
+        return f"{rule}: ({' | '.join(_lit(c) for c in choices)}) {end}"
+    if not any(k in schema for k in ("minLength", "maxLength", "pattern")):
+        return f"{rule}[lazy]: TEXT {end}"  # anything, up to the closing tag
+    # Constrained strings: no '<' or newline, so the closing tag cannot be mistaken for text.
+    lo, hi = int(schema.get("minLength", 0)), schema.get("maxLength")
+    parts = [f"/[^<\\n]{{{lo},{'' if hi is None else int(hi)}}}/"]
+    if "pattern" in schema:
+        pat = schema["pattern"]
+        pat = (pat[1:] if pat.startswith("^") else "(?s:.*)" + pat)
+        pat = (pat[:-1] if pat.endswith("$") and not pat.endswith("\\$") else pat + "(?s:.*)")
+        parts.append("/" + pat.replace("/", "\\/") + "/")
+    token = rule.upper() + "_TEXT"
+    return f"{token}: {' & '.join(parts)}\n{rule}: {token} {end}"
 
 
 # -- the answer -----------------------------------------------------------------------------------------

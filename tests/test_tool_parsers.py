@@ -282,7 +282,19 @@ def test_a_template_without_tools_gets_the_generic_prompt_and_hermes_blocks():
 FORCED = [("hermes", '<tool_call>\n{"name": "w", "arguments": ARGS}\n</tool_call>'),
           ("llama3_json", '{"name": "w", "parameters": ARGS}'),
           ("mistral", '[TOOL_CALLS][{"name": "w", "arguments": ARGS}]'),
-          ("harmony", "<|channel|>commentary to=functions.w <|constrain|>json<|message|>ARGS<|call|>")]
+          ("harmony", "<|channel|>commentary to=functions.w <|constrain|>json<|message|>ARGS<|call|>"),
+          ("pythonic", "[w(ARGS)]"),
+          ("qwen3_coder", "<tool_call>\n<function=w>\nARGS</function>\n</tool_call>")]
+
+
+def _args(family: str, args: dict) -> str:
+    """``args`` written as ``family`` writes a call's arguments."""
+    if family == "pythonic":
+        return ", ".join(f"{k}={json.dumps(v)}" for k, v in args.items())
+    if family == "qwen3_coder":
+        return "".join(f"<parameter={k}>\n{v if isinstance(v, str) else json.dumps(v)}\n</parameter>\n"
+                       for k, v in args.items())
+    return json.dumps(args)
 
 
 @pytest.mark.parametrize("family,template", FORCED, ids=[f[0] for f in FORCED])
@@ -296,7 +308,10 @@ def test_forcing_grammar_accepts_exactly_valid_calls_and_the_parser_reads_them_b
     tok.add_special_tokens({"additional_special_tokens": specials})
     compiler = GrammarCompiler(tok.backend_tokenizer.to_str(), len(tok), [0])
     tool = {"type": "function", "function": {"name": "w", "parameters": {
-        "type": "object", "properties": {"c": {"type": "string"}, "n": {"type": "integer", "maximum": 5}},
+        "type": "object", "properties": {"c": {"type": "string"}, "n": {"type": "integer", "maximum": 5},
+                                         "p": {"type": "string", "pattern": "^[a-z]{1,4}$"},
+                                         "o": {"type": "object", "properties": {"k": {"type": "boolean"}},
+                                               "required": ["k"]}},
         "required": ["c"], "additionalProperties": False}}}
     grammar = constraint(validate([tool], "required", False), family, {t: tok.convert_tokens_to_ids(t)
                                                                         for t in specials})
@@ -306,13 +321,15 @@ def test_forcing_grammar_accepts_exactly_valid_calls_and_the_parser_reads_them_b
         ids = tok(text, add_special_tokens=False)["input_ids"]
         return m.validate_tokens(ids) == len(ids) and not m.is_error()
 
-    good = template.replace("ARGS", '{"c": "x", "n": 3}')
-    assert accepted(good)
-    assert parse(family, good).calls == [ToolCall("w", '{"c": "x", "n": 3}')]
-    assert not accepted(template.replace("ARGS", '{"c": "x", "n": 9}'))  # over the maximum
-    assert not accepted(template.replace("ARGS", '{"n": 3}'))  # c is required
+    for args in ({"c": "x", "n": 3}, {"c": "a b", "p": "abc", "o": {"k": True}}, {"c": "y"}):
+        good = template.replace("ARGS", _args(family, args))
+        assert accepted(good), good
+        assert parse(family, good, [tool]).calls == [ToolCall("w", json.dumps(args))]
+    assert not accepted(template.replace("ARGS", _args(family, {"c": "x", "n": 9})))  # over the maximum
+    assert not accepted(template.replace("ARGS", _args(family, {"n": 3})))  # c is required
+    assert not accepted(template.replace("ARGS", _args(family, {"c": "x", "p": "toolong"})))  # the pattern
     assert not accepted(template.replace('"w"', '"v"').replace("functions.w", "functions.v").replace(
-        "ARGS", '{"c": "x"}'))  # another tool
+        "w(", "v(").replace("=w>", "=v>").replace("ARGS", _args(family, {"c": "x"})))  # another tool
 
 
 FRAGMENTS = ["<tool_call>", "</tool_call>", "<tool_", "{", "}", "[", "]", '"', "\\", '"name"', ": ", ", ", '"f"',
