@@ -301,3 +301,30 @@ def test_other_formats_force_parse_and_stream_alike(default_engine, family):
             assert finish == "tool_calls" and not content
             assert [(x["name"], x["arguments"]) for x in calls] == [
                 (t.function.name, t.function.arguments) for t in whole.message.tool_calls]
+
+
+QWEN3_LIKE = ("{% for m in messages %}<|user|>\n{{ m.content }}<|endoftext|>\n{% endfor %}<|assistant|>\n"
+              "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}")
+
+
+def test_chat_template_kwargs_reach_the_template_and_the_qwen3_parser_reads_the_answer(tmp_path, default_engine):
+    """A template that reads enable_thinking (as Qwen3's does): the kwarg changes the prompt as in transformers."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    engine_dir = tmp_path / "engine"
+    shutil.copytree(default_engine, engine_dir)
+    cfg = json.loads((engine_dir / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = QWEN3_LIKE
+    (engine_dir / "tokenizer_config.json").write_text(json.dumps(cfg))
+    tok = AutoTokenizer.from_pretrained(str(engine_dir))
+    engine = Engine.load(engine_dir, num_threads=1, verify=False)  # the edited file no longer matches its sha256
+    with serve_in_thread(engine, ServeConfig(model_name=MODEL, reasoning_parser="qwen3")) as s:
+        c = openai.OpenAI(base_url=s.v1, api_key="unused", max_retries=0)
+        for kwargs in ({"enable_thinking": False}, {"enable_thinking": True}, None):
+            r = c.chat.completions.create(model=MODEL, messages=ASK, max_tokens=6, temperature=0,
+                                          extra_body={"chat_template_kwargs": kwargs} if kwargs else {})
+            text = tok.apply_chat_template(ASK, tokenize=False, **(kwargs or {}))
+            assert r.usage.prompt_tokens == len(tok(text, add_special_tokens=False)["input_ids"])
+            assert r.choices[0].message.content and r.choices[0].message.model_extra["reasoning"] is None
