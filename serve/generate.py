@@ -64,8 +64,8 @@ class Plan:
         return self.kind == "chat" and (self.tool_family is not None or self.reasoning is not None)
 
     def output(self) -> ChoiceOutput:
-        tools = self.tool_spec.tools if self.tool_spec is not None else None
-        return ChoiceOutput(self.tool_family, tools, self.reasoning)
+        offered = self.tool_spec is not None and self.tool_spec.choice != "none"
+        return ChoiceOutput(self.tool_family, self.tool_spec.tools if offered else None, self.reasoning, offered)
 
     @property
     def choice_ids(self) -> list[str]:

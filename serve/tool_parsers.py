@@ -174,7 +174,8 @@ class ToolParser:
     at_start = False
     needs_special_tokens = False  # the markers are special tokens: decode the output with them kept
 
-    def __init__(self, tools: list[dict] | None = None) -> None:
+    def __init__(self, tools: list[dict] | None = None, calls: bool = True) -> None:
+        self.allow_calls = calls  # False: no tools were offered, so a call is only text (harmony's reasoning)
         self.tools = {t["function"]["name"]: t["function"] for t in tools or [] if isinstance(t, dict)
                       and isinstance(t.get("function"), dict) and "name" in t["function"]}
         self._buf = ""
@@ -512,8 +513,8 @@ class HarmonyParser(ToolParser):
     _ENDS = ("<|end|>", "<|call|>", "<|return|>", "<|start|>")
     _HEAD_STARTS = ("<|start|>", "<|channel|>")
 
-    def __init__(self, tools: list[dict] | None = None) -> None:
-        super().__init__(tools)
+    def __init__(self, tools: list[dict] | None = None, calls: bool = True) -> None:
+        super().__init__(tools, calls)
         self._head: str | None = None  # the open message's header (None: between messages)
 
     def feed(self, text: str) -> Parsed:
@@ -571,7 +572,7 @@ class HarmonyParser(ToolParser):
         name = self._recipient(head)
         ch = re.search(r"<\|channel\|>\s*(\w+)", head)
         channel = ch.group(1) if ch else "final"
-        if name is not None:
+        if name is not None and self.allow_calls:
             args = _args_text(body.strip()) if complete else None
             if args is None:
                 return Parsed(content=body)
@@ -587,8 +588,8 @@ PARSERS: dict[str, type[ToolParser]] = {
 }
 
 
-def make_parser(family: str, tools: list[dict] | None = None) -> ToolParser:
-    return PARSERS[family](tools)
+def make_parser(family: str, tools: list[dict] | None = None, calls: bool = True) -> ToolParser:
+    return PARSERS[family](tools, calls)
 
 
 def parse(family: str, text: str, tools: list[dict] | None = None, truncated: bool = False) -> Parsed:

@@ -382,8 +382,9 @@ class ChoiceOutput:
     """One choice's text through the reasoning parser, then the tool parser (either may be absent); the
     content is None when calls were made and no other text was."""
 
-    def __init__(self, tool_family: str | None, tools: list[dict] | None, reasoning: str | None) -> None:
-        self.tools = make_parser(tool_family, tools) if tool_family is not None else None
+    def __init__(self, tool_family: str | None, tools: list[dict] | None, reasoning: str | None,
+                 calls: bool = True) -> None:
+        self.tools = make_parser(tool_family, tools, calls) if tool_family is not None else None
         # gpt-oss's reasoning is the harmony tool parser's analysis channel.
         self.reasoning = ReasoningParser(reasoning) if reasoning in ("qwen3", "deepseek_r1") else None
         self.calls: list[tuple[int, str, ToolCall]] = []

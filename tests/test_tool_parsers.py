@@ -132,6 +132,15 @@ def test_reasoning_parsers_whole_and_chunked(family, text, reasoning, answer):
         assert (r + x, a + y) == (reasoning, answer)
 
 
+def test_harmony_without_tools_offered_reads_reasoning_and_keeps_calls_as_text():
+    text = ("<|channel|>analysis<|message|>hmm<|end|><|start|>assistant<|channel|>commentary to=functions.f "
+            "<|constrain|>json<|message|>{}<|call|>")
+    out = ChoiceOutput("harmony", None, "gpt_oss", calls=False)
+    out.feed(text)
+    out.finish(truncated=False)
+    assert out.calls == [] and out.reasoning_text == "hmm" and out.content == "{}"
+
+
 def test_tool_calls_come_from_the_answer_never_from_the_reasoning():
     text = ('<think>maybe <tool_call>{"name": "wrong", "arguments": {}}</tool_call></think>\n'
             '<tool_call>{"name": "right", "arguments": {"a": 1}}</tool_call>')
