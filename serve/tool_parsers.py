@@ -90,13 +90,16 @@ def _calls_from_json(text: str, args_keys=("arguments", "parameters")) -> list[T
     return None if any(c is None for c in calls) else calls
 
 
-def json_end(s: str, i: int) -> int | None:
+def json_end(s: str, i: int, memo: dict | None = None) -> int | None:
     """The index after the JSON object or array opening at ``s[i]`` (braces inside strings are text);
-    None while it is incomplete; -1 if ``s[i]`` opens neither."""
+    None while it is incomplete; -1 if ``s[i]`` opens neither. ``memo``: where an earlier call on a
+    shorter ``s`` (the same text, grown) stopped, so a stream scans each character once."""
     if i >= len(s) or s[i] not in "{[":
         return -1
-    depth, in_str, esc = 0, False, False
-    for j in range(i, len(s)):
+    depth, in_str, esc, start = 0, False, False, i
+    if memo is not None and memo.get("i") == i:
+        depth, in_str, esc, start = memo["depth"], memo["in_str"], memo["esc"], memo["pos"]
+    for j in range(start, len(s)):
         ch = s[j]
         if in_str:
             if esc:
@@ -113,6 +116,8 @@ def json_end(s: str, i: int) -> int | None:
             depth -= 1
             if depth == 0:
                 return j + 1
+    if memo is not None:
+        memo.update(i=i, depth=depth, in_str=in_str, esc=esc, pos=len(s))
     return None
 
 
@@ -183,6 +188,7 @@ class ToolParser:
         self._region: int | None = None  # start of an open call region
         self._closed = False  # at_start families: no call can come any more
         self._after_region = False
+        self._scan: dict = {}  # json_end's progress in the open region
         self._ws = ""  # content's trailing whitespace, held: dropped if a call follows it
         self._trim = False  # a call was the last thing: drop the whitespace that follows it
 
@@ -302,7 +308,7 @@ class HermesParser(ToolParser):
         j = _skip_ws(buf, start + len(self.OPEN))
         if j == len(buf):
             return None
-        e = json_end(buf, j)
+        e = json_end(buf, j, self._scan)
         if e is None:
             return None
         if e == -1:  # not JSON: up to the closing tag, content
@@ -333,7 +339,7 @@ class Llama3JsonParser(ToolParser):
         j = _skip_ws(buf, j)
         if j == len(buf):
             return None
-        e = json_end(buf, j)
+        e = json_end(buf, j, self._scan)
         if e is None:
             return None
         return e if e != -1 else len(buf) if final else None
@@ -361,14 +367,14 @@ class MistralParser(ToolParser):
         if j == len(buf):
             return None
         if buf[j] in "[{":
-            return json_end(buf, j)
+            return json_end(buf, j, self._scan)
         k = buf.find("[ARGS]", j)  # name[ARGS]{...}
         if k < 0:
             return len(buf) if final else None
         a = _skip_ws(buf, k + len("[ARGS]"))
         if a == len(buf):
             return None
-        e = json_end(buf, a)
+        e = json_end(buf, a, self._scan)
         return e if e != -1 else (len(buf) if final else None)
 
     def parse_region(self, text: str, final: bool) -> list[ToolCall] | None:
