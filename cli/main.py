@@ -396,8 +396,18 @@ def inspect(engine: Path, as_json: bool) -> None:
     kv = manifest["kv_cache"]
     geometry = (f"block {kv['block_size']}" if kv.get("block_size") else  # slot layouts (GPU engines)
                 f"{kv.get('max_slots')} slots × {kv.get('max_seq_len')} tokens")
-    click.echo(f"kv cache    {kv['layout']} {geometry} {kv['dtype']}, {kv['num_layers']} layers × "
-               f"{kv['num_kv_heads']} kv heads × {kv['head_size']}")
+    if kv.get("layers"):  # per-layer geometry (Gemma 4): each distinct shape with its layer count
+        from collections import Counter
+
+        shapes = Counter(f"{e['num_kv_heads']} kv heads × {e['head_size']}" for e in kv["layers"]
+                         if "num_kv_heads" in e)
+        shared = sum(1 for e in kv["layers"] if "shares" in e)
+        per = ", ".join(f"{n} layers × {s}" for s, n in shapes.items())
+        click.echo(f"kv cache    {kv['layout']} {geometry} {kv['dtype']}, {per}"
+                   + (f", {shared} layers reading an earlier layer's cache" if shared else ""))
+    else:
+        click.echo(f"kv cache    {kv['layout']} {geometry} {kv['dtype']}, {kv['num_layers']} layers × "
+                   f"{kv['num_kv_heads']} kv heads × {kv['head_size']}")
     if manifest["engine"].get("engine_file"):
         e = manifest["engine"]
         click.echo(f"engine      {e['engine_file']}: {e['builder']['product']} {e['builder']['version']}, "

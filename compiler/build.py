@@ -338,7 +338,7 @@ def _compile_stages(ckpt: Checkpoint, digest: str, plan: _Plan, dest: Path, say:
             # same for two builds of the same inputs, so the errors in report.json are reproducible.
             verifier = PassVerifier(traced.model, traced.vocab_size,
                                     KVShape(traced.num_layers, traced.num_kv_heads, traced.head_size,
-                                            options.block_size),
+                                            options.block_size, traced.kv_layers),
                                     seed=int(digest.removeprefix("sha256:")[:16], 16))
         pass_stats = run_pipeline(traced.model, passes, verify=verifier, progress=lambda name: say(f"      {name}"))
         if verifier is not None:
@@ -431,6 +431,9 @@ def _compile_stages(ckpt: Checkpoint, digest: str, plan: _Plan, dest: Path, say:
             "num_kv_heads": traced.num_kv_heads,
             "head_size": traced.head_size,
             "num_heads": traced.num_heads,
+            # Layers of other KV geometries (Gemma 4) or sharing an earlier layer's cache: see
+            # llmc.runtime.kv_cache.layer_geometry. num_kv_heads / head_size are then the first layer's.
+            **({"layers": traced.kv_layers} if traced.kv_layers else {}),
         },
     }
     cpu_fields = fields
@@ -462,7 +465,7 @@ def _compile_stages(ckpt: Checkpoint, digest: str, plan: _Plan, dest: Path, say:
         # run layer by layer as the CPU backend lowers it.
         kv = cpu_fields["kv_cache"]
         reference_kv = KVShape(kv["num_layers"], kv["num_kv_heads"], kv["head_size"], kv["block_size"],
-                               traced.compute_dtype)
+                               traced.compute_dtype, kv.get("layers"))
 
         def lower(model) -> None:
             ort_backend.lower(model, options.attention, fusions)
@@ -478,7 +481,7 @@ def _compile_stages(ckpt: Checkpoint, digest: str, plan: _Plan, dest: Path, say:
         accuracy = qstage.evaluate(
             dest, lower, reference_kv, ort_backend.CUSTOM_OPS[options.attention], quantized_graph=quantized_graph,
             quantized_kv=KVShape(kv["num_layers"], kv["num_kv_heads"], kv["head_size"], kv["block_size"],
-                                 kv["dtype"]),
+                                 kv["dtype"], kv.get("layers")),
             round_tokens=plan.round_tokens,
             device=scoring_device,
             scored=("the engine's quantized graph (onnxruntime, on the CPU; the GPU engine itself did not run)"

@@ -50,6 +50,9 @@ class TracedModel:
     # longrope: the sequence length above which the long factors apply; a sequence that grows past it
     # has its KV recomputed with them (transformers drops the cache there), so the runtime must know it.
     rope_recompute_at: int | None = None
+    # Per layer, when layers differ in KV geometry or share caches: the manifest's ``kv_cache.layers``
+    # (see llmc.runtime.kv_cache.layer_geometry); None when every layer has its own cache of one shape.
+    kv_layers: list[dict] | None = None
 
 
 def _attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -65,8 +68,18 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
         # transformers' flash-attention path does too).
         value = torch.nn.functional.pad(value, (0, head_size - value_size))
     elif value_size > head_size:
-        raise LlmcError(f"value heads ({value_size}) wider than query/key heads ({head_size}): not lowered")
-    ATTENTION_SHAPES.append((int(num_heads), int(num_kv_heads), int(head_size)))
+        raise UnsupportedError(f"llmc does not lower value heads wider than query/key heads (seen in layer "
+                               f"{module.layer_idx}'s {type(module).__name__}: value heads of {value_size}, query/key "
+                               f"heads of {head_size})")
+    layer = int(module.layer_idx)
+    # A KV-shared layer (Gemma 3n / Gemma 4) attends over the keys and values an earlier layer computed: the very
+    # tensors come back here. It reads that layer's cache (its own would hold the same values).
+    owner = next((i for i, (k_seen, _) in KV_OWNERS.items() if k_seen is key), None)
+    if owner is None:
+        KV_OWNERS[layer] = (key, value)
+    else:
+        layer = owner
+    ATTENTION_SHAPES[int(module.layer_idx)] = (int(num_heads), int(num_kv_heads), int(head_size), layer)
     q = query[0].transpose(0, 1).reshape(tokens, num_heads * head_size)
     k = key[0].transpose(0, 1).reshape(tokens, num_kv_heads * head_size)
     v = value[0].transpose(0, 1).reshape(tokens, num_kv_heads * head_size)
@@ -81,7 +94,7 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
         step["block_tables"],
         step["context_lens"],
         step["query_start_loc"],
-        int(module.layer_idx),
+        layer,
         int(num_heads),
         int(num_kv_heads),
         int(head_size),
@@ -98,9 +111,12 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
 _STEP_FIELDS = ("slot_mapping", "block_tables", "context_lens", "query_start_loc")
 _STEP: dict = {}
 
-# (heads, kv heads, head size) of every attention call of the current trace: the KV pool's geometry as
-# the model computes it, which configs do not always state (MLA's head_dim is its rotary part only).
-ATTENTION_SHAPES: list[tuple[int, int, int]] = []
+# Per layer index, (heads, kv heads, head size, the layer whose cache it uses) of every attention call of the
+# current trace: the KV pool's geometry as the model computes it, which configs do not always state (MLA's
+# head_dim is its rotary part only; Gemma 4's full-attention layers have other head sizes than its sliding ones).
+ATTENTION_SHAPES: dict[int, tuple[int, int, int, int]] = {}
+# Layer index -> the (key, value) tensors its attention call received, to recognise KV-shared layers.
+KV_OWNERS: dict[int, tuple[object, object]] = {}
 
 
 def _register_attention() -> None:
@@ -312,6 +328,7 @@ def _trace(checkpoint: Checkpoint, compute_dtype: str, torch, torch_op) -> Trace
         inputs = (*GRAPH_INPUTS, ROPE_LENGTHS)
     logging.getLogger("torch.onnx").setLevel(logging.ERROR)
     ATTENTION_SHAPES.clear()
+    KV_OWNERS.clear()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         program = torch.onnx.export(
@@ -355,28 +372,48 @@ def _trace(checkpoint: Checkpoint, compute_dtype: str, torch, torch_op) -> Trace
                 "the checkpoint is incomplete or for another architecture"
             )
     del hf, module, program, binding
-    text_cfg = config
-    num_heads = text_cfg.num_attention_heads
-    num_kv_heads = getattr(text_cfg, "num_key_value_heads", None) or num_heads
-    head_size = getattr(text_cfg, "head_dim", None) or text_cfg.hidden_size // num_heads
-    shapes = set(ATTENTION_SHAPES)
-    if len(shapes) > 1:
-        raise UnsupportedError(f"{checkpoint.path}: model_type {checkpoint.model_type!r} has attention layers of "
-                               f"different shapes (heads, kv heads, head size: {sorted(shapes)}); llmc's KV pool "
-                               "has one geometry for every layer")
-    if shapes:
-        num_heads, num_kv_heads, head_size = shapes.pop()
+    KV_OWNERS.clear()
+    num_layers = config.num_hidden_layers
+    num_heads, num_kv_heads, head_size = _config_geometry(config)
+    kv_layers = None
+    if ATTENTION_SHAPES:
+        if sorted(ATTENTION_SHAPES) != list(range(num_layers)):
+            raise UnsupportedError(f"{checkpoint.path}: model_type {checkpoint.model_type!r}: attention ran in layers "
+                                   f"{sorted(ATTENTION_SHAPES)} of {num_layers}; llmc's KV pool needs one attention "
+                                   "call per decoder layer (layers without attention are not lowered yet)")
+        shapes = [ATTENTION_SHAPES[i] for i in range(num_layers)]
+        num_heads, num_kv_heads, head_size, _ = shapes[0]
+        if any(s[:3] != shapes[0][:3] or s[3] != i for i, s in enumerate(shapes)):
+            # Layers of other geometries each get a cache of their own shape; KV-shared layers name their owner.
+            kv_layers = [{"shares": s[3]} if s[3] != i else {"num_kv_heads": s[1], "head_size": s[2]}
+                         for i, s in enumerate(shapes)]
+        ATTENTION_SHAPES.clear()
     return TracedModel(
         model=model,
-        num_layers=text_cfg.num_hidden_layers,
+        num_layers=num_layers,
         num_heads=num_heads,
         num_kv_heads=num_kv_heads,
         head_size=head_size,
-        vocab_size=text_cfg.vocab_size,
+        vocab_size=config.vocab_size,
         compute_dtype=compute_dtype,
         inputs=inputs,
         rope_recompute_at=rope.threshold if rope is not None else None,
+        kv_layers=kv_layers,
     )
+
+
+def _config_geometry(config) -> tuple[int, int, int]:
+    """(heads, kv heads, head size) as the config states them, for a model whose trace ran no attention.
+
+    Configs with per-layer attributes (transformers' heterogeneous configs) refuse a global read of
+    ``head_dim``; the traced shapes are what count then, so the first layer's stand in here.
+    """
+    per_layer = getattr(config, "per_layer_config", None)
+    cfg = per_layer[0] if per_layer else config
+    num_heads = cfg.num_attention_heads
+    num_kv_heads = getattr(cfg, "num_key_value_heads", None) or num_heads
+    head_size = getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads
+    return num_heads, num_kv_heads, head_size
 
 
 def _load_converted(checkpoint: Checkpoint, dtype: str) -> dict:

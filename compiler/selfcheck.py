@@ -125,7 +125,25 @@ def shrink_config(config: dict) -> dict:
                     if v not in seen:
                         seen.add(v)
                         keep = max(keep, i + 1)
-        c = cut_layers(c, lkey, min(layers, keep))
+        shared = c.get("num_kv_shared_layers")
+        if isinstance(shared, int) and 0 < shared < layers:
+            # KV-shared layers (Gemma 4) read the cache of the last earlier layer of their type: the twin keeps
+            # layers of each kind before the shared ones, then shared layers of each kind.
+            first = layers - shared
+            types = c.get("layer_types") if isinstance(c.get("layer_types"), list) else []
+            tail = 1
+            seen = set()
+            for j, v in enumerate(types[first:]):
+                if v not in seen:
+                    seen.add(v)
+                    tail = j + 1
+            head = list(range(min(keep, first)))
+            c = cut_layers(c, lkey, len(head) + tail, picked=head + list(range(first, first + tail)))
+        else:
+            c = cut_layers(c, lkey, min(layers, keep))
+    _shrink_per_layer_config(c, config)
+    if isinstance(c.get("hidden_size_per_layer_input"), int) and c["hidden_size_per_layer_input"] > 8:
+        c["hidden_size_per_layer_input"] = 8  # Gemma 4's per-layer input embeddings: a width
     if isinstance(c.get("sliding_window"), int) and c["sliding_window"] > 24:
         c["sliding_window"] = 24
     return c
@@ -138,17 +156,55 @@ def _per_layer_lists(config: dict, layers: int) -> list[str]:
             and not k.endswith(("_token_id", "_token_ids"))]
 
 
-def cut_layers(config: dict, lkey: str, n: int) -> dict:
-    """``config`` with its first ``n`` decoder layers only: the count and every per-layer list cut to match
-    (config classes refuse a per-layer list whose length differs from the count), layer-index lists filtered."""
+def cut_layers(config: dict, lkey: str, n: int, picked: list[int] | None = None) -> dict:
+    """``config`` with its first ``n`` decoder layers only (or the ``n`` layers ``picked``, by their indices): the
+    count and every per-layer list cut to match (config classes refuse a per-layer list whose length differs
+    from the count), layer-index lists filtered, per-layer config entries renumbered, and KV-shared layers
+    (``num_kv_shared_layers``, the last layers) counted among the layers kept."""
     layers = config[lkey]
+    picked = list(range(n)) if picked is None else picked
+    new_index = {old: new for new, old in enumerate(picked)}
     c = {**config, lkey: n}
     for key in _per_layer_lists(config, layers):
-        c[key] = config[key][:n]
+        c[key] = [config[key][i] for i in picked]
     for key in _LAYER_INDEX_LISTS:
         if isinstance(c.get(key), list) and key not in _per_layer_lists(config, layers):
-            c[key] = [i for i in c[key] if not isinstance(i, int) or i < n]
+            c[key] = [new_index.get(i, -1) if isinstance(i, int) else i for i in c[key]]
+            c[key] = [i for i in c[key] if i != -1]
+    per_layer = config.get("per_layer_config")
+    if isinstance(per_layer, dict):  # transformers' heterogeneous configs: {layer index: overrides}
+        c["per_layer_config"] = {str(new_index[int(k)]): v for k, v in per_layer.items()
+                                 if str(k).isdigit() and int(k) in new_index}
+    shared = config.get("num_kv_shared_layers")
+    if isinstance(shared, int) and shared > 0:
+        c["num_kv_shared_layers"] = sum(1 for i in picked if i >= layers - shared)
     return c
+
+
+def _shrink_per_layer_config(c: dict, config: dict) -> None:
+    """Scale per-layer head sizes and KV heads (``per_layer_config``) as the twin's global ones were scaled, so
+    layers of other geometries stay other (Gemma 4's full-attention layers: twice the sliding head size)."""
+    per_layer = c.get("per_layer_config")
+    if not isinstance(per_layer, dict):
+        return
+    old_dim, new_dim = config.get("head_dim"), c.get("head_dim")
+    old_kv = config.get("num_key_value_heads")
+    new_kv = c.get("num_key_value_heads")
+    heads = c.get("num_attention_heads")
+    out = {}
+    for k, v in per_layer.items():
+        v = dict(v) if isinstance(v, dict) else v
+        if isinstance(v, dict):
+            if isinstance(v.get("head_dim"), int) and isinstance(old_dim, int) and isinstance(new_dim, int):
+                scaled = max(8, min(64, v["head_dim"] * new_dim // old_dim))
+                v["head_dim"] = scaled + scaled % 2
+            if isinstance(v.get("num_key_value_heads"), int) and isinstance(old_kv, int) and isinstance(new_kv, int):
+                kv = max(1, min(new_kv, v["num_key_value_heads"]))
+                while isinstance(heads, int) and heads % kv:
+                    kv -= 1
+                v["num_key_value_heads"] = kv
+        out[k] = v
+    c["per_layer_config"] = out
 
 
 def check_key(model_type: str, twin: dict, lowering: dict, toolchain: dict, sources: str) -> str:

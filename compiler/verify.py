@@ -20,6 +20,7 @@ class KVShape:
     num_kv_heads: int
     head_size: int
     block_size: int = 16
+    layers: list[dict] | None = None  # the manifest's kv_cache.layers (per-layer geometry), if any
 
 
 def random_step(rng: np.random.Generator, vocab: int, kv: KVShape, num_blocks: int = 32):
@@ -53,9 +54,13 @@ def random_step(rng: np.random.Generator, vocab: int, kv: KVShape, num_blocks: i
         # far past any threshold, so both factor sets are exercised. Other graphs do not take it.
         "rope_lengths": np.repeat(np.asarray([ctx[0], 1 << 30, 1 << 30], np.int64), [n for _, n in plan]),
     }
-    shape = (num_blocks, kv.num_kv_heads, bs, kv.head_size)
-    pool = [(rng.standard_normal(shape, dtype=np.float32), rng.standard_normal(shape, dtype=np.float32))
-            for _ in range(kv.num_layers)]
+    from llmc.runtime.kv_cache import layer_geometry
+
+    pool = []
+    for i, (owner, heads, size) in enumerate(layer_geometry(kv.num_layers, kv.num_kv_heads, kv.head_size, kv.layers)):
+        shape = (num_blocks, heads, bs, size)
+        pool.append((rng.standard_normal(shape, dtype=np.float32), rng.standard_normal(shape, dtype=np.float32))
+                    if owner == i else pool[owner])
     return feeds, pool
 
 

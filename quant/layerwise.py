@@ -205,6 +205,7 @@ class KVShape:
     head_size: int
     block_size: int
     dtype: str = "float32"
+    layers: list[dict] | None = None  # the manifest's kv_cache.layers (per-layer geometry), if any
 
 
 def window_feeds(ids: list[int], block_size: int) -> dict[str, np.ndarray]:
@@ -254,7 +255,8 @@ class LayerwiseScorer:
             return []
         kv = self.kv
         blocks = max(-(-len(w) // kv.block_size) for w in windows)
-        pool = KVPool.allocate(kv.num_layers, blocks, kv.num_kv_heads, kv.block_size, kv.head_size, kv.dtype)
+        pool = KVPool.allocate(kv.num_layers, blocks, kv.num_kv_heads, kv.block_size, kv.head_size, kv.dtype,
+                               kv.layers)
         feeds = [window_feeds(w, kv.block_size) for w in windows]
         carried: list[dict[str, np.ndarray]] = [{} for _ in windows]
         # After which stage each carried value is read for the last time.

@@ -277,7 +277,10 @@ def kv_bytes_per_token(manifest: dict) -> int:
         itemsize = 1
     else:
         itemsize = np.dtype(kv["dtype"]).itemsize
-    return 2 * kv["num_layers"] * kv["num_kv_heads"] * kv["head_size"] * itemsize
+    from llmc.runtime.kv_cache import layer_geometry
+
+    geometry = layer_geometry(kv["num_layers"], kv["num_kv_heads"], kv["head_size"], kv.get("layers"))
+    return 2 * sum(h * d for i, (owner, h, d) in enumerate(geometry) if owner == i) * itemsize
 
 
 # -- workloads ------------------------------------------------------------------------------------

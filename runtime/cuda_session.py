@@ -23,6 +23,7 @@ import torch
 
 from llmc.runtime import cuda_kernels
 from llmc.runtime.device_sampler import sample_rows
+from llmc.runtime.kv_cache import layer_geometry
 from llmc.runtime.sampler import SampleRow
 from llmc.runtime.torch_ops import DTYPES, OPS, paged_attention_torch
 from llmc.runtime.torch_program import ATTENTION_OP, Program, load_weights, read_spec
@@ -41,15 +42,20 @@ class TorchKVPool:
 
     @classmethod
     def allocate(cls, num_layers: int, num_blocks: int, num_kv_heads: int, block_size: int, head_size: int,
-                 dtype: torch.dtype, device: torch.device) -> TorchKVPool:
-        shape = (num_blocks, num_kv_heads, block_size, head_size)
-        return cls([(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-                    for _ in range(num_layers)], block_size)
+                 dtype: torch.dtype, device: torch.device, layers: list[dict] | None = None) -> TorchKVPool:
+        out: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for i, (owner, h, d) in enumerate(layer_geometry(num_layers, num_kv_heads, head_size, layers)):
+            shape = (num_blocks, h, block_size, d)
+            out.append((torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+                       if owner == i else out[owner])
+        return cls(out, block_size)
 
     @staticmethod
     def bytes_per_block(num_layers: int, num_kv_heads: int, block_size: int, head_size: int,
-                        dtype: torch.dtype) -> int:
-        return 2 * num_layers * num_kv_heads * block_size * head_size * torch.tensor([], dtype=dtype).element_size()
+                        dtype: torch.dtype, layers: list[dict] | None = None) -> int:
+        geometry = layer_geometry(num_layers, num_kv_heads, head_size, layers)
+        per_token = sum(h * d for i, (owner, h, d) in enumerate(geometry) if owner == i)
+        return 2 * per_token * block_size * torch.tensor([], dtype=dtype).element_size()
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         if not pairs:
@@ -57,7 +63,9 @@ class TorchKVPool:
         dev = self.layers[0][0].device
         src = torch.tensor([p[0] for p in pairs], dtype=torch.int64, device=dev)
         dst = torch.tensor([p[1] for p in pairs], dtype=torch.int64, device=dev)
-        for k, v in self.layers:
+        for i, (k, v) in enumerate(self.layers):
+            if any(k is earlier for earlier, _ in self.layers[:i]):
+                continue  # a KV-shared layer's caches are its owner's
             k[dst] = k[src]
             v[dst] = v[src]
 
@@ -123,7 +131,7 @@ class CudaSession:
     def allocate_pool(self, kv: dict, num_blocks: int) -> TorchKVPool:
         self._graphs.clear()  # graphs hold pointers into the pool they were captured with
         self._pool = TorchKVPool.allocate(kv["num_layers"], num_blocks, kv["num_kv_heads"], kv["block_size"],
-                                          kv["head_size"], _pool_dtype(kv["dtype"]), self.device)
+                                          kv["head_size"], _pool_dtype(kv["dtype"]), self.device, kv.get("layers"))
         return self._pool
 
     def blocks_that_fit(self, kv: dict, gpu_memory_utilization: float, reserve_bytes: int) -> int:
@@ -131,7 +139,7 @@ class CudaSession:
         free, total = torch.cuda.mem_get_info(self.device)
         budget = free - (1.0 - gpu_memory_utilization) * total - reserve_bytes
         per = TorchKVPool.bytes_per_block(kv["num_layers"], kv["num_kv_heads"], kv["block_size"], kv["head_size"],
-                                          _pool_dtype(kv["dtype"]))
+                                          _pool_dtype(kv["dtype"]), kv.get("layers"))
         return max(0, int(budget // per))
 
     # -- attention --------------------------------------------------------------------------------

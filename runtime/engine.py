@@ -273,7 +273,7 @@ class Engine:
         block_size = int(kv["block_size"])
         num_blocks = max(1, -(-kv_cache_tokens // block_size))
         pool = KVPool.allocate(kv["num_layers"], num_blocks, kv["num_kv_heads"], block_size, kv["head_size"],
-                               kv["dtype"])
+                               kv["dtype"], kv.get("layers"))
         tokenizer = Tokenizer(root) if (root / "tokenizer.json").is_file() else None
         blocks = BlockManager(num_blocks, block_size, enable_prefix_caching)
         return cls(root, manifest, session, pool, blocks, tokenizer, _eos_ids(root), config)

@@ -44,6 +44,13 @@ TRIED_FAMILIES = {
                     "builds"),
     "hunyuan_v1_moe": (dict(BASE, head_dim=16, num_experts=4, moe_topk=2),
                        "query/key RMSNorm after rotary (a norm over 4-D per-head tensors), MoE", "builds"),
+    # Gemma 4 E2B/E4B-style: 4 sliding + 2 full layers, the full ones with twice the head size; the last 3 layers
+    # read the caches of the last earlier layer of their type; per-layer input embeddings; double-wide MLPs.
+    "gemma4_text": (dict(BASE, head_dim=16, global_head_dim=32, num_hidden_layers=6, sliding_window=16,
+                         layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2,
+                         hidden_size_per_layer_input=8, vocab_size_per_layer_input=512, num_kv_shared_layers=3,
+                         use_double_wide_mlp=True, final_logit_softcapping=30.0),
+                    "per-layer head sizes, KV-shared layers, per-layer input embeddings", "builds"),
 }
 
 # Tried the same way and listed in the coverage matrix, but not in tests/test_mechanisms.py: each built and

@@ -138,7 +138,7 @@ def test_binding_is_shared_with_onnxruntime_and_errors_reach_python():
         np.testing.assert_array_equal(pool[0][0], k0)
         # Same input widths (2 heads x 32 = 4 x 16, 1 KV head x 32 = 2 x 16), other head layout.
         wrong_heads = native_session(_graph([{"scale": 0.25}], 2, 1, 32, chain=False))
-        with pytest.raises(Exception, match="the bound KV pool has 2 KV heads of size 16"):
+        with pytest.raises(Exception, match="the bound KV pool.s layer 0 has 2 KV heads of size 16"):
             wrong_heads.run(None, feeds)
 
 

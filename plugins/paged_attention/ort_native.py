@@ -62,7 +62,8 @@ def load() -> ctypes.CDLL:
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         lib = ctypes.CDLL(library_path())
         i64, vpp = ctypes.c_int64, ctypes.POINTER(ctypes.c_void_p)
-        lib.llmc_bind_kv_pool.argtypes = [i64, vpp, vpp, i64, i64, i64, i64, ctypes.c_int32]
+        i64p = ctypes.POINTER(i64)
+        lib.llmc_bind_kv_pool.argtypes = [i64, vpp, vpp, i64, i64p, i64, i64p, ctypes.c_int32]
         lib.llmc_bind_kv_pool.restype = ctypes.c_int
         lib.llmc_unbind_kv_pool.argtypes = []
         lib.llmc_unbind_kv_pool.restype = None
@@ -87,8 +88,9 @@ def bind(layers: Sequence[tuple[np.ndarray, np.ndarray]]) -> None:
     """Make ``layers`` (per layer ``(k_cache, v_cache)``, ``[blocks, kv_heads, block_size, head_size]``)
     the pool every PagedAttention kernel of this process reads and writes. No-op if already bound.
 
-    The caches are used in place: they must be C-contiguous, writeable, float32 or float16, all of
-    one shape and dtype (``ValueError`` otherwise). Call it with :data:`lock` held when other
+    The caches are used in place: they must be C-contiguous, writeable, float32 or float16, of one
+    dtype, number of blocks and block size (``ValueError`` otherwise); layers may differ in KV heads
+    and head size, and may share arrays (KV-shared layers). Call it with :data:`lock` held when other
     threads may run sessions.
     """
     global _bound
@@ -102,16 +104,22 @@ def bind(layers: Sequence[tuple[np.ndarray, np.ndarray]]) -> None:
     if k0.dtype not in (np.float32, np.float16):
         raise ValueError(f"KV cache dtype must be float32 or float16, got {k0.dtype}")
     for i, pair in enumerate(layers):
+        shape = pair[0].shape
         for name, a in zip(("k_cache", "v_cache"), pair, strict=True):
-            if a.shape != k0.shape or a.dtype != k0.dtype or not a.flags.c_contiguous or not a.flags.writeable:
+            if (a.ndim != 4 or a.shape != shape or (a.shape[0], a.shape[2]) != (k0.shape[0], k0.shape[2])
+                    or a.dtype != k0.dtype or not a.flags.c_contiguous or not a.flags.writeable):
                 raise ValueError(
-                    f"layer {i} {name}: every cache must be a C-contiguous, writeable {k0.dtype} array of shape "
-                    f"{k0.shape} (it is written in place), got {a.dtype} {a.shape} "
-                    f"contiguous={a.flags.c_contiguous} writeable={a.flags.writeable}")
+                    f"layer {i} {name}: every cache must be a C-contiguous, writeable {k0.dtype} array of "
+                    f"{k0.shape[0]} blocks of {k0.shape[2]} tokens, K and V of one shape (it is written in "
+                    f"place), got {a.dtype} {a.shape} contiguous={a.flags.c_contiguous} "
+                    f"writeable={a.flags.writeable}")
     n = len(layers)
     ks = (ctypes.c_void_p * n)(*[k.ctypes.data for k, _ in layers])
     vs = (ctypes.c_void_p * n)(*[v.ctypes.data for _, v in layers])
-    rc = load().llmc_bind_kv_pool(n, ks, vs, *k0.shape, _F16 if k0.dtype == np.float16 else _F32)
+    heads = (ctypes.c_int64 * n)(*[k.shape[1] for k, _ in layers])
+    sizes = (ctypes.c_int64 * n)(*[k.shape[3] for k, _ in layers])
+    rc = load().llmc_bind_kv_pool(n, ks, vs, k0.shape[0], heads, k0.shape[2], sizes,
+                                  _F16 if k0.dtype == np.float16 else _F32)
     if rc != 0:
         raise ValueError(f"llmc_bind_kv_pool refused a pool of {n} layers of shape {k0.shape}")
     _bound = layers

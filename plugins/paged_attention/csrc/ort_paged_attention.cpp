@@ -61,8 +61,10 @@ OrtStatus* make_status(int code, const std::string& msg) {
 // Library state: the bound KV pool, thread count, ISA, a call counter.
 
 struct Pool {
-    std::vector<void*> k, v;  // per layer, [num_blocks, num_kv_heads, block_size, head_size]
-    int64_t num_blocks = 0, num_kv_heads = 0, block_size = 0, head_size = 0;
+    std::vector<void*> k, v;  // per layer, [num_blocks, num_kv_heads[i], block_size, head_size[i]]
+    // Per layer: models such as Gemma 4 give full-attention layers other head sizes and KV heads.
+    std::vector<int64_t> num_kv_heads, head_size;
+    int64_t num_blocks = 0, block_size = 0;
     bool half = false;
 };
 
@@ -240,9 +242,11 @@ void attend(const Kernel& k, OrtKernelContext* ctx, llmc_pa::Args& a) {
             throw Error("layer_idx " + std::to_string(k.layer_idx) + " but the bound KV pool has " +
                         std::to_string(layers) + " layers");
         }
-        if (g_pool.num_kv_heads != k.num_kv_heads || g_pool.head_size != k.head_size) {
-            throw Error("the bound KV pool has " + std::to_string(g_pool.num_kv_heads) + " KV heads of size " +
-                        std::to_string(g_pool.head_size) + " but this node (layer " + std::to_string(k.layer_idx) +
+        const int64_t pool_heads = g_pool.num_kv_heads[k.layer_idx], pool_size = g_pool.head_size[k.layer_idx];
+        if (pool_heads != k.num_kv_heads || pool_size != k.head_size) {
+            throw Error("the bound KV pool's layer " + std::to_string(k.layer_idx) + " has " +
+                        std::to_string(pool_heads) + " KV heads of size " + std::to_string(pool_size) +
+                        " but this node (layer " + std::to_string(k.layer_idx) +
                         ") has num_kv_heads=" + std::to_string(k.num_kv_heads) +
                         ", head_size=" + std::to_string(k.head_size));
         }
@@ -518,23 +522,25 @@ LLMC_EXPORT OrtStatus* RegisterCustomOps(OrtSessionOptions* options, const OrtAp
 }
 
 // Bind the KV pool every PagedAttention node of this process reads: `num_layers` K and V arrays,
-// each [num_blocks, num_kv_heads, block_size, head_size] and C-contiguous, of float32
-// (`dtype` 1) or float16 (`dtype` 10). The arrays are referenced, not copied: the caller keeps
-// them alive while they are bound. Returns 0, or -1 for an invalid argument (nothing bound then).
+// layer i's each [num_blocks, num_kv_heads[i], block_size, head_size[i]] and C-contiguous, of
+// float32 (`dtype` 1) or float16 (`dtype` 10); two layers may name the same arrays (KV-shared
+// layers). The arrays are referenced, not copied: the caller keeps them alive while they are
+// bound. Returns 0, or -1 for an invalid argument (nothing bound then).
 LLMC_EXPORT int llmc_bind_kv_pool(int64_t num_layers, void* const* k, void* const* v, int64_t num_blocks,
-                                  int64_t num_kv_heads, int64_t block_size, int64_t head_size, int32_t dtype) {
-    if (num_layers <= 0 || num_blocks <= 0 || num_kv_heads <= 0 || block_size <= 0 || head_size <= 0) return -1;
+                                  const int64_t* num_kv_heads, int64_t block_size, const int64_t* head_size,
+                                  int32_t dtype) {
+    if (num_layers <= 0 || num_blocks <= 0 || block_size <= 0) return -1;
     if (dtype != kOrtFloat && dtype != kOrtFloat16) return -1;
     Pool pool;
     for (int64_t i = 0; i < num_layers; ++i) {
-        if (k[i] == nullptr || v[i] == nullptr) return -1;
+        if (k[i] == nullptr || v[i] == nullptr || num_kv_heads[i] <= 0 || head_size[i] <= 0) return -1;
         pool.k.push_back(k[i]);
         pool.v.push_back(v[i]);
+        pool.num_kv_heads.push_back(num_kv_heads[i]);
+        pool.head_size.push_back(head_size[i]);
     }
     pool.num_blocks = num_blocks;
-    pool.num_kv_heads = num_kv_heads;
     pool.block_size = block_size;
-    pool.head_size = head_size;
     pool.half = dtype == kOrtFloat16;
     std::lock_guard<std::mutex> lock(g_pool_mutex);
     g_pool = std::move(pool);
