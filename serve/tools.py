@@ -11,8 +11,9 @@
 - Enforcement: a named tool, ``required``, and ``strict: true`` tools under ``auto`` are constrained with
   llguidance to the format's wrapper around the tools' JSON Schemas (:func:`constraint`), so a forced
   call's arguments always validate; unforced ``auto`` with strict tools uses a lazy constraint that
-  switches on at the format's trigger (``<tool_call>``; hermes only). pythonic and qwen3_coder calls are
-  built argument by argument (each property's schema; qwen3_coder's raw strings as regular expressions).
+  switches on at the format's trigger (``<tool_call>``, ``[TOOL_CALLS]``: :data:`LAZY`). pythonic and
+  qwen3_coder calls are built argument by argument (each property's schema; qwen3_coder's raw strings as
+  regular expressions).
 - The answer: :class:`ChoiceOutput` runs the reasoning parser, then the tool parser, on a choice's text
   (whole or streamed) and gives content, reasoning and calls with their ids.
 """
@@ -43,7 +44,7 @@ GENERIC_TOOL_PROMPT = (
 
 # Forced calls are written with the separators json.dumps uses (what the parsers return, too).
 _COMPACT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-FORCEABLE = ("hermes", "llama3_json", "mistral", "harmony", "pythonic", "qwen3_coder")
+LAZY = ("hermes", "qwen3_coder", "mistral")  # formats whose calls have a trigger in text: strict tools under auto
 
 
 @dataclass
@@ -215,63 +216,66 @@ def _lit(s: str) -> str:
 
 def constraint(spec: ToolSpec, family: str, special_ids: dict[str, int]) -> StructuredOutputs | None:
     """The llguidance grammar that enforces ``spec``'s choice in ``family``'s format; None when nothing is
-    enforced (``none``; ``auto`` without strict tools). 400 for a format llmc cannot force yet."""
+    enforced (``none``; ``auto`` without strict tools). 400 where llmc cannot enforce it."""
     if spec.choice == "none":
         return None
     if spec.forced:
         names = spec.names if spec.choice == "required" else [spec.choice]
-        lazy = False
     else:
         names = [n for n in spec.names if spec.function(n).get("strict")]
         if not names:
             return None
-        lazy = True
-    if family not in FORCEABLE or (lazy and family != "hermes"):
-        what = f"tool_choice {spec.choice!r}" if spec.forced else "strict tools under tool_choice 'auto'"
-        raise APIError(400, f"tool_choice: {what} cannot be enforced in the {family} tool-call format yet "
-                       f"(enforced: {', '.join(FORCEABLE)}); use tool_choice 'auto' with non-strict tools",
-                       param="tool_choice", code="unsupported")
-    rules = []
-    for k, name in enumerate(names):
-        rules.append(f"args_{k}: %json {json.dumps(_schema(spec.function(name)), ensure_ascii=False)}")
+    lazy = not spec.forced
+    if lazy and family not in LAZY:
+        raise APIError(400, f"tool_choice: strict tools under tool_choice 'auto' cannot be enforced in the "
+                       f"{family} tool-call format (its calls open the answer: there is no trigger to switch the "
+                       f"constraint on at; lazily enforced: {', '.join(LAZY)}); use tool_choice 'required' or "
+                       "non-strict tools", param="tool_choice", code="unsupported")
+    many = spec.parallel and spec.choice in ("required", "auto")
+    rules: list[str] = []
+
+    def json_args(key: str) -> list[str]:  # the wrapper's '"name": N, "<key>": ARGS' per tool
+        out = []
+        for k, n in enumerate(names):
+            rules.append(f"args_{k}: %json {json.dumps(_schema(spec.function(n)), ensure_ascii=False)}")
+            out.append(f'{_lit(json.dumps(n) + ", " + json.dumps(key) + ": ")} args_{k}')
+        return out
+
+    obj = _lit('{"name": ')
+    # Each format: the trigger (a lark expression), what follows it (one group of calls), and the separator
+    # between groups when several calls may be made (None: the group itself holds them).
     if family == "hermes":
-        body = " | ".join(f'{_lit(json.dumps(n) + ", " + chr(34) + "arguments" + chr(34) + ": ")} args_{k}'
-                          for k, n in enumerate(names))
-        if lazy:  # llguidance's lazy trigger: free text until "<tool_call>", then a call
-            head = ('%llguidance {}\nstart: call* tail\ntail: TEXT\nTEXT: /(.|\\n)*/\n'
-                    'trig[lazy]: TEXT "<tool_call>"\n'
-                    f'call: trig {_lit(chr(10) + "{" + chr(34) + "name" + chr(34) + ": ")} ({body}) '
-                    f'{_lit("}" + chr(10) + "</tool_call>")}\n')
-        else:
-            sep = '("\\n" call)*' if spec.parallel and spec.choice == "required" else ""
-            head = (f"start: call {sep}\n"
-                    f'call: {_lit("<tool_call>" + chr(10) + "{" + chr(34) + "name" + chr(34) + ": ")} ({body}) '
-                    f'{_lit("}" + chr(10) + "</tool_call>")}\n')
+        trigger, sep = _lit("<tool_call>"), '"\\n"'
+        rest = f'{_lit(chr(10))} {obj} ({" | ".join(json_args("arguments"))}) {_lit("}" + chr(10) + "</tool_call>")}'
+    elif family == "qwen3_coder":
+        trigger, sep = _lit("<tool_call>"), '"\\n"'
+        rest = "(" + " | ".join(_keyword_call(family, k, n, spec.function(n), rules) for k, n in enumerate(names)) + ")"
     elif family == "llama3_json":
-        body = " | ".join(f'{_lit(json.dumps(n) + ", " + chr(34) + "parameters" + chr(34) + ": ")} args_{k}'
-                          for k, n in enumerate(names))
-        sep = '("; " call)*' if spec.parallel and spec.choice == "required" else ""
-        head = f'start: call {sep}\ncall: {_lit("{" + chr(34) + "name" + chr(34) + ": ")} ({body}) "}}"\n'
+        trigger, sep = obj, '"; "'
+        rest = f'({" | ".join(json_args("parameters"))}) "}}"'
     elif family == "mistral":
-        opener = f"<[{special_ids['[TOOL_CALLS]']}]>" if "[TOOL_CALLS]" in special_ids else _lit("[TOOL_CALLS]")
-        body = " | ".join(f'{_lit(json.dumps(n) + ", " + chr(34) + "arguments" + chr(34) + ": ")} args_{k}'
-                          for k, n in enumerate(names))
-        sep = '(", " call)*' if spec.parallel and spec.choice == "required" else ""
-        head = (f'start: {opener} "[" call {sep} "]"\n'
-                f'call: {_lit("{" + chr(34) + "name" + chr(34) + ": ")} ({body}) "}}"\n')
+        trigger = f"<[{special_ids['[TOOL_CALLS]']}]>" if "[TOOL_CALLS]" in special_ids else _lit("[TOOL_CALLS]")
+        one = f'{obj} ({" | ".join(json_args("arguments"))}) "}}"'
+        rest, sep = f'"[" {one} ' + (f'(", " {one})* ' if many else "") + '"]"', None
     elif family == "harmony":  # one call per message; the <|...|> markers are special tokens
-        body = " | ".join(f'{_lit("commentary to=functions." + n + " ")} <|constrain|> "json" <|message|> args_{k}'
-                          for k, n in enumerate(names))
-        head = f"start: <|channel|> ({body}) <|call|>\n"
-    else:  # pythonic, qwen3_coder: each argument on its own (schemas of the properties)
-        rules = []
-        calls = [_keyword_call(family, k, n, spec.function(n), rules) for k, n in enumerate(names)]
-        if family == "pythonic":
-            sep = '(", " call)*' if spec.parallel and spec.choice == "required" else ""
-            head = f'start: "[" call {sep} "]"\ncall: {" | ".join(calls)}\n'
-        else:
-            sep = '("\\n" call)*' if spec.parallel and spec.choice == "required" else ""
-            head = f'%llguidance {{}}\nstart: call {sep}\ncall: {" | ".join(calls)}\nTEXT: /(.|\\n)*/\n'
+        trigger, sep = "<|channel|>", None
+        rest = "(" + " | ".join(f'{_lit("commentary to=functions." + n + " ")} <|constrain|> "json" <|message|> '
+                                f"args_{k}" for k, n in enumerate(names)) + ") <|call|>"
+        for k, n in enumerate(names):
+            rules.append(f"args_{k}: %json {json.dumps(_schema(spec.function(n)), ensure_ascii=False)}")
+    else:  # pythonic
+        trigger, sep = '"["', None
+        one = "(" + " | ".join(_keyword_call(family, k, n, spec.function(n), rules) for k, n in enumerate(names)) + ")"
+        rest = f"{one} " + (f'(", " {one})* ' if many else "") + '"]"'
+    head = '%llguidance {}\nTEXT: /(.|\\n)*/\n'
+    if not lazy:
+        repeat = f"({sep} call)*" if many and sep is not None else ""
+        head += f"start: call {repeat}\ncall: {trigger} {rest}\n"
+    elif trigger.startswith("<") and trigger.endswith(">"):  # a special token: it never occurs in text
+        head += f"start: call{'*' if many else '?'} tail\ntail: TEXT\ncall: TEXT {trigger} {rest}\n"
+    else:  # llguidance's lazy trigger: free text until the trigger, then a call
+        head += (f"start: call{'*' if many else '?'} tail\ntail: TEXT\ntrig[lazy]: TEXT {trigger}\n"
+                 f"call: trig {rest}\n")
     return StructuredOutputs(grammar=head + "\n".join(rules) + "\n")
 
 
@@ -334,7 +338,7 @@ def _keyword_call(family: str, k: int, name: str, fn: dict, rules: list[str]) ->
     args = _subset(f"a_{k}", items, '", "' if family == "pythonic" else None, rules)
     if family == "pythonic":
         return f'{_lit(name + "(")} {args} ")"'
-    return f'{_lit("<tool_call>" + chr(10) + "<function=" + name + ">" + chr(10))} {args} ' \
+    return f'{_lit(chr(10) + "<function=" + name + ">" + chr(10))} {args} ' \
            f'{_lit("</function>" + chr(10) + "</tool_call>")}'
 
 

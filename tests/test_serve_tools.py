@@ -233,15 +233,32 @@ def test_bad_tool_requests_are_400_naming_the_field(client, kw, param, words):
     assert body["type"] == "invalid_request_error"
 
 
-def test_strict_tools_under_auto_are_lazily_constrained(default_engine):
-    """The lazy grammar: free text until the trigger, then only valid calls (checked token by token)."""
+LAZY_CALLS = {
+    "hermes": ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "days": D}}\n</tool_call>',
+               '<tool_call>\n{"name": "noop", "arguments": {}}\n</tool_call>'),
+    "qwen3_coder": ("<tool_call>\n<function=get_weather>\n<parameter=city>\nOslo\n</parameter>\n<parameter=days>\nD\n"
+                    "</parameter>\n</function>\n</tool_call>",
+                    "<tool_call>\n<function=noop>\n</function>\n</tool_call>"),
+    "mistral": ('[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Oslo", "days": D}}]',
+                '[TOOL_CALLS][{"name": "noop", "arguments": {}}]'),
+}
+
+
+@pytest.mark.parametrize("family", sorted(LAZY_CALLS))
+def test_strict_tools_under_auto_are_lazily_constrained(default_engine, family):
+    """The lazy grammar: free text until the format's trigger, then only valid calls (checked token by token)."""
     from tokenizers import Tokenizer
+
+    from llmc.serve.errors import APIError
 
     strict = {**WEATHER, "function": {**WEATHER["function"], "strict": True}}
     spec = validate([strict, NOOP], "auto", None)
-    grammar = constraint(spec, "hermes", {})
+    grammar = constraint(spec, family, {})
     assert grammar is not None and "[lazy]" in grammar.grammar
-    assert constraint(validate(TOOLS, "auto", None), "hermes", {}) is None  # nothing strict: unconstrained
+    assert constraint(validate(TOOLS, "auto", None), family, {}) is None  # nothing strict: unconstrained
+    for other in ("llama3_json", "pythonic", "harmony"):  # calls open the answer: no trigger to wait for
+        with pytest.raises(APIError, match="strict tools under tool_choice 'auto'"):
+            constraint(spec, other, {})
     tj = (default_engine / "tokenizer.json").read_text()
     compiler = GrammarCompiler(tj, 4096, [0])
     tok = Tokenizer.from_str(tj)
@@ -251,11 +268,11 @@ def test_strict_tools_under_auto_are_lazily_constrained(default_engine):
         ids = tok.encode(text).ids
         return m.validate_tokens(ids) == len(ids) and not m.is_error()
 
-    good = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "days": 3}}\n</tool_call>'
-    assert accepted("Free text, any { brace. " + good + " and after")
+    call, not_strict = LAZY_CALLS[family]
+    assert accepted("Free text, any { brace. " + call.replace("D", "3") + " and after")
     assert accepted("no call at all")
-    assert not accepted('Text <tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "days": 9}}')
-    assert not accepted('<tool_call>\n{"name": "noop", "arguments": {}}')  # noop is not strict
+    assert not accepted("Text " + call.replace("D", "9"))  # days over its maximum
+    assert not accepted(not_strict)  # noop is not strict: not a call to make here
     assert llguidance.LLMatcher is not None
 
 
