@@ -79,3 +79,26 @@ def test_gemma4_moe_k_eq_v_matches_transformers(tmp_path, monkeypatch):
         assert out.token_ids == ref, (prompt, out.token_ids, ref)
         # alone, and again with the prompt's blocks in the prefix cache: the same tokens
         assert engine.generate([list(prompt)], params)[0].token_ids == ref
+
+
+def test_gemma4_cuda_program_matches_transformers(tmp_path):
+    """The E2B-style fixture's CUDA engine (built here with no GPU, float32), run by torch on the CPU: per-layer
+    cache shapes and KV-shared layers in the torch pool too."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from llmc.compiler.build import BuildOptions, build
+    from llmc.runtime import Engine, SamplingParams
+    from llmc.testing.tried_families import write_tried_family
+
+    ckpt = write_tried_family("gemma4_text", tmp_path / "ckpt")
+    build(ckpt, tmp_path / "engine", BuildOptions(target="h100", dtype="float32"))
+    engine = Engine.load(tmp_path / "engine", device="cpu")
+    assert engine.manifest["kv_cache"]["layers"][3:] == [{"shares": 1}, {"shares": 1}, {"shares": 2}]
+    hf = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+    outs = engine.generate([list(p) for p in PROMPTS], SamplingParams(max_tokens=16, ignore_eos=True))
+    for prompt, out in zip(PROMPTS, outs, strict=True):
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([prompt]), max_new_tokens=16, min_new_tokens=16, do_sample=False,
+                              eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+        assert out.token_ids == ref, (prompt, out.token_ids, ref)

@@ -69,7 +69,7 @@ def _bytes(array: np.ndarray, dtype: str) -> bytes:
         return np.ascontiguousarray(array).view(np.uint8).tobytes()
     if dtype == "bfloat16":
         t = torch.from_numpy(np.array(array, dtype=np.float32)).to(torch.bfloat16)  # a copy: weights may be read-only
-        return t.view(torch.uint8).numpy().tobytes()
+        return t.reshape(-1).view(torch.uint8).numpy().tobytes()  # reshape: a 0-D scalar cannot be viewed
     return np.ascontiguousarray(array, dtype=np.dtype(dtype)).tobytes()
 
 
