@@ -58,6 +58,12 @@ class Binding:
     def source(self, name: str) -> TensorEntry | None:
         """The checkpoint tensor of the state-dict entry ``name`` (None if assembled or absent)."""
         entry = self.entries.get(name)
+        if entry is None:
+            # A tied parameter is stored once, under its source's key: transformers' own {target: source} map
+            # (output embeddings, and the ties a family always makes, e.g. BERT's decoder bias).
+            tied = (getattr(self.hf, "all_tied_weights_keys", None) or {}).get(name)
+            if tied is not None and tied != name:
+                entry = self.entries.get(tied)
         if entry is None and getattr(self.hf.config, "tie_word_embeddings", False):
             # A tied output embedding is stored once, under the input embedding's key.
             out_emb, in_emb = self.hf.get_output_embeddings(), self.hf.get_input_embeddings()

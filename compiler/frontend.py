@@ -11,6 +11,7 @@ time when it writes the engine.
 from __future__ import annotations
 
 import logging
+import re
 import warnings
 from dataclasses import dataclass
 
@@ -83,7 +84,10 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
     q = query[0].transpose(0, 1).reshape(tokens, num_heads * head_size)
     k = key[0].transpose(0, 1).reshape(tokens, num_kv_heads * head_size)
     v = value[0].transpose(0, 1).reshape(tokens, num_kv_heads * head_size)
-    window = kwargs.get("sliding_window") or getattr(module, "sliding_window", None) or 0
+    # The layer's own window: a model that passes ``sliding_window`` says it per layer (None on a full-attention
+    # layer, whose module may still hold the config's window: EXAONE 4); the module's is for those that do not.
+    window = kwargs["sliding_window"] if "sliding_window" in kwargs else getattr(module, "sliding_window", None)
+    window = window or 0
     softcap = kwargs.get("softcap") or 0.0
     step = {name: kwargs.get(name, _STEP.get(name)) for name in _STEP_FIELDS}
     out = torch.ops.llmc.paged_attention(
@@ -150,11 +154,10 @@ def _build_module(checkpoint: Checkpoint, compute_dtype: str):
     config._attn_implementation = ATTN_IMPLEMENTATION
     with no_init_weights(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        extra = {}
-        if any(getattr(config, k, None) for k in ("num_experts", "num_local_experts", "n_routed_experts")):
-            # Gather-then-batched-matmul experts trace into plain ONNX ops (the default grouped_mm
-            # path is a transformers custom op no exporter knows).
-            extra["experts_implementation"] = "batched_mm"
+        # Gather-then-batched-matmul experts trace into plain ONNX ops (the default grouped_mm path is a
+        # transformers custom op no exporter knows). Set for every model, whatever its config calls its experts
+        # (num_experts, moe_num_experts, ...): a model without experts ignores it.
+        extra = {"experts_implementation": "batched_mm"}
         hf = AutoModelForCausalLM.from_config(
             config, dtype=getattr(torch, compute_dtype), attn_implementation=ATTN_IMPLEMENTATION, **extra
         )
@@ -280,13 +283,59 @@ def trace(checkpoint: Checkpoint, compute_dtype: str = "float32") -> TracedModel
         root = exc
         while root.__cause__ is not None:  # torch.export wraps the cause in a generic "step 1/3" message
             root = root.__cause__
+        if isinstance(root, LlmcError):  # raised inside the traced forward (llmc's attention), wrapped by the tracer
+            raise type(root)(f"{checkpoint.path}: model_type {checkpoint.model_type!r}: {root}") from None
         first = (str(root).strip().splitlines() or [""])[0][:300]
-        exc = root
-        raise UnsupportedError(
-            f"{checkpoint.path}: model_type {checkpoint.model_type!r} cannot be traced by llmc's generic path "
-            f"({type(exc).__name__}: {first}); its attention or layers use something llmc does not lower yet. "
-            f"Supported model types: {', '.join(SUPPORTED_MODEL_TYPES)}"
-        ) from None
+        raise UnsupportedError(_untraceable(checkpoint, root, first, SUPPORTED_MODEL_TYPES)) from None
+
+
+def _untraceable(checkpoint: Checkpoint, root: BaseException, first: str, supported) -> str:
+    """The refusal of a family the generic path cannot trace: the mechanism (compiler/mechanisms.py) and the
+    module where tracing stopped, where they can be told; the tracer's own words otherwise."""
+    from llmc.compiler.mechanisms import name_mechanism
+
+    where, classes = failing_module(root)
+    mechanism = name_mechanism(checkpoint.config, classes, first)
+    cause = f"{type(root).__name__}: {first}"
+    head = f"{checkpoint.path}: model_type {checkpoint.model_type!r}"
+    tail = f"Supported model types: {', '.join(supported)}"
+    if mechanism:
+        seen = f"seen in {where}; " if where else ""
+        return f"{head}: llmc does not lower {mechanism} ({seen}tracing stopped with {cause}). {tail}"
+    if where:
+        return (f"{head}: llmc's generic path cannot trace {where} ({cause}); it computes something llmc does not "
+                f"lower yet. {tail}")
+    return (f"{head} cannot be traced by llmc's generic path ({cause}); its attention or layers use something llmc "
+            f"does not lower yet. {tail}")
+
+
+def failing_module(exc: BaseException) -> tuple[str | None, list[str]]:
+    """Where in the model ``exc`` was raised: ``("layer 0's self_attn (DiffLlamaAttention)", class names of the
+    modules on the traceback, innermost first)``; ``(None, [])`` when no module was running (e.g. the ONNX
+    translation after tracing). Module paths come from the outermost module's ``named_modules()``."""
+    import torch
+
+    modules = []
+    tb = exc.__traceback__
+    while tb is not None:
+        owner = tb.tb_frame.f_locals.get("self")
+        if isinstance(owner, torch.nn.Module) and (not modules or modules[-1] is not owner):
+            modules.append(owner)
+        tb = tb.tb_next
+    if not modules:
+        return None, []
+    names = {id(m): n for n, m in modules[0].named_modules()}
+    inner = modules[-1]
+    classes = [type(m).__name__ for m in reversed(modules)]
+    path = names.get(id(inner))
+    if not path:  # raised while the model was being built (no root yet): its class is what can be named
+        return f"{type(inner).__name__}", classes
+    path = path.removeprefix(WRAPPER_PREFIX)
+    found = re.search(r"(?:^|\.)(?:layers|h|layer|blocks|decoder_layers)\.(\d+)(?:\.(.+))?$", path)
+    if found:
+        part = found.group(2) or "block"
+        return f"layer {found.group(1)}'s {part} ({type(inner).__name__})", classes
+    return f"{path} ({type(inner).__name__})", classes
 
 
 def _trace(checkpoint: Checkpoint, compute_dtype: str, torch, torch_op) -> TracedModel:
@@ -346,6 +395,7 @@ def _trace(checkpoint: Checkpoint, compute_dtype: str, torch, torch_op) -> Trace
             verbose=False,
         )
     model = program.model
+    _refuse_static_shapes(checkpoint, model)
     buffers = {name: buf for name, buf in module.named_buffers()}
     parameters = {name for name, _ in module.named_parameters(remove_duplicate=False)}
     loaded = _load_converted(checkpoint, compute_dtype) if binding.needs_converter else None
@@ -414,6 +464,28 @@ def _config_geometry(config) -> tuple[int, int, int]:
     num_kv_heads = getattr(cfg, "num_key_value_heads", None) or num_heads
     head_size = getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads
     return num_heads, num_kv_heads, head_size
+
+
+def _refuse_static_shapes(checkpoint: Checkpoint, model: ir.Model) -> None:
+    """Refuse (exit 3) a graph whose token or sequence dimensions the tracer fixed to the example's sizes: the
+    model's forward computed something from them as Python numbers (CPM-Ant's position buckets), so the engine
+    would run only steps of exactly that shape."""
+    from llmc.compiler.mechanisms import name_mechanism
+
+    fixed = [f"{v.name} (dimension {i}: {d})" for v in model.graph.inputs if v.shape is not None
+             for i, d in enumerate(v.shape) if isinstance(d, int) and v.name in _DYNAMIC_INPUTS]
+    if fixed:
+        mechanism = name_mechanism(checkpoint.config) or "a forward that computes with the number of tokens as a " \
+                                                          "Python number"
+        raise UnsupportedError(
+            f"{checkpoint.path}: model_type {checkpoint.model_type!r}: llmc does not lower {mechanism} (the traced "
+            f"graph fixed {', '.join(fixed[:2])} to the example step's size, so the engine could not run other "
+            "steps)")
+
+
+# Inputs whose first dimension is the step's token count and which every model reads (an input a model ignores,
+# such as positions without rotary, may keep the example's shape).
+_DYNAMIC_INPUTS = ("input_ids",)
 
 
 def _load_converted(checkpoint: Checkpoint, dtype: str) -> dict:

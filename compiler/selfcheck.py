@@ -272,8 +272,9 @@ def _layer_count_key(twin: dict) -> str | None:
     return _pick(twin, "num_hidden_layers", "n_layer", "num_layers")[0]
 
 
-def diagnose(twin: dict, ckpt: Path, tmp: Path, build_twin, cuda: bool) -> str:
-    """Where a failing twin first differs, as a clause for the error (``""`` when it cannot tell).
+def diagnose(twin: dict, ckpt: Path, tmp: Path, build_twin, cuda: bool) -> tuple[str, int | None]:
+    """Where a failing twin first differs: a clause for the error (``""`` when it cannot tell) and the first
+    decoder layer whose output differs (None when the fault is not in one layer's traced graph).
 
     Only runs after a mismatch, on the tiny twin, so its extra builds cost seconds. In order:
     (1) the same build with every graph pass verified against the graph before it (compiler/verify.py)
@@ -292,14 +293,14 @@ def diagnose(twin: dict, ckpt: Path, tmp: Path, build_twin, cuda: bool) -> str:
         if "--verify-passes: pass " in msg:
             name = msg.split("--verify-passes: pass ", 1)[1].split(" ", 1)[0].strip("'")
             hint = f" (build with --disable-pass {name} to leave it out)" if name in BY_NAME else ""
-            return f"; the graph first differs after pass {name!r}{hint}"
+            return f"; the graph first differs after pass {name!r}{hint}", None
         log.debug("self-check diagnosis: verified build failed: %s", msg)
-        return ""
+        return "", None
     unfused = ("all-fusions", *BACKEND_FUSIONS)
     try:
         build_twin(ckpt, tmp / "diag-unfused", disabled_passes=unfused)
         if compare(tmp / "diag-unfused", ckpt, cuda)[2] is None:
-            return "; the graph as traced matches, so a fusion's lowering is at fault (every pass verified exact)"
+            return "; the graph as traced matches, so a fusion's lowering is at fault (every pass verified exact)", None
         lkey = _layer_count_key(twin)
         layers = twin.get(lkey) if lkey else None
         for k in range(1, layers if isinstance(layers, int) else 1):
@@ -308,12 +309,51 @@ def diagnose(twin: dict, ckpt: Path, tmp: Path, build_twin, cuda: bool) -> str:
             build_twin(cut_ckpt, tmp / f"diag-cut{k}-engine", disabled_passes=unfused)
             if compare(tmp / f"diag-cut{k}-engine", cut_ckpt, cuda)[2] is not None:
                 kind = f" ({twin['layer_types'][k - 1]})" if isinstance(twin.get("layer_types"), list) else ""
-                return f"; the traced graph already differs, first in decoder layer {k - 1}{kind}"
-        last = layers - 1 if isinstance(layers, int) else "?"
-        return f"; the traced graph already differs, first in decoder layer {last} or after the last layer"
+                return f"; the traced graph already differs, first in decoder layer {k - 1}{kind}", k - 1
+        last = layers - 1 if isinstance(layers, int) else None
+        where = last if last is not None else "?"
+        return f"; the traced graph already differs, first in decoder layer {where} or after the last layer", last
     except LlmcError as exc:
         log.debug("self-check diagnosis stopped: %s", exc)
-        return ""
+        return "", None
+
+
+def layer_modules(twin_dir: Path, layer: int) -> tuple[str | None, list[str]]:
+    """Decoder layer ``layer`` of the twin's transformers model: its class and its submodules' classes
+    (``"self_attn: DiffLlamaAttention"``, ...), read from a model built on the meta device (no weights)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(twin_dir))
+    except Exception:  # noqa: BLE001 - naming is best effort; the check's verdict stands without it
+        return None, []
+    found = re.compile(rf"(?:^|\.)(?:layers|h|layer|blocks)\.{layer}$")
+    for name, module in model.named_modules():
+        if found.search(name):
+            return type(module).__name__, [f"{child}: {type(m).__name__}" for child, m in module.named_children()]
+    return None, []
+
+
+def mismatch_cause(twin: dict, twin_dir: Path, layer: int | None) -> str | None:
+    """"llmc does not lower X (seen in decoder layer N's Y)" for a twin whose traced graph first differs in decoder
+    layer ``layer``, when the mechanism can be named (compiler/mechanisms.py, from the layer's module classes, then
+    the config's fields); None otherwise."""
+    from llmc.compiler.mechanisms import name_mechanism
+
+    layer_class, children = (None, []) if layer is None else layer_modules(twin_dir, layer)
+    classes = [c.split(": ", 1)[1] for c in children] + ([layer_class] if layer_class else [])
+    mechanism = name_mechanism(twin, classes)
+    if layer is None:
+        return f"llmc does not lower {mechanism}" if mechanism else None
+    if mechanism is None:
+        inside = f" ({', '.join(children)})" if children else ""
+        return f"llmc lowers decoder layer {layer}{inside} differently from transformers"
+    owner = next((c for c in children if any(p in c.split(": ", 1)[1].lower() for p in ("attention", "attn"))),
+                 None) if "attention" in mechanism else None
+    seen = f"decoder layer {layer}'s {owner}" if owner else f"decoder layer {layer} ({layer_class})"
+    return f"llmc does not lower {mechanism} (seen in {seen})"
 
 
 def run(config: dict, model_type: str, build_twin, lowering: dict, toolchain: dict, sources: str,
@@ -379,16 +419,19 @@ def _run_twin(twin: dict, model_type: str, key: str, record: Path | None, build_
         finally:
             quiet.setLevel(level)
         lp, rel, failure = compare(engine_dir, ckpt, cuda)
-        where = ""
+        where, cause = "", None
         if failure is not None:
             quiet.setLevel(logging.ERROR)
             try:
-                where = diagnose(twin, ckpt, Path(tmp), build_twin, cuda)
+                where, layer = diagnose(twin, ckpt, Path(tmp), build_twin, cuda)
+                if "fusion" not in where and "after pass" not in where:  # a pass's fault is llmc's bug, not a gap
+                    cause = mismatch_cause(twin, ckpt, layer)
             finally:
                 quiet.setLevel(level)
     if failure is not None:
+        said = f"{cause}: " if cause else ""
         raise UnsupportedError(
-            f"architecture self-check failed for model_type {model_type!r}: on a random twin of this config, "
+            f"architecture self-check failed for model_type {model_type!r}: {said}on a random twin of this config, "
             f"llmc's engine differs from transformers ({failure}){where}; llmc {llmc.__version__} cannot build "
             "this configuration correctly, so it stops here rather than write a wrong engine (please report it)")
     result = SelfCheckResult("passed", key, round(time.perf_counter() - t0, 3), twin, lp, rel)
