@@ -67,28 +67,69 @@ def reset_peak() -> bool:
 
 
 def available() -> int | None:
-    """``MemAvailable`` of the machine (or of this cgroup's limit, where one is lower), in bytes."""
+    """``MemAvailable`` of the machine, or what this process's memory cgroups (v2 or v1, the process's own and
+    every ancestor with a limit: a container's, a CI job's) leave before their limit, where that is lower; bytes.
+    Reclaimable page cache (``inactive_file``) counts as available, as the kernel reclaims it before it kills."""
     try:
         m = re.search(r"^MemAvailable:\s+(\d+) kB", Path("/proc/meminfo").read_text(), re.M)
     except OSError:
         return None
     avail = int(m.group(1)) * 1024 if m else None
-    limit = _cgroup_limit()
-    if limit is not None and avail is not None:
-        try:
-            used = int(Path("/sys/fs/cgroup/memory.current").read_text())
-            avail = min(avail, max(0, limit - used))
-        except (OSError, ValueError):
-            pass
+    room = cgroup_room()
+    if room is not None:
+        avail = room if avail is None else min(avail, room)
     return avail
 
 
-def _cgroup_limit() -> int | None:
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+_UNLIMITED = 1 << 60  # cgroup v1 reports "no limit" as a page-rounded 2**63 - 1
+
+
+def cgroup_room(proc_cgroup: str | None = None, root: Path = CGROUP_ROOT) -> int | None:
+    """Bytes left under the tightest memory limit among this process's cgroups and their ancestors (None: none).
+
+    ``proc_cgroup`` is ``/proc/self/cgroup``'s text; ``root`` where the hierarchies are mounted (for tests).
+    """
     try:
-        text = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        text = proc_cgroup if proc_cgroup is not None else Path("/proc/self/cgroup").read_text()
     except OSError:
         return None
-    return None if text == "max" else int(text)
+    rooms = []
+    for line in text.splitlines():
+        hid, _, rest = line.partition(":")
+        controllers, _, path = rest.partition(":")
+        if hid == "0" and controllers == "":  # v2 unified hierarchy
+            base, files = root, ("memory.max", "memory.current", "inactive_file")
+        elif "memory" in controllers.split(","):  # v1 memory controller
+            base, files = root / "memory", ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")
+        else:
+            continue
+        rooms.extend(_rooms_up(base, path, *files))
+    return min(rooms) if rooms else None
+
+
+def _rooms_up(base: Path, path: str, limit_file: str, usage_file: str, inactive_key: str) -> list[int]:
+    """Room under the limit of the cgroup at ``path`` and each ancestor that has one (a cgroup namespace shows
+    ``/``: then the mount's own files are this cgroup's)."""
+    parts = [p for p in path.strip().split("/") if p]
+    out = []
+    for depth in range(len(parts), -1, -1):
+        d = base.joinpath(*parts[:depth])
+        try:
+            raw = (d / limit_file).read_text().strip()
+            usage = int((d / usage_file).read_text())
+        except (OSError, ValueError):
+            continue
+        if raw == "max" or not raw.isdigit() or int(raw) >= _UNLIMITED:
+            continue
+        inactive = 0
+        try:
+            m = re.search(rf"^{inactive_key} (\d+)$", (d / "memory.stat").read_text(), re.M)
+            inactive = int(m.group(1)) if m else 0
+        except OSError:
+            pass
+        out.append(max(0, int(raw) - max(0, usage - inactive)))
+    return out
 
 
 class StagePeaks:
@@ -178,7 +219,8 @@ class Guard:
                                 f"resident in {self.what()}")
             elif avail is not None and avail < self.reserve:
                 self.message = (f"out of memory: the build held {format_size(now)} in {self.what()} with "
-                                f"{format_size(avail)} left on this machine")
+                                f"{format_size(avail)} left (the machine's available memory or its cgroup's limit, "
+                                "whichever is lower)")
             else:
                 continue
             os.kill(os.getpid(), signal.SIGUSR2)

@@ -223,8 +223,10 @@ def _kill_point(name: str) -> None:
     if point == name:
         import numpy as np
 
-        _HELD.append(np.ones(int(mb) << 20, np.uint8))
-        time.sleep(1.0)  # the guard samples every 0.1 s
+        for _ in range(max(1, int(mb) // 32)):  # in steps, as a build grows: the guard samples every 0.1 s
+            _HELD.append(np.ones(32 << 20, np.uint8))
+            time.sleep(0.02)
+        time.sleep(1.0)
 
 
 _HELD: list = []
@@ -268,14 +270,16 @@ def _compile(ckpt: Checkpoint, digest: str, plan: _Plan, dest: Path, say: Progre
         with guard:
             return _compile_stages(ckpt, digest, plan, dest, say, timings, t0, info, peaks)
     except memory.MemoryExceeded as exc:
-        raise LlmcError(f"{exc}; no engine was written. {_memory_fix(plan.options.max_memory)}",
+        raise LlmcError(f"{exc}; no engine was written. {_memory_fix(plan.options.max_memory, plan.memory)}",
                         exit_code=EXIT_OUT_OF_MEMORY) from None
 
 
-def _memory_fix(limit: int | None) -> str:
+def _memory_fix(limit: int | None, estimate=None) -> str:
+    need = f" (llmc's estimate for this build: {estimate.need / (1 << 30):.1f} GB)" if estimate is not None else ""
     if limit is not None:
-        return "Raise --max-memory, or leave it out to use what the machine has"
-    return "Free memory (other processes), or build on a machine with more memory; --max-memory N sizes the build"
+        return f"Raise --max-memory{need}, or leave it out to use what the machine has"
+    return (f"Free memory (other processes) or build where more is available{need}; --max-memory N sizes the "
+            "build's rounds to N")
 
 
 def _compile_stages(ckpt: Checkpoint, digest: str, plan: _Plan, dest: Path, say: Progress,

@@ -128,3 +128,84 @@ def test_a_build_past_max_memory_stops_in_one_line_and_leaves_nothing(tmp_path, 
     assert not out.exists() and not list(tmp_path.glob(".never.tmp-*"))
     assert not [p for p in cache.rglob("*") if p.is_dir() and p.parent.name == "tmp"]
     assert not list(cache.rglob("manifest.json"))
+
+
+def test_cgroup_room_reads_v1_and_v2_limits_and_their_ancestors(tmp_path):
+    """The tightest limit wins, page cache the kernel would reclaim counts as free, "no limit" is ignored."""
+    v1 = tmp_path / "memory" / "job" / "step"
+    v1.mkdir(parents=True)
+    (v1 / "memory.limit_in_bytes").write_text(str(9223372036854771712))  # unlimited
+    (v1 / "memory.usage_in_bytes").write_text(str(3 * GB))
+    parent = v1.parent
+    (parent / "memory.limit_in_bytes").write_text(str(4 * GB))
+    (parent / "memory.usage_in_bytes").write_text(str(3 * GB))
+    (parent / "memory.stat").write_text(f"cache 5\ntotal_inactive_file {GB // 2}\n")
+    text = "9:pids:/\n4:memory:/job/step\n0::/\n"
+    assert memory.cgroup_room(text, tmp_path) == GB + GB // 2
+    v2 = tmp_path / "ci" / "job"
+    v2.mkdir(parents=True)
+    (v2 / "memory.max").write_text("max\n")
+    (v2 / "memory.current").write_text(str(GB))
+    (v2.parent / "memory.max").write_text(str(2 * GB))
+    (v2.parent / "memory.current").write_text(str(GB + GB // 4))
+    assert memory.cgroup_room("0::/ci/job\n", tmp_path) == GB - GB // 4
+    assert memory.cgroup_room(text + "0::/ci/job\n", tmp_path) == GB - GB // 4  # both hierarchies: the tighter
+    assert memory.cgroup_room("0::/elsewhere\n", tmp_path / "nothing") is None
+
+
+def _memory_cgroup(limit: int) -> Path | None:
+    """A child of this process's memory cgroup (v1, or v2 with the memory controller delegated) limited to
+    ``limit`` bytes; None where this machine does not let us make one."""
+    import uuid
+
+    for line in Path("/proc/self/cgroup").read_text().splitlines():
+        hid, _, rest = line.partition(":")
+        controllers, _, path = rest.partition(":")
+        if "memory" in controllers.split(","):
+            parent, limit_file = memory.CGROUP_ROOT / "memory" / path.strip("/"), "memory.limit_in_bytes"
+        elif hid == "0" and controllers == "":
+            parent, limit_file = memory.CGROUP_ROOT / path.strip("/"), "memory.max"
+            try:
+                if "memory" not in (parent / "cgroup.subtree_control").read_text().split():
+                    continue
+            except OSError:
+                continue
+        else:
+            continue
+        child = parent / f"llmc-test-{uuid.uuid4().hex[:8]}"
+        try:
+            child.mkdir()
+            (child / limit_file).write_text(str(limit))
+            return child
+        except OSError:
+            if child.is_dir():
+                child.rmdir()
+    return None
+
+
+def test_a_build_nearing_its_cgroup_limit_stops_in_one_line_not_by_the_oom_killer(tmp_path, wide_llama):
+    """No --max-memory: the build runs in a memory cgroup (as in a container or a CI job) of 1.6 GB and grows past
+    it after tracing (1.5 GB more held there, in steps, by a test hook). The kernel would kill it with no message at
+    the limit; the guard sees the cgroup's room fall under its reserve first and stops the build with exit 5 and
+    one line, leaving nothing behind."""
+    import os
+
+    group = _memory_cgroup(int(1.6 * GB))
+    if group is None:
+        pytest.skip("cannot make a memory cgroup on this machine (needs cgroup v1 or a delegated v2 controller)")
+    out, cache = tmp_path / "never", tmp_path / "cache"
+    try:
+        proc = subprocess.run(
+            [str(Path(sys.executable).with_name("llmc")), "build", str(wide_llama), "-o", str(out), "--cache-dir",
+             str(cache), "--quant", "int4"], capture_output=True, text=True, timeout=900,
+            env={**os.environ, "LLMC_TEST_HOLD_AT": "after-trace:1500"},
+            preexec_fn=lambda: (group / "cgroup.procs").write_text(str(os.getpid())))
+    finally:
+        group.rmdir()
+    assert proc.returncode == 5, (proc.returncode, proc.stderr[-2000:])  # not -9 (the OOM killer)
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: out of memory: the build held") and "resident" not in last, last
+    assert "in trace" in last and "cgroup" in last and "llmc's estimate for this build" in last, last
+    assert "Traceback" not in proc.stderr
+    assert not out.exists() and not list(tmp_path.glob(".never.tmp-*"))
+    assert not list(cache.rglob("manifest.json"))
