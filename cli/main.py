@@ -70,6 +70,7 @@ def cli() -> None:
       llmc cache ls                                   # the build cache
       llmc inspect engines/m                          # manifest and report
       llmc targets                                    # what can be built
+      llmc plan ./ckpt --gpu h100 --tp 1,2,4,8        # GPU memory, KV room, roofline per GPU
       llmc serve engines/m --port 8000                # OpenAI-compatible HTTP server
     """
     _warnings_to_stderr()
@@ -472,6 +473,31 @@ def targets(as_json: bool) -> None:
         mem = f"{r['memory_gib']}G" if r["memory_gib"] else "-"
         click.echo(f"{r['name']:8} {r['builder']:13} {r['sm'] or '-':5} {mem:>5}  "
                    f"{','.join(r['native_formats']):25} {r['status']}")
+
+
+@cli.command()
+@click.argument("checkpoint", metavar="CKPT_OR_CONFIG", type=click.Path(path_type=Path))
+@click.option("--gpu", required=True, metavar="NAME", help="A GPU of `llmc targets` (h100, h200, b200, ...) or all.")
+@click.option("--tp", default="1", show_default=True, metavar="N[,N...]",
+              help="Tensor-parallel GPUs; a list (1,2,4,8) plans each.")
+@click.option("--quant", default="none", show_default=True, metavar="FORMAT",
+              help="none | fp8 | int4 | int4-awq | nvfp4: what the weights are stored as.")
+@click.option("--kv-cache-dtype", default=None, metavar="DTYPE", help="fp8 (default: bfloat16).")
+@click.option("--max-model-len", type=int, default=None,
+              help="Context per sequence for the batch and roofline figures [default: max_position_embeddings, "
+                   "at most 32768].")
+@click.option("--gpu-memory-utilization", type=float, default=0.9, show_default=True,
+              help="Fraction of each GPU's memory for weights, activations and KV cache, as Engine.load takes it.")
+@click.option("--json", "as_json", is_flag=True, help="Print the plan as one JSON object.")
+def plan(checkpoint: Path, gpu: str, tp: str, quant: str, kv_cache_dtype: str | None, max_model_len: int | None,
+         gpu_memory_utilization: float, as_json: bool) -> None:
+    """Plan a deployment from CKPT_OR_CONFIG's config.json alone (no weights read): per-GPU weight bytes by
+    tensor class, KV bytes per token, KV tokens that fit, the largest batch, the decode step's HBM roofline and
+    the all-reduce bytes per token at each tensor-parallel degree."""
+    from llmc.compiler import deploy_plan
+
+    rep = deploy_plan.report(checkpoint, gpu, tp, quant, kv_cache_dtype, max_model_len, gpu_memory_utilization)
+    click.echo(json.dumps(rep) if as_json else deploy_plan.render(rep))
 
 
 _CACHE_DIR_OPTION = click.option(

@@ -12,7 +12,10 @@ class Target:
     """One build target. ``sm`` is the CUDA compute capability (None for the CPU); ``memory_gib`` the
     device memory; ``native_formats`` the weight formats its tensor cores run without emulation;
     ``backend`` the builder (``onnxruntime``, ``tensorrt``, or ``tensorrt_rtx``: TensorRT for RTX, which
-    builds ahead of time with no GPU present). ``aliases`` are substrings of ``nvidia-smi`` names."""
+    builds ahead of time with no GPU present). ``aliases`` are substrings of ``nvidia-smi`` names.
+    ``memory_bandwidth_gbps``: the datasheet's device-memory bandwidth in GB/s (1e9 B/s; the SXM part where
+    there are several); ``interconnect_gbps``: GPU-to-GPU bandwidth in GB/s, both directions together (NVLink,
+    or PCIe for cards without it). ``llmc plan`` uses both."""
 
     name: str
     description: str
@@ -22,6 +25,8 @@ class Target:
     native_formats: tuple[str, ...]
     available: bool = True
     aliases: tuple[str, ...] = ()
+    memory_bandwidth_gbps: int | None = None
+    interconnect_gbps: int | None = None
 
     @property
     def flag(self) -> str:
@@ -37,17 +42,26 @@ TARGETS: dict[str, Target] = {
     t.name: t
     for t in [
         Target("cpu", "x86-64 CPU, ONNX Runtime", "onnxruntime", None, None, ("fp32", "int4")),
-        Target("a100", "NVIDIA A100", "tensorrt", "8.0", 80, _AMPERE, aliases=("A100",)),
-        Target("l40s", "NVIDIA L40S", "tensorrt", "8.9", 48, _ADA_HOPPER, aliases=("L40S",)),
-        Target("h100", "NVIDIA H100", "tensorrt", "9.0", 80, _ADA_HOPPER, aliases=("H100",)),
-        Target("h200", "NVIDIA H200", "tensorrt", "9.0", 141, _ADA_HOPPER, aliases=("H200",)),
-        Target("b200", "NVIDIA B200", "tensorrt", "10.0", 180, _BLACKWELL, aliases=("B200",)),
-        Target("gb200", "NVIDIA GB200 (Grace Blackwell)", "tensorrt", "10.0", 186, _BLACKWELL, aliases=("GB200",)),
-        Target("rtx4090", "NVIDIA GeForce RTX 4090", "tensorrt_rtx", "8.9", 24, _ADA_HOPPER, aliases=("RTX 4090",)),
+        Target("a100", "NVIDIA A100", "tensorrt", "8.0", 80, _AMPERE, aliases=("A100",),
+               memory_bandwidth_gbps=2039, interconnect_gbps=600),
+        Target("l40s", "NVIDIA L40S", "tensorrt", "8.9", 48, _ADA_HOPPER, aliases=("L40S",),
+               memory_bandwidth_gbps=864, interconnect_gbps=64),
+        Target("h100", "NVIDIA H100", "tensorrt", "9.0", 80, _ADA_HOPPER, aliases=("H100",),
+               memory_bandwidth_gbps=3350, interconnect_gbps=900),
+        Target("h200", "NVIDIA H200", "tensorrt", "9.0", 141, _ADA_HOPPER, aliases=("H200",),
+               memory_bandwidth_gbps=4800, interconnect_gbps=900),
+        Target("b200", "NVIDIA B200", "tensorrt", "10.0", 180, _BLACKWELL, aliases=("B200",),
+               memory_bandwidth_gbps=8000, interconnect_gbps=1800),
+        Target("gb200", "NVIDIA GB200 (Grace Blackwell)", "tensorrt", "10.0", 186, _BLACKWELL, aliases=("GB200",),
+               memory_bandwidth_gbps=8000, interconnect_gbps=1800),
+        Target("rtx4090", "NVIDIA GeForce RTX 4090", "tensorrt_rtx", "8.9", 24, _ADA_HOPPER, aliases=("RTX 4090",),
+               memory_bandwidth_gbps=1008, interconnect_gbps=64),
         Target("rtx5090", "NVIDIA GeForce RTX 5090", "tensorrt_rtx", "12.0", 32, _BLACKWELL,
-               aliases=("RTX 5090",)),
+               aliases=("RTX 5090",), memory_bandwidth_gbps=1792, interconnect_gbps=128),
     ]
 }
+# Bandwidths: NVIDIA datasheets (A100 80GB SXM, H100 SXM, H200 SXM, HGX B200, GB200 NVL72); L40S and the RTX
+# cards have no NVLink: their interconnect is PCIe (Gen4 x16: 64 GB/s, Gen5 x16: 128 GB/s, both directions).
 GPU_BACKENDS = ("tensorrt", "tensorrt_rtx")
 
 
