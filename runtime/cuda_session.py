@@ -78,7 +78,8 @@ def _pool_dtype(name: str) -> torch.dtype:
 def attention_key(attrs: dict) -> str:
     """The configuration an attention kernel is specialised for (the compiler names kernels by it)."""
     return (f"h{attrs['num_heads']}-kv{attrs['num_kv_heads']}-d{attrs['head_size']}-s{float(attrs['scale']):.9g}"
-            f"-w{int(attrs.get('sliding_window', 0))}-c{float(attrs.get('softcap', 0.0)):g}")
+            f"-w{int(attrs.get('sliding_window', 0))}-c{float(attrs.get('softcap', 0.0)):g}"
+            + ("-sinks" if attrs.get("has_sinks") else ""))
 
 
 class CudaSession:
@@ -144,24 +145,31 @@ class CudaSession:
 
     # -- attention --------------------------------------------------------------------------------
 
-    def _attention(self, attrs, query, key, value, slot_mapping, block_tables, context_lens, query_start_loc):
+    def _attention(self, attrs, query, key, value, slot_mapping, block_tables, context_lens, query_start_loc,
+                   sinks=None):
         layer = attrs["layer_idx"]
         k_cache, v_cache = self._pool.layers[layer]
         scales = self._kv_scales[layer]
         t, s = query.shape[0], context_lens.shape[0]
         kernel = self.kernels.get((attention_key(attrs), "decode" if t <= s else "prefill"))
+        if kernel is not None and (sinks is not None) != kernel.info.config.get("sinks", False):
+            raise RuntimeError(f"layer {layer}: the attention kernel {kernel.info.name} was built "
+                               f"{'without' if sinks is not None else 'with'} attention sinks, but the program "
+                               f"{'passes' if sinks is not None else 'does not pass'} them; rebuild the engine")
         if kernel is None:
             return paged_attention_torch(query, key, value, slot_mapping, block_tables, context_lens,
                                          query_start_loc, k_cache, v_cache, num_heads=attrs["num_heads"],
                                          num_kv_heads=attrs["num_kv_heads"], scale=attrs["scale"],
                                          sliding_window=attrs.get("sliding_window", 0),
-                                         softcap=attrs.get("softcap", 0.0), kv_scales=scales)
+                                         softcap=attrs.get("softcap", 0.0), kv_scales=scales, sinks=sinks)
         query, key, value = query.contiguous(), key.contiguous(), value.contiguous()
         out = torch.empty_like(query)
         info = kernel.info
         grid = (-(-t // info.block_q) + s, info.num_kv_heads, 1)
+        # Kernels with attention sinks take their logits (float32 [num_heads]) after kv_scales (aot.params_for).
+        extra = [sinks] if sinks is not None else []
         kernel.launch(grid, [query, key, value, slot_mapping, block_tables, context_lens, query_start_loc,
-                             k_cache, v_cache, scales, s, block_tables.shape[1], out, k_cache, v_cache],
+                             k_cache, v_cache, scales, *extra, s, block_tables.shape[1], out, k_cache, v_cache],
                       torch.cuda.current_stream(self.device).cuda_stream)
         return out
 

@@ -361,8 +361,12 @@ def int4_linear(x, codes, scales, zeros=None, *, group_size: int, k: int, **_):
 
 def paged_attention_torch(query, key, value, slot_mapping, block_tables, context_lens, query_start_loc,
                           k_cache, v_cache, *, num_heads: int, num_kv_heads: int, scale: float,
-                          sliding_window: int = 0, softcap: float = 0.0, kv_scales=None) -> torch.Tensor:
+                          sliding_window: int = 0, softcap: float = 0.0, kv_scales=None,
+                          sinks=None) -> torch.Tensor:
     """PagedAttention in plain torch (the semantics of ``plugins/paged_attention/reference.py``).
+
+    ``sinks`` ``[num_heads]`` (attention sinks): a logit per query head that joins the softmax's
+    denominator and adds nothing to the value sum (a last column of the scores, dropped after it).
 
     Writes the new K/V into the caches ``[num_blocks, Hkv, block_size, D]`` in place, then attends
     causally per sequence in float32. Loops over sequences on the host: the CPU executor's kernel,
@@ -409,6 +413,10 @@ def paged_attention_torch(query, key, value, slot_mapping, block_tables, context
         if sliding_window:
             mask = mask & (kpos > qpos - sliding_window)
         scores = scores.masked_fill(~mask, float("-inf"))
-        p = torch.softmax(scores, dim=-1)
+        if sinks is not None:
+            col = sinks.float().reshape(num_heads, 1, 1).expand(num_heads, n_new, 1)
+            p = torch.softmax(torch.cat([scores, col], dim=-1), dim=-1)[..., :-1]
+        else:
+            p = torch.softmax(scores, dim=-1)
         out[start:end] = torch.matmul(p, v).transpose(0, 1).reshape(n_new, num_heads * d).to(query.dtype)
     return out

@@ -39,7 +39,8 @@ HOST_INPUTS = {"Reshape": (1,), "Split": (1,), "Unsqueeze": (1,), "Squeeze": (1,
 # ... and as Python floats (a scalar exponent: no host sync inside a captured CUDA graph).
 HOST_SCALARS = {"Pow": (1,)}
 
-# attention(attrs, query, key, value, slot_mapping, block_tables, context_lens, query_start_loc) -> out
+# attention(attrs, query, key, value, slot_mapping, block_tables, context_lens, query_start_loc, sinks=None) -> out
+# (sinks: the node's optional 8th input, attention-sink logits [num_heads], or None)
 Attention = Callable[..., torch.Tensor]
 
 
@@ -146,6 +147,9 @@ class Program:
 
 
 def _bind_attention(attention: Attention) -> Callable:
-    def run(query, key, value, slot_mapping, block_tables, context_lens, query_start_loc, **attrs):
-        return (attention(attrs, query, key, value, slot_mapping, block_tables, context_lens, query_start_loc),)
+    def run(query, key, value, slot_mapping, block_tables, context_lens, query_start_loc, sinks=None, **attrs):
+        if sinks is None:
+            return (attention(attrs, query, key, value, slot_mapping, block_tables, context_lens, query_start_loc),)
+        return (attention(attrs, query, key, value, slot_mapping, block_tables, context_lens, query_start_loc,
+                          sinks=sinks),)
     return run

@@ -82,6 +82,8 @@ def check_case(inputs, caches, attrs, *, atol: dict, act="fp32", cache="fp32", s
     k_before, v_before = k_ker.clone(), v_ker.clone()
 
     expected = reference.paged_attention(**ref_in, k_cache=k_ref, v_cache=v_ref, **attrs)
+    if attrs.get("sinks") is not None:  # attention sinks: numpy for the reference, a tensor for the kernel
+        attrs = {**attrs, "sinks": torch.from_numpy(np.asarray(attrs["sinks"], dtype=np.float32)).to(device)}
     on_dev = {k: v.to(device) for k, v in tin.items()}
     k_dev, v_dev = k_ker.to(device), v_ker.to(device)
     if "kv_scales" in kernel_kw:

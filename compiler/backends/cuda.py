@@ -321,6 +321,14 @@ class _Lowering:
                 name = self.dtype
             attrs["to"] = name
         inputs = [self.input_name(node, i, v) for i, v in enumerate(node.inputs)]
+        if op == torch_program.ATTENTION_OP and len(node.inputs) > 7 and node.inputs[7] is not None:
+            # Attention sinks: float32 logits [num_heads], what the attention kernels read.
+            sinks = node.inputs[7]
+            if sinks.const_value is None or sinks.producer() is not None:
+                raise UnsupportedError(f"the CUDA backend lowers attention sinks held as a weight only (node "
+                                       f"{node.name} computes them)")
+            inputs[7] = self.weight(sinks, "float32")
+            attrs["has_sinks"] = 1
         if id(node) in self.kv_fp8:
             (k, k_scale), (v, v_scale) = self.kv_fp8[id(node)]
             inputs[1], inputs[2] = k.name, v.name
@@ -390,7 +398,8 @@ def compile_kernels(configs: dict[str, dict], sm: int, dtype: str, cache_dtype: 
             cfg = KernelConfig(num_heads=a["num_heads"], num_kv_heads=a["num_kv_heads"], head_size=a["head_size"],
                                block_size=block_size, scale=float(a["scale"]), act_dtype=_TL[dtype],
                                cache_dtype=_TL[cache_dtype], sliding_window=int(a.get("sliding_window", 0)),
-                               softcap=float(a.get("softcap", 0.0)), block_m=block_m, block_n=64)
+                               softcap=float(a.get("softcap", 0.0)), block_m=block_m, block_n=64,
+                               sinks=bool(a.get("has_sinks", 0)))
             plan.append((key, variant, cfg))
     compiled = aot.compile_many([cfg for _, _, cfg in plan], sm)
     (out_dir / KERNEL_DIR).mkdir(exist_ok=True)

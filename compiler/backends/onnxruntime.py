@@ -134,6 +134,8 @@ def lower(model: ir.Model, attention: str = "native", fusions: frozenset[str] | 
         if node.op_type == OP_TYPE:
             if attention == "pyop":
                 node.domain = ORT_CONTRIB_DOMAIN
+                if len(node.inputs) > 7 and node.inputs[7] is not None:  # attention sinks: the 8-input Python op
+                    node.op_type = OP_TYPE + "Sinks"
         elif node.op_type == ROTARY_OP_TYPE:  # made just above, on the native route only
             continue
         elif node.op_type == "Int4MatMul":

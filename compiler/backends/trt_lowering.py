@@ -170,6 +170,11 @@ def _lower_attention(graph: ir.Graph, node: ir.Node, idx: _StepIndex, masks: dic
     layer, h, hkv, d = attrs["layer_idx"], attrs["num_heads"], attrs["num_kv_heads"], attrs["head_size"]
     if attrs.get("softcap", 0.0):
         raise NotImplementedError("attention logit soft-capping")
+    if len(node.inputs) > 7 and node.inputs[7] is not None:
+        from llmc.errors import UnsupportedError
+
+        raise UnsupportedError("the TensorRT export has no attention sinks (its Attention layer has no sink term); "
+                               "build the CUDA engine instead (--engine cuda)")
     window = int(attrs.get("sliding_window", 0) or 0)
     if window not in masks:
         masks[window] = _mask(idx, ops, window)

@@ -16,6 +16,9 @@ The op first writes every new token's K and V into its slot, then each query row
 causally to its sequence's cached positions ``0..p``. Query head ``h`` reads KV head
 ``h // (num_heads // num_kv_heads)``. Softmax is computed in float32.
 
+An optional last input ``sinks`` ``[num_heads]`` (attention sinks, gpt-oss) adds ``exp(sinks[h])`` to
+every softmax denominator of query head ``h`` and nothing to its value sum.
+
 The KV cache of one layer is two arrays ``[num_blocks, num_kv_heads, block_size, head_size]``
 (layout name ``"blocks_hnd"``) owned by the runtime; the graph never holds it.
 """
@@ -39,3 +42,5 @@ INPUT_NAMES = (
     "context_lens",
     "query_start_loc",
 )
+# The optional input after INPUT_NAMES (index 7): attention-sink logits, one per query head.
+SINKS_INPUT = "sinks"

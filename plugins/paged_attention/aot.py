@@ -36,6 +36,9 @@ SUPPORTED_SMS = (80, 86, 89, 90, 100, 120)
 INDEX_TYPE = "i64"  # slot_mapping, block_tables, context_lens, query_start_loc (the op schema's int64)
 PARAMS = ("query", "key", "value", "slot_mapping", "block_tables", "context_lens", "query_start_loc",
           "k_cache", "v_cache", "kv_scales", "num_seqs", "max_blocks", "out", "k_cache_out", "v_cache_out")
+# Kernels with attention sinks (KernelConfig.sinks) take one more pointer after kv_scales: the float32 logits
+# [num_heads]. Kernels without them keep PARAMS (their sinks_ptr is a constexpr None).
+SINKS_PARAMS = (*PARAMS[:10], "sinks", *PARAMS[10:])
 GRID_RULE = "(cdiv(num_tokens, block_q) + num_seqs, num_kv_heads, 1)"
 SHARED_MEM_LIMIT = 48 * 1024  # bytes a launch may use without cuFuncSetAttribute
 
@@ -67,15 +70,24 @@ class AotKernel:
         return (-(-num_tokens // self.block_q) + num_seqs, self.num_kv_heads, 1)
 
 
+def params_for(cfg) -> tuple[str, ...]:
+    """The launch parameters of a kernel compiled for ``cfg``: :data:`PARAMS`, or :data:`SINKS_PARAMS` with sinks."""
+    return SINKS_PARAMS if getattr(cfg, "sinks", False) else PARAMS
+
+
 def _signature(cfg) -> tuple[dict, dict]:
     act, cache = cfg.act_dtype, cfg.cache_dtype
     ptr = {"q_ptr": act, "k_ptr": act, "v_ptr": act, "slot_ptr": INDEX_TYPE, "bt_ptr": INDEX_TYPE,
            "ctx_ptr": INDEX_TYPE, "qsl_ptr": INDEX_TYPE, "k_cache_ptr": cache, "v_cache_ptr": cache,
            "kv_scale_ptr": "fp32"}
+    if cfg.sinks:
+        ptr["sinks_ptr"] = "fp32"
     signature = {k: f"*{v}" for k, v in ptr.items()}
     signature.update(num_seqs="i32", max_blocks="i32", out_ptr=f"*{act}", k_cache_out_ptr=f"*{cache}",
                      v_cache_out_ptr=f"*{cache}")
     constexprs = {"part_m_ptr": None, "part_l_ptr": None, "part_acc_ptr": None, **cfg.constexprs()}
+    if not cfg.sinks:
+        constexprs["sinks_ptr"] = None
     for name in constexprs:
         signature[name] = "constexpr"
     return signature, constexprs
@@ -106,6 +118,7 @@ def _triton_compile(fn, cfg, target):
     import triton
 
     signature, constexprs = _signature(cfg)
+    signature = {name: signature[name] for name in fn.arg_names if name in signature}  # the kernel's order
     # Every pointer is 16-byte aligned (TensorRT and torch allocations are 256-byte aligned, and
     # rows are whole heads): lets Triton vectorise loads, as its JIT does after checking.
     attrs = {(i,): [["tt.divisibility", 16]] for i, v in enumerate(signature.values()) if v.startswith("*")}
@@ -135,11 +148,12 @@ def _compile_here(cfg, sm: int) -> AotKernel:
     if getattr(md, "global_scratch_size", 0) or getattr(md, "profile_scratch_size", 0):
         raise RuntimeError(f"the kernel needs scratch memory (global {md.global_scratch_size} B, profile "
                            f"{md.profile_scratch_size} B), which a TensorRT AOT plugin cannot provide")
-    ptx = strip_hidden_params(compiled.asm["ptx"], md.name, len(PARAMS))
+    params = params_for(cfg)
+    ptx = strip_hidden_params(compiled.asm["ptx"], md.name, len(params))
     found = re.search(r"^\.target\s+(\S+)", ptx, re.M)
     config = dataclasses.asdict(cfg)
     return AotKernel(name=md.name, ptx=ptx, sm=sm, target=found.group(1) if found else "", num_warps=md.num_warps,
-                     shared_mem=md.shared, block_q=cfg.block_q, num_kv_heads=cfg.num_kv_heads, params=PARAMS,
+                     shared_mem=md.shared, block_q=cfg.block_q, num_kv_heads=cfg.num_kv_heads, params=params,
                      grid_rule=GRID_RULE, config=config, triton_version=triton.__version__)
 
 

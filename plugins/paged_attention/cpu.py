@@ -59,8 +59,11 @@ def paged_attention_cpu(
     scale: float,
     sliding_window: int = 0,
     softcap: float = 0.0,
+    sinks: np.ndarray | None = None,
 ) -> np.ndarray:
-    """Write the new K/V into the caches, then attend. Returns ``[T, num_heads * head_size]`` float32."""
+    """Write the new K/V into the caches, then attend. Returns ``[T, num_heads * head_size]`` float32.
+
+    ``sinks``: None, or ``[num_heads]`` attention-sink logits (converted to float32)."""
     return load_kernel().forward(
         query,
         key,
@@ -76,6 +79,7 @@ def paged_attention_cpu(
         float(scale),
         int(sliding_window),
         float(softcap),
+        None if sinks is None else np.ascontiguousarray(sinks, dtype=np.float32).reshape(-1),
     )
 
 

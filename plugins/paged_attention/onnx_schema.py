@@ -9,7 +9,7 @@ from __future__ import annotations
 import onnx
 from onnx.defs import OpSchema
 
-from llmc.plugins.paged_attention import DOMAIN, INPUT_NAMES, OP_TYPE, OPSET_VERSION
+from llmc.plugins.paged_attention import DOMAIN, INPUT_NAMES, OP_TYPE, OPSET_VERSION, SINKS_INPUT
 
 ATTRIBUTES = {
     "layer_idx": OpSchema.AttrType.INT,
@@ -31,6 +31,9 @@ def register() -> None:
         OpSchema.FormalParameter(name, float_like if i < 3 else "tensor(int64)")
         for i, name in enumerate(INPUT_NAMES)
     ]
+    # Attention sinks [num_heads] (gpt-oss): a learned logit per query head in every softmax denominator.
+    optional = OpSchema.FormalParameterOption.Optional
+    inputs.append(OpSchema.FormalParameter(SINKS_INPUT, float_like, param_option=optional))
     schema = OpSchema(
         OP_TYPE,
         DOMAIN,

@@ -68,6 +68,40 @@ def _paged_attention(query, key, value, slot_mapping, block_tables, context_lens
     )
 
 
+# A node with attention sinks (an 8th input) moves to this op: onnxruntime-extensions' Python ops have no
+# optional inputs.
+SINKS_OP_TYPE = OP_TYPE + "Sinks"
+
+
+@onnx_op(
+    op_type=SINKS_OP_TYPE,
+    domain=ORT_DOMAIN,
+    inputs=[_F, _F, _F, _I, _I, _I, _I, _F],
+    outputs=[_F],
+    attrs={
+        "layer_idx": PyCustomOpDef.dt_int64,
+        "num_heads": PyCustomOpDef.dt_int64,
+        "num_kv_heads": PyCustomOpDef.dt_int64,
+        "head_size": PyCustomOpDef.dt_int64,
+        "scale": PyCustomOpDef.dt_float,
+        "sliding_window": PyCustomOpDef.dt_int64,
+        "softcap": PyCustomOpDef.dt_float,
+    },
+)
+def _paged_attention_sinks(query, key, value, slot_mapping, block_tables, context_lens, query_start_loc, sinks,
+                           **attrs):
+    k_cache, v_cache = kv_binding.layer_cache(int(attrs["layer_idx"]))
+    return _kernel(
+        query, key, value, slot_mapping, block_tables, context_lens, query_start_loc, k_cache, v_cache,
+        num_heads=int(attrs["num_heads"]),
+        num_kv_heads=int(attrs["num_kv_heads"]),
+        scale=float(attrs["scale"]),
+        sliding_window=int(attrs.get("sliding_window", 0)),
+        softcap=float(attrs.get("softcap", 0.0)),
+        sinks=sinks,
+    )
+
+
 def library_path() -> str:
     """The onnxruntime-extensions library that hosts the Python custom ops."""
     return get_library_path()

@@ -38,16 +38,24 @@ def paged_attention(
     scale: float,
     sliding_window: int = 0,
     softcap: float = 0.0,
+    sinks: np.ndarray | None = None,
 ) -> np.ndarray:
     """Write the new K/V into the caches, then attend. Returns ``[T, num_heads * head_size]``.
 
     ``sliding_window`` > 0 limits each query to its last ``sliding_window`` positions;
     ``softcap`` > 0 applies ``softcap * tanh(scores / softcap)`` before the softmax.
+    ``sinks`` ``[num_heads]`` (attention sinks, gpt-oss): one logit per query head that joins every
+    softmax denominator of that head and adds nothing to the value sum,
+    ``p_j = exp(s_j) / (sum_k exp(s_k) + exp(sinks[h]))``, in float32 (transformers' gpt_oss
+    ``eager_attention_forward``: the sink is a last column of the logits, dropped after the softmax).
     """
     write_kv(key, value, slot_mapping, k_cache, v_cache)
     _, hkv, block_size, d = k_cache.shape
     assert hkv == num_kv_heads
     group = num_heads // num_kv_heads
+    if sinks is not None:
+        sinks = np.asarray(sinks, dtype=np.float32).reshape(-1)
+        assert sinks.shape == (num_heads,), f"sinks must have one logit per query head ({num_heads}), got {sinks.shape}"
     out = np.zeros((query.shape[0], num_heads * d), dtype=query.dtype)
     for s in range(len(context_lens)):
         start, end = int(query_start_loc[s]), int(query_start_loc[s + 1])
@@ -71,9 +79,15 @@ def paged_attention(
             if sliding_window > 0:
                 allowed &= pos_k > pos_q - sliding_window
             scores = np.where(allowed, scores, -np.inf)
-            scores -= scores.max(axis=-1, keepdims=True)
+            top = scores.max(axis=-1, keepdims=True)
+            if sinks is not None:
+                top = np.maximum(top, sinks[h])
+            scores -= top
             p = np.exp(scores)
-            p /= p.sum(axis=-1, keepdims=True)
+            denom = p.sum(axis=-1, keepdims=True)
+            if sinks is not None:
+                denom = denom + np.exp(sinks[h] - top)
+            p /= denom
             out[start:end, h * d : (h + 1) * d] = (p @ vh).astype(query.dtype)
     return out
 
@@ -94,7 +108,8 @@ def rotate_half(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, num_heads: int)
 def rotary_paged_attention(qkv: np.ndarray, cos: np.ndarray, sin: np.ndarray, slot_mapping: np.ndarray,
                            block_tables: np.ndarray, context_lens: np.ndarray, query_start_loc: np.ndarray,
                            k_cache: np.ndarray, v_cache: np.ndarray, *, num_heads: int, num_kv_heads: int,
-                           scale: float, sliding_window: int = 0, softcap: float = 0.0) -> np.ndarray:
+                           scale: float, sliding_window: int = 0, softcap: float = 0.0,
+                           sinks: np.ndarray | None = None) -> np.ndarray:
     """``RotaryPagedAttention``: split ``qkv [..., T, (H + 2*Hkv) * D]`` into Q, K, V; rotate Q and K by
     ``cos``/``sin`` ``[..., T, D/2]``; then :func:`paged_attention`. Returns ``[T, H * D]``."""
     d = k_cache.shape[-1]
@@ -103,4 +118,5 @@ def rotary_paged_attention(qkv: np.ndarray, cos: np.ndarray, sin: np.ndarray, sl
     q, k, v = np.split(x, [num_heads * d, (num_heads + num_kv_heads) * d], axis=-1)
     return paged_attention(rotate_half(q, c, s, num_heads), rotate_half(k, c, s, num_kv_heads), v, slot_mapping,
                            block_tables, context_lens, query_start_loc, k_cache, v_cache, num_heads=num_heads,
-                           num_kv_heads=num_kv_heads, scale=scale, sliding_window=sliding_window, softcap=softcap)
+                           num_kv_heads=num_kv_heads, scale=scale, sliding_window=sliding_window, softcap=softcap,
+                           sinks=sinks)

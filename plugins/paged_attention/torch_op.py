@@ -29,6 +29,7 @@ def paged_attention(
     scale: float,
     sliding_window: int,
     softcap: float,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     k_cache, v_cache = kv_binding.layer_cache(layer_idx)
     out = reference.paged_attention(
@@ -44,6 +45,7 @@ def paged_attention(
         scale=scale,
         sliding_window=sliding_window,
         softcap=softcap,
+        sinks=None if sinks is None else sinks.detach().float().numpy(),
     )
     return torch.from_numpy(np.ascontiguousarray(out)).to(query.dtype)
 
@@ -68,19 +70,18 @@ def onnx_translation(
     scale: float,
     sliding_window: int,
     softcap: float,
+    sinks=None,
 ):
-    """Lowering for ``torch.onnx.export(custom_translation_table=...)``: one ``llmc.PagedAttention`` node."""
+    """Lowering for ``torch.onnx.export(custom_translation_table=...)``: one ``llmc.PagedAttention`` node
+    (attention sinks, when given, as its optional last input)."""
     import onnxscript
 
     opset = onnxscript.values.Opset(DOMAIN, OPSET_VERSION)
+    inputs = [query, key, value, slot_mapping, block_tables, context_lens, query_start_loc]
+    if sinks is not None:
+        inputs.append(sinks)
     return getattr(opset, OP_TYPE)(
-        query,
-        key,
-        value,
-        slot_mapping,
-        block_tables,
-        context_lens,
-        query_start_loc,
+        *inputs,
         layer_idx=layer_idx,
         num_heads=num_heads,
         num_kv_heads=num_kv_heads,

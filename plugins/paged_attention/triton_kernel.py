@@ -3,8 +3,10 @@
 Same semantics as :func:`llmc.plugins.paged_attention.reference.paged_attention` (normative) for
 packed steps that mix prefill chunks and decodes: GQA (query head ``h`` reads KV head
 ``h // (num_heads // num_kv_heads)``), causal masking, optional sliding window and soft-capping,
-the caller's ``scale``; KV caches ``[num_blocks, num_kv_heads, block_size, head_size]`` (layout
-``blocks_hnd``) in the model dtype, in float16 under float32 activations, or in FP8.
+the caller's ``scale``, optional attention sinks (``sinks [num_heads]``: ``exp(sinks[h])`` joins
+head ``h``'s softmax denominator once, after the split-KV combine); KV caches
+``[num_blocks, num_kv_heads, block_size, head_size]`` (layout ``blocks_hnd``) in the model dtype, in
+float16 under float32 activations, or in FP8.
 
 FP8 KV cache (``uint8`` caches holding E4M3FN codes, ``kv_scales = [k_scale, v_scale]`` float32):
 a new row is stored as ``E4M3(x / scale)``, rounded to nearest-even and saturated to ±448 (what
@@ -166,6 +168,8 @@ def _attend(q, k, v, pos, pos_ok, q_pos, m_i, l_i, acc, qk_scale,
 def paged_attention_kernel(
     # inputs
     q_ptr, k_ptr, v_ptr, slot_ptr, bt_ptr, ctx_ptr, qsl_ptr, k_cache_ptr, v_cache_ptr, kv_scale_ptr,
+    # attention-sink logits [NUM_HEADS] (read only when HAS_SINKS; a constexpr None in kernels without them)
+    sinks_ptr,
     # int32 scalars
     num_seqs, max_blocks,
     # outputs (the cache outputs alias the cache inputs; new K/V rows are stored through them)
@@ -176,7 +180,7 @@ def paged_attention_kernel(
     BLOCK_SIZE: tl.constexpr, SCALE: tl.constexpr, SOFTCAP: tl.constexpr, WINDOW: tl.constexpr,
     FP8: tl.constexpr, FP8_NATIVE: tl.constexpr, DOT_TYPE: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_Q_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, HAS_SINKS: tl.constexpr = False,
 ):
     GROUP: tl.constexpr = NUM_HEADS // NUM_KV_HEADS
     tile_id = tl.program_id(0)
@@ -269,7 +273,14 @@ def paged_attention_kernel(
 
     row = (q_start + tok) * NUM_HEADS + head  # index of (token, head)
     if NUM_SPLITS == 1:
-        out = acc * (v_scale / tl.where(l_i > 0, l_i, 1.0))[:, None]
+        if HAS_SINKS:
+            # The sink's exp(sink - m) joins the denominator, against max(m, sink) so neither exponential overflows.
+            sink = tl.load(sinks_ptr + head, mask=row_ok, other=0.0).to(tl.float32)
+            top = tl.maximum(m_i, sink)
+            a = tl.exp(m_i - top)
+            out = acc * (v_scale * a / (l_i * a + tl.exp(sink - top)))[:, None]
+        else:
+            out = acc * (v_scale / tl.where(l_i > 0, l_i, 1.0))[:, None]
         o_off = row[:, None] * HEAD_SIZE + offs_d[None, :]
         tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
     else:
@@ -280,10 +291,11 @@ def paged_attention_kernel(
 
 
 @triton.jit
-def combine_splits_kernel(part_m_ptr, part_l_ptr, part_acc_ptr, kv_scale_ptr, qsl_ptr, num_seqs, out_ptr,
+def combine_splits_kernel(part_m_ptr, part_l_ptr, part_acc_ptr, kv_scale_ptr, qsl_ptr, num_seqs, out_ptr, sinks_ptr,
                           NUM_HEADS: tl.constexpr, HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr,
-                          NUM_SPLITS: tl.constexpr, FP8: tl.constexpr):
-    """out[t, h] = sum_i exp(m_i - M) acc_i / sum_i exp(m_i - M) l_i over the splits of row (t, h)."""
+                          NUM_SPLITS: tl.constexpr, FP8: tl.constexpr, HAS_SINKS: tl.constexpr = False):
+    """out[t, h] = sum_i exp(m_i - M) acc_i / sum_i exp(m_i - M) l_i over the splits of row (t, h); with sinks,
+    ``exp(sinks[h] - M)`` joins the denominator here, once (the splits hold plain partial sums)."""
     t = tl.program_id(0)
     if t >= tl.load(qsl_ptr + num_seqs):
         return  # padding row: left as the caller initialised it
@@ -297,8 +309,14 @@ def combine_splits_kernel(part_m_ptr, part_l_ptr, part_acc_ptr, kv_scale_ptr, qs
     acc = tl.load(part_acc_ptr + (row * NUM_SPLITS + offs_s)[:, None] * HEAD_SIZE + offs_d[None, :],
                   mask=d_ok[None, :], other=0.0)
     m_max = tl.max(m, 0)  # finite: the split holding the row's own position saw it
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + h).to(tl.float32)
+        m_max = tl.maximum(m_max, sink)
     w = tl.where(m == float("-inf"), 0.0, tl.exp(m - m_max))
-    out = tl.sum(acc * w[:, None], 0) / tl.sum(lsum * w, 0)
+    denom = tl.sum(lsum * w, 0)
+    if HAS_SINKS:
+        denom = denom + tl.exp(sink - m_max)
+    out = tl.sum(acc * w[:, None], 0) / denom
     if FP8:
         out = out * tl.load(kv_scale_ptr + 1)
     tl.store(out_ptr + row * HEAD_SIZE + offs_d, out.to(out_ptr.dtype.element_ty), mask=d_ok)
@@ -333,6 +351,7 @@ class KernelConfig:
     num_stages: int = 2
     interpret: bool = False
     fp8_native: bool = False  # hardware E4M3 -> f16 conversion (sm_89+); off in the interpreter
+    sinks: bool = False  # attention sinks: the kernel reads sinks_ptr [num_heads]
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
@@ -374,7 +393,7 @@ class KernelConfig:
             FP8=self.fp8, FP8_NATIVE=self.fp8_native and not self.interpret, DOT_TYPE=self.dot_type(),
             PRECISION="ieee" if self.dot_type() == tl.float32 else "tf32",
             BLOCK_M=self.block_m, BLOCK_Q=self.block_q, BLOCK_Q_PAD=triton.next_power_of_2(self.block_q),
-            BLOCK_N=self.block_n, NUM_SPLITS=self.num_splits,
+            BLOCK_N=self.block_n, NUM_SPLITS=self.num_splits, HAS_SINKS=self.sinks,
         )
 
     def grid(self, num_tokens: int, num_seqs: int) -> tuple[int, int, int]:
@@ -432,7 +451,8 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, nu
 def paged_attention(query, key, value, slot_mapping, block_tables, context_lens, query_start_loc,
                     k_cache, v_cache, *, num_heads: int, num_kv_heads: int, scale: float,
                     sliding_window: int = 0, softcap: float = 0.0, kv_scales=None, num_splits: int = 1,
-                    block_m: int | None = None, block_n: int | None = None, num_warps: int = 4, out=None):
+                    block_m: int | None = None, block_n: int | None = None, num_warps: int = 4, out=None,
+                    sinks=None):
     """Write the new K/V into the caches in place, then attend. Returns ``[T, num_heads * head_size]``.
 
     Torch tensors, all on one device (CUDA, or CPU to run under the Triton interpreter):
@@ -441,7 +461,8 @@ def paged_attention(query, key, value, slot_mapping, block_tables, context_lens,
     int32), caches ``[num_blocks, Hkv, block_size, D]`` contiguous, in the activation dtype,
     float16, or ``uint8``/``float8_e4m3fn`` for an FP8 cache with ``kv_scales`` = ``[k_scale,
     v_scale]`` (float32 tensor, or a pair of floats). ``num_splits > 1`` splits each sequence's
-    context over that many programs (see :func:`choose_num_splits`). Output dtype = query's.
+    context over that many programs (see :func:`choose_num_splits`). ``sinks``: None, or attention-sink
+    logits ``[num_heads]`` (any float dtype, read as float32). Output dtype = query's.
     """
     import torch
 
@@ -469,8 +490,12 @@ def paged_attention(query, key, value, slot_mapping, block_tables, context_lens,
         cache_dtype=_TORCH_TO_TL[str(k_cache.dtype).split(".")[-1]], sliding_window=sliding_window,
         softcap=softcap, block_m=block_m or (16 if decode_only else 64),
         block_n=block_n or (32 if interpret else 64), num_splits=num_splits, num_warps=num_warps,
-        interpret=interpret, fp8_native=fp8_native,
+        interpret=interpret, fp8_native=fp8_native, sinks=sinks is not None,
     )
+    if sinks is not None:
+        sinks = sinks.reshape(-1).contiguous()
+        if sinks.shape[0] != num_heads:
+            raise ValueError(f"sinks must have one logit per query head ({num_heads}), got shape {tuple(sinks.shape)}")
     mod = kernels(interpret)
     if out is None:
         out = torch.zeros((t_rows, num_heads * head_size), dtype=query.dtype, device=query.device)
@@ -485,13 +510,14 @@ def paged_attention(query, key, value, slot_mapping, block_tables, context_lens,
     consts = cfg.constexprs()
     mod.paged_attention_kernel[cfg.grid(t_rows, s_count)](
         query, key, value, slot_mapping, block_tables, context_lens, query_start_loc, k_cache, v_cache,
-        kv_scales, s_count, block_tables.shape[1], out, k_cache, v_cache, *parts,
+        kv_scales, sinks, s_count, block_tables.shape[1], out, k_cache, v_cache, *parts,
         **consts, num_warps=num_warps, num_stages=cfg.num_stages,
     )
     if num_splits > 1:
         mod.combine_splits_kernel[(t_rows, num_heads)](
-            *parts, kv_scales, query_start_loc, s_count, out, NUM_HEADS=num_heads, HEAD_SIZE=head_size,
-            HEAD_PAD=consts["HEAD_PAD"], NUM_SPLITS=num_splits, FP8=fp8, num_warps=num_warps,
+            *parts, kv_scales, query_start_loc, s_count, out, sinks, NUM_HEADS=num_heads, HEAD_SIZE=head_size,
+            HEAD_PAD=consts["HEAD_PAD"], NUM_SPLITS=num_splits, FP8=fp8, HAS_SINKS=sinks is not None,
+            num_warps=num_warps,
         )
     return out
 

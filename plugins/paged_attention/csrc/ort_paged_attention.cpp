@@ -160,12 +160,22 @@ struct Tensor {
     std::vector<int64_t> dims;
 };
 
-Tensor input(OrtKernelContext* ctx, size_t i, const char* name) {
+// Input i, or (optional inputs, `optional`) an empty Tensor (data nullptr) when the node omits it.
+Tensor input(OrtKernelContext* ctx, size_t i, const char* name, bool optional = false) {
+    if (optional) {
+        size_t count = 0;
+        check(api_fn<OrtStatus* (*)(const OrtKernelContext*, size_t*)>(kKernelContext_GetInputCount)(ctx, &count),
+              name);
+        if (i >= count) return Tensor{};
+    }
     const OrtValue* value = nullptr;
     check(api_fn<OrtStatus* (*)(const OrtKernelContext*, size_t, const OrtValue**)>(kKernelContext_GetInput)(
               ctx, i, &value),
           name);
-    if (value == nullptr) throw Error(std::string(name) + " is missing");
+    if (value == nullptr) {
+        if (optional) return Tensor{};
+        throw Error(std::string(name) + " is missing");
+    }
     OrtTensorTypeAndShapeInfo* info = nullptr;
     check(api_fn<OrtStatus* (*)(const OrtValue*, OrtTensorTypeAndShapeInfo**)>(kGetTensorTypeAndShape)(value, &info),
           name);
@@ -232,6 +242,13 @@ void attend(const Kernel& k, OrtKernelContext* ctx, llmc_pa::Args& a) {
     require_rank(tables, 2, "block_tables");
     require_rank(ctx_lens, 1, "context_lens");
     require_rank(qsl, 1, "query_start_loc");
+    // Optional input 7: attention sinks, one float32 logit per query head.
+    const Tensor sinks = input(ctx, 7, "sinks", true);
+    if (sinks.data != nullptr && (sinks.dims.size() != 1 || sinks.dims[0] != k.num_heads)) {
+        throw Error("sinks must have shape (" + std::to_string(k.num_heads) + ",) = (num_heads,), got " +
+                    dims_str(sinks.dims));
+    }
+    a.sinks = static_cast<const float*>(sinks.data);
     {
         std::lock_guard<std::mutex> lock(g_pool_mutex);
         const int64_t layers = static_cast<int64_t>(g_pool.k.size());
@@ -292,7 +309,7 @@ void attend(const Kernel& k, OrtKernelContext* ctx, llmc_pa::Args& a) {
 }
 
 // llmc::PagedAttention(query [T, H*D], key [T, Hkv*D], value [T, Hkv*D], slot_mapping, block_tables,
-// context_lens, query_start_loc) -> [T, H*D].
+// context_lens, query_start_loc[, sinks [H]]) -> [T, H*D].
 void compute(void* kernel, OrtKernelContext* ctx) {
     const Kernel& k = *static_cast<const Kernel*>(kernel);
     const Tensor q = input(ctx, 0, "query"), key = input(ctx, 1, "key"), value = input(ctx, 2, "value");
@@ -365,11 +382,14 @@ void compute_rotary(void* kernel, OrtKernelContext* ctx) {
 // ---------------------------------------------------------------------------------------------
 // The ops' schemas.
 
-// What both ops share: one float output, every input and output required, on the CPU provider.
+// What the ops share: one float output, every input and output required (but the attention ops' sinks), on the
+// CPU provider.
 const char* op_provider(const OrtCustomOpV13*) { return nullptr; }
 int32_t op_output_type(const OrtCustomOpV13*, size_t) { return kOrtFloat; }
 size_t op_output_count(const OrtCustomOpV13*) { return 1; }
 int32_t op_required(const OrtCustomOpV13*, size_t) { return 0; }
+// The attention ops' inputs: 0-6 required, 7 (sinks) optional (OrtCustomOpInputOutputCharacteristic 1).
+int32_t attention_input_characteristic(const OrtCustomOpV13*, size_t i) { return i == 7 ? 1 : 0; }
 int32_t op_default_memory(const OrtCustomOpV13*, size_t) { return 0; }
 
 // An op of that shape; the rest of its schema and its kernel as given.
@@ -377,7 +397,8 @@ OrtCustomOpV13 make_op(const char* (*name)(const OrtCustomOpV13*),
                        int32_t (*input_type)(const OrtCustomOpV13*, size_t),
                        size_t (*input_count)(const OrtCustomOpV13*),
                        void* (*create)(const OrtCustomOpV13*, const OrtApi*, const OrtKernelInfo*),
-                       void (*compute_fn)(void*, OrtKernelContext*), void (*destroy)(void*)) {
+                       void (*compute_fn)(void*, OrtKernelContext*), void (*destroy)(void*),
+                       int32_t (*input_characteristic)(const OrtCustomOpV13*, size_t) = op_required) {
     OrtCustomOpV13 op{};
     op.version = kOrtApiVersion;
     op.CreateKernel = create;
@@ -389,23 +410,24 @@ OrtCustomOpV13 make_op(const char* (*name)(const OrtCustomOpV13*),
     op.GetOutputTypeCount = op_output_count;
     op.KernelCompute = compute_fn;
     op.KernelDestroy = destroy;
-    op.GetInputCharacteristic = op_required;
+    op.GetInputCharacteristic = input_characteristic;
     op.GetOutputCharacteristic = op_required;
     op.GetInputMemoryType = op_default_memory;
     return op;
 }
 
-// PagedAttention: 3 float inputs (query, key, value), 4 int64 inputs.
+// PagedAttention: 3 float inputs (query, key, value), 4 int64 inputs, then the optional float sinks.
 const char* op_name(const OrtCustomOpV13*) { return "PagedAttention"; }
-int32_t op_input_type(const OrtCustomOpV13*, size_t i) { return i < 3 ? kOrtFloat : kOrtInt64; }
-size_t op_input_count(const OrtCustomOpV13*) { return 7; }
+int32_t op_input_type(const OrtCustomOpV13*, size_t i) { return i < 3 || i == 7 ? kOrtFloat : kOrtInt64; }
+size_t op_input_count(const OrtCustomOpV13*) { return 8; }
 
-const OrtCustomOpV13 g_op = make_op(op_name, op_input_type, op_input_count, create_kernel, compute, destroy_kernel);
+const OrtCustomOpV13 g_op = make_op(op_name, op_input_type, op_input_count, create_kernel, compute, destroy_kernel,
+                                    attention_input_characteristic);
 
 // RotaryPagedAttention: the same input types and attributes (plus rotary_interleaved, which must be 0).
 const char* rotary_op_name(const OrtCustomOpV13*) { return "RotaryPagedAttention"; }
 const OrtCustomOpV13 g_rotary_op = make_op(rotary_op_name, op_input_type, op_input_count, create_kernel,
-                                           compute_rotary, destroy_kernel);
+                                           compute_rotary, destroy_kernel, attention_input_characteristic);
 
 // ---------------------------------------------------------------------------------------------
 // llmc::Int4MatMul(X float [..., K], W uint8, scales float, mins float) -> float [..., N], attributes

@@ -7,7 +7,9 @@
 //      (slot < 0 = padding, no write; a repeated slot keeps the last row, as in the reference);
 //   2. every query row of a sequence attends causally (optionally within a sliding window,
 //      optionally with a tanh soft-cap on the scores) to the sequence's cached positions,
-//      query head h reading KV head h / (num_heads / num_kv_heads).
+//      query head h reading KV head h / (num_heads / num_kv_heads); optional attention sinks add
+//      exp(sinks[h]) to head h's softmax denominator (once, after any split-K merge) and nothing to
+//      its value sum.
 //
 // Caches are [num_blocks, num_kv_heads, block_size, head_size], float32 (or float16, converted
 // with round-to-nearest-even on write, as numpy does), owned by the caller and never copied.
@@ -179,6 +181,7 @@ struct Problem {
     int64_t num_heads, num_kv_heads, group, head_size, block_size;
     float scale, softcap;
     int64_t window;  // <= 0: none
+    const float* sinks;  // [num_heads] attention-sink logits, or nullptr: none
     bool f16c;       // float16 caches convert with F16C (the AVX2 path on a CPU that has it)
 };
 
@@ -208,6 +211,18 @@ struct Scratch {
 };
 
 using llmc::exp_nonpos;  // ../../csrc/exp_nonpos.h
+
+// The factor that turns a head's unnormalised output `acc` (running max `m`, running sum `l`) into its
+// attention output: 1 / l, or with an attention sink of logit `sink` (sinks != nullptr) the sink's
+// exp(sink - m) joins the denominator: acc / (l + exp(sink - m)), computed against max(m, sink) so that
+// neither exponential overflows (as the reference subtracts the max over the scores and the sink).
+LLMC_INLINE float normaliser(float m, float l, const float* sinks, int64_t head) {
+    if (sinks == nullptr) return 1.0f / l;
+    const float sink = sinks[head];
+    const float top = std::max(m, sink);
+    const float a = std::exp(m - top);
+    return a / (l * a + std::exp(sink - top));
+}
 
 // One block's step of the online softmax of one query head. `s[j0..j1]` holds the block's visible
 // scores (scaled, capped); if their max raises the running max `m`, the running sum `l` and output
@@ -357,7 +372,8 @@ LLMC_INLINE void attend(const Problem& p, const Item& it, Scratch& sc) {
     if (it.part < 0) {
         float* __restrict o = p.out + it.t * (p.num_heads * D) + it.kvh * G * D;
         for (int64_t g = 0; g < G; ++g) {
-            const float inv = 1.0f / l[g];  // l >= 1: the row always sees its own position
+            // l >= 1: the row always sees its own position
+            const float inv = normaliser(m[g], l[g], p.sinks, it.kvh * G + g);
             const float* __restrict ag = acc + g * D;
 #pragma omp simd
             for (int64_t d = 0; d < D; ++d) o[g * D + d] = ag[d] * inv;
@@ -683,7 +699,8 @@ LLMC_INLINE void attend(const Problem& p, const TileItem& it, TileScratch& sc) {
     if (it.part < 0) {
         for (int64_t m = 0; m < M; ++m) {
             float* o = p.out + (it.t0 + m / G) * (p.num_heads * D) + (it.kvh * G + m % G) * D;
-            const float inv = 1.0f / lrow[m];  // l >= 1: the row always sees its own position
+            // l >= 1: the row always sees its own position
+            const float inv = normaliser(mrow[m], lrow[m], p.sinks, it.kvh * G + m % G);
             const float* am = acc + m * D;
             for (int64_t d = 0; d < D; d += 8) store8(o + d, load8(am + d) * inv);
         }
@@ -712,7 +729,8 @@ void merge_tile_parts(const Problem& p, const TileMerge& mg) {
             const float* ac = part + 2 * M + m * D;
             for (int64_t d = 0; d < D; ++d) og[d] += w * ac[d];
         }
-        const float inv = 1.0f / lsum;
+        // The sink joins the merged denominator once (parts hold plain partial sums).
+        const float inv = normaliser(mmax, lsum, p.sinks, mg.kvh * G + m % G);
         for (int64_t d = 0; d < D; ++d) og[d] *= inv;
     }
 }
@@ -804,6 +822,7 @@ struct Args {
     float scale;
     int64_t sliding_window;  // <= 0: none
     float softcap;           // <= 0: none
+    const float* sinks = nullptr;  // [num_heads] attention-sink logits (float32), or nullptr: none
     // Rotary position embedding, rotate-half form (RotaryPagedAttention): row t of query and key is
     // rotated by cos/sin row t, [T, head_size / 2] rows rot_row apart, before anything else; nullptr: none.
     const float* rot_cos = nullptr;
@@ -1057,6 +1076,7 @@ inline void run(const Args& a, int nthreads, Isa isa, const ParallelFor* pf = nu
     p.scale = a.scale;
     p.softcap = a.softcap;
     p.window = sliding_window;
+    p.sinks = a.sinks;
     p.f16c = avx2 && a.half && cpu_has_f16c();
 
     const bool half = a.half;

@@ -119,9 +119,20 @@ py::array_t<float> forward(const py::object& query_obj, const py::object& key_ob
                            const py::object& slot_obj, const py::object& bt_obj, const py::object& ctx_obj,
                            const py::object& qsl_obj, const py::object& kc_obj, const py::object& vc_obj,
                            int64_t num_heads, int64_t num_kv_heads, double scale_d, int64_t sliding_window,
-                           double softcap_d) {
+                           double softcap_d, const py::object& sinks_obj) {
     // --- heads and caches
     llmc_pa::check_heads(num_heads, num_kv_heads);
+    // Attention sinks: None, or one float32 logit per query head.
+    py::array_t<float> sinks;
+    if (!sinks_obj.is_none()) {
+        py::array s = as_ndarray(sinks_obj, "sinks");
+        if (!is_f32(s)) fail("sinks must be float32, got " + dtype_str(s));
+        if (s.ndim() != 1 || s.shape(0) != num_heads) {
+            fail("sinks must have shape (" + std::to_string(num_heads) + ",) = (num_heads,), got " + shape_str(s));
+        }
+        sinks = py::array_t<float, py::array::c_style | py::array::forcecast>::ensure(s);
+        if (!sinks) throw py::error_already_set();
+    }
     py::array k_cache = cache_array(kc_obj, "k_cache");
     py::array v_cache = cache_array(vc_obj, "v_cache");
     if (!k_cache.dtype().equal(v_cache.dtype())) {
@@ -205,6 +216,7 @@ py::array_t<float> forward(const py::object& query_obj, const py::object& key_ob
     a.scale = static_cast<float>(scale_d);
     a.sliding_window = sliding_window;
     a.softcap = static_cast<float>(softcap_d);
+    a.sinks = sinks_obj.is_none() ? nullptr : sinks.data();
     const int nthreads = effective_threads();
     const auto isa = static_cast<llmc_pa::Isa>(g_isa.load());
     {
@@ -223,13 +235,14 @@ PYBIND11_MODULE(_cpu, m) {
     m.def("forward", &forward, py::arg("query"), py::arg("key"), py::arg("value"), py::arg("slot_mapping"),
           py::arg("block_tables"), py::arg("context_lens"), py::arg("query_start_loc"), py::arg("k_cache"),
           py::arg("v_cache"), py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("scale"),
-          py::arg("sliding_window") = 0, py::arg("softcap") = 0.0,
+          py::arg("sliding_window") = 0, py::arg("softcap") = 0.0, py::arg("sinks") = py::none(),
           R"doc(Write the new K/V into k_cache/v_cache in place, then attend; returns [T, num_heads * head_size] float32.
 
 Same semantics as llmc.plugins.paged_attention.reference.paged_attention. query/key/value are float32
 [T, H * head_size]; the caches are C-contiguous, writeable float32 or float16 arrays
 [num_blocks, num_kv_heads, block_size, head_size], used in place (never copied). Metadata arrays are integer
-(int64 preferred). Raises ValueError on any inconsistent shape or out-of-range index, before writing anything.)doc");
+(int64 preferred). sinks: None or float32 [num_heads] attention-sink logits (exp(sinks[h]) joins head h's softmax
+denominator). Raises ValueError on any inconsistent shape or out-of-range index, before writing anything.)doc");
 
     m.def(
         "set_num_threads",
