@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from llmc.compiler.checkpoint import Checkpoint, TensorEntry, read_tensor
-from llmc.errors import LlmcError
+from llmc.errors import LlmcError, UnsupportedError
 
 # Tensors some checkpoints store that no model reads: rotary tables and causal-mask buffers saved by
 # older code. transformers' own list for a model class (``_keys_to_ignore_on_load_unexpected``) is
@@ -49,6 +49,7 @@ class Binding:
     merged: dict[str, tuple[object, dict[str, list[TensorEntry]]]] = field(default_factory=dict)
     unused: list[str] = field(default_factory=list)
     unbound: list[str] = field(default_factory=list)
+    _alias_map: dict[str, list[str]] | None = field(default=None, repr=False)
 
     @property
     def needs_converter(self) -> bool:
@@ -64,6 +65,12 @@ class Binding:
             tied = (getattr(self.hf, "all_tied_weights_keys", None) or {}).get(name)
             if tied is not None and tied != name:
                 entry = self.entries.get(tied)
+        if entry is None:
+            # A module shared by several paths (the same parameter under two names) is stored under one of them.
+            for alias in self._aliases().get(name, ()):
+                entry = self.entries.get(alias)
+                if entry is not None:
+                    break
         if entry is None and getattr(self.hf.config, "tie_word_embeddings", False):
             # A tied output embedding is stored once, under the input embedding's key.
             out_emb, in_emb = self.hf.get_output_embeddings(), self.hf.get_input_embeddings()
@@ -71,6 +78,16 @@ class Binding:
             if out_emb is not None and names.get(id(out_emb.weight)) == name:
                 entry = self.entries.get(next(n for n, p in self.hf.named_parameters() if p is in_emb.weight))
         return entry
+
+    def _aliases(self) -> dict[str, list[str]]:
+        """Parameter name -> the other names of the very same parameter (modules shared between paths)."""
+        if self._alias_map is None:
+            by_id: dict[int, list[str]] = {}
+            for n, p in self.hf.named_parameters(remove_duplicate=False):
+                by_id.setdefault(id(p), []).append(n)
+            self._alias_map = {n: [m for m in names if m != n] for names in by_id.values() if len(names) > 1
+                               for n in names}
+        return self._alias_map
 
     def read(self, name: str) -> np.ndarray:
         """The weight ``name`` as float32, read from disk (merged weights assembled from their sources)."""
@@ -132,6 +149,13 @@ def account(checkpoint: Checkpoint, binding: Binding) -> None:
     state = hf.state_dict()
     parameters = [n for n, _ in hf.named_parameters(remove_duplicate=False)]
     missing = [n for n in parameters if binding.source(n) is None and n not in binding.merged]
+    splits = sorted({src for converter, sources in binding.merged.values()
+                     if len(getattr(converter, "target_patterns", None) or ()) > 1 for src in sources})
+    if missing and splits:  # one stored tensor, several weights of the model (HRM's fused gate/q/k/v)
+        raise UnsupportedError(
+            f"{checkpoint.path}: llmc does not lower checkpoints whose tensors transformers splits into several "
+            f"weights when it loads them ({_few(splits)} -> {_few(missing)}); llmc binds a weight to one tensor or "
+            "assembles it from several, not the reverse")
     if missing:
         raise LlmcError(
             f"{checkpoint.path}: the model that config.json describes needs {_few(missing)} but no safetensors "

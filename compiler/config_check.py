@@ -38,6 +38,8 @@ _POSITIVE = (
 # 0 is transformers' own default for these where the feature is off (qwen2_moe: sliding_window 0 with
 # use_sliding_window false), and the attention lowering reads 0 as "no window".
 _ZERO_MEANS_OFF = frozenset({"sliding_window"})
+# Sizes a family may give per layer, as a list.
+_PER_LAYER_SIZES = frozenset({"intermediate_size"})
 _DTYPE_FIELDS = ("dtype", "torch_dtype")
 _OBJECT_FIELDS = ("text_config", "quantization_config", "rope_scaling", "rope_parameters")
 # Per-layer lists and layer-index lists: transformers iterates them, and a scalar fails as "'bool' object is
@@ -102,6 +104,8 @@ def _check_section(config: dict, cfg_path: Path, prefix: str, tensor_names: list
         if hit is None:
             continue
         name, value = hit
+        if name in _PER_LAYER_SIZES and isinstance(value, list) and value and all(_is_int(v) and v > 0 for v in value):
+            continue  # one size per layer (Gemma 3n's intermediate_size): each entry positive
         least = 0 if name in _ZERO_MEANS_OFF else 1
         if not _is_int(value) or value < least:
             kind = "a non-negative" if least == 0 else "a positive"

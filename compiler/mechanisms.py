@@ -22,13 +22,6 @@ def _alibi(c: dict, model_type: str) -> str | None:
     return None
 
 
-def _sinks(c: dict, model_type: str) -> str | None:
-    if model_type == "gpt_oss":
-        return ("attention sinks (a learned per-head logit in every softmax denominator); llmc's paged attention "
-                "has no sink term")
-    return None
-
-
 def _chunked(c: dict, model_type: str) -> str | None:
     if c.get("attention_chunk_size") is not None:
         return (f"chunked local attention (attention_chunk_size {c['attention_chunk_size']}: tokens see only their "
@@ -36,7 +29,7 @@ def _chunked(c: dict, model_type: str) -> str | None:
     return None
 
 
-RULES: tuple[Callable[[dict, str], str | None], ...] = (_alibi, _sinks, _chunked)
+RULES: tuple[Callable[[dict, str], str | None], ...] = (_alibi, _chunked)
 
 
 def refuse_unlowered(config: dict, model_type: str, cfg_path: Path) -> None:
@@ -58,6 +51,8 @@ def _on(value) -> bool:
 
 
 _FIELDS: tuple[tuple[tuple[str, ...], str], ...] = (
+    (("vision_config", "audio_config", "vq_config", "audio_encoder_config", "vision_tower_config"),
+     "multimodal models (an image or audio encoder beside the text model; llmc builds text-only causal LMs)"),
     (("lambda_std_dev", "lambda_init"), "differential attention (two softmax attention maps subtracted, weighted "
                                         "by a learned lambda)"),
     (("index_topk", "index_n_heads", "indexer_n_heads", "index_topk_blocks", "indexer_types", "indexer_budget"),
@@ -82,11 +77,11 @@ _FIELDS: tuple[tuple[tuple[str, ...], str], ...] = (
 )
 # (substring of a module class name, mechanism), lower case.
 _CLASSES: tuple[tuple[str, str], ...] = (
-    ("diffattention", _FIELDS[0][1]), ("diffllamaattention", _FIELDS[0][1]),
-    ("indexer", _FIELDS[1][1]),
-    ("altup", _FIELDS[5][1]), ("laurel", _FIELDS[6][1]),
-    ("hyperconnection", _FIELDS[7][1]),
-    ("crossattention", _FIELDS[9][1]),
+    ("diffattention", _FIELDS[1][1]), ("diffllamaattention", _FIELDS[1][1]),
+    ("indexer", _FIELDS[2][1]),
+    ("altup", _FIELDS[6][1]), ("laurel", _FIELDS[7][1]),
+    ("hyperconnection", _FIELDS[8][1]),
+    ("crossattention", _FIELDS[10][1]),
     ("lshselfattention", "locality-sensitive-hashing (LSH) attention"),
     ("localselfattention", "chunked local self-attention"),
     ("blocksparse", "block-sparse attention"), ("bigbirdblocksparse", "block-sparse attention"),
@@ -134,7 +129,7 @@ def name_mechanism(config: dict, module_classes=(), error: str = "") -> str | No
         if section.get("use_bidirectional_attention") is True:
             return "bidirectional attention (tokens attend to later tokens)"
         if section.get("add_cross_attention") is True:
-            return _FIELDS[9][1]
+            return _FIELDS[10][1]
         if isinstance(section.get("attn_layers"), list) and "lsh" in section["attn_layers"]:
             return "locality-sensitive-hashing (LSH) attention"
         if section.get("attention_type") == "block_sparse":
