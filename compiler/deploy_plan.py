@@ -135,6 +135,7 @@ class Plan:
     allreduce_bytes_per_token: int = 0
     allreduce_ring_bytes_per_gpu: int = 0
     allreduce_s_per_token: float | None = None
+    weights_bytes_if_experts_quantized: int | None = None
 
 
 # -- reading the config -----------------------------------------------------------------------------------------
@@ -185,7 +186,10 @@ def model_from_config(cfg: dict, where: Path) -> Model:
     heads = _int(cfg, "num_attention_heads", where)
     vocab = _int(cfg, "vocab_size", where)
     kv_heads = _int(cfg, "num_key_value_heads", where, default=heads)
-    head_dim = _int(cfg, "head_dim", where, default=hidden // heads if hidden % heads == 0 else None)
+    if cfg.get("head_dim") is None and hidden % heads:
+        raise LlmcError(f"{where}: field 'head_dim' is missing and hidden_size {hidden} is not a multiple of "
+                        f"num_attention_heads {heads}; give head_dim")
+    head_dim = _int(cfg, "head_dim", where, default=hidden // heads)
     max_pos = cfg.get("max_position_embeddings")
     max_pos = max_pos if isinstance(max_pos, int) and not isinstance(max_pos, bool) and max_pos > 0 else None
     notes: list[str] = []
@@ -461,12 +465,14 @@ def expert_fraction(model: Model, batch: int) -> float:
     return 1.0 - (1.0 - model.experts_per_token / model.num_experts) ** batch
 
 
-def weight_bytes(model: Model, tp: int, quant: str) -> dict[str, int]:
-    """Bytes of one GPU's weights by tensor class (:data:`CLASSES`)."""
+def weight_bytes(model: Model, tp: int, quant: str, experts_quantized: bool = False) -> dict[str, int]:
+    """Bytes of one GPU's weights by tensor class (:data:`CLASSES`). ``experts_quantized``: as if the recipe
+    stored the experts' matrices as it stores linears (the CPU engine's INT4 form does; GPU builds do not yet)."""
     out = dict.fromkeys(CLASSES, 0)
     for t in model.tensors:
         e, n, k = shard(t, tp)
-        out[t.cls] += t.copies * tensor_bytes(t.kind, e, n, k, quant)
+        kind = "linear" if experts_quantized and t.kind == "experts" else t.kind
+        out[t.cls] += t.copies * tensor_bytes(kind, e, n, k, quant)
     return out
 
 
@@ -510,6 +516,8 @@ def plan(model: Model, target, tp: int, quant: str = "none", kv_cache_dtype: str
     p.usable_bytes = int(gpu_memory_utilization * p.memory_bytes)
     p.weights_by_class = weight_bytes(model, tp, quant)
     p.weights_bytes = sum(p.weights_by_class.values())
+    if model.num_experts and quant != "none":
+        p.weights_bytes_if_experts_quantized = sum(weight_bytes(model, tp, quant, experts_quantized=True).values())
     p.reserve_bytes = activation_reserve(model.vocab_size)
     p.kv_budget_bytes = p.usable_bytes - p.weights_bytes - p.reserve_bytes
     kv_b = 1 if kv_cache_dtype == "fp8" else ENGINE_DTYPE_BYTES
@@ -518,10 +526,10 @@ def plan(model: Model, target, tp: int, quant: str = "none", kv_cache_dtype: str
     p.kv_tokens = p.kv_blocks * BLOCK_SIZE
     p.max_batch = p.kv_blocks // -(-max_model_len // BLOCK_SIZE)
     bw = target.memory_bandwidth_gbps * 1e9
-    # batch 1 at max_model_len, or at what fits when less does
-    p.decode_b1_context = min(max_model_len, p.kv_tokens)
-    p.decode_b1_bytes = step_weight_read(model, tp, quant, 1) + kv_read_bytes(model, tp, kv_b, p.decode_b1_context)
-    p.decode_b1_s = p.decode_b1_bytes / bw
+    if p.kv_tokens:  # batch 1 at max_model_len, or at what fits when less does
+        p.decode_b1_context = min(max_model_len, p.kv_tokens)
+        p.decode_b1_bytes = step_weight_read(model, tp, quant, 1) + kv_read_bytes(model, tp, kv_b, p.decode_b1_context)
+        p.decode_b1_s = p.decode_b1_bytes / bw
     if p.max_batch:
         b = p.max_batch
         p.decode_bmax_bytes = step_weight_read(model, tp, quant, b) + b * kv_read_bytes(model, tp, kv_b, max_model_len)
@@ -633,8 +641,12 @@ def report(path: str | Path, gpu: str, tp: str = "1", quant: str = "none", kv_ca
         notes.append("nvfp4: the CUDA engine has no NVFP4 kernels yet (llmc build refuses it; --engine tensorrt "
                      "exports it); the figures are what the recipe stores")
     if quant != "none" and model.num_experts:
+        first = next((p for p in rows if p.ok), None)
+        were = (f"; were they stored as {quant}, {first.gpu} tp {first.tp} would hold "
+                f"{fmt_bytes(first.weights_bytes_if_experts_quantized)} per GPU, not "
+                f"{fmt_bytes(first.weights_bytes)}" if first else "")
         notes.append(f"--quant {quant}: the experts' batched weights stay bfloat16 in GPU builds (the quantize pass "
-                     "rewrites them only for the CPU engine), as do the routers")
+                     f"rewrites them only for the CPU engine), as do the routers{were}")
     if model.max_position_embeddings and max_model_len > model.max_position_embeddings:
         notes.append(f"--max-model-len {max_model_len} is beyond max_position_embeddings "
                      f"{model.max_position_embeddings}")
@@ -700,7 +712,7 @@ def render(rep: dict) -> str:
             f"{fmt_bytes(w['mlp'] + w['experts'] + w['router']):>9} {fmt_bytes(w['embeddings']):>9} "
             f"{fmt_bytes(w['lm_head']):>9} {fmt_bytes(p['kv_bytes_per_token']):>9} "
             f"{(format(p['kv_tokens'], ',') if fits else 'no room'):>10} {p['max_batch']:>6} "
-            f"{fmt_seconds(p['decode_b1_s']):>10} {bmax:>11} {ar:>18}")
+            f"{(fmt_seconds(p['decode_b1_s']) if fits else '-'):>10} {bmax:>11} {ar:>18}")
     lines.append("")
     lines.append("weights/GPU includes norms and other vectors; KV room = utilization x memory - weights - reserve "
                  "(1 GiB + 2048 x vocab x 8 B); decode = HBM roofline, bytes read per step / bandwidth; "
