@@ -48,6 +48,8 @@ QUANTS = ("none", "fp8", "int4", "int4-awq", "nvfp4")
 KV_DTYPES = ("fp8",)
 GiB = 1 << 30
 
+# Model types whose MLP is one up projection and one down (no gate); every other MLP is gated (SwiGLU, GeGLU).
+_UNGATED_MLP = ("phi", "gpt_neox", "starcoder2", "falcon", "gpt_bigcode", "gpt2", "opt", "bloom", "mpt")
 # Tensor classes, in the order tables show them.
 CLASSES = ("attention", "mlp", "experts", "router", "embeddings", "lm_head", "other")
 
@@ -288,7 +290,9 @@ def model_from_config(cfg: dict, where: Path) -> Model:
         inter = _int(cfg, "intermediate_size", where)
         if mt.startswith("gemma4") and cfg.get("use_double_wide_mlp") and i in gemma4_shared:
             inter *= 2  # Gemma 4: KV-shared layers' MLPs are twice as wide
-        tensors += [Tensor("mlp", "gate_up_proj", "linear", 1, 2 * inter, hidden, "n"),
+        opens = 1 if mt in _UNGATED_MLP else 2  # gate and up, or one up projection
+        tensors += [Tensor("mlp", "gate_up_proj" if opens == 2 else "up_proj", "linear", 1, opens * inter, hidden,
+                           "n"),
                     Tensor("mlp", "down_proj", "linear", 1, hidden, inter, "k")]
         if cfg.get("mlp_bias"):
             tensors += [Tensor("mlp", "gate_up_bias", "vector", 1, 2 * inter, 1, "n"),
