@@ -49,7 +49,8 @@ KV_DTYPES = ("fp8",)
 GiB = 1 << 30
 
 # Model types whose MLP is one up projection and one down (no gate); every other MLP is gated (SwiGLU, GeGLU).
-_UNGATED_MLP = ("phi", "gpt_neox", "starcoder2", "falcon", "gpt_bigcode", "gpt2", "opt", "bloom", "mpt")
+_UNGATED_MLP = ("phi", "gpt_neox", "starcoder2", "falcon", "gpt_bigcode", "gpt2", "opt", "bloom", "mpt", "nemotron",
+                "apertus")
 # Tensor classes, in the order tables show them.
 CLASSES = ("attention", "mlp", "experts", "router", "embeddings", "lm_head", "other")
 
@@ -108,7 +109,7 @@ class Model:
     @property
     def parameters(self) -> int:
         """Parameters as llmc stores them (elements; a tied embedding once)."""
-        return sum(t.e * t.n * t.k * t.copies for t in self.tensors)
+        return sum(t.e * t.n * t.k * t.copies for t in self.tensors if t.kind != "tied_head")
 
 
 @dataclass
@@ -163,7 +164,9 @@ def read_config(path: str | Path) -> tuple[Path, dict]:
 
 
 def _int(cfg: dict, name: str, where: Path, default: int | None = None, minimum: int = 1) -> int:
-    value = cfg.get(name, default)
+    value = cfg.get(name)
+    if value is None:  # absent, or null as transformers writes an unset field (Mixtral's head_dim)
+        value = default
     if value is None:
         raise LlmcError(f"{where}: field {name!r} is missing; llmc plan needs it (a config.json as transformers "
                         "writes it)")
@@ -197,14 +200,17 @@ def model_from_config(cfg: dict, where: Path) -> Model:
     notes: list[str] = []
     tensors: list[Tensor] = []
     mla = cfg.get("kv_lora_rank") is not None
-    attn_bias = bool(cfg.get("attention_bias", mt in ("qwen2", "qwen2_moe")))
-    qk_norm = mt.startswith(("qwen3", "gemma3", "gemma4", "olmo2", "olmo3"))
+    # biases: Qwen2's on q/k/v only; attention_bias elsewhere (Llama, gpt-oss) on o_proj too
+    qkv_bias = bool(cfg.get("attention_bias")) or mt in ("qwen2", "qwen2_moe")
+    o_bias = bool(cfg.get("attention_bias")) and mt not in ("qwen2", "qwen2_moe")
+    qk_norm = mt.startswith(("qwen3", "gemma3", "gemma4", "olmo2", "olmo3", "apertus"))
+    wide_qk_norm = mt.startswith(("olmo2", "olmo3"))  # a norm over all heads' width, not one head's
 
     # MoE: experts per layer, their intermediate size, experts per token, shared experts.
     n_exp = _first(cfg, "n_routed_experts", "num_local_experts", "num_experts") or 0
     if mt.startswith("gemma4") and not cfg.get("enable_moe_block"):
         n_exp = 0
-    top_k = _first(cfg, "num_experts_per_tok", "experts_per_token", "top_k_experts") or 0
+    top_k = _first(cfg, "num_experts_per_tok", "experts_per_token", "top_k_experts", "moe_topk") or 0
     if n_exp and not top_k:
         raise LlmcError(f"{where}: field 'num_experts_per_tok' is missing; a mixture-of-experts config needs the "
                         "number of experts each token uses")
@@ -215,6 +221,8 @@ def model_from_config(cfg: dict, where: Path) -> Model:
         shared_inter = int(cfg["n_shared_experts"]) * exp_inter
     elif n_exp and cfg.get("shared_expert_intermediate_size"):
         shared_inter = int(cfg["shared_expert_intermediate_size"])
+    elif n_exp and cfg.get("num_shared_expert"):  # Hunyuan MoE
+        shared_inter = int(cfg["num_shared_expert"]) * exp_inter
 
     def is_moe(i: int) -> bool:
         if not n_exp:
@@ -257,17 +265,23 @@ def model_from_config(cfg: dict, where: Path) -> Model:
                 if not k_eq_v:
                     tensors.append(Tensor(a, "v_proj", "linear", 1, lkv * lh, hidden, "kv", heads=lkv))
             tensors.append(Tensor(a, "o_proj", "linear", 1, hidden, heads * lh, "k"))
-            if attn_bias:
+            if qkv_bias:
                 tensors += [Tensor(a, "q_bias", "vector", 1, heads * lh, 1, "n"),
                             Tensor(a, "k_bias", "vector", 1, lkv * lh, 1, "kv", heads=lkv),
-                            Tensor(a, "v_bias", "vector", 1, lkv * lh, 1, "kv", heads=lkv),
-                            Tensor(a, "o_bias", "vector", 1, hidden, 1, None)]
-            if qk_norm:
+                            Tensor(a, "v_bias", "vector", 1, lkv * lh, 1, "kv", heads=lkv)]
+            if o_bias:
+                tensors.append(Tensor(a, "o_bias", "vector", 1, hidden, 1, None))
+            if wide_qk_norm:
+                tensors += [Tensor("other", "q_norm", "vector", 1, heads * lh, 1, "n"),
+                            Tensor("other", "k_norm", "vector", 1, lkv * lh, 1, "kv", heads=lkv)]
+            elif qk_norm:
                 tensors += [Tensor("other", "q_norm", "vector", 1, lh, 1, None),
                             Tensor("other", "k_norm", "vector", 1, lh, 1, None)]
         if mt == "gpt_oss":
             tensors.append(Tensor(a, "sinks", "vector", 1, heads, 1, "n"))
         norms = 4 if mt.startswith(("gemma2", "gemma3", "gemma4")) else 2  # gemma: pre- and post- norms
+        if mt in ("cohere", "cohere2", "cohere2_moe"):
+            norms = 1  # attention and MLP in parallel off one norm
         tensors.append(Tensor("other", "layer_norms", "vector", norms, hidden, 1, None))
         if is_moe(i):
             tensors.append(Tensor("router", "router", "router", 1, n_exp, hidden, None))
@@ -287,7 +301,8 @@ def model_from_config(cfg: dict, where: Path) -> Model:
                     tensors.append(Tensor("router", "shared_expert_gate", "router", 1, 1, hidden, None))
             if not (mt.startswith("gemma4") and cfg.get("enable_moe_block")):
                 continue
-        inter = _int(cfg, "intermediate_size", where)
+        inter = _int(cfg, "intermediate_size", where,
+                     default=(cfg.get("ffn_hidden_size") or 4 * hidden) if mt in _UNGATED_MLP else None)
         if mt.startswith("gemma4") and cfg.get("use_double_wide_mlp") and i in gemma4_shared:
             inter *= 2  # Gemma 4: KV-shared layers' MLPs are twice as wide
         opens = 1 if mt in _UNGATED_MLP else 2  # gate and up, or one up projection
@@ -306,7 +321,9 @@ def model_from_config(cfg: dict, where: Path) -> Model:
         tensors += [Tensor("embeddings", "embed_tokens_per_layer", "embedding", 1, ple_vocab, layers * ple, "vocab"),
                     Tensor("other", "per_layer_model_projection", "linear", 1, layers * ple, hidden, None),
                     Tensor("other", "per_layer_input_gate", "linear", layers, ple, hidden, None),
-                    Tensor("other", "per_layer_projection", "linear", layers, hidden, ple, None)]
+                    Tensor("other", "per_layer_projection", "linear", layers, hidden, ple, None),
+                    Tensor("other", "per_layer_norms", "vector", layers, hidden, 1, None),
+                    Tensor("other", "per_layer_projection_norm", "vector", 1, ple, 1, None)]
         notes.append("Gemma 4: per-layer-input table, projection and gates counted; vision/audio towers not")
     tied = cfg.get("tie_word_embeddings", mt.startswith("gemma"))
     if not tied:

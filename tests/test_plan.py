@@ -300,3 +300,34 @@ def test_errors_are_one_line_with_their_exit_code(configs, tmp_path, args, code,
     assert result.exit_code == code, result.output
     err = result.output.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and needle in err[0], result.output
+
+
+# Families whose tiny configs (llmc.testing.tried_families and alike) the plan must count exactly as transformers
+# builds them: parameters (a tied table once) plus DeepSeek-style e_score_correction_bias buffers, which
+# checkpoints carry.
+COUNTED = {
+    "llama": {}, "qwen3_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "head_dim": 16},
+    "gemma3_text": {"head_dim": 16, "sliding_window": 16}, "gpt_oss": None, "deepseek_v3": None, "qwen2_moe": None,
+}
+
+
+def test_parameter_counts_match_transformers_models():
+    import warnings
+
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from llmc.compiler.deploy_plan import model_from_config
+    from llmc.testing.tried_families import BASE, TRIED_FAMILIES
+
+    for model_type, over in COUNTED.items():
+        kwargs = TRIED_FAMILIES[model_type][0] if over is None else {**BASE, **over}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            cfg = AutoConfig.for_model(model_type, **kwargs)
+            with torch.device("meta"):
+                hf = AutoModelForCausalLM.from_config(cfg)
+        count = sum(p.numel() for p in hf.parameters())
+        count += sum(b.numel() for n, b in hf.named_buffers() if n.endswith("e_score_correction_bias"))
+        planned = model_from_config(json.loads(cfg.to_json_string()), model_type)
+        assert planned.parameters == count, model_type
