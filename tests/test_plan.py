@@ -331,3 +331,19 @@ def test_parameter_counts_match_transformers_models():
         count += sum(b.numel() for n, b in hf.named_buffers() if n.endswith("e_score_correction_bias"))
         planned = model_from_config(json.loads(cfg.to_json_string()), model_type)
         assert planned.parameters == count, model_type
+
+
+def test_kv_layers_are_the_ones_llmcs_frontend_records():
+    """The manifests' kv_cache.layers that tests/test_gemma4.py holds llmc's builds to, from the configs alone."""
+    from llmc.compiler.deploy_plan import model_from_config
+    from llmc.testing.tried_families import TRIED_FAMILIES
+
+    e2b = model_from_config({"model_type": "gemma4_text", **TRIED_FAMILIES["gemma4_text"][0]}, "gemma4_text")
+    assert [e.owner for e in e2b.kv_layers] == [0, 1, 2, 1, 1, 2]  # manifest: [3:] shares 1, 1, 2
+    assert [(e.num_kv_heads, e.head_size) for e in e2b.kv_layers[:3]] == [(2, 16), (2, 16), (2, 32)]
+    moe = {"model_type": "gemma4_text", "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128,
+           "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+           "sliding_window": 16, "layer_types": ["sliding_attention", "full_attention"] * 2,
+           "attention_k_eq_v": True, "num_global_key_value_heads": 1, "global_head_dim": 32,
+           "enable_moe_block": True, "num_experts": 4, "top_k_experts": 2, "moe_intermediate_size": 32}
+    assert [(e.num_kv_heads, e.head_size) for e in model_from_config(moe, "gemma4").kv_layers] == [(2, 16), (1, 32)] * 2
