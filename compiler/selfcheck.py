@@ -311,8 +311,9 @@ def diagnose(twin: dict, ckpt: Path, tmp: Path, build_twin, cuda: bool) -> tuple
                 kind = f" ({twin['layer_types'][k - 1]})" if isinstance(twin.get("layer_types"), list) else ""
                 return f"; the traced graph already differs, first in decoder layer {k - 1}{kind}", k - 1
         last = layers - 1 if isinstance(layers, int) else None
-        where = last if last is not None else "?"
-        return f"; the traced graph already differs, first in decoder layer {where} or after the last layer", last
+        if last is None:  # no layer count this check can cut (mbart's decoder_layers): say what is known
+            return "; the traced graph already differs (its layers could not be cut to find the first)", None
+        return f"; the traced graph already differs, first in decoder layer {last} or after the last layer", last
     except LlmcError as exc:
         log.debug("self-check diagnosis stopped: %s", exc)
         return "", None
@@ -406,7 +407,18 @@ def _scratch_fault(exc: Exception) -> LlmcError | None:
 def _run_twin(twin: dict, model_type: str, key: str, record: Path | None, build_twin, cuda: bool, cacheable: bool,
               t0: float) -> SelfCheckResult:
     with tempfile.TemporaryDirectory(prefix="llmc-selfcheck-") as tmp:
-        ckpt = write_twin(twin, Path(tmp) / "twin")
+        try:
+            ckpt = write_twin(twin, Path(tmp) / "twin")
+        except Exception as exc:
+            if isinstance(exc, OSError) or _scratch_fault(exc) is not None:
+                raise
+            # transformers refuses the shrunk config (sizes this family ties together that llmc shrinks apart):
+            # without a twin the build cannot prove itself, so it stops, saying why.
+            reason = " ".join(f"{type(exc).__name__}: {exc}".split())[:300]
+            raise UnsupportedError(
+                f"architecture self-check for model_type {model_type!r}: llmc cannot make a small random twin of this "
+                f"config ({reason}); the family ties sizes together that the self-check shrinks apart, and llmc "
+                "stops rather than write an engine it has not checked") from None
         engine_dir = Path(tmp) / "engine"
         quiet = logging.getLogger("llmc")
         level = quiet.level

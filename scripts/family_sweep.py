@@ -42,7 +42,9 @@ COMMAND = "python scripts/family_sweep.py"
 PROMPT_LENGTHS = (3, 20, 45)
 GREEDY_TOKENS = 32
 SEED = 0
-TIE_LOGIT_GAP = 1e-3  # a token pair scored closer than this by transformers is a tie, not a mismatch
+# A token pair transformers scores closer than the self-check's tolerance (compiler/selfcheck.py, LOGPROB_ATOL) is a
+# tie, not a mismatch: either token is greedy within what the build's own check holds the engine to.
+TIE_LOGIT_GAP = 2e-3
 MAX_PARAMETERS = 30_000_000  # above this a fixture is not "tiny": the family's defaults need a table entry
 VOCAB = 512
 
