@@ -460,6 +460,7 @@ def render_markdown(data: dict) -> str:
         "the default configuration of each family only; options a family's real checkpoints set differently can "
         "still be refused (or caught by the self-check) when they are built.",
         "",
+        *([meta["note"], ""] if meta.get("note") else []),
         "| model_type | outcome | reason / mechanism |",
         "|---|---|---|",
     ]
@@ -494,6 +495,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--redo-outcomes", help="comma-separated outcomes to run again (e.g. 'internal error')")
     parser.add_argument("--jobs", type=int, default=1, help="families run at the same time (each in its process)")
     parser.add_argument("--keep", type=Path, help="keep each family's checkpoint and engine under this folder")
+    parser.add_argument("--note", help="a sentence about this run, kept in the JSON's meta and shown in the table")
     parser.add_argument("--one", help=argparse.SUPPRESS)
     parser.add_argument("--work", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -513,6 +515,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--families: {', '.join(unknown)} not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES")
     data = json.loads(args.json.read_text()) if args.json.is_file() else {"meta": {}, "rows": {}}
     data["meta"].update(command=COMMAND, types_total=len(every), timeout_s=args.timeout)
+    if args.note:
+        data["meta"]["note"] = args.note
     redo = set(args.redo_outcomes.split(",")) if args.redo_outcomes else set()
     todo = [f for f in families if f not in data["rows"] or args.redo or data["rows"][f]["outcome"] in redo]
     with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:  # threads wait; the work is in processes
