@@ -89,6 +89,16 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
     window = kwargs["sliding_window"] if "sliding_window" in kwargs else getattr(module, "sliding_window", None)
     window = window or 0
     softcap = kwargs.get("softcap") or 0.0
+    # Attention sinks (gpt-oss, granite_swa): a learned logit per query head in every softmax denominator, which
+    # transformers hands attention functions as ``s_aux`` (what its flash-attention kernels take as sink logits). The
+    # op's optional last input. A model whose sink parameters do not arrive here is refused after tracing.
+    sinks = kwargs.get("s_aux")
+    if sinks is not None:
+        if not isinstance(sinks, torch.Tensor) or tuple(sinks.shape) != (num_heads,):
+            raise UnsupportedError(f"llmc lowers attention sinks of one logit per query head only (seen in layer "
+                                   f"{module.layer_idx}'s {type(module).__name__}: sinks of shape "
+                                   f"{tuple(getattr(sinks, 'shape', ()))} for {num_heads} heads)")
+        SINK_MODULES.add(id(module))
     step = {name: kwargs.get(name, _STEP.get(name)) for name in _STEP_FIELDS}
     out = torch.ops.llmc.paged_attention(
         q,
@@ -105,6 +115,7 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
         float(scaling if scaling is not None else head_size**-0.5),
         int(window),
         float(softcap),
+        sinks,
     )
     return out.reshape(1, tokens, num_heads, head_size)[..., :value_size], None
 
@@ -121,6 +132,9 @@ _STEP: dict = {}
 ATTENTION_SHAPES: dict[int, tuple[int, int, int, int]] = {}
 # Layer index -> the (key, value) tensors its attention call received, to recognise KV-shared layers.
 KV_OWNERS: dict[int, tuple[object, object]] = {}
+# ids of the attention modules whose sinks reached llmc's attention in the current trace (a model with sink
+# parameters that never get there is refused).
+SINK_MODULES: set[int] = set()
 
 
 def _register_attention() -> None:
@@ -340,11 +354,7 @@ def failing_module(exc: BaseException) -> tuple[str | None, list[str]]:
 
 def _trace(checkpoint: Checkpoint, compute_dtype: str, torch, torch_op) -> TracedModel:
     config, hf, module, rope = _build_module(checkpoint, compute_dtype)
-    sink = next((n for n, _ in hf.named_parameters() if n.rsplit(".", 1)[-1] in ("sinks", "sink")), None)
-    if sink is not None:  # the config rules (compiler/mechanisms.py) know gpt_oss; this catches the rest
-        raise UnsupportedError(f"{checkpoint.path}: model_type {checkpoint.model_type!r} has attention sinks "
-                               f"({sink}: a learned logit in every softmax denominator); llmc's paged attention "
-                               "has no sink term, so it stops before tracing")
+    sinks = [n for n, _ in hf.named_parameters() if n.rsplit(".", 1)[-1] in ("sinks", "sink")]
     # Every checkpoint tensor bound or known unused, every weight found with its shape: before tracing.
     binding = bind(checkpoint, hf)
     account(checkpoint, binding)
@@ -378,6 +388,7 @@ def _trace(checkpoint: Checkpoint, compute_dtype: str, torch, torch_op) -> Trace
     logging.getLogger("torch.onnx").setLevel(logging.ERROR)
     ATTENTION_SHAPES.clear()
     KV_OWNERS.clear()
+    SINK_MODULES.clear()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         program = torch.onnx.export(
@@ -395,6 +406,15 @@ def _trace(checkpoint: Checkpoint, compute_dtype: str, torch, torch_op) -> Trace
             verbose=False,
         )
     model = program.model
+    # Sink parameters that llmc's attention never received (a family that applies them outside AttentionInterface's
+    # ``s_aux`` / ``module.sinks``) would be dropped silently: refuse.
+    unused = [n for n in sinks if id(hf.get_submodule(n.rpartition(".")[0])) not in SINK_MODULES]
+    SINK_MODULES.clear()
+    if unused:
+        raise UnsupportedError(f"{checkpoint.path}: model_type {checkpoint.model_type!r} has attention sinks "
+                               f"({unused[0]}: a learned logit in every softmax denominator) that its attention does "
+                               "not pass to llmc's paged attention (as transformers' s_aux or the module's sinks), so "
+                               "llmc stops rather than drop them")
     _refuse_static_shapes(checkpoint, model)
     buffers = {name: buf for name, buf in module.named_buffers()}
     parameters = {name for name, _ in module.named_parameters(remove_duplicate=False)}

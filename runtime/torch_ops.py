@@ -74,6 +74,14 @@ def pow_(x, y, **_):
     return (torch.pow(x, y),)
 
 
+@op("Clip")
+def clip(x, lo=None, hi=None, **_):
+    """ONNX Clip: optional 0-D ``min`` / ``max`` (gpt-oss clamps its SwiGLU halves)."""
+    lo = lo.to(x.dtype) if isinstance(lo, torch.Tensor) else lo
+    hi = hi.to(x.dtype) if isinstance(hi, torch.Tensor) else hi
+    return (torch.clamp(x, min=lo, max=hi),)
+
+
 @op("Cast")
 def cast(x, *, to: str, **_):
     return (x.to(DTYPES[to]),)

@@ -13,7 +13,9 @@ MLA = dict(kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim
 TRIED_FAMILIES = {
     "bloom": (dict(vocab_size=512, hidden_size=64, n_layer=2, n_head=4), "ALiBi position bias", "ALiBi"),
     "gpt_oss": (dict(BASE, num_local_experts=4, num_experts_per_tok=2, head_dim=16, sliding_window=16,
-                     layer_types=["sliding_attention", "full_attention"]), "attention sinks", "attention sinks"),
+                     layer_types=["sliding_attention", "full_attention"]),
+                "attention sinks, sliding + full layers, clamped SwiGLU experts with biases, router bias, YaRN",
+                "builds"),
     "llama4_text": (dict(BASE, intermediate_size_mlp=128, num_local_experts=4, num_experts_per_tok=1, head_dim=16,
                          attention_chunk_size=16, no_rope_layers=[1, 0], interleave_moe_layer_step=2),
                     "chunked local attention, layers without rotary, complex rotary", "chunked local attention"),

@@ -25,12 +25,10 @@ BUILT = {
 }
 QUICK = {
     "bloom": ("refused", "ALiBi"),  # named from config.json before any work
-    "gpt_oss": ("refused", "attention sinks"),
     "llama4_text": ("refused", "chunked local attention"),
     "mamba": ("refused", "recurrent state"),
     "qwen3_next": ("refused", "recurrent state"),  # a hybrid, recognised by its fields
     "hrm_text": ("refused", "splits into several weights"),  # was exit 2 on a valid checkpoint
-    "granite_swa": ("refused", "attention sinks"),  # recognised by its parameters, after the config rules
 }
 
 

@@ -32,9 +32,10 @@ def _check(kernel, sm):
     assert re.search(rf"^\.target\s+{EXPECTED_TARGET[sm]}\s*$", kernel.ptx, re.M), kernel.ptx[:400]
     assert kernel.target == EXPECTED_TARGET[sm]
     kinds = _entry_params(kernel.ptx, kernel.name)
-    assert len(kinds) == len(aot.PARAMS) == 15
+    params = aot.SINKS_PARAMS if kernel.config.get("sinks") else aot.PARAMS
+    assert kernel.params == params and len(kinds) == len(params) == 15 + bool(kernel.config.get("sinks"))
     scalars = [i for i, k in enumerate(kinds) if k == ".u32"]
-    assert scalars == [aot.PARAMS.index("num_seqs"), aot.PARAMS.index("max_blocks")]
+    assert scalars == [params.index("num_seqs"), params.index("max_blocks")]
     assert kernel.num_warps == 4 and 0 < kernel.shared_mem <= 48 * 1024  # no opt-in to >48 KiB needed
     assert len(aot.assemble(kernel.ptx, sm)) > 1000
 
@@ -49,10 +50,12 @@ def test_ptx_for_every_sm_without_a_gpu():
 
 
 def test_fp8_bf16_kernel_uses_hardware_conversion():
+    """... with attention sinks too: their pointer follows kv_scales (aot.SINKS_PARAMS, what the CUDA engine passes)."""
     cfg = KernelConfig(num_heads=8, num_kv_heads=2, head_size=64, block_size=32, scale=0.125, act_dtype="bf16",
-                       cache_dtype="u8", sliding_window=128, softcap=30.0)
+                       cache_dtype="u8", sliding_window=128, softcap=30.0, sinks=True)
     (kernel,) = aot.compile_ptx(cfg, (90,))
     _check(kernel, 90)
+    assert aot.SINKS_PARAMS.index("sinks") == aot.PARAMS.index("kv_scales") + 1
     assert kernel.config["fp8_native"] and "cvt.rn.f16x2.e4m3x2" in kernel.ptx
 
 
