@@ -117,6 +117,8 @@ def name_mechanism(config: dict, module_classes=(), error: str = "") -> str | No
     for pattern, what in _ERRORS:
         if pattern in low_error:
             return what
+    if "no attribute 'vocab_size'" in low_error and isinstance(config.get("text_config"), dict):
+        return _FIELDS[0][1]  # a composite config (text model under text_config beside other sub-models)
     for name in module_classes:
         low = name.lower()
         for pattern, what in _CLASSES:

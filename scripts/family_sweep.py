@@ -252,7 +252,10 @@ def write_fixture(model_type: str, out: Path) -> dict:
     except Exception as exc:  # noqa: BLE001
         raise CannotInstantiate(f"transformers' own forward fails on the small config: {_one_line(exc)}") from None
     model.generation_config = GenerationConfig(do_sample=False)
-    model.save_pretrained(out)
+    try:
+        model.save_pretrained(out)
+    except Exception as exc:  # noqa: BLE001 - transformers' own conversion on save (Inkling 2's padded vocabulary)
+        raise CannotInstantiate(f"transformers cannot save the small model: {_one_line(exc)}") from None
     return {"model_class": type(model).__name__, "parameters": sum(p.numel() for p in model.parameters()),
             "encoder_decoder": bool(getattr(config, "is_encoder_decoder", False))}
 
