@@ -125,6 +125,8 @@ def bind(checkpoint: Checkpoint, hf) -> Binding:
             continue
         if renamed in meta:
             out.entries[renamed] = entry
+        elif key in meta:  # a renaming that does not apply to a key already named as the model names it
+            out.entries[key] = entry  # (DeepSeek V4's final norm: 'model.norm.weight')
         elif any(re.search(p, key) for p in ignore):
             out.unused.append(key)
         else:
