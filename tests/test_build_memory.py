@@ -13,6 +13,7 @@ import pytest
 from llmc import memory
 
 GB = 1 << 30
+DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "assets" / "default-model"
 
 
 def _llmc(*args) -> subprocess.CompletedProcess:
@@ -183,20 +184,20 @@ def _memory_cgroup(limit: int) -> Path | None:
     return None
 
 
-def test_a_build_nearing_its_cgroup_limit_stops_in_one_line_not_by_the_oom_killer(tmp_path, wide_llama):
-    """No --max-memory: the build runs in a memory cgroup (as in a container or a CI job) of 1.6 GB and grows past
-    it after tracing (1.5 GB more held there, in steps, by a test hook). The kernel would kill it with no message at
-    the limit; the guard sees the cgroup's room fall under its reserve first and stops the build with exit 5 and
-    one line, leaving nothing behind."""
+def test_a_build_nearing_its_cgroup_limit_stops_in_one_line_not_by_the_oom_killer(tmp_path):
+    """No --max-memory: the default model's build runs in a memory cgroup (as in a container or a CI job) of 1.4 GB
+    and grows past it after tracing (1.5 GB more held there, in steps, by a test hook). The kernel would kill it
+    with no message at the limit; the guard sees the cgroup's room fall under its reserve first and stops the build
+    with exit 5 and one line, leaving nothing behind."""
     import os
 
-    group = _memory_cgroup(int(1.6 * GB))
+    group = _memory_cgroup(int(1.4 * GB))
     if group is None:
         pytest.skip("cannot make a memory cgroup on this machine (needs cgroup v1 or a delegated v2 controller)")
     out, cache = tmp_path / "never", tmp_path / "cache"
     try:
         proc = subprocess.run(
-            [str(Path(sys.executable).with_name("llmc")), "build", str(wide_llama), "-o", str(out), "--cache-dir",
+            [str(Path(sys.executable).with_name("llmc")), "build", str(DEFAULT_MODEL), "-o", str(out), "--cache-dir",
              str(cache), "--quant", "int4"], capture_output=True, text=True, timeout=900,
             env={**os.environ, "LLMC_TEST_HOLD_AT": "after-trace:1500"},
             preexec_fn=lambda: (group / "cgroup.procs").write_text(str(os.getpid())))
