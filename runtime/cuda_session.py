@@ -23,7 +23,7 @@ import torch
 
 from llmc.runtime import cuda_kernels
 from llmc.runtime.device_sampler import sample_rows
-from llmc.runtime.kv_cache import layer_geometry
+from llmc.runtime.kv_cache import distinct_pairs, layer_geometry
 from llmc.runtime.sampler import SampleRow
 from llmc.runtime.torch_ops import DTYPES, OPS, paged_attention_torch
 from llmc.runtime.torch_program import ATTENTION_OP, Program, load_weights, read_spec
@@ -63,9 +63,7 @@ class TorchKVPool:
         dev = self.layers[0][0].device
         src = torch.tensor([p[0] for p in pairs], dtype=torch.int64, device=dev)
         dst = torch.tensor([p[1] for p in pairs], dtype=torch.int64, device=dev)
-        for i, (k, v) in enumerate(self.layers):
-            if any(k is earlier for earlier, _ in self.layers[:i]):
-                continue  # a KV-shared layer's caches are its owner's
+        for k, v in distinct_pairs(self.layers):  # a KV-shared layer's caches are its owner's
             k[dst] = k[src]
             v[dst] = v[src]
 

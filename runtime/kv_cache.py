@@ -80,6 +80,17 @@ def layer_geometry(num_layers: int, num_kv_heads: int, head_size: int,
     return out
 
 
+def distinct_pairs(layers: list) -> list:
+    """``layers``' (K, V) pairs, each object once, in order (KV-shared layers alias their owner's pair)."""
+    seen: set[int] = set()
+    out = []
+    for pair in layers:
+        if id(pair[0]) not in seen:
+            seen.add(id(pair[0]))
+            out.append(pair)
+    return out
+
+
 @dataclass
 class KVPool:
     """Per-layer K and V caches ``[num_blocks, num_kv_heads, block_size, head_size]`` in host memory.
@@ -109,13 +120,7 @@ class KVPool:
 
     def owned(self) -> list[tuple[np.ndarray, np.ndarray]]:
         """Each distinct cache pair once (a shared layer's pair is its owner's)."""
-        seen: set[int] = set()
-        out = []
-        for k, v in self.layers:
-            if id(k) not in seen:
-                seen.add(id(k))
-                out.append((k, v))
-        return out
+        return distinct_pairs(self.layers)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy whole blocks ``src -> dst`` in every layer (copy-on-write of forked sequences)."""
