@@ -61,6 +61,8 @@ class ReferenceBlockManager:
         self._cache: dict[int, int] = {}
         self._seqs: dict[int, _Seq] = {}
         self.prefix_queries = self.prefix_hits = self.evictions = self.cow_copies = 0
+        self._record = False
+        self._events: list[tuple[int, int, int, list[int]]] = []
 
     # -- pool ------------------------------------------------------------------------------------
 
@@ -85,6 +87,19 @@ class ReferenceBlockManager:
 
     def is_cached(self, block: int) -> bool:
         return self._blocks[self._check(block)].hash is not None
+
+    def cached_hashes(self) -> list[int]:
+        return list(self._cache)
+
+    def record_events(self, on: bool) -> None:
+        """Log registrations (0, hash, parent, tokens) and removals (1, hash, 0, []) for :meth:`drain_events`."""
+        self._record = on
+        if not on:
+            self._events.clear()
+
+    def drain_events(self) -> list[tuple[int, int, int, list[int]]]:
+        out, self._events = self._events, []
+        return out
 
     def allocate(self, n: int) -> list[int]:
         if n < 0:
@@ -196,6 +211,8 @@ class ReferenceBlockManager:
                 continue
             blk.hash, blk.parent_hash, blk.tokens = h, parent, list(toks)
             self._cache[h] = s.blocks[i]
+            if self._record:
+                self._events.append((0, h, parent, list(toks)))
 
     def append_token(self, seq_id: int, token: int) -> None:
         if not 0 <= token <= 0x7FFFFFFF:
@@ -340,4 +357,6 @@ class ReferenceBlockManager:
             return
         if self._cache.get(blk.hash) == b:
             del self._cache[blk.hash]
+            if self._record:
+                self._events.append((1, blk.hash, 0, []))
         blk.hash, blk.tokens = None, []

@@ -53,6 +53,9 @@ def test_random_operations_match_reference(seed, prefix_caching):
     num_blocks, block_size = int(rng.integers(6, 40)), int(rng.choice([1, 2, 4, 8]))
     cpp = _block_manager.BlockManager(num_blocks, block_size, prefix_caching)
     ref = ReferenceBlockManager(num_blocks, block_size, prefix_caching)
+    cpp.record_events(True)  # the cache-event log (what serve/kv_events.py publishes) is part of the semantics
+    ref.record_events(True)
+    replayed: set[int] = set()  # the cached set rebuilt from the events alone
     # A few shared prefixes so that prompts hit the prefix cache.
     prefixes = [rng.integers(0, 50, size=int(rng.integers(1, 5 * block_size))).tolist() for _ in range(3)]
     seqs: list[int] = []
@@ -110,6 +113,15 @@ def test_random_operations_match_reference(seed, prefix_caching):
             n = int(rng.integers(0, ref.num_tokens(sid) + 2))
             _same(lambda s=sid, n=n: cpp.rewind(s, n), lambda s=sid, n=n: ref.rewind(s, n))
         assert _state(cpp, seqs) == _state(ref, seqs)
+        events = cpp.drain_events()
+        assert events == ref.drain_events()
+        for kind, h, _, _ in events:  # stored only when absent, removed only when present
+            assert (h in replayed) == (kind == 1), (kind, h)
+            if kind == 0:
+                replayed.add(h)
+            else:
+                replayed.remove(h)
+        assert replayed == set(cpp.cached_hashes()) == set(ref.cached_hashes())
         # Reference counts are exactly the holders: sequences' block tables plus raw allocations.
         holders = np.zeros(num_blocks, int)
         for sid in seqs:

@@ -18,6 +18,11 @@
 //   never hand out wrong KV: it is a miss. Only one block is registered per hash; a second block
 //   with the same content (two identical prompts computed in the same step) stays unregistered.
 //
+// Cache events. With record_events(true), every registration (stored: hash, parent hash, tokens)
+//   and every unregistration (removed: hash; eviction, reset, rewind) is logged in order until
+//   drain_events() takes them: what a replica publishes for routers outside the process (vLLM's
+//   KV-event stream, serve/kv_events.py). cached_hashes() lists the registered hashes.
+//
 // Sequences. A sequence owns a block table, its token list (prompt and generated tokens) and the
 //   number of tokens whose KV is computed. `add_sequence` reuses every cached block of the
 //   prompt's prefix (never the block holding the last prompt token, whose logits must be
@@ -79,6 +84,13 @@ struct Block {
     int32_t lru_prev = NIL;
     int32_t lru_next = NIL;
     bool in_lru = false;
+};
+
+struct CacheEvent {
+    int32_t kind;  // 0 stored, 1 removed
+    uint64_t hash;
+    uint64_t parent;
+    std::vector<int32_t> tokens;
 };
 
 struct Sequence {
@@ -175,6 +187,27 @@ class BlockManager {
     int64_t prefix_hits() const { return prefix_hits_; }
     int64_t evictions() const { return evictions_; }
     int64_t cow_copies() const { return cow_copies_; }
+
+    std::vector<uint64_t> cached_hashes() const {
+        std::vector<uint64_t> out;
+        out.reserve(cache_.size());
+        for (const auto& kv : cache_) out.push_back(kv.first);
+        return out;
+    }
+
+    void record_events(bool on) {
+        record_events_ = on;
+        if (!on) events_.clear();
+    }
+
+    // [(kind, hash, parent_hash, tokens)], kind 0 = stored, 1 = removed (parent 0, no tokens); oldest first.
+    py::list drain_events() {
+        py::list out;
+        for (const CacheEvent& e : events_)
+            out.append(py::make_tuple(e.kind, e.hash, e.parent, py::cast(e.tokens)));
+        events_.clear();
+        return out;
+    }
 
     // -- sequences ----------------------------------------------------------------------------
 
@@ -280,6 +313,7 @@ class BlockManager {
             b.parent_hash = parent;
             b.tokens.assign(toks, toks + block_size_);
             cache_.emplace(h, s.blocks[static_cast<size_t>(i)]);
+            if (record_events_) events_.push_back(CacheEvent{0, h, parent, b.tokens});
         }
     }
 
@@ -465,7 +499,10 @@ class BlockManager {
         Block& blk = blocks_[b];
         if (!blk.hashed) return;
         auto it = cache_.find(blk.hash);
-        if (it != cache_.end() && it->second == b) cache_.erase(it);
+        if (it != cache_.end() && it->second == b) {
+            cache_.erase(it);
+            if (record_events_) events_.push_back(CacheEvent{1, blk.hash, 0, {}});
+        }
         blk.hashed = false;
         blk.tokens.clear();
     }
@@ -502,6 +539,8 @@ class BlockManager {
     std::unordered_map<uint64_t, int32_t> cache_;
     std::unordered_map<int64_t, Sequence> seqs_;
     int64_t prefix_queries_ = 0, prefix_hits_ = 0, evictions_ = 0, cow_copies_ = 0;
+    bool record_events_ = false;
+    std::vector<CacheEvent> events_;
 };
 
 }  // namespace
@@ -528,6 +567,11 @@ PYBIND11_MODULE(_block_manager, m) {
         .def_property_readonly("prefix_hits", &BlockManager::prefix_hits)
         .def_property_readonly("evictions", &BlockManager::evictions)
         .def_property_readonly("cow_copies", &BlockManager::cow_copies)
+        .def("cached_hashes", &BlockManager::cached_hashes, "Hashes of the blocks registered in the prefix cache.")
+        .def("record_events", &BlockManager::record_events, py::arg("on"),
+             "Log cache registrations and removals for drain_events() (off: drop the log).")
+        .def("drain_events", &BlockManager::drain_events,
+             "The logged [(kind, hash, parent_hash, tokens)] (0 stored, 1 removed), oldest first; clears the log.")
         .def("ref_count", &BlockManager::ref_count, py::arg("block"))
         .def("is_cached", &BlockManager::is_cached, py::arg("block"))
         .def("allocate", &BlockManager::allocate, py::arg("n"),
