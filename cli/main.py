@@ -191,6 +191,13 @@ def _quant_options(f):
                    "build's estimate is larger, the accuracy report's rounds sized to it, and a build that goes past "
                    "it stops with one line (exit 5) [default: the machine's memory; the build stops with one line "
                    "if that runs out].")
+@click.option("--lora-slots", default=0, show_default=True, type=int, metavar="S",
+              help="Multi-LoRA: S PEFT adapters resident at once, chosen per request at run time (0: no LoRA; "
+                   "the engine is exactly as without).")
+@click.option("--max-lora-rank", default=16, show_default=True, type=int, metavar="R",
+              help="With --lora-slots: the largest adapter rank the engine takes (smaller ones are zero-padded).")
+@click.option("--lora-targets", default="q,k,v,o,gate,up,down", show_default=True, metavar="LIST",
+              help="With --lora-slots: the linears that take adapters (subset of q,k,v,o,gate,up,down).")
 @click.option("--json", "as_json", is_flag=True,
               help="Print one JSON object with the result instead of text (no progress lines).")
 @click.option("-q", "--quiet", is_flag=True, help="No progress output.")
@@ -199,6 +206,7 @@ def build(checkpoint: Path, output: Path, disabled_passes: tuple[str, ...], veri
           gpu: str | None, engine_kind: str, engine_dtype: str, max_batch_size: int | None,
           max_num_tokens: int | None, max_seq_len: int | None,
           block_size: int, force: bool, cache_dir: Path | None, no_cache: bool, max_memory: str | None,
+          lora_slots: int, max_lora_rank: int, lora_targets: str,
           as_json: bool, quiet: bool, max_ppl_increase: float | None, **quant_args) -> None:
     """Build an engine from a Hugging Face CHECKPOINT directory.
 
@@ -229,7 +237,9 @@ def build(checkpoint: Path, output: Path, disabled_passes: tuple[str, ...], veri
     options = BuildOptions(target=target, block_size=block_size, force=force, disabled_passes=disabled_passes,
                            verify_passes=verify_passes, quant=QuantRecipe(**quant), max_ppl_increase=max_ppl_increase,
                            max_batch_size=max_batch_size, max_num_tokens=max_num_tokens, max_seq_len=max_seq_len,
-                           engine=engine_kind, dtype=engine_dtype, max_memory=limit)
+                           engine=engine_kind, dtype=engine_dtype, max_memory=limit, lora_slots=lora_slots,
+                           max_lora_rank=max_lora_rank,
+                           lora_targets=tuple(t.strip() for t in lora_targets.split(",") if t.strip()))
     try:
         try:
             result = build_cached(checkpoint, output, options, progress=progress, cache_dir=cache_dir,

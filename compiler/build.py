@@ -84,6 +84,16 @@ class BuildOptions:
     # build refuses up front when its estimate exceeds it, sizes the accuracy report's rounds to it, and stops
     # with exit 5 if it goes past it anyway. It changes no figure, so it is not part of the recipe.
     max_memory: int | None = None
+    # Multi-LoRA (passes/lora.py): adapter slots resident at once (0: none, the engine is exactly as without),
+    # the largest adapter rank they take, and which linears get them (--lora-targets q,k,v,o,gate,up,down).
+    lora_slots: int = 0
+    max_lora_rank: int = 16
+    lora_targets: tuple[str, ...] = ("q", "k", "v", "o", "gate", "up", "down")
+
+
+# BuildOptions fields that exist only for LoRA engines: left out of the recipe (the cache key) of a build
+# without --lora-slots, so that its key is what it was before LoRA existed.
+_LORA_FIELDS = ("lora_slots", "max_lora_rank", "lora_targets")
 
 
 @dataclass
@@ -131,6 +141,10 @@ def _validate(options: BuildOptions) -> None:
         raise LlmcError(f"--engine {options.engine}: must be one of {', '.join(ENGINE_KINDS)} (default cuda)")
     if options.dtype not in ("bfloat16", "float16", "float32"):
         raise LlmcError(f"--dtype {options.dtype}: must be bfloat16 (default), float16 or float32")
+    if options.lora_slots:
+        from llmc.passes.lora import check_options
+
+        check_options(options.lora_slots, options.max_lora_rank, tuple(options.lora_targets))
 
 
 def _check_cuda_request(options: BuildOptions, target: Target) -> BuildOptions:
@@ -171,6 +185,9 @@ def _check_gpu_request(options: BuildOptions, target: Target) -> BuildOptions:
 
     from llmc.compiler.backends import tensorrt as trt_backend
 
+    if options.lora_slots:
+        raise UnsupportedError(f"--lora-slots on {target.flag} --engine tensorrt: TensorRT exports have no LoRA slots; "
+                               "build the CUDA engine (leave --engine out) or --target cpu")
     trt_backend.default_profile(options.max_batch_size, options.max_num_tokens, options.max_seq_len, None)
     if options.quant.kv_cache_dtype not in (None, "fp16") and target.backend == "tensorrt_rtx":
         raise UnsupportedError(f"--kv-cache-dtype {options.quant.kv_cache_dtype}: {target.flag} builds with TensorRT "
@@ -235,6 +252,11 @@ _HELD: list = []
 def canonical_recipe(options: BuildOptions) -> dict:
     """The build options that change the artifact, in a canonical form (see ``_NOT_IN_RECIPE``)."""
     recipe = {k: v for k, v in asdict(options).items() if k not in _NOT_IN_RECIPE}
+    if not options.lora_slots:
+        for k in _LORA_FIELDS:
+            del recipe[k]
+    else:
+        recipe["lora_targets"] = list(options.lora_targets)
     recipe.update(quant=quant_recipe.canonical(options.quant), compute_dtype=COMPUTE_DTYPE,
                   disabled_passes=sorted(set(options.disabled_passes)))
     return recipe
@@ -328,6 +350,13 @@ def _compile_stages(ckpt: Checkpoint, digest: str, plan: _Plan, dest: Path, say:
         stage("trace with torch.export", 2)
         t = time.perf_counter()
         traced = trace(ckpt, compute_dtype=COMPUTE_DTYPE)
+        lora = None
+        if options.lora_slots:  # before any fusion: each linear is still MatMul(x, Transpose(W))
+            from llmc.passes.lora import SLOT_INPUT, add_lora
+
+            lora = add_lora(traced.model, options.lora_slots, options.max_lora_rank, tuple(options.lora_targets))
+            traced.inputs = (*traced.inputs, SLOT_INPUT)
+            say(f"      lora: {len(lora.sites)} linears, {lora.slots} slots of rank {lora.max_rank}")
         timings["trace"] = time.perf_counter() - t
         nodes_traced = sum(1 for _ in traced.model.graph)
         _kill_point("after-trace")
@@ -439,6 +468,8 @@ def _compile_stages(ckpt: Checkpoint, digest: str, plan: _Plan, dest: Path, say:
             # llmc.runtime.kv_cache.layer_geometry. num_kv_heads / head_size are then the first layer's.
             **({"layers": traced.kv_layers} if traced.kv_layers else {}),
         },
+        # Multi-LoRA engines: slots, rank, and per linear its graph inputs (llmc.runtime.lora reads it).
+        **({"lora": lora.to_json()} if lora is not None else {}),
     }
     cpu_fields = fields
     if cuda:
@@ -621,7 +652,7 @@ def _self_check(ckpt: Checkpoint, plan: _Plan, say: Progress, lookup_only: bool 
     twin_options = dataclasses.replace(
         options, target=target.name if cuda or target.sm is None else "cpu", quant=QuantRecipe(),
         max_ppl_increase=None, force=True, verify_passes=False, self_check=False, aot_kernels=False,
-        dtype="float32")
+        dtype="float32", lora_slots=0)  # the twin checks the architecture; tests/test_lora.py the LoRA slots
     lowering = {k: v for k, v in canonical_recipe(twin_options).items() if k not in ("quant",)}
 
     def build_twin(twin_ckpt: Path, out: Path, **overrides) -> None:

@@ -44,6 +44,7 @@ class _Seq:
     blocks: list[int] = field(default_factory=list)
     num_computed: int = 0
     hashes: list[int] = field(default_factory=list)
+    root: int = 0  # what the first block chains to: 0, or a key (a LoRA adapter) its KV depends on
 
 
 class ReferenceBlockManager:
@@ -134,19 +135,19 @@ class ReferenceBlockManager:
 
     # -- prefix cache ----------------------------------------------------------------------------
 
-    def cached_prefix_tokens(self, tokens: list[int]) -> int:
-        return len(self._lookup(tokens)) * self.block_size
+    def cached_prefix_tokens(self, tokens: list[int], root: int = 0) -> int:
+        return len(self._lookup(tokens, root)) * self.block_size
 
     # -- sequences -------------------------------------------------------------------------------
 
-    def add_sequence(self, seq_id: int, tokens: list[int], num_new_tokens: int) -> int:
+    def add_sequence(self, seq_id: int, tokens: list[int], num_new_tokens: int, root: int = 0) -> int:
         if seq_id in self._seqs:
             raise ValueError(f"add_sequence: sequence {seq_id} exists")
         if not tokens:
             raise ValueError("add_sequence: tokens is empty")
         if num_new_tokens < 0:
             raise ValueError("add_sequence: num_new_tokens must be >= 0")
-        hits = self._lookup(tokens)
+        hits = self._lookup(tokens, root)
         cached = len(hits) * self.block_size
         if cached + num_new_tokens > len(tokens):
             raise ValueError("add_sequence: cached + new tokens exceed the sequence")
@@ -154,7 +155,7 @@ class ReferenceBlockManager:
         revived = sum(self._blocks[b].ref == 0 for b, _ in hits)
         if new_blocks > self.num_free_blocks - revived:
             return -1
-        seq = _Seq(tokens=list(tokens), num_computed=cached)
+        seq = _Seq(tokens=list(tokens), num_computed=cached, root=root)
         for b, h in hits:
             self.incref(b)
             seq.blocks.append(b)
@@ -202,7 +203,7 @@ class ReferenceBlockManager:
             return
         bs = self.block_size
         for i in range(len(s.hashes), nc // bs):
-            parent = s.hashes[i - 1] if i else 0
+            parent = s.hashes[i - 1] if i else s.root
             toks = s.tokens[i * bs : (i + 1) * bs]
             h = hash_block(parent, toks)
             s.hashes.append(h)
@@ -238,7 +239,8 @@ class ReferenceBlockManager:
             raise ValueError(f"fork: sequence {child_id} exists")
         p = self._get(parent_id)
         shared = min(self._ceil(p.num_computed), len(p.blocks))
-        c = _Seq(tokens=list(p.tokens), blocks=p.blocks[:shared], num_computed=p.num_computed, hashes=list(p.hashes))
+        c = _Seq(tokens=list(p.tokens), blocks=p.blocks[:shared], num_computed=p.num_computed, hashes=list(p.hashes),
+                 root=p.root)
         for b in c.blocks:
             self.incref(b)
         self._seqs[child_id] = c
@@ -312,11 +314,11 @@ class ReferenceBlockManager:
             need += 1
         return need
 
-    def _lookup(self, tokens: list[int]) -> list[tuple[int, int]]:
+    def _lookup(self, tokens: list[int], root: int = 0) -> list[tuple[int, int]]:
         hits: list[tuple[int, int]] = []
         if not self.enable_prefix_caching or not tokens:
             return hits
-        bs, parent = self.block_size, 0
+        bs, parent = self.block_size, root
         for i in range((len(tokens) - 1) // bs):
             toks = list(tokens[i * bs : (i + 1) * bs])
             h = hash_block(parent, toks)

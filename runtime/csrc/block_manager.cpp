@@ -98,6 +98,7 @@ struct Sequence {
     std::vector<int32_t> blocks;
     int64_t num_computed = 0;
     std::vector<uint64_t> hashes;  // chained hashes of the leading full computed blocks
+    uint64_t root = 0;  // what the first block chains to: 0, or a key (a LoRA adapter) that KV depends on
 };
 
 class BlockManager {
@@ -179,8 +180,8 @@ class BlockManager {
 
     // Tokens of `tokens`' prefix that add_sequence would take from the cache (a multiple of
     // block_size, at most len - 1). No side effects.
-    int64_t cached_prefix_tokens(const std::vector<int32_t>& tokens) const {
-        return static_cast<int64_t>(lookup(tokens).size()) * block_size_;
+    int64_t cached_prefix_tokens(const std::vector<int32_t>& tokens, uint64_t root) const {
+        return static_cast<int64_t>(lookup(tokens, root).size()) * block_size_;
     }
 
     int64_t prefix_queries() const { return prefix_queries_; }
@@ -214,11 +215,13 @@ class BlockManager {
     // Create a sequence from its tokens, reuse its cached prefix, and reserve slots for the next
     // `num_new_tokens` tokens after it. Returns the number of cached tokens, or -1 (and changes
     // nothing) when the pool is short. Raises if cached + num_new_tokens exceeds the tokens.
-    int64_t add_sequence(int64_t seq_id, const std::vector<int32_t>& tokens, int64_t num_new_tokens) {
+    // `root` keys the chain: blocks of sequences with other roots are never shared (KV computed with a LoRA
+    // adapter differs from the base model's for the same tokens).
+    int64_t add_sequence(int64_t seq_id, const std::vector<int32_t>& tokens, int64_t num_new_tokens, uint64_t root) {
         if (seqs_.count(seq_id)) throw py::value_error("add_sequence: sequence " + std::to_string(seq_id) + " exists");
         if (tokens.empty()) throw py::value_error("add_sequence: tokens is empty");
         if (num_new_tokens < 0) throw py::value_error("add_sequence: num_new_tokens must be >= 0");
-        std::vector<std::pair<int32_t, uint64_t>> hits = lookup(tokens);
+        std::vector<std::pair<int32_t, uint64_t>> hits = lookup(tokens, root);
         const int64_t cached = static_cast<int64_t>(hits.size()) * block_size_;
         if (cached + num_new_tokens > static_cast<int64_t>(tokens.size())) {
             std::ostringstream msg;
@@ -234,6 +237,7 @@ class BlockManager {
 
         Sequence seq;
         seq.tokens = tokens;
+        seq.root = root;
         for (auto& hb : hits) {
             incref(hb.first);
             seq.blocks.push_back(hb.first);
@@ -302,7 +306,7 @@ class BlockManager {
         if (!prefix_caching_) return;
         const int64_t full = nc / block_size_;
         for (int64_t i = static_cast<int64_t>(s.hashes.size()); i < full; ++i) {
-            const uint64_t parent = i == 0 ? 0 : s.hashes[static_cast<size_t>(i - 1)];
+            const uint64_t parent = i == 0 ? s.root : s.hashes[static_cast<size_t>(i - 1)];
             const int32_t* toks = s.tokens.data() + i * block_size_;
             const uint64_t h = hash_block(parent, toks, block_size_);
             s.hashes.push_back(h);
@@ -353,6 +357,7 @@ class BlockManager {
         c.tokens = p.tokens;
         c.num_computed = p.num_computed;
         c.hashes = p.hashes;
+        c.root = p.root;
         const int64_t shared = std::min<int64_t>(ceil_div(p.num_computed), static_cast<int64_t>(p.blocks.size()));
         c.blocks.assign(p.blocks.begin(), p.blocks.begin() + shared);
         for (int32_t b : c.blocks) incref(b);
@@ -448,12 +453,12 @@ class BlockManager {
         return need;
     }
 
-    std::vector<std::pair<int32_t, uint64_t>> lookup(const std::vector<int32_t>& tokens) const {
+    std::vector<std::pair<int32_t, uint64_t>> lookup(const std::vector<int32_t>& tokens, uint64_t root) const {
         std::vector<std::pair<int32_t, uint64_t>> hits;
         if (!prefix_caching_ || tokens.empty()) return hits;
         // Never the block holding the last token: its logits have to be computed.
         const int64_t max_blocks = (static_cast<int64_t>(tokens.size()) - 1) / block_size_;
-        uint64_t parent = 0;
+        uint64_t parent = root;
         for (int64_t i = 0; i < max_blocks; ++i) {
             const int32_t* toks = tokens.data() + i * block_size_;
             const uint64_t h = hash_block(parent, toks, block_size_);
@@ -579,9 +584,10 @@ PYBIND11_MODULE(_block_manager, m) {
         .def("free", &BlockManager::free, py::arg("blocks"), "Drop one reference to each block.")
         .def("incref", &BlockManager::incref, py::arg("block"))
         .def("reset_prefix_cache", &BlockManager::reset_prefix_cache)
-        .def("cached_prefix_tokens", &BlockManager::cached_prefix_tokens, py::arg("tokens"))
+        .def("cached_prefix_tokens", &BlockManager::cached_prefix_tokens, py::arg("tokens"), py::arg("root") = 0,
+             "root: what the first block's hash chains to (0; a LoRA adapter's key).")
         .def("add_sequence", &BlockManager::add_sequence, py::arg("seq_id"), py::arg("tokens"),
-             py::arg("num_new_tokens"))
+             py::arg("num_new_tokens"), py::arg("root") = 0)
         .def("blocks_needed", &BlockManager::blocks_needed, py::arg("seq_id"), py::arg("n"))
         .def("append_slots", &BlockManager::append_slots, py::arg("seq_id"), py::arg("n"))
         .def("mark_computed", &BlockManager::mark_computed, py::arg("seq_id"), py::arg("n"))
