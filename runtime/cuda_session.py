@@ -77,7 +77,9 @@ def attention_key(attrs: dict) -> str:
     """The configuration an attention kernel is specialised for (the compiler names kernels by it)."""
     return (f"h{attrs['num_heads']}-kv{attrs['num_kv_heads']}-d{attrs['head_size']}-s{float(attrs['scale']):.9g}"
             f"-w{int(attrs.get('sliding_window', 0))}-c{float(attrs.get('softcap', 0.0)):g}"
-            + ("-sinks" if attrs.get("has_sinks") else ""))
+            + ("-sinks" if attrs.get("has_sinks") else "")
+            + (f"-alibi{float(attrs['alibi_max_bias']):g}" if attrs.get("alibi_max_bias") else "")
+            + (f"-chunk{int(attrs['attention_chunk'])}" if attrs.get("attention_chunk") else ""))
 
 
 class CudaSession:
@@ -159,7 +161,9 @@ class CudaSession:
                                          query_start_loc, k_cache, v_cache, num_heads=attrs["num_heads"],
                                          num_kv_heads=attrs["num_kv_heads"], scale=attrs["scale"],
                                          sliding_window=attrs.get("sliding_window", 0),
-                                         softcap=attrs.get("softcap", 0.0), kv_scales=scales, sinks=sinks)
+                                         softcap=attrs.get("softcap", 0.0), kv_scales=scales, sinks=sinks,
+                                         alibi_max_bias=float(attrs.get("alibi_max_bias", 0.0)),
+                                         attention_chunk=int(attrs.get("attention_chunk", 0)))
         query, key, value = query.contiguous(), key.contiguous(), value.contiguous()
         out = torch.empty_like(query)
         info = kernel.info

@@ -367,14 +367,26 @@ def int4_linear(x, codes, scales, zeros=None, *, group_size: int, k: int, **_):
 # -- attention ------------------------------------------------------------------------------------
 
 
+def alibi_slopes(num_heads: int, max_bias: float, device=None) -> torch.Tensor:
+    """ALiBi's standard slopes, float32 ``[num_heads]`` (as ``plugins/paged_attention/reference.alibi_slopes``):
+    head h < n (the largest power of two <= num_heads) has 2^(-max_bias (h + 1) / n), the others the odd-indexed
+    slopes of 2n heads."""
+    n = 1 << (int(num_heads).bit_length() - 1)
+    h = torch.arange(num_heads, dtype=torch.float64)
+    e = torch.where(h < n, (h + 1) / n, (2 * (h - n) + 1) / (2 * n))
+    return torch.exp2(-float(max_bias) * e).to(torch.float32).to(device)
+
+
 def paged_attention_torch(query, key, value, slot_mapping, block_tables, context_lens, query_start_loc,
                           k_cache, v_cache, *, num_heads: int, num_kv_heads: int, scale: float,
                           sliding_window: int = 0, softcap: float = 0.0, kv_scales=None,
-                          sinks=None) -> torch.Tensor:
+                          sinks=None, alibi_max_bias: float = 0.0, attention_chunk: int = 0) -> torch.Tensor:
     """PagedAttention in plain torch (the semantics of ``plugins/paged_attention/reference.py``).
 
     ``sinks`` ``[num_heads]`` (attention sinks): a logit per query head that joins the softmax's
     denominator and adds nothing to the value sum (a last column of the scores, dropped after it).
+    ``alibi_max_bias`` > 0 (ALiBi): ``slope_h * (k_pos - q_pos)`` joins head h's scores (logical positions);
+    ``attention_chunk`` = C > 0: a query at position p sees keys ``[floor(p / C) * C, p]``.
 
     Writes the new K/V into the caches ``[num_blocks, Hkv, block_size, D]`` in place, then attends
     causally per sequence in float32. Loops over sequences on the host: the CPU executor's kernel,
@@ -396,6 +408,7 @@ def paged_attention_torch(query, key, value, slot_mapping, block_tables, context
         cache[slots // bs, :, slots % bs, :] = store
     out = torch.zeros((t, num_heads * d), dtype=query.dtype, device=query.device)
     group = num_heads // num_kv_heads
+    slopes = alibi_slopes(num_heads, alibi_max_bias, query.device) if alibi_max_bias else None
     qsl = query_start_loc.tolist()
     ctxs = context_lens.tolist()
     for s in range(len(ctxs)):
@@ -417,9 +430,13 @@ def paged_attention_torch(query, key, value, slot_mapping, block_tables, context
             scores = softcap * torch.tanh(scores / softcap)
         qpos = torch.arange(ctx - n_new, ctx, device=query.device).unsqueeze(1)
         kpos = torch.arange(ctx, device=query.device).unsqueeze(0)
+        if slopes is not None:
+            scores = scores + slopes.reshape(num_heads, 1, 1) * (kpos - qpos).float()
         mask = kpos <= qpos
         if sliding_window:
             mask = mask & (kpos > qpos - sliding_window)
+        if attention_chunk:
+            mask = mask & (kpos >= qpos - qpos % attention_chunk)
         scores = scores.masked_fill(~mask, float("-inf"))
         if sinks is not None:
             col = sinks.float().reshape(num_heads, 1, 1).expand(num_heads, n_new, 1)

@@ -399,7 +399,9 @@ def compile_kernels(configs: dict[str, dict], sm: int, dtype: str, cache_dtype: 
                                block_size=block_size, scale=float(a["scale"]), act_dtype=_TL[dtype],
                                cache_dtype=_TL[cache_dtype], sliding_window=int(a.get("sliding_window", 0)),
                                softcap=float(a.get("softcap", 0.0)), block_m=block_m, block_n=64,
-                               sinks=bool(a.get("has_sinks", 0)))
+                               sinks=bool(a.get("has_sinks", 0)),
+                               alibi_max_bias=float(a.get("alibi_max_bias", 0.0)),
+                               attention_chunk=int(a.get("attention_chunk", 0)))
             plan.append((key, variant, cfg))
     compiled = aot.compile_many([cfg for _, _, cfg in plan], sm)
     (out_dir / KERNEL_DIR).mkdir(exist_ok=True)

@@ -136,6 +136,15 @@ def lower(model: ir.Model, attention: str = "native", fusions: frozenset[str] | 
                 node.domain = ORT_CONTRIB_DOMAIN
                 if len(node.inputs) > 7 and node.inputs[7] is not None:  # attention sinks: the 8-input Python op
                     node.op_type = OP_TYPE + "Sinks"
+                from llmc.plugins.paged_attention import OPTIONAL_ATTRS, PYOP_EXTENDED
+
+                if any(name in node.attributes for name in OPTIONAL_ATTRS):
+                    # ALiBi / chunked local attention: the Python op that declares them, which needs them all set.
+                    node.op_type += PYOP_EXTENDED
+                    for name, off in OPTIONAL_ATTRS.items():
+                        if name not in node.attributes:
+                            make = ir.AttrFloat32 if isinstance(off, float) else ir.AttrInt64
+                            node.attributes[name] = make(name, off)
         elif node.op_type == ROTARY_OP_TYPE:  # made just above, on the native route only
             continue
         elif node.op_type == "Int4MatMul":

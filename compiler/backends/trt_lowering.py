@@ -170,6 +170,11 @@ def _lower_attention(graph: ir.Graph, node: ir.Node, idx: _StepIndex, masks: dic
     layer, h, hkv, d = attrs["layer_idx"], attrs["num_heads"], attrs["num_kv_heads"], attrs["head_size"]
     if attrs.get("softcap", 0.0):
         raise NotImplementedError("attention logit soft-capping")
+    if attrs.get("alibi_max_bias", 0.0) or attrs.get("attention_chunk", 0):
+        from llmc.errors import UnsupportedError
+
+        raise UnsupportedError("the TensorRT export has no ALiBi or chunked local attention (its Attention layer "
+                               "takes a causal or windowed mask only); build the CUDA engine instead (--engine cuda)")
     if len(node.inputs) > 7 and node.inputs[7] is not None:
         from llmc.errors import UnsupportedError
 

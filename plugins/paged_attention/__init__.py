@@ -17,7 +17,10 @@ causally to its sequence's cached positions ``0..p``. Query head ``h`` reads KV 
 ``h // (num_heads // num_kv_heads)``. Softmax is computed in float32.
 
 An optional last input ``sinks`` ``[num_heads]`` (attention sinks, gpt-oss) adds ``exp(sinks[h])`` to
-every softmax denominator of query head ``h`` and nothing to its value sum.
+every softmax denominator of query head ``h`` and nothing to its value sum. Attribute ``alibi_max_bias`` > 0
+(ALiBi) adds ``slope_h * (key position - query position)`` to head ``h``'s scores (the standard slopes,
+``reference.alibi_slopes``); ``attention_chunk`` = C > 0 (chunked local attention) lets a query at position ``p``
+see only the keys ``[floor(p / C) * C, p]``.
 
 The KV cache of one layer is two arrays ``[num_blocks, num_kv_heads, block_size, head_size]``
 (layout name ``"blocks_hnd"``) owned by the runtime; the graph never holds it.
@@ -44,3 +47,8 @@ INPUT_NAMES = (
 )
 # The optional input after INPUT_NAMES (index 7): attention-sink logits, one per query head.
 SINKS_INPUT = "sinks"
+# Attributes the frontend sets only where a model uses them, with their "off" values (graphs without them are
+# unchanged): ALiBi's maximum bias and chunked local attention's chunk.
+OPTIONAL_ATTRS = {"alibi_max_bias": 0.0, "attention_chunk": 0}
+# The Python ORT op (ort_op) of a node that sets any of OPTIONAL_ATTRS: its op type + this suffix.
+PYOP_EXTENDED = "Ext"

@@ -60,6 +60,8 @@ def paged_attention_cpu(
     sliding_window: int = 0,
     softcap: float = 0.0,
     sinks: np.ndarray | None = None,
+    alibi_max_bias: float = 0.0,
+    attention_chunk: int = 0,
 ) -> np.ndarray:
     """Write the new K/V into the caches, then attend. Returns ``[T, num_heads * head_size]`` float32.
 
@@ -80,6 +82,8 @@ def paged_attention_cpu(
         int(sliding_window),
         float(softcap),
         None if sinks is None else np.ascontiguousarray(sinks, dtype=np.float32).reshape(-1),
+        float(alibi_max_bias),
+        int(attention_chunk),
     )
 
 

@@ -19,6 +19,8 @@ ATTRIBUTES = {
     "scale": OpSchema.AttrType.FLOAT,
     "sliding_window": OpSchema.AttrType.INT,
     "softcap": OpSchema.AttrType.FLOAT,
+    "alibi_max_bias": OpSchema.AttrType.FLOAT,  # > 0: ALiBi with the standard slopes of this maximum bias
+    "attention_chunk": OpSchema.AttrType.INT,  # > 0: chunked local attention (llama4)
 }
 
 

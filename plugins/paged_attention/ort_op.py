@@ -12,7 +12,7 @@ import os
 
 from onnxruntime_extensions import PyCustomOpDef, get_library_path, onnx_op
 
-from llmc.plugins.paged_attention import OP_TYPE, kv_binding
+from llmc.plugins.paged_attention import OP_TYPE, PYOP_EXTENDED, kv_binding
 
 ORT_DOMAIN = "ai.onnx.contrib"
 
@@ -31,6 +31,32 @@ def _select_kernel():
 _kernel = _select_kernel()
 
 _F, _I = PyCustomOpDef.dt_float, PyCustomOpDef.dt_int64
+_ATTRS = {
+    "layer_idx": PyCustomOpDef.dt_int64,
+    "num_heads": PyCustomOpDef.dt_int64,
+    "num_kv_heads": PyCustomOpDef.dt_int64,
+    "head_size": PyCustomOpDef.dt_int64,
+    "scale": PyCustomOpDef.dt_float,
+    "sliding_window": PyCustomOpDef.dt_int64,
+    "softcap": PyCustomOpDef.dt_float,
+}
+# onnxruntime-extensions' Python ops need every declared attribute on the node, so the attributes a model sets
+# only where it uses them (OPTIONAL_ATTRS: ALiBi, chunked local attention) have ops of their own, OP_TYPE /
+# SINKS_OP_TYPE + PYOP_EXTENDED, which the backend lowering picks for such nodes (filling the others in).
+_ATTRS_EXT = {**_ATTRS, "alibi_max_bias": PyCustomOpDef.dt_float, "attention_chunk": PyCustomOpDef.dt_int64}
+
+
+def _options(attrs: dict) -> dict:
+    """The kernel's keyword arguments from a node's attributes (absent ones at their defaults)."""
+    return dict(
+        num_heads=int(attrs["num_heads"]),
+        num_kv_heads=int(attrs["num_kv_heads"]),
+        scale=float(attrs["scale"]),
+        sliding_window=int(attrs.get("sliding_window", 0)),
+        softcap=float(attrs.get("softcap", 0.0)),
+        alibi_max_bias=float(attrs.get("alibi_max_bias", 0.0)),
+        attention_chunk=int(attrs.get("attention_chunk", 0)),
+    )
 
 
 @onnx_op(
@@ -38,15 +64,7 @@ _F, _I = PyCustomOpDef.dt_float, PyCustomOpDef.dt_int64
     domain=ORT_DOMAIN,
     inputs=[_F, _F, _F, _I, _I, _I, _I],
     outputs=[_F],
-    attrs={
-        "layer_idx": PyCustomOpDef.dt_int64,
-        "num_heads": PyCustomOpDef.dt_int64,
-        "num_kv_heads": PyCustomOpDef.dt_int64,
-        "head_size": PyCustomOpDef.dt_int64,
-        "scale": PyCustomOpDef.dt_float,
-        "sliding_window": PyCustomOpDef.dt_int64,
-        "softcap": PyCustomOpDef.dt_float,
-    },
+    attrs=_ATTRS,
 )
 def _paged_attention(query, key, value, slot_mapping, block_tables, context_lens, query_start_loc, **attrs):
     k_cache, v_cache = kv_binding.layer_cache(int(attrs["layer_idx"]))
@@ -60,11 +78,7 @@ def _paged_attention(query, key, value, slot_mapping, block_tables, context_lens
         query_start_loc,
         k_cache,
         v_cache,
-        num_heads=int(attrs["num_heads"]),
-        num_kv_heads=int(attrs["num_kv_heads"]),
-        scale=float(attrs["scale"]),
-        sliding_window=int(attrs.get("sliding_window", 0)),
-        softcap=float(attrs.get("softcap", 0.0)),
+        **_options(attrs),
     )
 
 
@@ -78,28 +92,30 @@ SINKS_OP_TYPE = OP_TYPE + "Sinks"
     domain=ORT_DOMAIN,
     inputs=[_F, _F, _F, _I, _I, _I, _I, _F],
     outputs=[_F],
-    attrs={
-        "layer_idx": PyCustomOpDef.dt_int64,
-        "num_heads": PyCustomOpDef.dt_int64,
-        "num_kv_heads": PyCustomOpDef.dt_int64,
-        "head_size": PyCustomOpDef.dt_int64,
-        "scale": PyCustomOpDef.dt_float,
-        "sliding_window": PyCustomOpDef.dt_int64,
-        "softcap": PyCustomOpDef.dt_float,
-    },
+    attrs=_ATTRS,
 )
 def _paged_attention_sinks(query, key, value, slot_mapping, block_tables, context_lens, query_start_loc, sinks,
                            **attrs):
     k_cache, v_cache = kv_binding.layer_cache(int(attrs["layer_idx"]))
     return _kernel(
         query, key, value, slot_mapping, block_tables, context_lens, query_start_loc, k_cache, v_cache,
-        num_heads=int(attrs["num_heads"]),
-        num_kv_heads=int(attrs["num_kv_heads"]),
-        scale=float(attrs["scale"]),
-        sliding_window=int(attrs.get("sliding_window", 0)),
-        softcap=float(attrs.get("softcap", 0.0)),
+        **_options(attrs),
         sinks=sinks,
     )
+
+
+@onnx_op(op_type=OP_TYPE + PYOP_EXTENDED, domain=ORT_DOMAIN, inputs=[_F, _F, _F, _I, _I, _I, _I], outputs=[_F],
+         attrs=_ATTRS_EXT)
+def _paged_attention_ext(query, key, value, slot_mapping, block_tables, context_lens, query_start_loc, **attrs):
+    return _paged_attention(query, key, value, slot_mapping, block_tables, context_lens, query_start_loc, **attrs)
+
+
+@onnx_op(op_type=SINKS_OP_TYPE + PYOP_EXTENDED, domain=ORT_DOMAIN, inputs=[_F, _F, _F, _I, _I, _I, _I, _F],
+         outputs=[_F], attrs=_ATTRS_EXT)
+def _paged_attention_sinks_ext(query, key, value, slot_mapping, block_tables, context_lens, query_start_loc, sinks,
+                               **attrs):
+    return _paged_attention_sinks(query, key, value, slot_mapping, block_tables, context_lens, query_start_loc,
+                                  sinks, **attrs)
 
 
 def library_path() -> str:

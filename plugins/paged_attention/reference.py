@@ -22,6 +22,28 @@ def write_kv(
         v_cache[b, :, off, :] = value[t].reshape(hkv, d)
 
 
+def alibi_slopes(num_heads: int, max_bias: float = 8.0) -> np.ndarray:
+    """ALiBi's per-head slopes (Press et al.), float32 ``[num_heads]``: with ``n`` the largest power of two
+    ``<= num_heads``, head ``h < n`` has slope ``2^(-max_bias (h + 1) / n)``; the other heads take the odd-indexed
+    slopes of ``2n`` heads, ``2^(-max_bias (2j + 1) / 2n)`` (transformers' bloom ``build_alibi_tensor``, and mpt's
+    ``build_mpt_alibi_tensor`` with ``alibi_bias_max = max_bias``)."""
+    n = 1 << (int(num_heads).bit_length() - 1)
+    h = np.arange(num_heads, dtype=np.float64)
+    e = np.where(h < n, (h + 1) / n, (2 * (h - n) + 1) / (2 * n))
+    return np.exp2(-float(max_bias) * e).astype(np.float32)
+
+
+def first_visible(pos: np.ndarray, sliding_window: int = 0, attention_chunk: int = 0) -> np.ndarray:
+    """The first key position a query at ``pos`` sees: 0, raised by a sliding window (its last
+    ``sliding_window`` positions) and by chunked local attention (its own chunk, ``floor(pos / C) * C``)."""
+    lo = np.zeros_like(pos)
+    if sliding_window > 0:
+        lo = np.maximum(lo, pos - sliding_window + 1)
+    if attention_chunk > 0:
+        lo = np.maximum(lo, pos - pos % attention_chunk)
+    return lo
+
+
 def paged_attention(
     query: np.ndarray,
     key: np.ndarray,
@@ -39,6 +61,8 @@ def paged_attention(
     sliding_window: int = 0,
     softcap: float = 0.0,
     sinks: np.ndarray | None = None,
+    alibi_max_bias: float = 0.0,
+    attention_chunk: int = 0,
 ) -> np.ndarray:
     """Write the new K/V into the caches, then attend. Returns ``[T, num_heads * head_size]``.
 
@@ -48,6 +72,11 @@ def paged_attention(
     softmax denominator of that head and adds nothing to the value sum,
     ``p_j = exp(s_j) / (sum_k exp(s_k) + exp(sinks[h]))``, in float32 (transformers' gpt_oss
     ``eager_attention_forward``: the sink is a last column of the logits, dropped after the softmax).
+    ``alibi_max_bias`` > 0 (ALiBi: bloom, mpt): head ``h``'s scores gain ``slope_h * (k_pos - q_pos)`` with the
+    slopes of :func:`alibi_slopes`, on the sequence's logical positions (never cache slots), after the scale and
+    any soft-cap, in float32 (transformers adds ``slope_h * k_pos``; the row's constant cancels in the softmax).
+    ``attention_chunk`` = C > 0 (chunked local attention, llama4): a query at position ``p`` sees the keys
+    ``[floor(p / C) * C, p]`` (absolute chunks, not a window).
     """
     write_kv(key, value, slot_mapping, k_cache, v_cache)
     _, hkv, block_size, d = k_cache.shape
@@ -56,6 +85,7 @@ def paged_attention(
     if sinks is not None:
         sinks = np.asarray(sinks, dtype=np.float32).reshape(-1)
         assert sinks.shape == (num_heads,), f"sinks must have one logit per query head ({num_heads}), got {sinks.shape}"
+    slopes = alibi_slopes(num_heads, alibi_max_bias) if alibi_max_bias > 0 else None
     out = np.zeros((query.shape[0], num_heads * d), dtype=query.dtype)
     for s in range(len(context_lens)):
         start, end = int(query_start_loc[s]), int(query_start_loc[s + 1])
@@ -75,9 +105,9 @@ def paged_attention(
                 scores = softcap * np.tanh(scores / softcap)
             pos_q = np.arange(ctx - n_new, ctx)[:, None]
             pos_k = np.arange(ctx)[None, :]
-            allowed = pos_k <= pos_q
-            if sliding_window > 0:
-                allowed &= pos_k > pos_q - sliding_window
+            if slopes is not None:
+                scores = scores + slopes[h] * (pos_k - pos_q).astype(np.float32)
+            allowed = (pos_k <= pos_q) & (pos_k >= first_visible(pos_q, sliding_window, attention_chunk))
             scores = np.where(allowed, scores, -np.inf)
             top = scores.max(axis=-1, keepdims=True)
             if sinks is not None:
@@ -109,7 +139,8 @@ def rotary_paged_attention(qkv: np.ndarray, cos: np.ndarray, sin: np.ndarray, sl
                            block_tables: np.ndarray, context_lens: np.ndarray, query_start_loc: np.ndarray,
                            k_cache: np.ndarray, v_cache: np.ndarray, *, num_heads: int, num_kv_heads: int,
                            scale: float, sliding_window: int = 0, softcap: float = 0.0,
-                           sinks: np.ndarray | None = None) -> np.ndarray:
+                           sinks: np.ndarray | None = None, alibi_max_bias: float = 0.0,
+                           attention_chunk: int = 0) -> np.ndarray:
     """``RotaryPagedAttention``: split ``qkv [..., T, (H + 2*Hkv) * D]`` into Q, K, V; rotate Q and K by
     ``cos``/``sin`` ``[..., T, D/2]``; then :func:`paged_attention`. Returns ``[T, H * D]``."""
     d = k_cache.shape[-1]
@@ -119,4 +150,4 @@ def rotary_paged_attention(qkv: np.ndarray, cos: np.ndarray, sin: np.ndarray, sl
     return paged_attention(rotate_half(q, c, s, num_heads), rotate_half(k, c, s, num_kv_heads), v, slot_mapping,
                            block_tables, context_lens, query_start_loc, k_cache, v_cache, num_heads=num_heads,
                            num_kv_heads=num_kv_heads, scale=scale, sliding_window=sliding_window, softcap=softcap,
-                           sinks=sinks)
+                           sinks=sinks, alibi_max_bias=alibi_max_bias, attention_chunk=attention_chunk)

@@ -30,6 +30,8 @@ def paged_attention(
     sliding_window: int,
     softcap: float,
     sinks: torch.Tensor | None = None,
+    alibi_max_bias: float = 0.0,
+    attention_chunk: int = 0,
 ) -> torch.Tensor:
     k_cache, v_cache = kv_binding.layer_cache(layer_idx)
     out = reference.paged_attention(
@@ -46,6 +48,8 @@ def paged_attention(
         sliding_window=sliding_window,
         softcap=softcap,
         sinks=None if sinks is None else sinks.detach().float().numpy(),
+        alibi_max_bias=alibi_max_bias,
+        attention_chunk=attention_chunk,
     )
     return torch.from_numpy(np.ascontiguousarray(out)).to(query.dtype)
 
@@ -71,15 +75,23 @@ def onnx_translation(
     sliding_window: int,
     softcap: float,
     sinks=None,
+    alibi_max_bias: float = 0.0,
+    attention_chunk: int = 0,
 ):
     """Lowering for ``torch.onnx.export(custom_translation_table=...)``: one ``llmc.PagedAttention`` node
-    (attention sinks, when given, as its optional last input)."""
+    (attention sinks, when given, as its optional last input; ALiBi and chunked local attention as attributes
+    only where set, so graphs without them are unchanged)."""
     import onnxscript
 
     opset = onnxscript.values.Opset(DOMAIN, OPSET_VERSION)
     inputs = [query, key, value, slot_mapping, block_tables, context_lens, query_start_loc]
     if sinks is not None:
         inputs.append(sinks)
+    extra = {}
+    if alibi_max_bias:
+        extra["alibi_max_bias"] = alibi_max_bias
+    if attention_chunk:
+        extra["attention_chunk"] = attention_chunk
     return getattr(opset, OP_TYPE)(
         *inputs,
         layer_idx=layer_idx,
@@ -89,4 +101,5 @@ def onnx_translation(
         scale=scale,
         sliding_window=sliding_window,
         softcap=softcap,
+        **extra,
     )

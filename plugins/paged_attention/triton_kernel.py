@@ -143,16 +143,22 @@ def _find_seq(qsl_ptr, tile_id, num_seqs, BLOCK_Q: tl.constexpr):
 
 
 @triton.jit
-def _attend(q, k, v, pos, pos_ok, q_pos, m_i, l_i, acc, qk_scale,
-            SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, DOT_TYPE: tl.constexpr, PRECISION: tl.constexpr):
-    """One online-softmax step over a K/V tile. q [M, D], k [D, N], v [N, D]; scores in float32."""
+def _attend(q, k, v, pos, pos_ok, q_pos, m_i, l_i, acc, qk_scale, slope,
+            SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, DOT_TYPE: tl.constexpr, PRECISION: tl.constexpr,
+            ALIBI: tl.constexpr, CHUNK: tl.constexpr):
+    """One online-softmax step over a K/V tile. q [M, D], k [D, N], v [N, D]; scores in float32. ``slope`` [M]:
+    the rows' ALiBi slopes (read only when ALIBI > 0)."""
     s = tl.dot(q, k.to(DOT_TYPE), input_precision=PRECISION) * qk_scale
     if SOFTCAP > 0:
         # softcap * tanh(s / softcap), with tanh from exp (tl has no tanh; saturates to ±1 correctly).
         s = SOFTCAP * (1.0 - 2.0 / (tl.exp(s * (2.0 / SOFTCAP)) + 1.0))
+    if ALIBI > 0:  # slope * (key position - query position), on logical positions
+        s = s + slope[:, None] * (pos[None, :] - q_pos[:, None]).to(tl.float32)
     allowed = pos_ok[None, :] & (pos[None, :] <= q_pos[:, None])
     if WINDOW > 0:
         allowed = allowed & (pos[None, :] > q_pos[:, None] - WINDOW)
+    if CHUNK > 0:  # chunked local attention: the query's own chunk only
+        allowed = allowed & (pos[None, :] >= q_pos[:, None] - q_pos[:, None] % CHUNK)
     s = tl.where(allowed, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     # Rows with nothing allowed yet keep m = -inf; use 0 there so exp() sees -inf, never NaN.
@@ -180,7 +186,8 @@ def paged_attention_kernel(
     BLOCK_SIZE: tl.constexpr, SCALE: tl.constexpr, SOFTCAP: tl.constexpr, WINDOW: tl.constexpr,
     FP8: tl.constexpr, FP8_NATIVE: tl.constexpr, DOT_TYPE: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_Q_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, HAS_SINKS: tl.constexpr = False,
+    NUM_SPLITS: tl.constexpr, HAS_SINKS: tl.constexpr = False, ALIBI: tl.constexpr = 0.0,
+    ALIBI_N: tl.constexpr = 1, CHUNK: tl.constexpr = 0,
 ):
     GROUP: tl.constexpr = NUM_HEADS // NUM_KV_HEADS
     tile_id = tl.program_id(0)
@@ -227,12 +234,22 @@ def paged_attention_kernel(
     q_pos = ctx_old + tok
     q_off = (q_start + tok)[:, None] * (NUM_HEADS * HEAD_SIZE) + head[:, None] * HEAD_SIZE + offs_d[None, :]
     q = tl.load(q_ptr + q_off, mask=row_ok[:, None] & d_ok[None, :], other=0.0).to(DOT_TYPE)
+    slope = tl.zeros([BLOCK_M], tl.float32)
+    if ALIBI > 0:
+        # ALiBi's standard slopes (reference.alibi_slopes): 2^(-ALIBI (h + 1) / n) for the first n = ALIBI_N
+        # heads (the largest power of two <= NUM_HEADS), the odd-indexed slopes of 2n heads for the rest.
+        hf = head.to(tl.float32)
+        e = tl.where(head < ALIBI_N, (hf + 1.0) / ALIBI_N, (2.0 * (hf - ALIBI_N) + 1.0) / (2 * ALIBI_N))
+        slope = tl.exp2(-ALIBI * e)
 
     # Positions this program covers: up to the tile's last query, from the window's start.
     last_q = tl.minimum(ctx_old + (tile + 1) * BLOCK_Q, ctx) - 1
     lo = 0
     if WINDOW > 0:
         lo = tl.maximum(ctx_old + tile * BLOCK_Q - WINDOW + 1, 0)
+    if CHUNK > 0:  # the tile's first query's chunk start (later queries' chunks start no earlier)
+        first_q = ctx_old + tile * BLOCK_Q
+        lo = tl.maximum(lo, first_q - first_q % CHUNK)
     hi = last_q + 1
     if NUM_SPLITS > 1:
         chunk = tl.cdiv(tl.cdiv(hi - lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
@@ -256,7 +273,8 @@ def paged_attention_kernel(
         k = tl.load(k_cache_ptr + base[None, :] + offs_d[:, None], mask=kv_ok, other=0.0)
         v = tl.load(v_cache_ptr + base[:, None] + offs_d[None, :], mask=tl.trans(kv_ok), other=0.0)
         m_i, l_i, acc = _attend(q, _from_cache(k, FP8, FP8_NATIVE), _from_cache(v, FP8, FP8_NATIVE),
-                                pos, pos_ok, q_pos, m_i, l_i, acc, qk_scale, SOFTCAP, WINDOW, DOT_TYPE, PRECISION)
+                                pos, pos_ok, q_pos, m_i, l_i, acc, qk_scale, slope, SOFTCAP, WINDOW, DOT_TYPE,
+                                PRECISION, ALIBI, CHUNK)
 
     # This step's positions, from the inputs (rounded as the cache stores them).
     for start in range(tl.maximum(lo, ctx_old), hi, BLOCK_N):
@@ -269,7 +287,8 @@ def paged_attention_kernel(
         v = tl.load(v_ptr + base[:, None] + offs_d[None, :], mask=tl.trans(kv_ok), other=0.0)
         m_i, l_i, acc = _attend(q, _as_stored(k, k_scale, k_cache_ptr, FP8, FP8_NATIVE),
                                 _as_stored(v, v_scale, v_cache_ptr, FP8, FP8_NATIVE),
-                                pos, pos_ok, q_pos, m_i, l_i, acc, qk_scale, SOFTCAP, WINDOW, DOT_TYPE, PRECISION)
+                                pos, pos_ok, q_pos, m_i, l_i, acc, qk_scale, slope, SOFTCAP, WINDOW, DOT_TYPE,
+                                PRECISION, ALIBI, CHUNK)
 
     row = (q_start + tok) * NUM_HEADS + head  # index of (token, head)
     if NUM_SPLITS == 1:
@@ -352,6 +371,8 @@ class KernelConfig:
     interpret: bool = False
     fp8_native: bool = False  # hardware E4M3 -> f16 conversion (sm_89+); off in the interpreter
     sinks: bool = False  # attention sinks: the kernel reads sinks_ptr [num_heads]
+    alibi_max_bias: float = 0.0  # > 0: ALiBi with the standard slopes of this maximum bias
+    attention_chunk: int = 0  # > 0: chunked local attention (keys from floor(p / C) * C)
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
@@ -394,6 +415,8 @@ class KernelConfig:
             PRECISION="ieee" if self.dot_type() == tl.float32 else "tf32",
             BLOCK_M=self.block_m, BLOCK_Q=self.block_q, BLOCK_Q_PAD=triton.next_power_of_2(self.block_q),
             BLOCK_N=self.block_n, NUM_SPLITS=self.num_splits, HAS_SINKS=self.sinks,
+            ALIBI=float(self.alibi_max_bias), ALIBI_N=1 << (self.num_heads.bit_length() - 1),
+            CHUNK=int(self.attention_chunk),
         )
 
     def grid(self, num_tokens: int, num_seqs: int) -> tuple[int, int, int]:
@@ -452,7 +475,7 @@ def paged_attention(query, key, value, slot_mapping, block_tables, context_lens,
                     k_cache, v_cache, *, num_heads: int, num_kv_heads: int, scale: float,
                     sliding_window: int = 0, softcap: float = 0.0, kv_scales=None, num_splits: int = 1,
                     block_m: int | None = None, block_n: int | None = None, num_warps: int = 4, out=None,
-                    sinks=None):
+                    sinks=None, alibi_max_bias: float = 0.0, attention_chunk: int = 0):
     """Write the new K/V into the caches in place, then attend. Returns ``[T, num_heads * head_size]``.
 
     Torch tensors, all on one device (CUDA, or CPU to run under the Triton interpreter):
@@ -462,7 +485,9 @@ def paged_attention(query, key, value, slot_mapping, block_tables, context_lens,
     float16, or ``uint8``/``float8_e4m3fn`` for an FP8 cache with ``kv_scales`` = ``[k_scale,
     v_scale]`` (float32 tensor, or a pair of floats). ``num_splits > 1`` splits each sequence's
     context over that many programs (see :func:`choose_num_splits`). ``sinks``: None, or attention-sink
-    logits ``[num_heads]`` (any float dtype, read as float32). Output dtype = query's.
+    logits ``[num_heads]`` (any float dtype, read as float32). ``alibi_max_bias`` > 0: ALiBi with the standard
+    slopes; ``attention_chunk`` > 0: chunked local attention (see ``reference.paged_attention``). Output dtype =
+    query's.
     """
     import torch
 
@@ -491,6 +516,7 @@ def paged_attention(query, key, value, slot_mapping, block_tables, context_lens,
         softcap=softcap, block_m=block_m or (16 if decode_only else 64),
         block_n=block_n or (32 if interpret else 64), num_splits=num_splits, num_warps=num_warps,
         interpret=interpret, fp8_native=fp8_native, sinks=sinks is not None,
+        alibi_max_bias=float(alibi_max_bias), attention_chunk=int(attention_chunk),
     )
     if sinks is not None:
         sinks = sinks.reshape(-1).contiguous()

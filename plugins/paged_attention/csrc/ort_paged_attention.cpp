@@ -105,8 +105,8 @@ void ort_parallel_for(void* self, int64_t n, void (*body)(void*, int64_t), void*
 // The kernel: one per graph node, holding the node's attributes.
 
 struct Kernel {
-    int64_t layer_idx = 0, num_heads = 0, num_kv_heads = 0, head_size = 0, sliding_window = 0;
-    float scale = 0.0f, softcap = 0.0f;
+    int64_t layer_idx = 0, num_heads = 0, num_kv_heads = 0, head_size = 0, sliding_window = 0, attention_chunk = 0;
+    float scale = 0.0f, softcap = 0.0f, alibi_max_bias = 0.0f;
 };
 
 int64_t int_attr(const OrtKernelInfo* info, const char* name, bool required, int64_t fallback) {
@@ -137,6 +137,8 @@ void* create_kernel(const OrtCustomOpV13*, const OrtApi*, const OrtKernelInfo* i
         k->head_size = int_attr(info, "head_size", true, 0);
         k->sliding_window = int_attr(info, "sliding_window", false, 0);
         k->softcap = float_attr(info, "softcap", 0.0f);
+        k->alibi_max_bias = float_attr(info, "alibi_max_bias", 0.0f);
+        k->attention_chunk = int_attr(info, "attention_chunk", false, 0);
         // The traced graphs always carry `scale`; the default is attention's usual 1/sqrt(head_size).
         k->scale = float_attr(info, "scale", k->head_size > 0 ? 1.0f / std::sqrt(float(k->head_size)) : 1.0f);
         if (int_attr(info, "rotary_interleaved", false, 0) != 0) {
@@ -302,6 +304,8 @@ void attend(const Kernel& k, OrtKernelContext* ctx, llmc_pa::Args& a) {
     a.scale = k.scale;
     a.sliding_window = k.sliding_window;
     a.softcap = k.softcap;
+    a.alibi_max_bias = k.alibi_max_bias;
+    a.attention_chunk = k.attention_chunk;
     with_threads(ctx, [&](int threads, const llmc::ParallelFor* pf) {
         llmc_pa::run(a, threads, static_cast<llmc_pa::Isa>(g_pa_isa.load()), pf);
     });
@@ -506,6 +510,10 @@ size_t int4_input_count(const OrtCustomOpV13*) { return 4; }
 
 const OrtCustomOpV13 g_int4_op = make_op(int4_name, int4_input_type, int4_input_count, create_int4_kernel,
                                          compute_int4, destroy_int4_kernel);
+
+// llmc::CausalConv1d and the bound state pool of recurrent layers (plugins/recurrent/csrc).
+#include "../../recurrent/csrc/ort_recurrent.h"
+
 std::mutex g_domain_mutex;
 OrtCustomOpDomain* g_domain = nullptr;  // one domain object for every session; lives as long as the process
 
@@ -529,7 +537,7 @@ LLMC_EXPORT OrtStatus* RegisterCustomOps(OrtSessionOptions* options, const OrtAp
             OrtCustomOpDomain* domain = nullptr;
             check(api_fn<OrtStatus* (*)(const char*, OrtCustomOpDomain**)>(kCreateCustomOpDomain)("llmc", &domain),
                   "CreateCustomOpDomain");
-            for (const OrtCustomOpV13* op : {&g_op, &g_rotary_op, &g_int4_op}) {
+            for (const OrtCustomOpV13* op : {&g_op, &g_rotary_op, &g_int4_op, &g_conv_op}) {
                 check(api_fn<OrtStatus* (*)(OrtCustomOpDomain*, const void*)>(kCustomOpDomain_Add)(domain, op),
                       "CustomOpDomain_Add");
             }
@@ -626,3 +634,5 @@ LLMC_EXPORT int64_t llmc_int4_set_parallel_min(int64_t work) {
 
 // Int4MatMul kernel calls completed since the library was loaded.
 LLMC_EXPORT int64_t llmc_int4_calls() { return g_int4_calls.load(); }
+
+#include "../../recurrent/csrc/ort_recurrent_exports.h"

@@ -9,7 +9,9 @@
 //      optionally with a tanh soft-cap on the scores) to the sequence's cached positions,
 //      query head h reading KV head h / (num_heads / num_kv_heads); optional attention sinks add
 //      exp(sinks[h]) to head h's softmax denominator (once, after any split-K merge) and nothing to
-//      its value sum.
+//      its value sum; optional ALiBi adds slope[h] * (key position - query position) to head h's
+//      scores (logical positions, after the scale and any soft-cap); optional chunked local attention
+//      (llama4) lets a query at position p see only keys in [floor(p / C) * C, p].
 //
 // Caches are [num_blocks, num_kv_heads, block_size, head_size], float32 (or float16, converted
 // with round-to-nearest-even on write, as numpy does), owned by the caller and never copied.
@@ -181,7 +183,9 @@ struct Problem {
     int64_t num_heads, num_kv_heads, group, head_size, block_size;
     float scale, softcap;
     int64_t window;  // <= 0: none
+    int64_t chunk;   // chunked local attention: keys from floor(pos / chunk) * chunk on; <= 0: none
     const float* sinks;  // [num_heads] attention-sink logits, or nullptr: none
+    const float* alibi;  // [num_heads] ALiBi slopes, or nullptr: none
     bool f16c;       // float16 caches convert with F16C (the AVX2 path on a CPU that has it)
 };
 
@@ -211,6 +215,28 @@ struct Scratch {
 };
 
 using llmc::exp_nonpos;  // ../../csrc/exp_nonpos.h
+
+// The first key position a query at `pos` sees: 0, raised by a sliding window (the last `window` positions)
+// and by chunked local attention (the query's own chunk of `chunk` positions, counted from 0).
+LLMC_INLINE int64_t first_visible(int64_t pos, int64_t window, int64_t chunk) {
+    int64_t lo = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
+    if (chunk > 0) lo = std::max<int64_t>(lo, pos - pos % chunk);
+    return lo;
+}
+
+// ALiBi's slopes (Press et al.; transformers' bloom build_alibi_tensor, and mpt's build_mpt_alibi_tensor with
+// alibi_bias_max = max_bias): with n the largest power of two <= num_heads, head h < n has slope
+// 2^(-max_bias (h + 1) / n); the remaining heads take the odd-indexed slopes of 2n heads, 2^(-max_bias (2j + 1) / 2n).
+inline std::vector<float> alibi_slopes(int64_t num_heads, float max_bias) {
+    int64_t n = 1;
+    while (n * 2 <= num_heads) n *= 2;
+    std::vector<float> out(static_cast<size_t>(num_heads));
+    for (int64_t h = 0; h < num_heads; ++h) {
+        const double e = h < n ? double(h + 1) / double(n) : double(2 * (h - n) + 1) / double(2 * n);
+        out[h] = static_cast<float>(std::exp2(-double(max_bias) * e));
+    }
+    return out;
+}
 
 // The factor that turns a head's unnormalised output `acc` (running max `m`, running sum `l`) into its
 // attention output: 1 / l, or with an attention sink of logit `sink` (sinks != nullptr) the sink's
@@ -275,7 +301,7 @@ LLMC_INLINE void attend(const Problem& p, const Item& it, Scratch& sc) {
     const CacheT* kc = static_cast<const CacheT*>(p.k_cache);
     const CacheT* vc = static_cast<const CacheT*>(p.v_cache);
 
-    const int64_t lo = p.window > 0 ? std::max<int64_t>(0, it.pos - p.window + 1) : 0;
+    const int64_t lo = first_visible(it.pos, p.window, p.chunk);
     const int64_t hi = it.pos;  // inclusive
     const float scale = p.scale, softcap = p.softcap;
     const bool use_cap = softcap > 0.0f;
@@ -349,6 +375,10 @@ LLMC_INLINE void attend(const Problem& p, const Item& it, Scratch& sc) {
             }
             if (use_cap) {
                 for (j = j0; j <= j1; ++j) sg[j] = softcap * std::tanh(sg[j] / softcap);
+            }
+            if (p.alibi != nullptr) {  // slope * (key position - query position), on logical positions
+                const float slope = p.alibi[it.kvh * G + g];
+                for (j = j0; j <= j1; ++j) sg[j] += slope * static_cast<float>(bi * bs + j - it.pos);
             }
             softmax_block(sg, j0, j1, m[g], l[g], ag, D);
             for (j = j0; j + 3 <= j1; j += 4) {
@@ -623,7 +653,7 @@ LLMC_INLINE void attend(const Problem& p, const TileItem& it, TileScratch& sc) {
     const CacheT* kc = static_cast<const CacheT*>(p.k_cache);
     const CacheT* vc = static_cast<const CacheT*>(p.v_cache);
     const float scale = p.scale, softcap = p.softcap;
-    const int64_t window = p.window;
+    const int64_t window = p.window, chunk = p.chunk;
 
     float* __restrict Q = sc.q.data();
     float* __restrict S = sc.s.data();
@@ -646,9 +676,11 @@ LLMC_INLINE void attend(const Problem& p, const TileItem& it, TileScratch& sc) {
     if (it.b_begin + 1 < it.b_end) prefetch_block(p, bt[it.b_begin + 1], it.kvh, kc, vc);
     for (int64_t bi = it.b_begin; bi < it.b_end; ++bi) {
         const int64_t start = bi * bs, last = start + bs - 1;
-        // Rows that see part of this block: pos >= start and (window) pos - window + 1 <= last.
+        // Rows that see part of this block: pos >= start, (window) pos - window + 1 <= last and (chunk)
+        // floor(pos / chunk) * chunk <= last, i.e. pos < (floor(last / chunk) + 1) * chunk.
         const int64_t r_lo = std::max<int64_t>(0, start - it.pos0);
-        const int64_t r_hi = window > 0 ? std::min<int64_t>(it.nrows, last + window - it.pos0) : it.nrows;
+        int64_t r_hi = window > 0 ? std::min<int64_t>(it.nrows, last + window - it.pos0) : it.nrows;
+        if (chunk > 0) r_hi = std::min<int64_t>(r_hi, (last / chunk + 1) * chunk - it.pos0);
         if (r_lo >= r_hi) continue;
 
         const int64_t base = ((bt[bi] * p.num_kv_heads + it.kvh) * bs) * D;
@@ -676,13 +708,17 @@ LLMC_INLINE void attend(const Problem& p, const TileItem& it, TileScratch& sc) {
 
         for (int64_t r = r_lo; r < r_hi; ++r) {
             const int64_t pos = it.pos0 + r;
-            const int64_t lo = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
+            const int64_t lo = first_visible(pos, window, chunk);
             const int64_t j0 = std::max<int64_t>(lo - start, 0);
             const int64_t j1 = std::min<int64_t>(pos - start, bs - 1);  // inclusive; j0 <= j1 by r_lo/r_hi
             for (int64_t m = r * G; m < (r + 1) * G; ++m) {
                 float* __restrict sm = S + m * bs;
                 if (softcap > 0.0f) {
                     for (int64_t j = j0; j <= j1; ++j) sm[j] = softcap * std::tanh(sm[j] / softcap);
+                }
+                if (p.alibi != nullptr) {  // slope * (key position - query position), on logical positions
+                    const float slope = p.alibi[it.kvh * G + m % G];
+                    for (int64_t j = j0; j <= j1; ++j) sm[j] += slope * static_cast<float>(start + j - pos);
                 }
                 // 8 lanes at every width: GCC's 16-lane selects and lane reductions measured slower here.
                 softmax_block_v<V8>(sm, bs, j0, j1, mrow[m], lrow[m], acc + m * D, D);
@@ -823,6 +859,8 @@ struct Args {
     int64_t sliding_window;  // <= 0: none
     float softcap;           // <= 0: none
     const float* sinks = nullptr;  // [num_heads] attention-sink logits (float32), or nullptr: none
+    float alibi_max_bias = 0.0f;   // > 0: ALiBi with the standard slopes of this maximum bias (8: the paper's)
+    int64_t attention_chunk = 0;   // > 0: chunked local attention in chunks of this many positions
     // Rotary position embedding, rotate-half form (RotaryPagedAttention): row t of query and key is
     // rotated by cos/sin row t, [T, head_size / 2] rows rot_row apart, before anything else; nullptr: none.
     const float* rot_cos = nullptr;
@@ -956,7 +994,7 @@ inline void run(const Args& a, int nthreads, Isa isa, const ParallelFor* pf = nu
         for (int64_t i = 0; i < n_new; ++i) {
             const int64_t pos = ctx - n_new + i;
             rows.push_back({start + i, s, pos});
-            total_work += sliding_window > 0 ? std::min<int64_t>(pos + 1, sliding_window) : pos + 1;
+            total_work += pos + 1 - first_visible(pos, sliding_window, a.attention_chunk);
         }
     }
 
@@ -983,7 +1021,7 @@ inline void run(const Args& a, int nthreads, Isa isa, const ParallelFor* pf = nu
     if (!tiled) {  // per-row items: the path for other head and block sizes
         items.reserve(static_cast<size_t>(base_items));
         for (const Row& r : rows) {
-            const int64_t lo = sliding_window > 0 ? std::max<int64_t>(0, r.pos - sliding_window + 1) : 0;
+            const int64_t lo = first_visible(r.pos, sliding_window, a.attention_chunk);
             const int64_t b_lo = lo / block_size, b_hi = r.pos / block_size + 1;  // [b_lo, b_hi)
             const int64_t nblk = b_hi - b_lo;
             const int64_t nchunks = std::max<int64_t>(1, std::min(want_splits, nblk / min_chunk_blocks));
@@ -1012,7 +1050,7 @@ inline void run(const Args& a, int nthreads, Isa isa, const ParallelFor* pf = nu
             for (int64_t r0 = 0; r0 < n_new; r0 += tile_rows) {
                 const int64_t nrows = std::min(tile_rows, n_new - r0);
                 const int64_t pos0 = ctx_p[s] - n_new + r0, pos_last = pos0 + nrows - 1;
-                const int64_t lo = sliding_window > 0 ? std::max<int64_t>(0, pos0 - sliding_window + 1) : 0;
+                const int64_t lo = first_visible(pos0, sliding_window, a.attention_chunk);
                 bare.push_back({s, 0, start + r0, nrows, pos0, lo / block_size, pos_last / block_size + 1, -1});
             }
         }
@@ -1076,7 +1114,11 @@ inline void run(const Args& a, int nthreads, Isa isa, const ParallelFor* pf = nu
     p.scale = a.scale;
     p.softcap = a.softcap;
     p.window = sliding_window;
+    p.chunk = a.attention_chunk;
     p.sinks = a.sinks;
+    const std::vector<float> slopes = a.alibi_max_bias > 0.0f ? alibi_slopes(num_heads, a.alibi_max_bias)
+                                                              : std::vector<float>();
+    p.alibi = slopes.empty() ? nullptr : slopes.data();
     p.f16c = avx2 && a.half && cpu_has_f16c();
 
     const bool half = a.half;
