@@ -28,6 +28,7 @@ import numpy as np
 from llmc.errors import LlmcError, UnsupportedError
 from llmc.runtime import artifact
 from llmc.runtime.kv_cache import BlockManager, KVPool
+from llmc.runtime.lora import LoraSlots, LoraSpec
 from llmc.runtime.sampler import SampleRow, SamplingParams, sample, token_logprobs
 from llmc.runtime.scheduler import Request, Scheduler, SchedulerConfig, SchedulerOutput
 from llmc.runtime.session import OrtSession, custom_ops_of
@@ -158,6 +159,10 @@ class Engine:
         self.speculator: Speculator | None = None  # set by load(speculative=...)
         self._structured: StructuredRuntime | None = None  # made by the first constrained request
         self._structured_config: StructuredConfig | None = None  # set by load(structured_config=...)
+        # Multi-LoRA engines (manifest "lora"): adapters by name and the slots the graph reads (runtime/lora.py).
+        spec = LoraSpec.from_manifest(manifest)
+        self.lora: LoraSlots | None = LoraSlots(spec) if spec is not None else None
+        self.scheduler.lora = self.lora
 
     @classmethod
     def load(cls, path: str | Path, *, kv_cache_tokens: int | None = None, max_num_tokens: int = 2048,
@@ -166,7 +171,8 @@ class Engine:
              num_threads: int | None = None, attention_threads: int | None = 0,
              verify: bool = True, device: str | None = None, gpu_memory_utilization: float = 0.9,
              cuda_graphs: bool = True, speculative: SpeculativeConfig | None = None,
-             structured_config: StructuredConfig | None = None) -> Engine:
+             structured_config: StructuredConfig | None = None,
+             lora_adapters: dict[str, str | Path] | None = None) -> Engine:
         """Load the artifact at ``path``.
 
         ``kv_cache_tokens`` sizes the KV pool (tokens across all sequences, rounded up to whole
@@ -192,6 +198,8 @@ class Engine:
         model is loaded here, as a CPU engine with the same thread settings.
         ``structured_config`` bounds what constrained requests (``SamplingParams.structured``) may cost and
         how their masks are computed: see :class:`~llmc.runtime.structured.StructuredConfig` (None: its defaults).
+        ``lora_adapters`` (``{name: directory}``, PEFT's format) are registered with :meth:`add_lora`, each checked
+        in full here (engines built with ``--lora-slots``); requests pick one with ``SamplingParams.lora``.
         """
         if structured_config is not None and not isinstance(structured_config, StructuredConfig):
             raise LlmcError(f"structured_config: must be a StructuredConfig (got {type(structured_config).__name__})")
@@ -199,6 +207,8 @@ class Engine:
                            max_prefill_tokens_with_decodes, enable_prefix_caching, num_threads, attention_threads,
                            verify, device, gpu_memory_utilization, cuda_graphs)
         engine._structured_config = structured_config
+        for name, adapter_path in (lora_adapters or {}).items():
+            engine.add_lora(name, adapter_path)
         if speculative is not None:
             engine.speculator = engine.new_speculator(speculative, num_threads=num_threads,
                                                       attention_threads=attention_threads, verify=verify)
@@ -327,6 +337,7 @@ class Engine:
     def _submit(self, prompt: Prompt, params: SamplingParams | None, request_id: str | None,
                 label: str) -> Request:
         params = params or SamplingParams()
+        lora_key = self._lora_key(params, label)
         ids = self._tokenize(prompt, label)
         if params.stop and self.tokenizer is None:
             raise LlmcError(f"{label}: stop strings need the engine's tokenizer.json; use stop_token_ids instead")
@@ -345,7 +356,7 @@ class Engine:
                 seq_id=seq_id, prompt_len=len(ids), tokens=list(ids), params=params,
                 arrival_time=time.perf_counter(), rng=np.random.default_rng(seed),
                 logprobs=[] if params.logprobs is not None else None,
-                text="" if params.stop else None,
+                text="" if params.stop else None, lora_key=lora_key,
             )
             if self.speculator is not None and params.speculative:
                 req.spec = self.speculator.new_state()
@@ -424,6 +435,8 @@ class Engine:
                      if self._structured else None)
             feeds = {"input_ids": ids, "positions": pos, "slot_mapping": slots, "block_tables": tables,
                      "context_lens": ctx, "query_start_loc": qsl, "logits_indices": rows}
+            if self.lora is not None:
+                self.lora.bind(feeds, [c.request.lora_slot for c in chunks], [c.num_tokens for c in chunks])
             if self._rope_lengths:
                 feeds["rope_lengths"] = np.repeat(np.asarray([len(c.request.tokens) for c in chunks], np.int64),
                                                   [c.num_tokens for c in chunks])
@@ -758,6 +771,48 @@ class Engine:
                 spec_draft_seconds=self.speculator.draft_seconds if self.speculator is not None else 0.0,
             )
 
+    # -- LoRA adapters ----------------------------------------------------------------------------
+
+    def add_lora(self, name: str, path: str | Path) -> None:
+        """Register the PEFT LoRA adapter in directory ``path`` as ``name`` (requests pick it with
+        ``SamplingParams.lora``). The adapter is read and checked in full now: ``UnsupportedError`` (exit 3) for
+        what this engine cannot run (rank above its ``--max-lora-rank``, DoRA, ``modules_to_save``, modules it has
+        no slots for), ``LlmcError`` (exit 2) for a duplicate name, malformed files or shapes that do not fit.
+        It takes a slot when a request for it is admitted; more adapters than slots take turns (LRU)."""
+        with self._lock:
+            self._require_lora(f"add_lora({name!r})").add(name, path)
+
+    def remove_lora(self, name: str) -> None:
+        """Forget adapter ``name``; ``LlmcError`` if it is unknown or requests for it are in the engine."""
+        with self._lock:
+            lora = self._require_lora(f"remove_lora({name!r})")
+            users = [r.request_id for r in self.scheduler.requests.values() if r.params.lora == name]
+            if users:
+                raise LlmcError(f"remove_lora({name!r}): {len(users)} requests for it are in the engine "
+                                f"({users[0]}, ...); remove it when they finish or cancel them")
+            lora.remove(name)
+
+    def lora_adapters(self) -> dict[str, Path]:
+        """The registered adapters: name -> the directory it was read from (empty without LoRA slots)."""
+        with self._lock:
+            return {n: a.path for n, a in self.lora.adapters.items()} if self.lora is not None else {}
+
+    def _require_lora(self, what: str) -> LoraSlots:
+        if self.lora is None:
+            raise UnsupportedError(f"{what}: engine {self.path} was built without LoRA slots; rebuild it with "
+                                   "llmc build --lora-slots S --max-lora-rank R")
+        return self.lora
+
+    def _lora_key(self, params: SamplingParams, label: str) -> int:
+        if params.lora is None:
+            return 0
+        lora = self._require_lora(f"{label}: SamplingParams.lora={params.lora!r}")
+        adapter = lora.adapters.get(params.lora)
+        if adapter is None:
+            raise LlmcError(f"{label}: LoRA adapter {params.lora!r} is not loaded (loaded: "
+                            f"{', '.join(lora.adapters) or 'none'}); add it with Engine.add_lora first")
+        return adapter.key
+
     def reset_prefix_cache(self) -> None:
         """Forget every cached block not in use (e.g. between benchmark runs)."""
         with self._lock:
@@ -794,6 +849,8 @@ class Engine:
                 }
                 if self._rope_lengths:
                     feeds["rope_lengths"] = np.full(n, n, np.int64)
+                if self.lora is not None:  # the base model
+                    self.lora.bind(feeds, [0], [n])
                 return self._session.run(feeds, self._pool)
             finally:
                 self._blocks.free(blocks)

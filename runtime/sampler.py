@@ -49,6 +49,7 @@ class SamplingParams:
     logprobs: int | None = None
     speculative: bool = True  # False: this request never speculates (when the engine has speculative decoding)
     structured: StructuredOutputs | None = None
+    lora: str | None = None  # the name of a LoRA adapter the engine has loaded (None: the base model)
 
     def __post_init__(self) -> None:
         if self.structured is not None:

@@ -118,6 +118,10 @@ class Request:
     draft: list[int] = field(default_factory=list)
     draft_probs: np.ndarray | None = None
     spec: SpecState | None = None
+    # Multi-LoRA: the slot this request's adapter occupies while it runs (0: the base model), and the adapter's
+    # key, which roots its blocks' hash chain so that the prefix cache never mixes adapters' KV.
+    lora_slot: int = 0
+    lora_key: int = 0
 
     @property
     def prompt_token_ids(self) -> list[int]:
@@ -202,6 +206,9 @@ class Scheduler:
         self.counters = SchedulerCounters()
         # Hash of a full prompt block -> the running request that is computing it (prefix caching).
         self._inflight: dict[int, Request] = {}
+        # Multi-LoRA engines: the adapter slots (llmc.runtime.lora.LoraSlots). A request for an adapter takes a
+        # slot when admitted and gives it back when it leaves the running list; with every slot held it waits.
+        self.lora = None
 
     # -- requests in and out ---------------------------------------------------------------------
 
@@ -247,6 +254,7 @@ class Scheduler:
             return
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
+            self._release_lora(request)
         else:
             self.waiting.remove(request)
         if self.blocks.has_sequence(request.seq_id):
@@ -360,7 +368,7 @@ class Scheduler:
         watermark = int(cfg.admission_watermark * self.blocks.num_blocks)
         while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
             r = self.waiting[0]
-            cached = self.blocks.cached_prefix_tokens(r.tokens)
+            cached = self.blocks.cached_prefix_tokens(r.tokens, r.lora_key)
             remaining = len(r.tokens) - cached
             n = min(remaining, budget)
             if n < remaining and not cfg.enable_chunked_prefill:
@@ -371,8 +379,16 @@ class Scheduler:
                 new_blocks = self.blocks_needed(cached + n) - cached // self.block_size
                 if self.blocks.num_free_blocks - new_blocks < watermark:
                     break
-            if self.blocks.add_sequence(r.seq_id, r.tokens, n) < 0:
+            slot = 0
+            if r.params.lora is not None and self.lora is not None:
+                slot = self.lora.acquire(r.params.lora)
+                if not slot:
+                    break  # every adapter slot is held by running requests: wait for one (FCFS)
+            if self.blocks.add_sequence(r.seq_id, r.tokens, n, r.lora_key) < 0:
+                if slot:
+                    self.lora.release(slot)
                 break
+            r.lora_slot = slot
             self.waiting.popleft()
             r.status = RequestStatus.RUNNING
             r.num_computed = cached
@@ -392,7 +408,7 @@ class Scheduler:
     def _block_hashes(self, r: Request) -> list[int]:
         """Chained hashes of the blocks of ``r`` the prefix cache can serve (full, before the last token)."""
         if r._hashes is None or r._hashes[0] != len(r.tokens):
-            bs, hashes, parent = self.block_size, [], 0
+            bs, hashes, parent = self.block_size, [], r.lora_key
             for i in range((len(r.tokens) - 1) // bs):
                 parent = hash_block(parent, r.tokens[i * bs : (i + 1) * bs])
                 hashes.append(parent)
@@ -421,12 +437,18 @@ class Scheduler:
     def _requeue(self, r: Request) -> None:
         """Free the blocks of running ``r`` and put it at the front of the queue, to be computed again."""
         self.running.remove(r)
+        self._release_lora(r)
         self.blocks.free_sequence(r.seq_id)
         r.num_computed = 0
         r.draft, r.draft_probs = [], None
         r.status = RequestStatus.WAITING
         self._forget_inflight(r)
         self.waiting.appendleft(r)  # it arrived before everything still waiting
+
+    def _release_lora(self, r: Request) -> None:
+        if r.lora_slot:
+            self.lora.release(r.lora_slot)
+            r.lora_slot = 0
 
     def complete(self, out: SchedulerOutput) -> None:
         """The step ran: its chunks' KV is in the cache."""

@@ -1,0 +1,263 @@
+"""Multi-LoRA: PEFT adapters in an engine built with --lora-slots, chosen per request, several in one batch.
+
+The reference for an adapter request is the same checkpoint with the adapter merged into its weights by PEFT
+(``merge_and_unload``): built as an engine, or run by transformers, greedy tokens identical in float32.
+Adapters are written by PEFT itself with random A and B (PEFT's own B starts at zero, which would prove nothing).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from llmc.compiler.build import BuildOptions, build, canonical_recipe
+from llmc.errors import LlmcError, UnsupportedError
+from llmc.runtime import Engine, SamplingParams
+
+pytest.importorskip("peft")
+
+from llmc.testing.lora import write_merged_checkpoint, write_peft_adapter  # noqa: E402
+
+SLOTS, RANK = 2, 8
+PROMPTS = [[5, 17, 99, 3, 42, 7, 8, 250, 31, 77], [400, 2, 9, 9, 130, 64], [11, 12, 13]]
+MAX_TOKENS = 16
+# name -> write_peft_adapter arguments: ranks 2..8 (the engine's R), attention and MLP targets, rsLoRA.
+ADAPTERS = {
+    "qv": dict(r=4, alpha=8.0, targets=("q_proj", "v_proj", "down_proj"), seed=1),
+    "all-rs": dict(r=8, alpha=16.0, targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                             "down_proj"), rslora=True, seed=2),
+    "mlp": dict(r=2, alpha=4.0, targets=("o_proj", "gate_proj", "up_proj"), seed=3),
+}
+
+
+@pytest.fixture(scope="module")
+def lora_dir(tmp_path_factory, tiny_llama) -> Path:
+    root = tmp_path_factory.mktemp("lora")
+    for name, kwargs in ADAPTERS.items():
+        write_peft_adapter(tiny_llama, root / name, **kwargs)
+    build(tiny_llama, root / "engine", BuildOptions(lora_slots=SLOTS, max_lora_rank=RANK))
+    return root
+
+
+@pytest.fixture(scope="module")
+def engine(lora_dir) -> Engine:
+    return Engine.load(lora_dir / "engine", lora_adapters={n: lora_dir / n for n in ADAPTERS})
+
+
+def _greedy(engine: Engine, prompts, lora=None) -> list[list[int]]:
+    params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, lora=lora)
+    return [o.token_ids for o in engine.generate(prompts, params)]
+
+
+def _transformers_greedy(checkpoint: Path, prompts) -> list[list[int]]:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    out = []
+    for p in prompts:
+        ids = torch.tensor([p])
+        gen = model.generate(ids, max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS, do_sample=False,
+                             pad_token_id=0)
+        out.append(gen[0, len(p):].tolist())
+    return out
+
+
+def test_manifest_records_geometry(lora_dir):
+    manifest = json.loads((lora_dir / "engine" / "manifest.json").read_text())
+    lora = manifest["lora"]
+    assert (lora["slots"], lora["max_rank"], lora["slot_input"]) == (SLOTS, RANK, "lora_slots")
+    # 2 layers x 7 linears, each with [in, S*R] and [S*R, out] graph inputs (bound at run time, not weights)
+    assert len(lora["modules"]) == 14
+    q = next(m for m in lora["modules"] if m["module"] == "model.layers.0.self_attn.q_proj")
+    assert (q["in_features"], q["out_features"]) == (64, 64)
+    import onnx
+
+    graph = onnx.load(lora_dir / "engine" / "model.onnx", load_external_data=False).graph
+    inputs = {i.name for i in graph.input}
+    assert {"lora_slots", q["a_input"], q["b_input"]} <= inputs
+    assert not any(i.name.endswith((".lora_A", ".lora_B")) for i in graph.initializer)
+
+
+def test_build_without_slots_is_unchanged():
+    # The recipe (the cache key) of a build without --lora-slots has no LoRA fields at all.
+    recipe = canonical_recipe(BuildOptions())
+    assert not any(k.startswith("lora") or k == "max_lora_rank" for k in recipe)
+    assert canonical_recipe(BuildOptions(lora_slots=2))["lora_slots"] == 2
+
+
+def test_adapter_equals_merged_engine(tmp_path, tiny_llama, lora_dir, engine):
+    """rsLoRA on all seven linears, rank = the engine's R: the adapter request equals an engine built from the
+    merged checkpoint, and differs from the base model."""
+    merged = write_merged_checkpoint(tiny_llama, lora_dir / "all-rs", tmp_path / "merged")
+    build(merged, tmp_path / "merged-engine", BuildOptions())
+    reference = Engine.load(tmp_path / "merged-engine")
+    assert _greedy(engine, PROMPTS, "all-rs") == _greedy(reference, PROMPTS)
+    assert _greedy(engine, PROMPTS, "all-rs") != _greedy(engine, PROMPTS)
+
+
+@pytest.mark.parametrize("name", ["qv", "mlp"])
+def test_adapter_equals_merged_transformers(tmp_path, tiny_llama, lora_dir, engine, name):
+    """Ranks below R (zero-padded), attention-only and MLP-only targets: transformers on the merged weights."""
+    merged = write_merged_checkpoint(tiny_llama, lora_dir / name, tmp_path / "merged")
+    assert _greedy(engine, PROMPTS, name) == _transformers_greedy(merged, PROMPTS)
+
+
+def test_mixed_batch_equals_solo(engine):
+    """Base, adapter 1 and adapter 2 requests in the same steps each give their solo output."""
+    solo = {lora: _greedy(engine, PROMPTS[:1], lora)[0] for lora in (None, "qv", "all-rs")}
+    assert len({tuple(v) for v in solo.values()}) == 3
+    reqs = [(None, PROMPTS[0]), ("qv", PROMPTS[0]), ("all-rs", PROMPTS[0]), (None, PROMPTS[0])]
+    ids = [engine.submit(p, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, lora=lora)) for lora, p in reqs]
+    mixed_steps = 0
+    while engine.has_unfinished():
+        engine.step()
+        slots = {c.request.lora_slot for c in engine.last_schedule.chunks}
+        mixed_steps += len(slots) == 3  # base (0) and both adapters' slots in one step
+    assert mixed_steps >= MAX_TOKENS - 1
+    for (lora, _), rid in zip(reqs, ids, strict=True):
+        assert engine.result(rid).token_ids == solo[lora]
+
+
+def test_more_adapters_than_slots_wait_evict_and_reload(engine):
+    """Three adapters over two slots: the third waits for a slot (never fails), evictions and reloads give the
+    same tokens as solo runs, and the slots are free again afterwards."""
+    solo = {name: _greedy(engine, PROMPTS[:1], name)[0] for name in ADAPTERS}
+    loads = engine.lora.loads
+    names = ["qv", "all-rs", "mlp", "qv", "mlp", "all-rs"]
+    params = [SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, lora=n) for n in names]
+    outs = engine.generate([PROMPTS[0]] * len(names), params)
+    assert [o.token_ids for o in outs] == [solo[n] for n in names]
+    assert all(o.finish_reason == "length" for o in outs)
+    assert engine.lora.loads >= loads + 2  # at least one eviction and reload
+    assert engine.lora.holders == [0] * (SLOTS + 1)
+    for _ in range(2):  # round after round of eviction: still identical
+        assert _greedy(engine, PROMPTS[:1], "mlp")[0] == solo["mlp"]
+        assert _greedy(engine, PROMPTS[:1], "qv")[0] == solo["qv"]
+        assert _greedy(engine, PROMPTS[:1], "all-rs")[0] == solo["all-rs"]
+
+
+def test_prefix_cache_keyed_by_adapter(engine):
+    prompt = list(range(100, 150))  # 3 full blocks of 16
+    params = {lora: SamplingParams(max_tokens=4, ignore_eos=True, lora=lora) for lora in (None, "qv")}
+    engine.reset_prefix_cache()
+    base = engine.generate([prompt], params[None])[0]
+    first = engine.generate([prompt], params["qv"])[0]
+    again = engine.generate([prompt], params["qv"])[0]
+    base_again = engine.generate([prompt], params[None])[0]
+    assert first.num_cached_tokens == 0  # the base model's blocks are not the adapter's
+    assert again.num_cached_tokens == 48 and base_again.num_cached_tokens == 48
+    assert again.token_ids == first.token_ids and base_again.token_ids == base.token_ids
+
+
+def test_add_remove_at_run_time(lora_dir, engine):
+    engine.add_lora("qv-again", lora_dir / "qv")
+    assert engine.lora_adapters()["qv-again"] == lora_dir / "qv"
+    assert _greedy(engine, PROMPTS[:1], "qv-again") == _greedy(engine, PROMPTS[:1], "qv")
+    with pytest.raises(LlmcError, match="already loaded"):
+        engine.add_lora("qv-again", lora_dir / "qv")
+    rid = engine.submit(PROMPTS[0], SamplingParams(max_tokens=2, lora="qv-again"))
+    with pytest.raises(LlmcError, match="requests for it are in the engine"):
+        engine.remove_lora("qv-again")
+    while engine.has_unfinished():
+        engine.step()
+    engine.result(rid)
+    engine.remove_lora("qv-again")
+    with pytest.raises(LlmcError, match="'qv-again' is not loaded"):
+        engine.submit(PROMPTS[0], SamplingParams(lora="qv-again"))
+    with pytest.raises(LlmcError, match="is not loaded"):
+        engine.remove_lora("qv-again")
+
+
+def _refused(engine: Engine, path: Path, error: type, *needles: str) -> None:
+    with pytest.raises(error) as info:
+        engine.add_lora("bad", path)
+    message = str(info.value)
+    assert "\n" not in message
+    for needle in needles:
+        assert needle in message, (needle, message)
+    assert "bad" not in engine.lora_adapters()
+
+
+def test_refusals(tmp_path, tiny_llama, lora_dir, engine):
+    _refused(engine, write_peft_adapter(tiny_llama, tmp_path / "r16", r=16), UnsupportedError,
+             "r=16", "--max-lora-rank 8", "--max-lora-rank 16")
+    _refused(engine, write_peft_adapter(tiny_llama, tmp_path / "dora", use_dora=True), UnsupportedError, "use_dora")
+    _refused(engine, write_peft_adapter(tiny_llama, tmp_path / "mts", modules_to_save=["lm_head"]), UnsupportedError,
+             "modules_to_save")
+    _refused(engine, write_peft_adapter(tiny_llama, tmp_path / "head", targets=("lm_head",)), UnsupportedError,
+             "lm_head", "no LoRA slots for", "--lora-targets")
+    # an adapter trained for another model (hidden size 32): shapes that do not fit the base
+    from llmc.testing.checkpoints import write_tiny_llama
+
+    other = write_tiny_llama(tmp_path / "other", hidden_size=32, intermediate_size=64, seed=5)
+    _refused(engine, write_peft_adapter(other, tmp_path / "other-ad"), LlmcError, "do not fit the base model",
+             "expected [4, 64]")
+    _refused(engine, tmp_path / "missing", LlmcError, "adapter_config.json", "no such file")
+    (tmp_path / "no-weights").mkdir()
+    (tmp_path / "no-weights" / "adapter_config.json").write_text(json.dumps({"r": 4, "lora_alpha": 8}))
+    _refused(engine, tmp_path / "no-weights", LlmcError, "adapter_model.safetensors", "no such file")
+    with pytest.raises(LlmcError, match="not loaded"):
+        engine.submit(PROMPTS[0], SamplingParams(lora="nope"))
+
+
+def test_engine_without_slots_refuses_adapters(tiny_engine, lora_dir):
+    with pytest.raises(UnsupportedError, match="built without LoRA slots.*--lora-slots"):
+        Engine.load(tiny_engine, lora_adapters={"qv": lora_dir / "qv"})
+    plain = Engine.load(tiny_engine)
+    with pytest.raises(UnsupportedError, match="built without LoRA slots"):
+        plain.submit([1, 2, 3], SamplingParams(lora="qv"))
+
+
+@pytest.mark.parametrize("flags, needle", [(["--lora-slots", "100"], "--lora-slots 100"),
+                                           (["--lora-slots", "2", "--max-lora-rank", "0"], "--max-lora-rank 0"),
+                                           (["--lora-slots", "2", "--lora-targets", "q,lm_head"], "lm_head")])
+def test_bad_build_flags(tmp_path, tiny_llama, flags, needle):
+    from llmc.cli.main import cli
+
+    result = CliRunner().invoke(cli, ["build", str(tiny_llama), "-o", str(tmp_path / "out"), *flags])
+    err = result.stderr if hasattr(result, "stderr") else result.output
+    assert result.exit_code == 2, err
+    assert needle in err.strip().splitlines()[-1] and "Traceback" not in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_slot_mask_selects_per_token():
+    """The graph's slot selection on its own, against numpy, on fresh random inputs: the rewrite of one
+    linear, run by ONNX Runtime with three slots and a mix of slots per token (0 and -1: none)."""
+    import onnx_ir as ir
+    import onnxruntime as ort
+
+    from llmc.passes.lora import add_lora
+
+    rng = np.random.default_rng(7)
+    d_in, d_out, slots, rank, tokens = 12, 10, 3, 4, 9
+    w = rng.standard_normal((d_out, d_in)).astype(np.float32)
+    x = ir.Value(name="x", shape=ir.Shape([1, "tokens", d_in]), type=ir.TensorType(ir.DataType.FLOAT))
+    weight = ir.Value(name="model.layers.0.self_attn.q_proj.weight", shape=ir.Shape([d_out, d_in]),
+                      type=ir.TensorType(ir.DataType.FLOAT))
+    weight.const_value = ir.tensor(w, name=weight.name)
+    t = ir.node("Transpose", [weight], attributes={"perm": [1, 0]})
+    mm = ir.node("MatMul", [x, t.outputs[0]])
+    out = ir.node("Identity", [mm.outputs[0]])
+    out.outputs[0].name = "y"
+    graph = ir.Graph([x], [out.outputs[0]], nodes=[t, mm, out], initializers=[weight], opset_imports={"": 23})
+    model = ir.Model(graph, ir_version=10)
+    geometry = add_lora(model, slots, rank, ("q",))
+    site = geometry.sites[0]
+    a = rng.standard_normal((d_in, slots * rank)).astype(np.float32)
+    b = rng.standard_normal((slots * rank, d_out)).astype(np.float32)
+    slot_ids = np.asarray([0, 1, 2, 3, -1, 3, 2, 1, 0], np.int64)
+    xs = rng.standard_normal((1, tokens, d_in)).astype(np.float32)
+    session = ort.InferenceSession(ir.serde.serialize_model(model).SerializeToString())
+    (got,) = session.run(None, {"x": xs, "lora_slots": slot_ids, site.a_input: a, site.b_input: b})
+    want = xs[0] @ w.T
+    for i, s in enumerate(slot_ids):
+        if s >= 1:
+            cols = slice((s - 1) * rank, s * rank)
+            want[i] += (xs[0, i] @ a[:, cols]) @ b[cols]
+    np.testing.assert_allclose(got[0], want, rtol=1e-5, atol=1e-5)
