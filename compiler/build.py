@@ -132,6 +132,29 @@ def _plan_memory(ckpt: Checkpoint, plan: _Plan) -> None:
                                                        plan.options.quant)
 
 
+def _check_hybrid(ckpt: Checkpoint, plan: _Plan) -> None:
+    """What a hybrid model (layers with recurrent state: llmc.compiler.checkpoint.HYBRID_MODEL_TYPES) cannot be
+    built with yet, refused before any work (exit 3), naming the missing piece."""
+    from llmc.compiler.checkpoint import HYBRID_MODEL_TYPES
+
+    layers = HYBRID_MODEL_TYPES.get(ckpt.model_type)
+    if layers is None:
+        return
+    options, target = plan.options, plan.target
+    head = f"{ckpt.path}: model_type {ckpt.model_type!r} has {layers}, which keep recurrent state between tokens"
+    if target.sm is not None or target.backend != "onnxruntime":
+        raise UnsupportedError(f"{head}; {target.flag}: llmc's GPU engines have no kernels for them yet (the CPU "
+                               "engine has); build with --target cpu")
+    if options.quant.enabled:
+        raise UnsupportedError(f"{head}; --quant: quantizing such models (and scoring them layer by layer) is not "
+                               "done yet; build without --quant")
+    if options.verify_passes:
+        raise UnsupportedError(f"{head}; --verify-passes runs graphs without their state pool; build without it")
+    if options.attention != "native":
+        raise UnsupportedError(f"{head}; their ops run only in llmc's native custom-op library; build with the "
+                               "native attention route")
+
+
 def _validate(options: BuildOptions) -> None:
     if options.block_size < 1 or options.block_size > 1024 or options.block_size & (options.block_size - 1):
         raise LlmcError(f"--block-size {options.block_size}: must be a power of two from 1 to 1024 (default 16)")
@@ -357,6 +380,10 @@ def _compile_stages(ckpt: Checkpoint, digest: str, plan: _Plan, dest: Path, say:
             lora = add_lora(traced.model, options.lora_slots, options.max_lora_rank, tuple(options.lora_targets))
             traced.inputs = (*traced.inputs, SLOT_INPUT)
             say(f"      lora: {len(lora.sites)} linears, {lora.slots} slots of rank {lora.max_rank}")
+        if traced.state_layers and (gpu or qstage is not None or options.verify_passes):
+            raise UnsupportedError(f"{ckpt.path}: model_type {ckpt.model_type!r} has layers that keep recurrent state "
+                                   "between tokens, which llmc builds for the CPU engine only, without --quant and "
+                                   "--verify-passes, so far; build with --target cpu and without those options")
         timings["trace"] = time.perf_counter() - t
         nodes_traced = sum(1 for _ in traced.model.graph)
         _kill_point("after-trace")
@@ -468,6 +495,8 @@ def _compile_stages(ckpt: Checkpoint, digest: str, plan: _Plan, dest: Path, say:
             # llmc.runtime.kv_cache.layer_geometry. num_kv_heads / head_size are then the first layer's.
             **({"layers": traced.kv_layers} if traced.kv_layers else {}),
         },
+        # Hybrid models: the per-sequence state of their recurrent layers (llmc.runtime.state_cache).
+        **({"state_cache": {"dtype": "float32", "arrays": traced.state_layers}} if traced.state_layers else {}),
         # Multi-LoRA engines: slots, rank, and per linear its graph inputs (llmc.runtime.lora reads it).
         **({"lora": lora.to_json()} if lora is not None else {}),
     }
@@ -684,6 +713,7 @@ def build(checkpoint_dir: str | Path, out_dir: str | Path, options: BuildOptions
     say("[1/5] load checkpoint")
     ckpt = load_checkpoint(checkpoint_dir)
     _plan_memory(ckpt, plan)
+    _check_hybrid(ckpt, plan)
     digest = ckpt.digest()
     timings["load"] = time.perf_counter() - t0
 
@@ -768,6 +798,7 @@ def build_cached(checkpoint_dir: str | Path, out_dir: str | Path, options: Build
     say("[1/5] load checkpoint")
     ckpt = load_checkpoint(checkpoint_dir)
     _plan_memory(ckpt, plan)
+    _check_hybrid(ckpt, plan)
     digest = ckpt.digest()
     timings["load"] = time.perf_counter() - t0
 

@@ -28,9 +28,25 @@ SUPPORTED_MODEL_TYPES = (
 # Architectures whose layers keep recurrent state (state-space, linear attention, convolution caches): the
 # KV design has pages of keys and values only, so they are refused before any work.
 RECURRENT_MODEL_TYPES = (
-    "mamba", "mamba2", "falcon_mamba", "jamba", "zamba", "zamba2", "bamba", "rwkv", "recurrent_gemma", "lfm2",
+    "mamba", "mamba2", "falcon_mamba", "jamba", "zamba", "zamba2", "bamba", "rwkv", "recurrent_gemma",
     "granitemoehybrid", "falcon_h1", "nemotron_h", "qwen3_next", "minimax", "xlstm",
 )
+# Hybrid architectures whose recurrent layers llmc lowers (llmc.plugins.recurrent; the runtime's state pool,
+# llmc.runtime.state_cache), CPU engine only: model_type -> what those layers are (tests/test_hybrid_*.py).
+HYBRID_MODEL_TYPES = {"lfm2": "short-convolution layers"}
+# The recurrent mechanism llmc still lacks, per refused family (named in the refusal); a family recognised by its
+# fields only is named by _RECURRENT_BY_FIELD.
+_SSM = "Mamba/Mamba2 selective state-space layers (SSD scan with a per-sequence SSM state, and their causal conv1d)"
+_GDN = "Gated DeltaNet layers (the gated delta rule: a per-sequence [heads, key, value] recurrent state)"
+RECURRENT_MECHANISMS = {
+    "mamba": _SSM, "mamba2": _SSM, "falcon_mamba": _SSM, "jamba": _SSM, "zamba": _SSM, "zamba2": _SSM,
+    "bamba": _SSM, "granitemoehybrid": _SSM, "falcon_h1": _SSM, "nemotron_h": _SSM,
+    "qwen3_next": _GDN, "qwen3_5_text": _GDN, "qwen3_5_moe_text": _GDN,
+    "kimi_linear": "Kimi Delta Attention layers (a gated delta rule with channel-wise gates)",
+    "rwkv": "RWKV time-mixing recurrence", "recurrent_gemma": "RG-LRU recurrent layers",
+    "minimax": "lightning (linear) attention layers", "xlstm": "xLSTM cells",
+}
+_RECURRENT_BY_FIELD = {"linear_conv_kernel_dim": _GDN}
 _RECURRENT_FIELDS = ("state_size", "ssm_state_size", "mamba_d_state", "d_state", "conv_kernel",
                      "linear_conv_kernel_dim")
 
@@ -201,10 +217,14 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
     recurrent = [f for f in _RECURRENT_FIELDS if f in config]
     if model_type in RECURRENT_MODEL_TYPES or (model_type not in SUPPORTED_MODEL_TYPES and recurrent):
         why = f"field {recurrent[0]!r}" if recurrent else "its model type"
+        mechanism = RECURRENT_MECHANISMS.get(model_type) or next(
+            (_RECURRENT_BY_FIELD[f] for f in recurrent if f in _RECURRENT_BY_FIELD),
+            "state-space, linear-attention or convolution layers")
         raise UnsupportedError(
-            f"{cfg_path}: model_type {model_type!r} keeps recurrent state between tokens ({why}: state-space, "
-            "linear-attention or convolution layers); llmc's KV cache holds keys and values only, so it cannot run "
-            f"this model yet. Supported model types: {', '.join(SUPPORTED_MODEL_TYPES)}"
+            f"{cfg_path}: model_type {model_type!r} keeps recurrent state between tokens ({why}: {mechanism}); "
+            f"llmc's state pool runs {', '.join(HYBRID_MODEL_TYPES.values())} ({', '.join(HYBRID_MODEL_TYPES)}) but "
+            f"does not lower these yet, so it cannot build this model. Supported model types: "
+            f"{', '.join(SUPPORTED_MODEL_TYPES)}"
         )
     if model_type not in SUPPORTED_MODEL_TYPES:
         from llmc.compiler.mechanisms import refuse_unlowered

@@ -22,6 +22,7 @@ from llmc.compiler.binding import account, bind
 from llmc.compiler.checkpoint import Checkpoint, TensorEntry, changed_during_build, read_tensor
 from llmc.errors import LlmcError, UnsupportedError
 from llmc.plugins.paged_attention import INPUT_NAMES
+from llmc.plugins.recurrent import ACTIVATIONS, STATE_SLOTS
 
 ATTN_IMPLEMENTATION = "llmc_paged"
 
@@ -54,6 +55,10 @@ class TracedModel:
     # Per layer, when layers differ in KV geometry or share caches: the manifest's ``kv_cache.layers``
     # (see llmc.runtime.kv_cache.layer_geometry); None when every layer has its own cache of one shape.
     kv_layers: list[dict] | None = None
+    # Hybrid models (layers that keep recurrent state): per state array of the runtime's state pool, the
+    # decoder layer, the kind of state and one slot's shape (the manifest's ``state_cache.arrays``); None
+    # without such layers. ``num_layers`` then counts the attention layers (the KV pool's).
+    state_layers: list[dict] | None = None
 
 
 def _attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -124,6 +129,7 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
 # the attention function (falcon): set by the traced wrapper's forward around the model call, so torch.export
 # sees the very input tensors either way.
 _STEP_FIELDS = ("slot_mapping", "block_tables", "context_lens", "query_start_loc")
+# (A hybrid model's step also sets ``state_slots``, which only llmc's recurrent ops read.)
 _STEP: dict = {}
 
 # Per layer index, (heads, kv heads, head size, the layer whose cache it uses) of every attention call of the
@@ -135,6 +141,61 @@ KV_OWNERS: dict[int, tuple[object, object]] = {}
 # ids of the attention modules whose sinks reached llmc's attention in the current trace (a model with sink
 # parameters that never get there is refused).
 SINK_MODULES: set[int] = set()
+# The state arrays the recurrent ops of the current trace asked for, in order (a node's state_idx is its index).
+STATE_LAYERS: list[dict] = []
+
+
+def _causal_conv1d_forward(conv1d, hidden_states, cache=None, layer_idx=0, activation=None, state_idx=0, **kwargs):
+    """transformers' ``causal_conv1d_forward`` (LFM2's short convolutions, and the conv of Mamba2 / Gated DeltaNet
+    layers) as llmc's ``CausalConv1d`` op on packed tokens: ``hidden_states`` ``[1, C, T]`` in, ``[1, C, T]`` out,
+    each sequence's last K-1 inputs carried in its state slot instead of transformers' cache."""
+    import torch
+
+    from llmc.plugins.recurrent import torch_op  # noqa: F401  (registers torch.ops.llmc.causal_conv1d)
+
+    if activation not in ACTIVATIONS:
+        raise UnsupportedError(f"llmc's causal conv1d lowers activations {sorted(a for a in ACTIVATIONS if a)} or none "
+                               f"(seen in layer {layer_idx}: {activation!r})")
+    weight = conv1d.weight.squeeze(1)  # [C, K]
+    channels, width = (int(d) for d in weight.shape)
+    index = len(STATE_LAYERS)
+    STATE_LAYERS.append({"layer": int(layer_idx), "kind": "conv", "shape": [channels, width - 1]})
+    x = hidden_states[0].transpose(0, 1)  # [T, C]
+    out = torch.ops.llmc.causal_conv1d(x, weight, conv1d.bias, _STEP[STATE_SLOTS], _STEP["context_lens"],
+                                       _STEP["query_start_loc"], index, ACTIVATIONS[activation])
+    return out.transpose(0, 1)[None].to(hidden_states.dtype)
+
+
+# transformers' functions of recurrent layers that llmc replaces by its ops, by their name in the modeling module.
+_RECURRENT_FUNCTIONS = {"causal_conv1d_forward": _causal_conv1d_forward}
+
+
+def _recurrent_modules(hf) -> list:
+    """The modeling modules of ``hf``'s classes that define a function llmc replaces (a hybrid model's)."""
+    import sys
+
+    found = {}
+    for m in hf.modules():
+        mod = sys.modules.get(type(m).__module__)
+        if mod is not None and any(callable(getattr(mod, n, None)) for n in _RECURRENT_FUNCTIONS):
+            found[mod.__name__] = mod
+    return list(found.values())
+
+
+class _PatchedRecurrent:
+    """Swap the recurrent functions of ``modules`` for llmc's while tracing (the modules' globals, which the
+    layers' forwards look up at call time), and put transformers' back afterwards."""
+
+    def __init__(self, modules: list) -> None:
+        self.saved = [(m, n, getattr(m, n)) for m in modules for n in _RECURRENT_FUNCTIONS if hasattr(m, n)]
+
+    def __enter__(self):
+        for m, n, _ in self.saved:
+            setattr(m, n, _RECURRENT_FUNCTIONS[n])
+
+    def __exit__(self, *exc):
+        for m, n, f in self.saved:
+            setattr(m, n, f)
 
 
 def _register_attention() -> None:
@@ -190,12 +251,13 @@ def _build_module(checkpoint: Checkpoint, compute_dtype: str):
             self.inner = inner
 
         def forward(self, input_ids, positions, slot_mapping, block_tables, context_lens, query_start_loc,
-                    logits_indices, rope_lengths=None):
+                    logits_indices, rope_lengths=None, state_slots=None):
             if rope is not None:
                 rope.lengths = rope_lengths
             paging = dict(slot_mapping=slot_mapping, block_tables=block_tables, context_lens=context_lens,
                           query_start_loc=query_start_loc)
             _STEP.update(paging)
+            _STEP[STATE_SLOTS] = state_slots
             try:
                 out = self.inner(
                     input_ids=input_ids[None],
@@ -381,26 +443,39 @@ def _trace(checkpoint: Checkpoint, compute_dtype: str, torch, torch_op) -> Trace
         "logits_indices": {0: n},
     }
     inputs = GRAPH_INPUTS
+    kwargs = {}
     if rope is not None:
         example += (torch.tensor([4] * 4 + [3] * 3 + [10] * 4),)
         dynamic[ROPE_LENGTHS] = {0: t}
         inputs = (*GRAPH_INPUTS, ROPE_LENGTHS)
+    recurrent = _recurrent_modules(hf)
+    if recurrent:  # each sequence's state slot (hybrid models)
+        kwargs[STATE_SLOTS] = torch.tensor([2, 0, 1])
+        dynamic[STATE_SLOTS] = {0: s}
+        inputs = (*inputs, STATE_SLOTS)
     logging.getLogger("torch.onnx").setLevel(logging.ERROR)
     ATTENTION_SHAPES.clear()
     KV_OWNERS.clear()
     SINK_MODULES.clear()
-    with warnings.catch_warnings():
+    STATE_LAYERS.clear()
+    from llmc.plugins.recurrent import onnx_schema as recurrent_schema
+    from llmc.plugins.recurrent import torch_op as recurrent_op
+
+    recurrent_schema.register()
+    with warnings.catch_warnings(), _PatchedRecurrent(recurrent):
         warnings.simplefilter("ignore")
         program = torch.onnx.export(
             module,
             example,
+            kwargs=kwargs or None,
             input_names=list(inputs),
             output_names=list(GRAPH_OUTPUTS),
             dynamo=True,
             # Opset 23 has RMSNormalization and RotaryEmbedding, which ORT and TensorRT both run natively.
             opset_version=OPSET,
             dynamic_shapes=dynamic,
-            custom_translation_table={torch.ops.llmc.paged_attention.default: torch_op.onnx_translation},
+            custom_translation_table={torch.ops.llmc.paged_attention.default: torch_op.onnx_translation,
+                                      torch.ops.llmc.causal_conv1d.default: recurrent_op.onnx_translation},
             # Folding here would materialise weights in RAM; ORT folds at load, passes fold later.
             optimize=False,
             verbose=False,
@@ -446,6 +521,15 @@ def _trace(checkpoint: Checkpoint, compute_dtype: str, torch, torch_op) -> Trace
     num_layers = config.num_hidden_layers
     num_heads, num_kv_heads, head_size = _config_geometry(config)
     kv_layers = None
+    state_layers = [dict(d) for d in STATE_LAYERS] or None
+    STATE_LAYERS.clear()
+    if recurrent and not state_layers:
+        raise UnsupportedError(f"{checkpoint.path}: model_type {checkpoint.model_type!r} defines recurrent layers but "
+                               "none of them reached llmc's recurrent ops while tracing, so llmc stops rather than run "
+                               "them without their state")
+    if state_layers and ATTENTION_SHAPES:
+        # Hybrid: only the attention layers have KV caches; the graph's PagedAttention nodes index a pool of those.
+        num_layers = _compact_attention_layers(model, checkpoint)
     if ATTENTION_SHAPES:
         if sorted(ATTENTION_SHAPES) != list(range(num_layers)):
             raise UnsupportedError(f"{checkpoint.path}: model_type {checkpoint.model_type!r}: attention ran in layers "
@@ -469,7 +553,27 @@ def _trace(checkpoint: Checkpoint, compute_dtype: str, torch, torch_op) -> Trace
         inputs=inputs,
         rope_recompute_at=rope.threshold if rope is not None else None,
         kv_layers=kv_layers,
+        state_layers=state_layers,
     )
+
+
+def _compact_attention_layers(model: ir.Model, checkpoint: Checkpoint) -> int:
+    """Renumber a hybrid model's attention layers 0..A-1 (their order in the model), in ``ATTENTION_SHAPES`` and in
+    every PagedAttention node's ``layer_idx``, so that the KV pool holds caches for attention layers only. Returns A."""
+    from llmc.plugins.paged_attention import DOMAIN, OP_TYPE
+
+    index = {layer: i for i, layer in enumerate(sorted(ATTENTION_SHAPES))}
+    shapes = {index[layer]: (h, kv, d, index[owner]) for layer, (h, kv, d, owner) in ATTENTION_SHAPES.items()}
+    ATTENTION_SHAPES.clear()
+    ATTENTION_SHAPES.update(shapes)
+    for node in model.graph.all_nodes():
+        if node.domain == DOMAIN and node.op_type == OP_TYPE:
+            old = node.attributes["layer_idx"].as_int()
+            if old not in index:
+                raise UnsupportedError(f"{checkpoint.path}: model_type {checkpoint.model_type!r}: a PagedAttention "
+                                       f"node of layer {old} has no attention call recorded")
+            node.attributes["layer_idx"] = ir.AttrInt64("layer_idx", index[old])
+    return len(index)
 
 
 def _config_geometry(config) -> tuple[int, int, int]:

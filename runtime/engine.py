@@ -33,6 +33,7 @@ from llmc.runtime.sampler import SampleRow, SamplingParams, sample, token_logpro
 from llmc.runtime.scheduler import Request, Scheduler, SchedulerConfig, SchedulerOutput
 from llmc.runtime.session import OrtSession, custom_ops_of
 from llmc.runtime.speculative import SpeculativeConfig, Speculator
+from llmc.runtime.state_cache import NO_PREFIX_CACHING, StatePool
 from llmc.runtime.structured import StructuredConfig, StructuredRuntime
 from llmc.runtime.tokenizer import Tokenizer
 
@@ -119,6 +120,12 @@ class EngineStats:
     spec_acceptance_rate: float = 0.0
     spec_mean_accepted_length: float = 0.0
     spec_draft_seconds: float = 0.0
+    # Hybrid models (recurrent layers): per-sequence state slots beside the KV blocks, and their memory.
+    state_slots_total: int = 0
+    state_slots_used: int = 0
+    state_bytes: int = 0
+    # Why prefix caching is off although it was asked for ("" when it is on or was turned off by the caller).
+    prefix_caching_disabled_reason: str = ""
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -128,8 +135,11 @@ class Engine:
     """A loaded engine. Create with :meth:`load`."""
 
     def __init__(self, path: Path, manifest: dict, session: OrtSession, pool: KVPool, blocks: BlockManager,
-                 tokenizer: Tokenizer | None, eos_ids: list[int], config: SchedulerConfig) -> None:
+                 tokenizer: Tokenizer | None, eos_ids: list[int], config: SchedulerConfig,
+                 state: StatePool | None = None, prefix_caching_disabled_reason: str = "") -> None:
         self.path = path
+        self._state = state  # hybrid models' per-sequence state slots (None: no recurrent layers)
+        self.prefix_caching_disabled_reason = prefix_caching_disabled_reason
         self.manifest = manifest
         self._session = session
         self._pool = pool
@@ -209,6 +219,10 @@ class Engine:
         engine._structured_config = structured_config
         for name, adapter_path in (lora_adapters or {}).items():
             engine.add_lora(name, adapter_path)
+        if speculative is not None and engine._state is not None:
+            raise UnsupportedError(f"{engine.path}: speculative decoding: this engine's recurrent layers keep state "
+                                   "that rejected draft tokens would have to be rolled back from, which llmc does not "
+                                   "do yet; load it without speculative")
         if speculative is not None:
             engine.speculator = engine.new_speculator(speculative, num_threads=num_threads,
                                                       attention_threads=attention_threads, verify=verify)
@@ -272,6 +286,14 @@ class Engine:
             )
         rope_at = engine_info.get("rope_recompute_at")
         enable_prefix_caching = enable_prefix_caching and rope_at is None
+        hybrid = manifest.get("state_cache")
+        no_prefix = ""
+        if hybrid and enable_prefix_caching:
+            no_prefix = NO_PREFIX_CACHING
+            enable_prefix_caching = False
+            import logging
+
+            logging.getLogger("llmc").info("%s: prefix caching is off: %s", root, no_prefix)
         config = SchedulerConfig(max_num_tokens=max_num_tokens, max_num_seqs=max_num_seqs, max_waiting=max_waiting,
                                  enable_chunked_prefill=enable_chunked_prefill,
                                  max_prefill_tokens_with_decodes=max_prefill_tokens_with_decodes,
@@ -286,12 +308,17 @@ class Engine:
                                kv["dtype"], kv.get("layers"))
         tokenizer = Tokenizer(root) if (root / "tokenizer.json").is_file() else None
         blocks = BlockManager(num_blocks, block_size, enable_prefix_caching)
-        return cls(root, manifest, session, pool, blocks, tokenizer, _eos_ids(root), config)
+        # One state slot per running sequence, and one for score().
+        state = StatePool.allocate(hybrid, max_num_seqs + 1) if hybrid else None
+        return cls(root, manifest, session, pool, blocks, tokenizer, _eos_ids(root), config, state, no_prefix)
 
     @classmethod
     def _load_cuda(cls, root: Path, manifest: dict, kv_cache_tokens: int | None, config_args: dict, device: str,
                    gpu_memory_utilization: float, cuda_graphs: bool) -> Engine:
         problem = artifact.cuda_problem(manifest, device)
+        if not problem and manifest.get("state_cache"):
+            problem = ("this CUDA engine has recurrent layers (state_cache), which the CUDA executor does not run yet; "
+                       "build the model with --target cpu")
         if problem:
             raise UnsupportedError(f"{root / artifact.MANIFEST}: {problem}")
         if not 0.0 < gpu_memory_utilization <= 1.0:
@@ -424,6 +451,11 @@ class Engine:
                 return outputs
             self._pool.copy_blocks(sched.copies)
             chunks = sched.chunks
+            state_slots = None
+            if self._state is not None:  # preempted sequences start over (from a zero state) when readmitted
+                for r in sched.preempted:
+                    self._state.release(r.seq_id)
+                state_slots = np.asarray([self._state.slot_of(c.request.seq_id) for c in chunks], np.int64)
             ids, pos, slots, tables, ctx, qsl = self._blocks.prepare_step(
                 [c.request.seq_id for c in chunks], [c.num_tokens for c in chunks])
             sampling = [c for c in chunks if c.samples]
@@ -440,6 +472,8 @@ class Engine:
             if self._rope_lengths:
                 feeds["rope_lengths"] = np.repeat(np.asarray([len(c.request.tokens) for c in chunks], np.int64),
                                                   [c.num_tokens for c in chunks])
+            if state_slots is not None:
+                feeds["state_slots"] = state_slots
             # Whole decode/verify steps (proposals and verification included; prefill chunks cost another
             # amount per token) feed the cost model that sizes the drafts. Decided now: sampling changes tokens.
             # (Every chunk has num_tokens >= 1 + len(draft), with equality only for decodes, which all sample; a
@@ -448,7 +482,7 @@ class Engine:
             if self._session.samples_on_device:
                 picked, host = self._sample_on_device(sampling, feeds)
             else:
-                picked, host = {}, self._session.run(feeds, self._pool)
+                picked, host = {}, self._session.run(feeds, self._pool, state=self._state_arrays())
             self.scheduler.complete(sched)
             now = time.perf_counter()
             at = 0  # host rows: every sampling chunk's but those sampled on the device, in order
@@ -590,8 +624,13 @@ class Engine:
         self._finish(r, "error", now)
         return RequestOutput(r.request_id, [], [] if r.params.logprobs is not None else None, True, "error")
 
+    def _state_arrays(self) -> list[np.ndarray] | None:
+        return self._state.arrays if self._state is not None else None
+
     def _finish(self, r: Request, reason: str, now: float) -> None:
         self.scheduler.finish(r, reason)
+        if self._state is not None:
+            self._state.release(r.seq_id)
         if self.speculator is not None:
             self.speculator.release(r)
         if self._structured is not None:
@@ -769,6 +808,10 @@ class Engine:
                 spec_mean_accepted_length=(c.spec_accepted_tokens / c.spec_verify_steps
                                            if c.spec_verify_steps else 0.0),
                 spec_draft_seconds=self.speculator.draft_seconds if self.speculator is not None else 0.0,
+                state_slots_total=self._state.num_slots if self._state is not None else 0,
+                state_slots_used=self._state.num_used if self._state is not None else 0,
+                state_bytes=self._state.nbytes if self._state is not None else 0,
+                prefix_caching_disabled_reason=self.prefix_caching_disabled_reason,
             )
 
     # -- LoRA adapters ----------------------------------------------------------------------------
@@ -851,9 +894,13 @@ class Engine:
                     feeds["rope_lengths"] = np.full(n, n, np.int64)
                 if self.lora is not None:  # the base model
                     self.lora.bind(feeds, [0], [n])
-                return self._session.run(feeds, self._pool)
+                if self._state is not None:  # a slot of its own; the whole sequence is this step's: a fresh state
+                    feeds["state_slots"] = np.asarray([self._state.slot_of(_SCORE_SEQ)], np.int64)
+                return self._session.run(feeds, self._pool, state=self._state_arrays())
             finally:
                 self._blocks.free(blocks)
+                if self._state is not None:
+                    self._state.release(_SCORE_SEQ)
 
 
 class _TextDeltas:
@@ -894,6 +941,10 @@ class _TextDeltas:
                 self._shown[i] = full
         lp = o.new_logprobs[0] if o.new_logprobs else None
         yield StreamEvent(i, o.request_id, o.new_token_ids[0], text, lp, o.finished, o.finish_reason)
+
+
+# The state slot owner of score()'s sequence (request seq_ids count up from 0).
+_SCORE_SEQ = -1
 
 
 def _max_model_len(root: Path, manifest: dict) -> int | None:

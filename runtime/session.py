@@ -96,15 +96,23 @@ class OrtSession:
         self.input_names = tuple(i.name for i in self._session.get_inputs())
 
     def run(self, feeds: dict[str, np.ndarray], pool: KVPool | Sequence[tuple[np.ndarray, np.ndarray]],
-            outputs: list[str] | None = None):
+            outputs: list[str] | None = None, state: Sequence[np.ndarray] | None = None):
         """Run one step; returns logits ``[n_logits, vocab]`` (or, with ``outputs``, the list of those outputs).
-        Writes the step's K/V into ``pool`` (a :class:`KVPool` or its per-layer ``(k_cache, v_cache)`` list)."""
+        Writes the step's K/V into ``pool`` (a :class:`KVPool` or its per-layer ``(k_cache, v_cache)`` list) and, for
+        a hybrid model, its recurrent state into ``state`` (the state pool's arrays, llmc.runtime.state_cache)."""
         layers = pool.layers if isinstance(pool, KVPool) else pool
         names = outputs or _LOGITS
+        if state is not None and self._native is None:
+            raise LlmcError("recurrent-state ops run only in llmc's native custom-op library (engine.custom_ops "
+                            f"{NATIVE!r}); rebuild the engine with the native attention route")
         if self._native is not None:
             # Hot path: a lock and an identity check per step; pointers are re-sent only when the pool changes.
             with self._native.lock:
                 self._native.bind(layers)
+                if state is not None:
+                    from llmc.plugins.recurrent import ort_native as state_native
+
+                    state_native.bind(state)
                 result = self._session.run(names, feeds)
         else:
             with self._binding(layers):

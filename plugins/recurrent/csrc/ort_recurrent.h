@@ -1,0 +1,136 @@
+// llmc::CausalConv1d for ONNX Runtime, and the bound state pool it reads and writes. Included by
+// plugins/paged_attention/csrc/ort_paged_attention.cpp inside its anonymous namespace, after its
+// helpers (input, output, int_attr, with_threads, make_op), so that one library holds every llmc op;
+// the exported C entry points are in ort_recurrent_exports.h, included at the end of that file.
+//
+// The state pool is runtime state, as the KV pool is: per state array (one per recurrent layer and
+// kind of state), a pointer to [num_slots, ...] float32 and the element count of one slot, bound by
+// llmc_bind_state_pool through ctypes (llmc.plugins.recurrent.ort_native). Node attribute
+// state_idx picks the array.
+
+#include "../../recurrent/csrc/recurrent_core.h"
+
+struct StatePool {
+    std::vector<float*> arrays;
+    std::vector<int64_t> slot_elems;
+    int64_t num_slots = 0;
+};
+
+std::mutex g_state_mutex;
+StatePool g_state;
+std::atomic<int64_t> g_state_calls{0};
+
+// The bound array `idx`, checked to hold `elems` floats per slot.
+float* state_array(int64_t idx, int64_t elems, int64_t* num_slots, const char* op) {
+    std::lock_guard<std::mutex> lock(g_state_mutex);
+    const int64_t n = static_cast<int64_t>(g_state.arrays.size());
+    if (n == 0) {
+        throw Error(std::string(op) + ": no state pool is bound: run the engine through llmc.runtime (it calls "
+                    "llmc_bind_state_pool)");
+    }
+    if (idx < 0 || idx >= n) {
+        throw Error(std::string(op) + ": state_idx " + std::to_string(idx) + " but the bound state pool has " +
+                    std::to_string(n) + " arrays");
+    }
+    if (g_state.slot_elems[idx] != elems) {
+        throw Error(std::string(op) + ": the bound state array " + std::to_string(idx) + " holds " +
+                    std::to_string(g_state.slot_elems[idx]) + " values per slot but this node needs " +
+                    std::to_string(elems));
+    }
+    *num_slots = g_state.num_slots;
+    return g_state.arrays[idx];
+}
+
+struct ConvKernel {
+    int64_t state_idx = 0, activation = 0;
+};
+
+void* create_conv_kernel(const OrtCustomOpV13*, const OrtApi*, const OrtKernelInfo* info) {
+    auto* k = new ConvKernel();
+    try {
+        k->state_idx = int_attr(info, "state_idx", true, 0);
+        k->activation = int_attr(info, "activation", false, 0);
+        if (k->activation != 0 && k->activation != 1) {
+            throw Error("activation must be 0 (none) or 1 (silu), got " + std::to_string(k->activation));
+        }
+    } catch (...) {
+        delete k;
+        throw;
+    }
+    return k;
+}
+
+void destroy_conv_kernel(void* kernel) { delete static_cast<ConvKernel*>(kernel); }
+
+// llmc::CausalConv1d(x [T, C], weight [C, K], bias [C] (optional: an empty input), state_slots [S], context_lens [S],
+// query_start_loc [S + 1]) -> [T, C].
+void compute_conv(void* kernel, OrtKernelContext* ctx) {
+    const ConvKernel& k = *static_cast<const ConvKernel*>(kernel);
+    const Tensor x = input(ctx, 0, "x"), w = input(ctx, 1, "weight"), b = input(ctx, 2, "bias", true);
+    const Tensor slots = input(ctx, 3, "state_slots"), lens = input(ctx, 4, "context_lens");
+    const Tensor qsl = input(ctx, 5, "query_start_loc");
+    require_rank(x, 2, "x");
+    require_rank(w, 2, "weight");
+    require_rank(slots, 1, "state_slots");
+    require_rank(lens, 1, "context_lens");
+    require_rank(qsl, 1, "query_start_loc");
+    const int64_t T = x.dims[0], C = x.dims[1], K = w.dims[1], S = slots.dims[0];
+    if (w.dims[0] != C) throw Error("weight must have shape (C, K) with C = " + std::to_string(C) + ", got " +
+                                    dims_str(w.dims));
+    const bool has_bias = b.data != nullptr && !b.dims.empty() && b.dims[0] > 0;
+    if (has_bias && (b.dims.size() != 1 || b.dims[0] != C)) {
+        throw Error("bias must have shape (" + std::to_string(C) + ",), got " + dims_str(b.dims));
+    }
+    if (lens.dims[0] != S || qsl.dims[0] != S + 1) {
+        throw Error("state_slots " + dims_str(slots.dims) + ", context_lens " + dims_str(lens.dims) +
+                    " and query_start_loc " + dims_str(qsl.dims) + " must describe the same S sequences");
+    }
+    llmc_rec::ConvArgs a;
+    a.x = static_cast<const float*>(x.data);
+    a.x_row = C;
+    a.weight = static_cast<const float*>(w.data);
+    a.bias = has_bias ? static_cast<const float*>(b.data) : nullptr;
+    a.state_slots = static_cast<const int64_t*>(slots.data);
+    a.context_lens = static_cast<const int64_t*>(lens.data);
+    a.query_start_loc = static_cast<const int64_t*>(qsl.data);
+    a.T = T;
+    a.S = S;
+    a.C = C;
+    a.K = K;
+    a.activation = static_cast<int>(k.activation);
+    a.state = state_array(k.state_idx, C * (K - 1), &a.num_slots, "CausalConv1d");
+    if (S > 0 && a.query_start_loc[S] != T) {
+        throw Error("query_start_loc[S] = " + std::to_string(a.query_start_loc[S]) + " but x has " +
+                    std::to_string(T) + " rows");
+    }
+    llmc_rec::check_conv(a);
+    const int64_t out_dims[2] = {T, C};
+    a.out = output(ctx, out_dims, 2);
+    // Channels are independent: blocks of 64 channels are the parallel items.
+    const int64_t blocks = (C + 63) / 64;
+    with_threads(ctx, [&](int threads, const llmc::ParallelFor* pf) {
+        struct Item {
+            const llmc_rec::ConvArgs* a;
+            int64_t C;
+        } item{&a, C};
+        auto body = [](void* p, int64_t i) {
+            const Item& it = *static_cast<const Item*>(p);
+            llmc_rec::causal_conv1d_channels(*it.a, i * 64, std::min(it.C, (i + 1) * 64));
+        };
+        if (pf != nullptr && blocks > 1 && T * C * K >= (1 << 16)) {
+            pf->fn(pf->self, blocks, body, &item);  // bodies never throw: checked above
+        } else {
+            (void)threads;
+            llmc_rec::causal_conv1d_channels(a, 0, C);
+        }
+    });
+    g_state_calls.fetch_add(1, std::memory_order_relaxed);
+}
+
+const char* conv_name(const OrtCustomOpV13*) { return "CausalConv1d"; }
+int32_t conv_input_type(const OrtCustomOpV13*, size_t i) { return i < 3 ? kOrtFloat : kOrtInt64; }
+size_t conv_input_count(const OrtCustomOpV13*) { return 6; }
+int32_t conv_input_characteristic(const OrtCustomOpV13*, size_t i) { return i == 2 ? 1 : 0; }
+
+const OrtCustomOpV13 g_conv_op = make_op(conv_name, conv_input_type, conv_input_count, create_conv_kernel,
+                                         compute_conv, destroy_conv_kernel, conv_input_characteristic);

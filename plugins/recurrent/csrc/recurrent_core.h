@@ -1,0 +1,110 @@
+// llmc's recurrent-state kernels on the CPU, on packed tokens with per-sequence state slots
+// (semantics: llmc/plugins/recurrent/reference.py, which is normative).
+//
+// A step packs S sequences' new tokens into T rows; sequence s owns rows
+// query_start_loc[s]..query_start_loc[s+1] and its state lives in slot state_slots[s] of a pool
+// the runtime owns ([num_slots, ...state shape], bound by pointer). A sequence whose whole context
+// is this step's rows (context_lens[s] == its row count) starts from a zero state: the runtime
+// never has to clear a slot, and a sequence recomputed after preemption starts over by itself.
+
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+
+namespace llmc_rec {
+
+struct Error : std::runtime_error {
+    using std::runtime_error::runtime_error;
+};
+
+// Which rows are sequence s's and whether it starts fresh; throws on metadata that does not add up.
+struct SeqRows {
+    int64_t begin, end;
+    bool fresh;
+};
+
+inline SeqRows seq_rows(const int64_t* qsl, const int64_t* ctx_lens, int64_t s, int64_t T) {
+    const int64_t b = qsl[s], e = qsl[s + 1];
+    if (b < 0 || e < b || e > T) {
+        throw Error("query_start_loc[" + std::to_string(s) + ":" + std::to_string(s + 2) + "] = " + std::to_string(b) +
+                    ", " + std::to_string(e) + " is not a range of the " + std::to_string(T) + " rows");
+    }
+    if (ctx_lens[s] < e - b) {
+        throw Error("context_lens[" + std::to_string(s) + "] = " + std::to_string(ctx_lens[s]) +
+                    " is less than the sequence's " + std::to_string(e - b) + " new rows");
+    }
+    return {b, e, ctx_lens[s] == e - b};
+}
+
+inline float silu(float v) { return v / (1.0f + std::exp(-v)); }
+
+// Causal depthwise convolution over each sequence's inputs, its last K-1 inputs carried in a state
+// slot [C, K-1] (channel-major, oldest first, as transformers' conv_state): x [T, C] (rows with a
+// row stride `x_row`), weight [C, K], bias [C] or null, out [T, C]. activation 1: SiLU.
+struct ConvArgs {
+    const float* x = nullptr;
+    int64_t x_row = 0;
+    const float* weight = nullptr;
+    const float* bias = nullptr;
+    float* out = nullptr;
+    float* state = nullptr;  // the pool array of this layer: [num_slots, C, K-1]
+    int64_t num_slots = 0;
+    const int64_t* state_slots = nullptr;
+    const int64_t* context_lens = nullptr;
+    const int64_t* query_start_loc = nullptr;
+    int64_t T = 0, S = 0, C = 0, K = 0;
+    int activation = 0;
+};
+
+inline void check_slot(int64_t slot, int64_t num_slots, int64_t s) {
+    if (slot < 0 || slot >= num_slots) {
+        throw Error("state_slots[" + std::to_string(s) + "] = " + std::to_string(slot) +
+                    " is outside the bound state pool of " + std::to_string(num_slots) + " slots");
+    }
+}
+
+// Channels c0..c1 of every sequence (channels are independent: the unit of parallel work).
+inline void causal_conv1d_channels(const ConvArgs& a, int64_t c0, int64_t c1) {
+    const int64_t K = a.K, W = K - 1;
+    float window[64];  // the last K-1 inputs of one channel, oldest first (K <= 65 checked by the caller)
+    for (int64_t s = 0; s < a.S; ++s) {
+        const SeqRows r = seq_rows(a.query_start_loc, a.context_lens, s, a.T);
+        float* state = a.state + a.state_slots[s] * a.C * W;
+        for (int64_t c = c0; c < c1; ++c) {
+            float* st = state + c * W;
+            for (int64_t j = 0; j < W; ++j) window[j] = r.fresh ? 0.0f : st[j];
+            const float* w = a.weight + c * K;
+            const float b = a.bias ? a.bias[c] : 0.0f;
+            for (int64_t t = r.begin; t < r.end; ++t) {
+                const float xt = a.x[t * a.x_row + c];
+                float acc = b;
+                for (int64_t j = 0; j < W; ++j) acc += w[j] * window[j];
+                acc += w[W] * xt;
+                for (int64_t j = 0; j + 1 < W; ++j) window[j] = window[j + 1];
+                if (W > 0) window[W - 1] = xt;
+                a.out[t * a.C + c] = a.activation == 1 ? silu(acc) : acc;
+            }
+            for (int64_t j = 0; j < W; ++j) st[j] = window[j];
+        }
+    }
+}
+
+inline void check_conv(const ConvArgs& a) {
+    if (a.K < 1 || a.K > 65) throw Error("kernel size must be 1..65, got " + std::to_string(a.K));
+    for (int64_t s = 0; s < a.S; ++s) {
+        check_slot(a.state_slots[s], a.num_slots, s);
+        seq_rows(a.query_start_loc, a.context_lens, s, a.T);
+        for (int64_t u = 0; u < s; ++u) {
+            if (a.state_slots[u] == a.state_slots[s]) {
+                throw Error("state_slots[" + std::to_string(u) + "] and state_slots[" + std::to_string(s) +
+                            "] are both slot " + std::to_string(a.state_slots[s]) + ": two sequences of one step "
+                            "cannot share a state slot");
+            }
+        }
+    }
+}
+
+}  // namespace llmc_rec

@@ -1,0 +1,27 @@
+"""ONNX operator schemas of the recurrent-state ops (``llmc::CausalConv1d``, opset 1)."""
+
+from __future__ import annotations
+
+import onnx
+from onnx.defs import OpSchema
+
+from llmc.plugins.recurrent import CONV_INPUT_NAMES, CONV_OP_TYPE, DOMAIN, OPSET_VERSION
+
+
+def register() -> None:
+    """Register the schemas once per process (idempotent)."""
+    if onnx.defs.has(CONV_OP_TYPE, DOMAIN):
+        return
+    option = OpSchema.FormalParameterOption
+    inputs = [OpSchema.FormalParameter(name, "T" if i < 3 else "tensor(int64)",
+                                       param_option=option.Optional if name == "bias" else option.Single)
+              for i, name in enumerate(CONV_INPUT_NAMES)]
+    onnx.defs.register_schema(OpSchema(
+        CONV_OP_TYPE, DOMAIN, OPSET_VERSION,
+        doc="Causal depthwise convolution with per-sequence state slots; see llmc.plugins.recurrent.",
+        inputs=inputs,
+        outputs=[OpSchema.FormalParameter("output", "T")],
+        type_constraints=[("T", ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"], "")],
+        attributes=[OpSchema.Attribute("state_idx", OpSchema.AttrType.INT, required=False),
+                    OpSchema.Attribute("activation", OpSchema.AttrType.INT, required=False)],
+    ))

@@ -1,0 +1,37 @@
+"""``torch.ops.llmc.causal_conv1d``: the custom op the frontend puts in place of transformers' causal conv1d.
+
+Tracing needs only its fake implementation; the eager one runs the numpy reference against the state
+pool bound by :func:`llmc.plugins.recurrent.state_binding.bound_state`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from llmc.plugins.recurrent import CONV_OP_TYPE, DOMAIN, OPSET_VERSION, reference, state_binding
+
+
+@torch.library.custom_op("llmc::causal_conv1d", mutates_args=())
+def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, state_slots: torch.Tensor,
+                  context_lens: torch.Tensor, query_start_loc: torch.Tensor, state_idx: int,
+                  activation: int) -> torch.Tensor:
+    out = reference.causal_conv1d(
+        x.detach().float().numpy(), weight.detach().float().numpy(),
+        None if bias is None else bias.detach().float().numpy(), state_slots.numpy(), context_lens.numpy(),
+        query_start_loc.numpy(), state_binding.state_array(state_idx), activation)
+    return torch.from_numpy(np.ascontiguousarray(out)).to(x.dtype)
+
+
+@causal_conv1d.register_fake
+def _(x, weight, bias, state_slots, context_lens, query_start_loc, state_idx, activation):
+    return torch.empty_like(x)
+
+
+def onnx_translation(x, weight, bias, state_slots, context_lens, query_start_loc, state_idx: int, activation: int):
+    """Lowering for ``torch.onnx.export(custom_translation_table=...)``: one ``llmc.CausalConv1d`` node."""
+    import onnxscript
+
+    opset = onnxscript.values.Opset(DOMAIN, OPSET_VERSION)
+    return getattr(opset, CONV_OP_TYPE)(x, weight, bias, state_slots, context_lens, query_start_loc,
+                                        state_idx=state_idx, activation=activation)
