@@ -17,6 +17,19 @@ def _positive(name: str, value: float) -> None:
         raise LlmcError(f"{name} {value}: must be positive")
 
 
+def _lora_adapters(specs: tuple[str, ...]) -> dict[str, str]:
+    """``--lora NAME=PATH`` flags as ``{name: path}``; a malformed or repeated one is refused (exit 2)."""
+    out: dict[str, str] = {}
+    for spec in specs:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path:
+            raise LlmcError(f"--lora {spec}: give NAME=PATH (a PEFT adapter directory), e.g. --lora sql=./sql-lora")
+        if name in out:
+            raise LlmcError(f"--lora {spec}: the name {name!r} is given twice; each adapter needs its own name")
+        out[name] = path
+    return out
+
+
 def _bind(host: str, port: int) -> socket.socket:
     """Bind here rather than in uvicorn, so a taken port is one clear line and exit code 2."""
     if not 0 <= port <= 65535:
@@ -76,13 +89,19 @@ def _bind(host: str, port: int) -> socket.socket:
               help="Split the model's reasoning into message.reasoning (and reasoning_content).")
 @click.option("--responses-store-size", default=1024, show_default=True,
               help="/v1/responses kept in memory for previous_response_id (past it the oldest is evicted; 0: none).")
+@click.option("--lora", "lora", multiple=True, metavar="NAME=PATH",
+              help="Serve the PEFT LoRA adapter in directory PATH as model NAME (repeatable; engines built with "
+                   "--lora-slots).")
+@click.option("--allow-runtime-lora", is_flag=True,
+              help="Enable POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's runtime LoRA routes).")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug"]))
 def serve(engine: Path, host: str, port: int, served_model_name: str | None, api_key: str | None, max_queue: int,
           max_body_size: str, max_n: int, drain_timeout: float, stall_timeout: float, kv_cache_tokens: int,
           max_num_seqs: int, max_num_tokens: int, threads: int | None, device: str | None, speculative: str | None,
           num_speculative_tokens: int, tool_call_parser: str | None, reasoning_parser: str | None,
-          responses_store_size: int, log_level: str) -> None:
+          responses_store_size: int, log_level: str,
+          lora: tuple[str, ...] = (), allow_runtime_lora: bool = False) -> None:
     """Serve ENGINE over HTTP with the OpenAI API: /v1/completions, /v1/chat/completions, /v1/models,
     /tokenize, /detokenize, /health, /ready and Prometheus /metrics.
 
@@ -115,12 +134,12 @@ def serve(engine: Path, host: str, port: int, served_model_name: str | None, api
     spec = SpeculativeConfig.parse(speculative, num_speculative_tokens) if speculative else None
     eng = Engine.load(engine, kv_cache_tokens=kv_cache_tokens, max_num_seqs=max_num_seqs,
                       max_num_tokens=max_num_tokens, max_waiting=max_queue, num_threads=threads, device=device,
-                      speculative=spec)
+                      speculative=spec, lora_adapters=_lora_adapters(lora))
     name = served_model_name or Path(os.path.abspath(engine)).name
     config = ServeConfig(model_name=name, api_key=api_key, max_queue=max_queue, max_body_size=body_limit,
                          max_n=max_n, stall_timeout=stall_timeout, drain_timeout=drain_timeout,
                          tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser,
-                         responses_store_size=responses_store_size)
+                         responses_store_size=responses_store_size, allow_runtime_lora=allow_runtime_lora)
     sock = _bind(host, port)
     bound = sock.getsockname()[1]
     click.echo(f"llmc serve: {name!r} on http://{host}:{bound}/v1 (metrics: /metrics)", err=True)

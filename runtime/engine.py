@@ -120,6 +120,11 @@ class EngineStats:
     spec_acceptance_rate: float = 0.0
     spec_mean_accepted_length: float = 0.0
     spec_draft_seconds: float = 0.0
+    # Multi-LoRA engines: adapters that running requests use, adapters that waiting requests ask for, and the
+    # engine's slots (0: no LoRA); vLLM's lora_requests_info gauge reports them.
+    running_lora_adapters: tuple[str, ...] = ()
+    waiting_lora_adapters: tuple[str, ...] = ()
+    max_lora: int = 0
     # Hybrid models (recurrent layers): per-sequence state slots beside the KV blocks, and their memory.
     state_slots_total: int = 0
     state_slots_used: int = 0
@@ -808,6 +813,7 @@ class Engine:
                 spec_mean_accepted_length=(c.spec_accepted_tokens / c.spec_verify_steps
                                            if c.spec_verify_steps else 0.0),
                 spec_draft_seconds=self.speculator.draft_seconds if self.speculator is not None else 0.0,
+                **self._lora_stats(),
                 state_slots_total=self._state.num_slots if self._state is not None else 0,
                 state_slots_used=self._state.num_used if self._state is not None else 0,
                 state_bytes=self._state.nbytes if self._state is not None else 0,
@@ -839,6 +845,14 @@ class Engine:
         """The registered adapters: name -> the directory it was read from (empty without LoRA slots)."""
         with self._lock:
             return {n: a.path for n, a in self.lora.adapters.items()} if self.lora is not None else {}
+
+    def _lora_stats(self) -> dict:
+        if self.lora is None:
+            return {}
+        sched = self.scheduler
+        return dict(running_lora_adapters=tuple(sorted({r.params.lora for r in sched.running if r.params.lora})),
+                    waiting_lora_adapters=tuple(sorted({r.params.lora for r in sched.waiting if r.params.lora})),
+                    max_lora=self.lora.spec.slots)
 
     def _require_lora(self, what: str) -> LoraSlots:
         if self.lora is None:

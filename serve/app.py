@@ -15,13 +15,21 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from llmc.errors import LlmcError
 from llmc.runtime import Engine
 from llmc.serve import generate, responses
 from llmc.serve.chat import ChatTemplate
 from llmc.serve.errors import APIError, from_validation
 from llmc.serve.loop import EngineLoop
 from llmc.serve.metrics import Metrics
-from llmc.serve.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from llmc.serve.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    LoadLoraAdapterRequest,
+    TokenizeRequest,
+    UnloadLoraAdapterRequest,
+)
 from llmc.serve.responses import ResponsesRequest, ResponseStore
 from llmc.serve.state import ServeConfig, ServerState
 from llmc.serve.text import TokenStrings
@@ -141,9 +149,39 @@ def create_app(engine: Engine, config: ServeConfig) -> FastAPI:
     @app.get("/v1/models")
     async def models(request: Request) -> dict:
         authorize(request)
-        return {"object": "list", "data": [{
-            "id": config.model_name, "object": "model", "created": state.created, "owned_by": "llmc",
-            "root": str(engine.path), "max_model_len": engine.max_model_len}]}
+        base = {"id": config.model_name, "object": "model", "created": state.created, "owned_by": "llmc",
+                "root": str(engine.path), "parent": None, "max_model_len": engine.max_model_len}
+        # LoRA adapters as vLLM lists them: parent = the base model, root = where the adapter was read from.
+        adapters = [{**base, "id": name, "root": str(path), "parent": config.model_name}
+                    for name, path in generate.lora_adapters(state).items()]
+        return {"object": "list", "data": [base, *adapters]}
+
+    if config.allow_runtime_lora:  # vLLM's runtime LoRA routes (VLLM_ALLOW_RUNTIME_LORA_UPDATING); else 404
+        @app.post("/v1/load_lora_adapter")
+        async def load_lora_adapter(request: Request) -> Response:
+            authorize(request)
+            req, _ = await body_of(request, LoadLoraAdapterRequest)
+            if req.lora_name == config.model_name or req.lora_name in generate.lora_adapters(state):
+                raise APIError(400, f"lora_name: {req.lora_name!r} is already loaded; unload it first or pick "
+                               "another name", param="lora_name", code="invalid_value")
+            try:  # reads and checks the files: off the event loop, and behind the engine's lock (a step)
+                await asyncio.to_thread(engine.add_lora, req.lora_name, req.lora_path)
+            except LlmcError as exc:
+                raise APIError(400, f"lora_path: {exc}", param="lora_path", code="invalid_value") from exc
+            return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' added successfully.")
+
+        @app.post("/v1/unload_lora_adapter")
+        async def unload_lora_adapter(request: Request) -> Response:
+            authorize(request)
+            req, _ = await body_of(request, UnloadLoraAdapterRequest)
+            if req.lora_name not in generate.lora_adapters(state):
+                raise APIError(404, f"lora_name: {req.lora_name!r} is not loaded", param="lora_name",
+                               code="not_found")
+            try:
+                await asyncio.to_thread(engine.remove_lora, req.lora_name)
+            except LlmcError as exc:  # requests for it are still running
+                raise APIError(400, f"lora_name: {exc}", param="lora_name", code="invalid_value") from exc
+            return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' removed successfully.")
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict:

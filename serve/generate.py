@@ -75,10 +75,22 @@ class Plan:
 # -- request -> plan --------------------------------------------------------------------------------
 
 
-def check_model(state: ServerState, model: str | None) -> None:
-    if model is not None and model != state.config.model_name:
-        raise APIError(404, f"model: {model!r} is not served here; this server serves {state.config.model_name!r} "
-                       "(GET /v1/models)", param="model", code="model_not_found")
+def check_model(state: ServerState, model: str | None) -> str | None:
+    """The LoRA adapter that ``model`` names (None: the base model); 404 for a model not served here."""
+    if model is None or model == state.config.model_name:
+        return None
+    adapters = lora_adapters(state)
+    if model in adapters:
+        return model
+    also = f" and the LoRA adapters {', '.join(map(repr, adapters))}" if adapters else ""
+    raise APIError(404, f"model: {model!r} is not served here; this server serves {state.config.model_name!r}{also} "
+                   "(GET /v1/models)", param="model", code="model_not_found")
+
+
+def lora_adapters(state: ServerState) -> dict:
+    """The engine's LoRA adapters (name -> directory), read without the engine's lock (a step may hold it)."""
+    lora = getattr(state.engine, "lora", None)
+    return {name: a.path for name, a in list(lora.adapters.items())} if lora is not None else {}
 
 
 def _prompt_ids(state: ServerState, prompt) -> list[list[int]]:
@@ -160,7 +172,7 @@ def _sampling(state: ServerState, req: CompletionRequest | ChatCompletionRequest
                     frequency_penalty=req.frequency_penalty or 0.0,
                     seed=None if req.seed is None else (req.seed + j) % (1 << 63),
                     stop=stop, stop_token_ids=list(req.stop_token_ids or []), ignore_eos=req.ignore_eos,
-                    logprobs=top_logprobs, structured=structured,
+                    logprobs=top_logprobs, structured=structured, lora=check_model(state, req.model),
                 ))
             except LlmcError as exc:  # a range SamplingParams checks that the request model does not
                 field_name = str(exc).split("=", 1)[0].removeprefix("SamplingParams.")
@@ -199,7 +211,7 @@ def plan_completion(state: ServerState, req: CompletionRequest, body: dict) -> P
     max_tokens = _check_lengths(state, prompts, req.max_tokens, _DEFAULT_COMPLETION_MAX_TOKENS, "max_tokens", "prompt")
     spec, where = requested(req.response_format, req.structured_outputs)
     params = _sampling(state, req, len(prompts), max_tokens, req.logprobs, spec)
-    return Plan("completion", f"cmpl-{uuid.uuid4().hex}", state.config.model_name, prompts, req.n, params,
+    return Plan("completion", f"cmpl-{uuid.uuid4().hex}", _model_name(state, req), prompts, req.n, params,
                 bool(req.stream), bool(req.stream_options and req.stream_options.include_usage), req.logprobs,
                 _return_token_ids(body), structured_field=where if spec is not None else None)
 
@@ -238,10 +250,15 @@ def plan_chat(state: ServerState, req: ChatCompletionRequest, body: dict) -> Pla
         family = "harmony"  # gpt-oss's reasoning is its analysis channel
     params = _sampling(state, req, 1, max_tokens, top, spec)
     keep = family is not None and PARSERS[family].needs_special_tokens
-    return Plan("chat", f"chatcmpl-{uuid.uuid4().hex}", state.config.model_name, prompts, req.n, params,
+    return Plan("chat", f"chatcmpl-{uuid.uuid4().hex}", _model_name(state, req), prompts, req.n, params,
                 bool(req.stream), bool(req.stream_options and req.stream_options.include_usage), top,
                 _return_token_ids(body), structured_field=where if spec is not None else None,
                 tool_spec=tool_spec, tool_family=family, reasoning=reasoning, keep_special=keep)
+
+
+def _model_name(state: ServerState, req: CompletionRequest | ChatCompletionRequest) -> str:
+    """What responses name as their model: the LoRA adapter asked for, else the served model."""
+    return req.model if check_model(state, req.model) is not None else state.config.model_name
 
 
 def _special_ids(state: ServerState) -> dict[str, int]:

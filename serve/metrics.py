@@ -8,6 +8,7 @@ the handlers into histograms and a counter.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -64,6 +65,13 @@ class _EngineCollector(Collector):
         yield counter("spec_decode_num_draft_tokens", "Draft tokens proposed and verified.", s.spec_num_draft_tokens)
         yield counter("spec_decode_num_accepted_tokens", "Draft tokens accepted by the target.",
                       s.spec_num_accepted_tokens)
+        max_lora = getattr(s, "max_lora", 0)
+        if max_lora:  # vLLM's LoRA gauge (llm-d routes by it): adapters as label values, the value the scrape time
+            m = GaugeMetricFamily(PREFIX + "lora_requests_info", "Running stats on LoRA requests.",
+                                  labels=["max_lora", "waiting_lora_adapters", "running_lora_adapters"])
+            m.add_metric([str(max_lora), ",".join(s.waiting_lora_adapters), ",".join(s.running_lora_adapters)],
+                         time.time())
+            yield m
 
 
 class Metrics:

@@ -86,6 +86,20 @@ class ChatCompletionRequest(_Sampling):
     parallel_tool_calls: Any = None
 
 
+class LoadLoraAdapterRequest(BaseModel):
+    """POST /v1/load_lora_adapter (vLLM's body): a PEFT adapter directory, served under ``lora_name``."""
+
+    model_config = ConfigDict(extra="forbid")
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+
+
+class UnloadLoraAdapterRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    lora_name: str = Field(min_length=1)
+    lora_int_id: int | None = None  # vLLM's optional id, accepted and unused
+
+
 class TokenizeRequest(_Body):
     model: str | None = None
     prompt: str | None = None

@@ -261,3 +261,66 @@ def test_slot_mask_selects_per_token():
             cols = slice((s - 1) * rank, s * rank)
             want[i] += (xs[0, i] @ a[:, cols]) @ b[cols]
     np.testing.assert_allclose(got[0], want, rtol=1e-5, atol=1e-5)
+
+
+# -- llmc serve ------------------------------------------------------------------------------------------------
+
+
+def test_serve_lora(lora_dir, engine):
+    """/v1/models lists adapters (parent, root), ``model`` picks one, runtime load/unload (400 duplicate, 404
+    unknown), and /metrics carries vLLM's lora_requests_info gauge."""
+    import httpx
+    import openai
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from llmc.serve import ServeConfig
+    from llmc.testing.http_server import serve_in_thread
+
+    prompt = "The for statement"
+    want = {lora: engine.generate(prompt, SamplingParams(max_tokens=8, ignore_eos=True, lora=lora))[0].text
+            for lora in (None, "qv")}
+    assert want[None] != want["qv"]
+    with serve_in_thread(engine, ServeConfig(model_name="base", allow_runtime_lora=True)) as server:
+        client = openai.OpenAI(base_url=server.v1, api_key="x", max_retries=0)
+        models = {m.id: m for m in client.models.list().data}
+        assert set(models) == {"base", *ADAPTERS}
+        assert models["qv"].parent == "base" and models["qv"].root == str(lora_dir / "qv")
+        assert models["base"].parent is None
+        for lora, name in ((None, "base"), ("qv", "qv")):
+            out = client.completions.create(model=name, prompt=prompt, max_tokens=8, temperature=0,
+                                            extra_body={"ignore_eos": True})
+            assert out.choices[0].text == want[lora] and out.model == name
+        with pytest.raises(openai.NotFoundError, match="'nope' is not served here"):
+            client.completions.create(model="nope", prompt=prompt, max_tokens=2)
+
+        def post(route: str, body: dict) -> httpx.Response:
+            return httpx.post(f"{server.v1}/{route}", json=body, timeout=30)
+
+        assert post("load_lora_adapter", {"lora_name": "mlp2", "lora_path": str(lora_dir / "mlp")}).status_code == 200
+        assert post("load_lora_adapter", {"lora_name": "mlp2", "lora_path": str(lora_dir / "mlp")}).status_code == 400
+        bad = post("load_lora_adapter", {"lora_name": "bad", "lora_path": str(lora_dir / "nope")})
+        assert bad.status_code == 400 and "adapter_config.json" in bad.json()["error"]["message"]
+        chat = client.chat.completions.create(model="mlp2", messages=[{"role": "user", "content": "hi"}],
+                                              max_tokens=4, temperature=0)
+        assert chat.model == "mlp2"
+        assert post("unload_lora_adapter", {"lora_name": "mlp2"}).status_code == 200
+        assert post("unload_lora_adapter", {"lora_name": "mlp2"}).status_code == 404
+        assert "mlp2" not in {m.id for m in client.models.list().data}
+
+        text = httpx.get(f"{server.url}/metrics", timeout=30).text
+        family = next(f for f in text_string_to_metric_families(text) if f.name == "llmc:lora_requests_info")
+        (sample,) = family.samples
+        assert sample.labels["max_lora"] == str(SLOTS)
+        assert set(sample.labels) >= {"running_lora_adapters", "waiting_lora_adapters"}
+    with serve_in_thread(engine, ServeConfig(model_name="base")) as server:  # runtime routes off by default
+        r = httpx.post(f"{server.v1}/load_lora_adapter", json={"lora_name": "x", "lora_path": "y"}, timeout=30)
+        assert r.status_code == 404
+
+
+def test_serve_lora_flags():
+    from llmc.cli.serve_cmd import _lora_adapters
+
+    assert _lora_adapters(("a=/x", "b=/y")) == {"a": "/x", "b": "/y"}
+    for bad, needle in ((("a",), "NAME=PATH"), (("a=/x", "a=/y"), "given twice")):
+        with pytest.raises(LlmcError, match=needle):
+            _lora_adapters(bad)
