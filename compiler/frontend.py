@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_ir as ir
 
+from llmc.compiler import alibi_attention
 from llmc.compiler.binding import account, bind
 from llmc.compiler.checkpoint import Checkpoint, TensorEntry, changed_during_build, read_tensor
 from llmc.errors import LlmcError, UnsupportedError
@@ -121,6 +122,7 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
         int(window),
         float(softcap),
         sinks,
+        float(kwargs.get("alibi_max_bias") or 0.0),  # ALiBi: from llmc's forwards of inline-ALiBi attention only
     )
     return out.reshape(1, tokens, num_heads, head_size)[..., :value_size], None
 
@@ -237,6 +239,7 @@ def _build_module(checkpoint: Checkpoint, compute_dtype: str):
             config, dtype=getattr(torch, compute_dtype), attn_implementation=ATTN_IMPLEMENTATION, **extra
         )
     hf.eval()
+    alibi_attention.install(hf)  # bloom, mpt: attention computed inline, with ALiBi
     rope = _select_longrope(hf, config)
 
     class PackedCausalLM(torch.nn.Module):

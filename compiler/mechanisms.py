@@ -12,13 +12,17 @@ from pathlib import Path
 
 from llmc.errors import UnsupportedError
 
+# Families whose ALiBi llmc lowers (compiler/alibi_attention.py replaces their inline attention).
+ALIBI_LOWERED = frozenset({"bloom", "mpt"})
+
 
 def _alibi(c: dict, model_type: str) -> str | None:
+    if model_type in ALIBI_LOWERED:
+        return None
     attn = c.get("attn_config") if isinstance(c.get("attn_config"), dict) else {}
-    if model_type == "bloom" or c.get("alibi") is True or attn.get("alibi") is True \
-            or c.get("position_embedding_type") == "alibi":
-        return ("ALiBi position bias (a per-head linear bias on attention scores instead of rotary); llmc's paged "
-                "attention has no score bias")
+    if c.get("alibi") is True or attn.get("alibi") is True or c.get("position_embedding_type") == "alibi":
+        return ("ALiBi position bias in an attention module llmc does not replace (llmc lowers bloom's and mpt's "
+                "ALiBi attention)")
     return None
 
 

@@ -11,7 +11,9 @@ BASE = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_la
 MLA = dict(kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16)
 # model_type -> (config overrides, mechanism, expected: "builds" or a phrase of the refusal)
 TRIED_FAMILIES = {
-    "bloom": (dict(vocab_size=512, hidden_size=64, n_layer=2, n_head=4), "ALiBi position bias", "ALiBi"),
+    # 6 heads: ALiBi's slopes for a head count that is not a power of two (the last two take 8 heads' odd ones).
+    "bloom": (dict(vocab_size=512, hidden_size=96, n_layer=2, n_head=6), "ALiBi position bias, attention computed "
+              "inline (not through AttentionInterface), fused QKV", "builds"),
     "gpt_oss": (dict(BASE, num_local_experts=4, num_experts_per_tok=2, head_dim=16, sliding_window=16,
                      layer_types=["sliding_attention", "full_attention"]),
                 "attention sinks, sliding + full layers, clamped SwiGLU experts with biases, router bias, YaRN",
@@ -58,6 +60,9 @@ TRIED_FAMILIES = {
 # Tried the same way and listed in the coverage matrix, but not in tests/test_mechanisms.py: each built and
 # passed the self-check, and their mechanisms are covered above; a CI run need not pay for them all.
 MATRIX_ONLY_FAMILIES = {
+    # ALiBi again, through mpt's own attention and model code (tests/test_alibi_models.py builds it).
+    "mpt": (dict(vocab_size=512, d_model=96, n_layers=2, n_heads=12, max_seq_len=256, expansion_ratio=2),
+            "ALiBi position bias (12 heads), attention computed inline, no biases", "builds"),
     "phi": (BASE, "partial rotary, parallel attention + MLP, LayerNorm", "builds"),
     "granite": (BASE, "embedding / residual / attention / logit multipliers", "builds"),
     "glm4": (BASE, "partial interleaved rotary, post-sublayer norms", "builds"),

@@ -1,0 +1,66 @@
+"""ALiBi families end to end: bloom and mpt compute attention inline (not through transformers'
+AttentionInterface), so llmc replaces their attention forward with one that emits its PagedAttention op with ALiBi
+(compiler/alibi_attention.py). Their tiny random checkpoints (transformers' own config classes; 6 and 12 heads,
+neither a power of two, so some heads take the odd-indexed slopes of twice as many) build with the architecture
+self-check on and match transformers in float32, 32 greedy tokens for each of 3 prompts longer than 32 tokens, on
+the CPU engine and as the CUDA program (built for h100 with no GPU, float32) run by torch on the CPU. ALiBi
+elsewhere (falcon's alibi=True) is still refused from config.json, naming it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+PROMPTS = (list(range(3, 40)), [7, 7, 7, 101, 250, 2] * 6 + [9, 11], [(i * 37) % 500 + 3 for i in range(57)])
+
+
+def _greedy_matches_transformers(engine, ckpt):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from llmc.runtime import SamplingParams
+
+    hf = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+    outs = engine.generate([list(p) for p in PROMPTS], SamplingParams(max_tokens=32, ignore_eos=True))
+    for prompt, out in zip(PROMPTS, outs, strict=True):
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([prompt]), max_new_tokens=32, min_new_tokens=32, do_sample=False,
+                              eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+        assert out.token_ids == ref, (prompt, out.token_ids, ref)
+
+
+@pytest.mark.parametrize("model_type", ["bloom", "mpt"])
+def test_alibi_family_matches_transformers(model_type, tmp_path, monkeypatch):
+    import onnx
+
+    from llmc.compiler.build import BuildOptions, build
+    from llmc.runtime import Engine
+    from llmc.testing.tried_families import write_tried_family
+
+    assert all(len(p) > 32 for p in PROMPTS)
+    ckpt = write_tried_family(model_type, tmp_path / "ckpt")
+    monkeypatch.setenv("LLMC_SELF_CHECK", "1")  # the suite turns it off; here it is what is tested
+    monkeypatch.setenv("LLMC_CACHE_DIR", str(tmp_path / "cache"))
+    build(ckpt, tmp_path / "cpu", BuildOptions(target="cpu"))
+    report = json.loads((tmp_path / "cpu" / "report.json").read_text())
+    assert report["self_check"]["result"] == "passed", report["self_check"]
+    graph = onnx.load(str(tmp_path / "cpu" / "model.onnx"), load_external_data=False).graph
+    attention = [n for n in graph.node if n.op_type.endswith("PagedAttention")]
+    assert attention and all(
+        any(a.name == "alibi_max_bias" and a.f == 8.0 for a in n.attribute) for n in attention)
+    _greedy_matches_transformers(Engine.load(tmp_path / "cpu"), ckpt)
+
+    # The CUDA engine's program (the self-check above already held this architecture to transformers).
+    build(ckpt, tmp_path / "cuda", BuildOptions(target="h100", dtype="float32", aot_kernels=False, self_check=False))
+    _greedy_matches_transformers(Engine.load(tmp_path / "cuda", device="cpu"), ckpt)
+
+
+def test_other_alibi_attention_is_refused_from_config(tmp_path):
+    from llmc.compiler.mechanisms import refuse_unlowered
+    from llmc.errors import UnsupportedError
+
+    refuse_unlowered({"model_type": "bloom"}, "bloom", tmp_path / "config.json")
+    refuse_unlowered({"model_type": "mpt", "attn_config": {"alibi": True}}, "mpt", tmp_path / "config.json")
+    with pytest.raises(UnsupportedError, match="ALiBi position bias in an attention module llmc does not replace"):
+        refuse_unlowered({"model_type": "falcon", "alibi": True}, "falcon", tmp_path / "config.json")
