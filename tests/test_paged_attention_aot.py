@@ -59,6 +59,17 @@ def test_fp8_bf16_kernel_uses_hardware_conversion():
     assert kernel.config["fp8_native"] and "cvt.rn.f16x2.e4m3x2" in kernel.ptx
 
 
+def test_alibi_and_chunked_kernels_compile():
+    """ALiBi (12 heads: slopes computed in the kernel from constexprs) and chunked local attention compile for sm_90
+    with the plain parameter list (both are constexprs, no pointer)."""
+    for extra in (dict(alibi_max_bias=8.0), dict(attention_chunk=8192, sliding_window=0)):
+        cfg = KernelConfig(num_heads=12, num_kv_heads=4, head_size=64, block_size=16, scale=0.125, act_dtype="bf16",
+                           cache_dtype="bf16", **extra)
+        (kernel,) = aot.compile_ptx(cfg, (90,))
+        _check(kernel, 90)
+        assert kernel.params == aot.PARAMS
+
+
 def test_refusals():
     cfg = KernelConfig(num_heads=8, num_kv_heads=2, head_size=64, block_size=16, scale=0.125)
     with pytest.raises(ValueError, match="sm_70"):
