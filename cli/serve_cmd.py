@@ -17,19 +17,6 @@ def _positive(name: str, value: float) -> None:
         raise LlmcError(f"{name} {value}: must be positive")
 
 
-def _lora_adapters(specs: tuple[str, ...]) -> dict[str, str]:
-    """``--lora NAME=PATH`` flags as ``{name: path}``; a malformed or repeated one is refused (exit 2)."""
-    out: dict[str, str] = {}
-    for spec in specs:
-        name, sep, path = spec.partition("=")
-        if not sep or not name or not path:
-            raise LlmcError(f"--lora {spec}: give NAME=PATH (a PEFT adapter directory), e.g. --lora sql=./sql-lora")
-        if name in out:
-            raise LlmcError(f"--lora {spec}: the name {name!r} is given twice; each adapter needs its own name")
-        out[name] = path
-    return out
-
-
 def _bind(host: str, port: int) -> socket.socket:
     """Bind here rather than in uvicorn, so a taken port is one clear line and exit code 2."""
     if not 0 <= port <= 65535:
@@ -89,6 +76,18 @@ def _bind(host: str, port: int) -> socket.socket:
               help="Split the model's reasoning into message.reasoning (and reasoning_content).")
 @click.option("--responses-store-size", default=1024, show_default=True,
               help="/v1/responses kept in memory for previous_response_id (past it the oldest is evicted; 0: none).")
+@click.option("--replicas", default=1, show_default=True,
+              help="Engines behind this server, one per Ray Serve replica (needs pip install 'llmc[ray]'); 1 without "
+                   "--autoscale: one engine in this process, no Ray.")
+@click.option("--routing", default="prefix", show_default=True, type=click.Choice(["prefix", "round_robin", "pow2"]),
+              help="With --replicas: send a request to the replica caching its prompt's longest prefix (with a load "
+                   "guard), to replicas in turn, or by power of two choices on queue length.")
+@click.option("--autoscale", default=None, metavar="MIN:MAX",
+              help="Replicas scale between MIN and MAX on ongoing requests (Ray Serve autoscaling; target: half of "
+                   "--max-num-seqs per replica); replaces --replicas.")
+@click.option("--ray-address", default=None, metavar="ADDR",
+              help="With --replicas: deploy onto this Ray cluster (auto, HOST:PORT, ray://HOST:PORT) instead of "
+                   "starting a local Ray instance (which is stopped on exit).")
 @click.option("--lora", "lora", multiple=True, metavar="NAME=PATH",
               help="Serve the PEFT LoRA adapter in directory PATH as model NAME (repeatable; engines built with "
                    "--lora-slots).")
@@ -100,7 +99,8 @@ def serve(engine: Path, host: str, port: int, served_model_name: str | None, api
           max_body_size: str, max_n: int, drain_timeout: float, stall_timeout: float, kv_cache_tokens: int,
           max_num_seqs: int, max_num_tokens: int, threads: int | None, device: str | None, speculative: str | None,
           num_speculative_tokens: int, tool_call_parser: str | None, reasoning_parser: str | None,
-          responses_store_size: int, log_level: str,
+          responses_store_size: int, replicas: int, routing: str, autoscale: str | None, ray_address: str | None,
+          log_level: str,
           lora: tuple[str, ...] = (), allow_runtime_lora: bool = False) -> None:
     """Serve ENGINE over HTTP with the OpenAI API: /v1/completions, /v1/chat/completions, /v1/models,
     /tokenize, /detokenize, /health, /ready and Prometheus /metrics.
@@ -111,6 +111,11 @@ def serve(engine: Path, host: str, port: int, served_model_name: str | None, api
            -d '{"model": "m", "prompt": "The for statement", "max_tokens": 16}'
 
     SIGTERM stops accepting connections, lets running requests finish (--drain-timeout), exits 0.
+
+    \b
+    With --replicas N (or --autoscale MIN:MAX) the engines run as Ray Serve replicas behind this server,
+    which keeps the same API; --threads then applies per replica (default 1):
+      llmc serve engines/m --replicas 2 --routing prefix
     """
     from llmc.build_cache.sizes import parse_size
     from llmc.runtime import Engine
@@ -132,6 +137,18 @@ def serve(engine: Path, host: str, port: int, served_model_name: str | None, api
     from llmc.runtime.speculative import SpeculativeConfig
 
     spec = SpeculativeConfig.parse(speculative, num_speculative_tokens) if speculative else None
+    if replicas < 1:
+        raise LlmcError(f"--replicas {replicas}: must be at least 1")
+    scale = _autoscale(autoscale) if autoscale is not None else None
+    if replicas > 1 or scale is not None:
+        _serve_replicas(engine, host, port, log_level, replicas, routing, scale, ray_address, threads, dict(
+            kv_cache_tokens=kv_cache_tokens, max_num_seqs=max_num_seqs, max_num_tokens=max_num_tokens,
+            max_waiting=max_queue, num_threads=threads or 1, device=device, speculative=spec), dict(
+            api_key=api_key, max_queue=max_queue, max_body_size=body_limit, max_n=max_n,
+            stall_timeout=stall_timeout, drain_timeout=drain_timeout, tool_call_parser=tool_call_parser,
+            reasoning_parser=reasoning_parser, responses_store_size=responses_store_size),
+            served_model_name)
+        return
     eng = Engine.load(engine, kv_cache_tokens=kv_cache_tokens, max_num_seqs=max_num_seqs,
                       max_num_tokens=max_num_tokens, max_waiting=max_queue, num_threads=threads, device=device,
                       speculative=spec, lora_adapters=_lora_adapters(lora))
@@ -144,3 +161,44 @@ def serve(engine: Path, host: str, port: int, served_model_name: str | None, api
     bound = sock.getsockname()[1]
     click.echo(f"llmc serve: {name!r} on http://{host}:{bound}/v1 (metrics: /metrics)", err=True)
     run_server(eng, config, sock=sock, log_level=log_level)
+
+
+def _lora_adapters(specs: tuple[str, ...]) -> dict[str, str]:
+    """``--lora NAME=PATH`` flags as ``{name: path}``; a malformed or repeated one is refused (exit 2)."""
+    out: dict[str, str] = {}
+    for spec in specs:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path:
+            raise LlmcError(f"--lora {spec}: give NAME=PATH (a PEFT adapter directory), e.g. --lora sql=./sql-lora")
+        if name in out:
+            raise LlmcError(f"--lora {spec}: the name {name!r} is given twice; each adapter needs its own name")
+        out[name] = path
+    return out
+
+
+def _autoscale(text: str) -> tuple[int, int]:
+    lo, sep, hi = text.partition(":")
+    if not sep or not lo.isdigit() or not hi.isdigit() or int(hi) < 1 or int(lo) > int(hi):
+        raise LlmcError(f"--autoscale {text}: give MIN:MAX replicas with 0 <= MIN <= MAX and MAX >= 1, e.g. 1:4")
+    return int(lo), int(hi)
+
+
+def _serve_replicas(engine: Path, host: str, port: int, log_level: str, replicas: int, routing: str,
+                    scale: tuple[int, int] | None, ray_address: str | None, threads: int | None, load_kwargs: dict,
+                    config_kwargs: dict, served_model_name: str | None) -> None:
+    """``--replicas``: Ray is imported only here (serve/replicas.py), never by a plain ``llmc serve``."""
+    from llmc.runtime import artifact
+    from llmc.serve import ServeConfig
+    from llmc.serve.replicas import ReplicaOptions, import_ray, serve_replicas
+
+    import_ray()  # one line naming the extra when it is missing, before any work
+    artifact.require_valid(Path(engine))  # a bad engine is one line here, not a replica's traceback in Ray's log
+    name = served_model_name or Path(os.path.abspath(engine)).name
+    config = ServeConfig(model_name=name, **config_kwargs)
+    opts = ReplicaOptions(replicas=replicas, autoscale=scale, routing=routing, ray_address=ray_address,
+                          cpus_per_replica=float(threads or 1), load_kwargs=load_kwargs)
+    sock = _bind(host, port)
+    bound = sock.getsockname()[1]
+    click.echo(f"llmc serve: {name!r} on http://{host}:{bound}/v1 (metrics: /metrics), "
+               f"{f'{scale[0]}..{scale[1]}' if scale else replicas} replicas on Ray Serve, {routing} routing", err=True)
+    serve_replicas(Path(engine), opts, config, sock=sock, log_level=log_level)

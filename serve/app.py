@@ -36,10 +36,18 @@ from llmc.serve.text import TokenStrings
 from llmc.serve.tool_parsers import family_of_template
 
 
-def create_app(engine: Engine, config: ServeConfig) -> FastAPI:
-    """An app serving ``engine``; its step loop starts and stops with the app's lifespan."""
+def create_app(engine: Engine, config: ServeConfig, *, loop: EngineLoop | None = None) -> FastAPI:
+    """An app serving ``engine``; its step loop starts and stops with the app's lifespan.
+
+    ``loop``: what runs the requests instead of a step loop over ``engine`` here, with EngineLoop's interface
+    (``llmc serve --replicas``: serve/replicas.py's RemoteLoop over Ray Serve replicas; ``engine`` then only
+    needs the engine's metadata: tokenizer, vocabulary, context, EOS ids, path).
+    """
     metrics = Metrics(config.model_name, lambda: loop.snapshot)
-    loop = EngineLoop(engine, max_queue=config.max_queue, stall_timeout=config.stall_timeout, observer=metrics)
+    if loop is None:
+        loop = EngineLoop(engine, max_queue=config.max_queue, stall_timeout=config.stall_timeout, observer=metrics)
+    else:
+        loop.observer = metrics
     tok_config = engine.tokenizer.config if engine.tokenizer is not None else {}
     state = ServerState(engine=engine, config=config, loop=loop, metrics=metrics,
                         chat_template=ChatTemplate.from_engine(engine.path, tok_config),

@@ -163,6 +163,11 @@ class EngineLoop:
         self._refuse_inbox()  # what was submitted while the thread was ending
 
     @property
+    def kv_pool_tokens(self) -> int:
+        """Tokens the engine's KV pool holds (no engine lock taken)."""
+        return self.snapshot.stats.kv_blocks_total * self.engine.block_size
+
+    @property
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and self.error is None and not self._stopping
 

@@ -37,7 +37,12 @@ def _event_loop() -> str:
 def serve(engine: Engine, config: ServeConfig, *, host: str = "127.0.0.1", port: int = 8000,
           sock: socket.socket | None = None, log_level: str = "info") -> None:
     """Serve ``engine`` until SIGTERM / SIGINT; returns after running requests finished or ``drain_timeout``."""
-    app = create_app(engine, config)
+    serve_app(create_app(engine, config), config, host=host, port=port, sock=sock, log_level=log_level)
+
+
+def serve_app(app, config: ServeConfig, *, host: str = "127.0.0.1", port: int = 8000,
+              sock: socket.socket | None = None, log_level: str = "info") -> None:
+    """Serve an app made by ``create_app`` (one engine, or replicas' front: serve/replicas.py) as :func:`serve`."""
     state: ServerState = app.state.llmc
     uv_config = uvicorn.Config(app, host=host, port=port, loop=_event_loop(), http="httptools", log_level=log_level,
                                timeout_graceful_shutdown=config.drain_timeout, access_log=False,

@@ -52,4 +52,4 @@ class ServerState:
 
     @property
     def kv_pool_tokens(self) -> int:
-        return self.loop.snapshot.stats.kv_blocks_total * self.engine.block_size  # no engine lock taken
+        return self.loop.kv_pool_tokens  # one engine's pool (a replica's, behind --replicas)

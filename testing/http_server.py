@@ -37,7 +37,13 @@ class RunningServer:
 @contextmanager
 def serve_in_thread(engine: Engine, config: ServeConfig) -> Iterator[RunningServer]:
     """The app on a real HTTP server (uvicorn, the same loop and parser as ``llmc serve``) until the block ends."""
-    app = create_app(engine, config)
+    with serve_app_in_thread(create_app(engine, config), config) as running:
+        yield running
+
+
+@contextmanager
+def serve_app_in_thread(app, config: ServeConfig) -> Iterator[RunningServer]:
+    """As :func:`serve_in_thread`, for an app already made (``llmc serve --replicas``' front: serve/replicas.py)."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))
     sock.listen(1024)

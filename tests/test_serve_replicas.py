@@ -1,0 +1,195 @@
+"""`llmc serve --replicas 2` on a local Ray instance (ray.init(num_cpus=2)), driven by the real `openai` client.
+
+One Ray instance serves the whole module (Ray's start is the slow part on 2 cores); each deployment is the
+default model, two replicas of one ORT thread each, behind the same app a single server runs. Answers are
+held to ``Engine.generate`` in this process.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import signal
+import threading
+import time
+from contextlib import contextmanager
+
+import httpx
+import openai
+import pytest
+
+pytest.importorskip("ray.serve", reason="llmc serve --replicas needs pip install 'llmc[ray]'")
+
+from llmc.runtime import Engine, SamplingParams  # noqa: E402
+from llmc.serve import ServeConfig  # noqa: E402
+from llmc.serve import replicas as rep  # noqa: E402
+from llmc.testing.http_server import serve_app_in_thread  # noqa: E402
+
+MODEL = "default"
+KV_TOKENS = 1024  # 64 blocks per replica: 4 of the 7 documents below
+PROMPTS = ["The for statement", "def f(x):", "Python's with statement", "A class definition defines"]
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    started = rep.start_ray(rep.ReplicaOptions(num_cpus=2))
+    yield
+    rep.shutdown(started, timeout=30)
+
+
+@contextmanager
+def replicas(engine, routing: str, kv_cache_tokens: int = KV_TOKENS):
+    """Two replicas of ``engine`` behind a server on 127.0.0.1; removed at the end (the 2 CPUs hold two replicas).
+
+    Each deployment is an application of its own name: a process keeps a deployment's router for good."""
+    app_name = f"llmc-{routing}-{next(_apps)}"
+    opts = rep.ReplicaOptions(replicas=2, routing=routing, stats_period_s=0.2, health_check_period_s=1.0,
+                              load_kwargs=dict(num_threads=1, kv_cache_tokens=kv_cache_tokens), app_name=app_name)
+    config = ServeConfig(model_name=MODEL, drain_timeout=5)
+    app = rep.create_replicas_app(engine, opts, config)
+    try:
+        with serve_app_in_thread(app, config) as server:
+            server.app_name = app_name
+            yield server
+    finally:
+        from ray import serve
+
+        serve.delete(app_name)
+
+
+_apps = itertools.count()
+
+
+@pytest.fixture(scope="module")
+def offline(default_engine) -> Engine:
+    return Engine.load(default_engine, num_threads=1)
+
+
+def _client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.v1, api_key="unused", max_retries=0, timeout=60)
+
+
+def _reports(app_name: str, n: int = 2, timeout: float = 30.0) -> dict[str, dict]:
+    """The replicas' latest reports, once ``n`` of them have reported."""
+    deadline = time.monotonic() + timeout
+    while True:
+        router = rep.live_router(app_name)
+        reports = {k: v for k, v in router.replica_reports().items() if v} if router is not None else {}
+        if len(reports) >= n or time.monotonic() > deadline:
+            return reports
+        time.sleep(0.1)
+
+
+def test_two_replicas_answer_as_engine_generate_and_survive_a_killed_replica(ray_local, default_engine, offline):
+    with replicas(default_engine, "prefix") as server:
+        client = _client(server)
+        # Greedy answers through both replicas (the prompts spread over them) equal the engine's own.
+        want = [o.token_ids for o in offline.generate(PROMPTS, SamplingParams(max_tokens=12))]
+        got = [client.completions.create(model=MODEL, prompt=p, max_tokens=12, temperature=0,
+                                         extra_body={"return_token_ids": True}) for p in PROMPTS]
+        assert [r.choices[0].model_extra["token_ids"] for r in got] == want
+        assert [r.choices[0].text for r in got] == [offline.tokenizer.decode(w) for w in want]
+        # Streaming through the replicas: the deltas add up to the same text, then usage.
+        for p, w in zip(PROMPTS[:2], want[:2], strict=True):
+            chunks = list(client.completions.create(model=MODEL, prompt=p, max_tokens=12, temperature=0,
+                                                    stream=True, stream_options={"include_usage": True}))
+            assert "".join(c.choices[0].text for c in chunks if c.choices) == offline.tokenizer.decode(w)
+            assert chunks[-1].usage.completion_tokens == 12
+        chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                              max_tokens=4, temperature=0)
+        assert chat.choices[0].finish_reason in ("length", "stop")
+        assert httpx.get(server.url + "/ready").status_code == 200
+
+        # One replica killed while both stream: its own requests end with an OpenAI error, the others finish.
+        reports = _reports(server.app_name)
+        assert len(reports) == 2
+        victim_id, victim = next(iter(reports.items()))
+        router = rep.live_router(server.app_name)
+        results: list[object] = [None] * 6
+        first = [threading.Event() for _ in results]
+
+        def stream(i: int) -> None:
+            try:
+                n = 0
+                for c in client.completions.create(model=MODEL, prompt=f"{i} {PROMPTS[i % 4]}", max_tokens=400,
+                                                   temperature=0, stream=True, extra_body={"ignore_eos": True}):
+                    n += len(c.choices[0].text) > 0 if c.choices else 0
+                    first[i].set()
+                    last = c.choices[0].finish_reason if c.choices else None
+                results[i] = ("done", last)
+            except openai.APIError as exc:
+                results[i] = ("error", exc)
+            finally:
+                first[i].set()
+
+        threads = [threading.Thread(target=stream, args=(i,)) for i in range(len(results))]
+        for t in threads:
+            t.start()
+        assert all(e.wait(60) for e in first)
+        on_victim = next(n for rid, n in router._inflight.items() if rid.unique_id == victim_id)
+        assert 0 < on_victim < len(results), "the streams should be spread over both replicas"
+        os.kill(victim["pid"], signal.SIGKILL)
+        for t in threads:
+            t.join(120)
+        errors = [r[1] for r in results if r[0] == "error"]
+        assert [r[1] for r in results if r[0] == "done"] == ["length"] * (len(results) - on_victim)
+        assert len(errors) == on_victim
+        for exc in errors:  # the error object, not a hang or a truncation reported as a finish
+            assert "failed mid-request" in str(exc.message), exc.message
+
+        # Serving goes on: new requests are answered (by the survivor, then by Ray's replacement too).
+        again = [client.completions.create(model=MODEL, prompt=p, max_tokens=12, temperature=0,
+                                           extra_body={"return_token_ids": True}) for p in PROMPTS]
+        assert [r.choices[0].model_extra["token_ids"] for r in again] == want
+        assert httpx.get(server.url + "/ready").status_code == 200
+
+
+def _documents(tokenizer, n: int, length: int) -> list[list[int]]:
+    text = open(os.path.join(os.path.dirname(__file__), "..", "README.md"), encoding="utf-8").read()
+    ids = tokenizer.encode(text)
+    assert len(ids) >= n * length
+    return [ids[i * length : (i + 1) * length] for i in range(n)]
+
+
+def _hit_rate(server, workload: list[list[int]]) -> float:
+    client = _client(server)
+    cached = prompt = 0
+    for ids in workload:
+        r = client.completions.create(model=MODEL, prompt=ids, max_tokens=1, temperature=0)
+        cached += r.usage.prompt_tokens_details.cached_tokens
+        prompt += r.usage.prompt_tokens
+    return cached / prompt
+
+
+def test_prefix_routing_hits_the_cache_more_than_round_robin(ray_local, default_engine, offline):
+    """7 documents of 224 tokens, 5 questions each, interleaved (one question on each document in turn); a replica's
+    cache holds 4 documents. Prefix routing keeps each document on one replica; round robin sends every document to
+    both, and each replica's cache then cycles through 7 documents with room for 4."""
+    docs = _documents(offline.tokenizer, 7, 224)
+    workload = [docs[d] + offline.tokenizer.encode(f" Question {q}: what does part {d} say?")
+                for q in range(5) for d in range(len(docs))]
+    rates = {}
+    for routing in ("round_robin", "prefix"):
+        with replicas(default_engine, routing) as server:
+            rates[routing] = _hit_rate(server, workload)
+    print(f"prefix-cache hit rate: {rates}")
+    assert rates["prefix"] >= 1.5 * rates["round_robin"], rates
+    assert rates["prefix"] > 0.5, rates
+
+
+def test_plain_serve_and_the_runtime_never_import_ray(tmp_path):
+    """Ray stays out of the runtime and of a plain ``llmc serve``; ``--replicas`` without Ray is one line, exit 2."""
+    import subprocess
+    import sys
+
+    code = ("import sys\nimport llmc.runtime, llmc.serve, llmc.cli.main\nfrom llmc.serve.app import create_app\n"
+            "assert not [m for m in sys.modules if m.split('.')[0] == 'ray'], 'ray imported'\n")
+    subprocess.run([sys.executable, "-c", code], check=True)
+    # Ray made unimportable: the flag names the extra that installs it.
+    (tmp_path / "ray").mkdir()
+    (tmp_path / "ray" / "__init__.py").write_text("raise ImportError('No module named ray (test)')\n")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    r = subprocess.run([sys.executable, "-m", "llmc.cli.main", "serve", "nowhere", "--replicas", "2"],
+                       capture_output=True, text=True, env=env)
+    assert r.returncode == 2, r.stderr
+    assert "pip install 'llmc[ray]'" in r.stderr and "Traceback" not in r.stderr, r.stderr
