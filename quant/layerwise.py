@@ -218,7 +218,7 @@ def window_feeds(ids: list[int], block_size: int) -> dict[str, np.ndarray]:
             "slot_mapping": table[p // block_size] * block_size + p % block_size,
             "block_tables": table[None, :], "context_lens": np.asarray([n], np.int64),
             "query_start_loc": np.asarray([0, n], np.int64), "logits_indices": p,
-            "rope_lengths": np.full(n, n, np.int64)}
+            "rope_lengths": np.full(n, n, np.int64), "lora_slots": np.zeros(n, np.int64)}
 
 
 class LayerwiseScorer:
@@ -239,6 +239,10 @@ class LayerwiseScorer:
         self.name = name
         self.say = progress or (lambda msg: None)
         self.graph_inputs = {v.name for v in model.graph.inputs}
+        # Inputs of a fixed shape that no window supplies (a LoRA engine's adapter slots, llmc.passes.lora): zeros,
+        # which with lora_slots 0 score the base model.
+        self.fixed = {v.name: np.zeros([int(d) for d in v.shape], v.dtype.numpy()) for v in model.graph.inputs
+                      if v.shape is not None and v.shape.rank() > 0 and all(isinstance(d, int) for d in v.shape)}
         self.output = model.graph.outputs[0].name
         self.session_seconds = 0.0
         self.run_seconds = 0.0
@@ -257,7 +261,7 @@ class LayerwiseScorer:
         blocks = max(-(-len(w) // kv.block_size) for w in windows)
         pool = KVPool.allocate(kv.num_layers, blocks, kv.num_kv_heads, kv.block_size, kv.head_size, kv.dtype,
                                kv.layers)
-        feeds = [window_feeds(w, kv.block_size) for w in windows]
+        feeds = [{**self.fixed, **window_feeds(w, kv.block_size)} for w in windows]
         carried: list[dict[str, np.ndarray]] = [{} for _ in windows]
         # After which stage each carried value is read for the last time.
         last_use: dict[str, int] = {}
