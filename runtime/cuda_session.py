@@ -126,6 +126,21 @@ class CudaSession:
         self.graph_replays = 0
         self.eager_steps = 0
         self.rows_sampled_on_device = 0
+        # A LoRA engine's slot buffers in device memory, in the engine dtype (bind_lora); fed to every step.
+        self.lora_buffers: dict[str, torch.Tensor] = {}
+
+    def bind_lora(self, lora) -> None:
+        """Keep ``lora``'s (llmc.runtime.lora.LoraSlots) slot buffers on the device: copied once here, then only the
+        slot an adapter is written into (not every step)."""
+        self.lora_buffers = {name: torch.from_numpy(buf).to(self.device, self.dtype)
+                             for name, buf in lora.buffers.items()}
+
+        def written(cols_or_rows: dict) -> None:
+            for name, index in cols_or_rows.items():
+                self.lora_buffers[name][index] = torch.from_numpy(lora.buffers[name][index]).to(self.device,
+                                                                                                self.dtype)
+
+        lora.on_write.append(written)
 
     # -- KV pool ----------------------------------------------------------------------------------
 
@@ -251,8 +266,20 @@ class CudaSession:
             y = out.sum(0).to(x.dtype) if split > 1 else out
             return (y.reshape(*x.shape[:-1], n),)
 
+        def lora(y, x, a, b, slots, *, shrink_kernel=None, expand_kernel=None, **attrs):
+            ks, ke = self._fused(shrink_kernel), self._fused(expand_kernel)
+            if ks is None or ke is None or {x.dtype, y.dtype, a.dtype, b.dtype} != {self.dtype}:
+                return OPS["LoraApply"](y, x, a, b, slots, **attrs)
+            x2, y2 = rows_view(x), rows_view(y)
+            t, n, rank = x2.shape[0], y2.shape[1], int(attrs["rank"])
+            u = torch.empty((t, rank), dtype=torch.float32, device=x.device)
+            self._launch(ks, (t, 1, 1), [x2, a, slots, u, t, x2.stride(0)])
+            out = torch.empty((t, n), dtype=y.dtype, device=y.device)
+            self._launch(ke, (t, -(-n // ke.info.config["BLOCK_N"]), 1), [u, b, slots, y2, out, t, y2.stride(0)])
+            return (out.reshape(y.shape),)
+
         return {"RMSNormalization": rms, "SkipRMSNormalization": skip_rms, "RotaryEmbedding": rotary,
-                "SwiGLU": swiglu, "Int4Linear": int4_linear}
+                "SwiGLU": swiglu, "Int4Linear": int4_linear, "LoraApply": lora}
 
     # -- steps ------------------------------------------------------------------------------------
 
@@ -290,6 +317,7 @@ class CudaSession:
         else:
             dev = self.device
             tensors = {k: torch.from_numpy(np.ascontiguousarray(v)).to(dev) for k, v in feeds.items()}
+            tensors.update(self.lora_buffers)
             with torch.inference_mode():
                 logits = self.program.run(tensors)[0]
             self.eager_steps += 1

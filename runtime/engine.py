@@ -178,6 +178,12 @@ class Engine:
         spec = LoraSpec.from_manifest(manifest)
         self.lora: LoraSlots | None = LoraSlots(spec) if spec is not None else None
         self.scheduler.lora = self.lora
+        # How steps get the slot buffers: a CUDA session keeps them in device memory (written per adapter load),
+        # ONNX Runtime reads the host arrays in place through OrtValues, anything else takes the arrays.
+        self._lora_feed = "device" if hasattr(session, "bind_lora") else \
+            "ortvalue" if isinstance(session, OrtSession) else "numpy"
+        if self.lora is not None and self._lora_feed == "device":
+            session.bind_lora(self.lora)
 
     @classmethod
     def load(cls, path: str | Path, *, kv_cache_tokens: int | None = None, max_num_tokens: int = 2048,
@@ -473,7 +479,8 @@ class Engine:
             feeds = {"input_ids": ids, "positions": pos, "slot_mapping": slots, "block_tables": tables,
                      "context_lens": ctx, "query_start_loc": qsl, "logits_indices": rows}
             if self.lora is not None:
-                self.lora.bind(feeds, [c.request.lora_slot for c in chunks], [c.num_tokens for c in chunks])
+                self.lora.bind(feeds, [c.request.lora_slot for c in chunks], [c.num_tokens for c in chunks],
+                               self._lora_feed)
             if self._rope_lengths:
                 feeds["rope_lengths"] = np.repeat(np.asarray([len(c.request.tokens) for c in chunks], np.int64),
                                                   [c.num_tokens for c in chunks])
@@ -907,7 +914,7 @@ class Engine:
                 if self._rope_lengths:
                     feeds["rope_lengths"] = np.full(n, n, np.int64)
                 if self.lora is not None:  # the base model
-                    self.lora.bind(feeds, [0], [n])
+                    self.lora.bind(feeds, [0], [n], self._lora_feed)
                 if self._state is not None:  # a slot of its own; the whole sequence is this step's: a fresh state
                     feeds["state_slots"] = np.asarray([self._state.slot_of(_SCORE_SEQ)], np.int64)
                 return self._session.run(feeds, self._pool, state=self._state_arrays())

@@ -24,6 +24,7 @@ import math
 import struct
 import zlib
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -235,6 +236,9 @@ class LoraSlots:
         self.holders = [0] * (spec.slots + 1)  # running requests holding each slot
         self._lru: OrderedDict[int, None] = OrderedDict((s, None) for s in range(1, spec.slots + 1))
         self.loads = 0  # adapters copied into a slot (first loads and reloads after eviction)
+        # Called with {buffer name: index} after a slot is written (a CUDA session copies that part to the device).
+        self.on_write: list[Callable[[dict], None]] = []
+        self._ort_values: dict | None = None
 
     # registry
     def add(self, name: str, path: str | Path) -> LoraAdapter:
@@ -296,8 +300,23 @@ class LoraSlots:
                 b_buf[start: start + adapter.rank] = b.T
         self.resident[slot] = adapter.name
         self.loads += 1
+        if self.on_write:
+            cols, rows = (slice(None), slice(start, start + r)), (slice(start, start + r),)
+            written = {name: index for m in self.spec.modules for name, index in ((m.a_input, cols), (m.b_input, rows))}
+            for callback in self.on_write:
+                callback(written)
 
-    def bind(self, feeds: dict[str, np.ndarray], slots: list[int], counts: list[int]) -> None:
-        """Add the step's inputs to ``feeds``: every token's slot (its chunk's) and the slot buffers."""
+    def bind(self, feeds: dict, slots: list[int], counts: list[int], buffers: str = "numpy") -> None:
+        """Add the step's inputs to ``feeds``: every token's slot (its chunk's), and the slot buffers as numpy
+        arrays (``buffers="numpy"``), as ONNX Runtime OrtValues over the same memory (``"ortvalue"``: saves ONNX
+        Runtime a copy of every buffer per step, 2.5 of 11 ms on the default model with 4 slots of rank 16), or
+        not at all (``"device"``: the session holds them)."""
         feeds[self.spec.slot_input] = np.repeat(np.asarray(slots, np.int64), counts)
-        feeds.update(self.buffers)
+        if buffers == "ortvalue":
+            if self._ort_values is None:
+                import onnxruntime as ort
+
+                self._ort_values = {n: ort.OrtValue.ortvalue_from_numpy(b) for n, b in self.buffers.items()}
+            feeds.update(self._ort_values)
+        elif buffers == "numpy":
+            feeds.update(self.buffers)

@@ -346,6 +346,15 @@ def fp8_linear(x, w8, w_scales, act_scale, *, mode="emulate", **_):
     return (y.to(x.dtype).reshape(*shape[:-1], -1),)
 
 
+@op("LoraApply")
+def lora_apply(y, x, a, b, slots, *, rank: int, **_):
+    """``y + B_s(A_s x)`` per token, ``s`` its LoRA slot (llmc.passes.lora; the reference of the shrink/expand
+    kernels a GPU launches instead)."""
+    from llmc.plugins.lora.reference import lora_apply as reference
+
+    return (reference(y, x, a.to(x.dtype), b.to(x.dtype), slots, rank),)
+
+
 @op("Int4Linear")
 def int4_linear(x, codes, scales, zeros=None, *, group_size: int, k: int, **_):
     """``x @ W`` with ``W [K, N]`` stored as 4-bit ``codes`` (two per byte along K: ``[ceil(K/2), N]``

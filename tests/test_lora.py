@@ -324,3 +324,30 @@ def test_serve_lora_flags():
     for bad, needle in ((("a",), "NAME=PATH"), (("a=/x", "a=/y"), "given twice")):
         with pytest.raises(LlmcError, match=needle):
             _lora_adapters(bad)
+
+
+# -- the CUDA engine, on torch's CPU ops ----------------------------------------------------------------------
+
+
+def test_cuda_engine_on_cpu(tiny_llama, lora_dir, engine):
+    """The CUDA engine's program (LoraApply nodes, float32) run by torch on the CPU gives the CPU engine's tokens
+    for every adapter and the base in one batch; with the AOT shrink/expand kernels launched through the Triton
+    interpreter (the GPU's launch path minus the driver) as well."""
+    from llmc.runtime.cuda_session import CudaSession
+
+    built = build(tiny_llama, lora_dir / "cuda", BuildOptions(target="h100", dtype="float32", lora_slots=SLOTS,
+                                                               max_lora_rank=RANK))
+    program = json.loads((lora_dir / "cuda" / "program.json").read_text())
+    assert sum(n["op"] == "LoraApply" for n in program["nodes"]) == 14
+    assert built.report["backend_fusions"]["lora"] == 14
+    names = [None, "qv", "all-rs"]
+    want = [_greedy(engine, PROMPTS[:1], n)[0] for n in names]
+    cuda = Engine.load(lora_dir / "cuda", device="cpu", lora_adapters={n: lora_dir / n for n in ADAPTERS})
+    params = [SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, lora=n) for n in names]
+    assert [o.token_ids for o in cuda.generate([PROMPTS[0]] * 3, params)] == want
+    session = CudaSession(lora_dir / "cuda", cuda.manifest, device="cpu", interpret_kernels=True)
+    assert any(k.startswith("lora_shrink") for k, _ in session.kernels)
+    cuda._pool = session.allocate_pool(cuda.manifest["kv_cache"], cuda._blocks.num_blocks)
+    cuda._session = session
+    session.bind_lora(cuda.lora)
+    assert [o.token_ids for o in cuda.generate([PROMPTS[0]] * 3, params)] == want

@@ -122,6 +122,28 @@ def _producer(v: ir.Value | None, op: str) -> ir.Node | None:
     return v.producer()
 
 
+def _match_lora(node: ir.Node) -> tuple | None:
+    """llmc.passes.lora's slot update ``Add(y, MatMul(Mul(MatMul(x, A), mask), B))``, A and B graph inputs ->
+    (y, x, A, B, the mask's Cast, slots, rank)."""
+    if node.op_type != "Add" or node.domain != "" or len(node.inputs) != 2:
+        return None
+    y, d = node.inputs
+    expand = _producer(d, "MatMul")
+    keep = _producer(expand.inputs[0], "Mul") if expand is not None else None
+    shrink = _producer(keep.inputs[0], "MatMul") if keep is not None else None
+    if shrink is None or not expand.inputs[1].name.endswith(".lora_B") or not shrink.inputs[1].name.endswith(
+            ".lora_A") or expand.inputs[1].producer() is not None or shrink.inputs[1].producer() is not None:
+        return None
+    cast = _producer(keep.inputs[1], "Cast")
+    equal = _producer(cast.inputs[0], "Equal") if cast is not None else None
+    owner = _const(equal.inputs[1]) if equal is not None else None
+    unsq = _producer(equal.inputs[0], "Unsqueeze") if equal is not None else None
+    if owner is None or unsq is None or unsq.inputs[0].producer() is not None:
+        return None
+    rank = int((owner.numpy() == 1).sum())
+    return y, shrink.inputs[0], shrink.inputs[1], expand.inputs[1], cast, unsq.inputs[0], rank
+
+
 def _match_fp8_linear(node: ir.Node) -> tuple | None:
     """``MatMul(DQ(Q(x, s)), DQ(w8 [K, N], ws [N], axis=1))`` -> (x, s, w8, ws)."""
     a, b = node.inputs
@@ -241,10 +263,13 @@ class _Lowering:
             raise UnsupportedError(f"the CUDA engine needs an FP8 KV cache in every attention layer or none "
                                    f"({len(self.kv_fp8)} of {layers} have one)")
         dead = self._dead_after_fusion()
+        lora = self._lora_sites(dead)
         for node in self.graph:
             if id(node) in dead:
                 continue
-            if id(node) in self.fused:
+            if id(node) in lora:
+                self._emit_lora(node, lora[id(node)])
+            elif id(node) in self.fused:
                 self._fuse_linear(node)
             else:
                 self._generic(node)
@@ -284,6 +309,39 @@ class _Lowering:
             self.fusions["int4-linear"] += 1
             return True
         return False
+
+    def _lora_sites(self, dead: set[int]) -> dict[int, tuple]:
+        """LoRA slot updates (llmc.passes.lora) -> one ``LoraApply`` node each (the shrink/expand kernels on a
+        GPU); their MatMuls and Mul, and the slot mask once no other node reads it, join ``dead``."""
+        nodes = {id(n): n for n in self.graph}
+        sites = {i: m for i, n in nodes.items() if (m := _match_lora(n)) is not None}
+        masks = {}
+        for add_id, (_, _, _, _, cast, _, _) in sites.items():
+            expand = nodes[add_id].inputs[1].producer()
+            keep = expand.inputs[0].producer()
+            dead.update({id(expand), id(keep), id(keep.inputs[0].producer())})
+            masks[id(cast)] = cast
+        for cast in masks.values():
+            if all(id(u.node) in dead for u in cast.outputs[0].uses()):
+                equal = cast.inputs[0].producer()
+                dead.update({id(cast), id(equal)})
+                if all(id(u.node) in dead for u in equal.inputs[0].uses()):
+                    dead.add(id(equal.inputs[0].producer()))
+        return sites
+
+    def _emit_lora(self, node: ir.Node, match: tuple) -> None:
+        y, x, a, b, _, slots, rank = match
+        k, width = (int(d) for d in a.shape)
+        n = int(b.shape[1])
+        from llmc.plugins.lora import requests as lk
+
+        shrink = lk.shrink_request(k, rank, width // rank, _TL[self.dtype])
+        expand = lk.expand_request(n, rank, width // rank, _TL[self.dtype])
+        self.kernel_requests[shrink["key"]] = shrink
+        self.kernel_requests[expand["key"]] = expand
+        self.emit("LoraApply", [y.name, x.name, a.name, b.name, slots.name], [node.outputs[0].name],
+                  {"rank": rank, "shrink_kernel": shrink["key"], "expand_kernel": expand["key"]})
+        self.fusions["lora"] = self.fusions.get("lora", 0) + 1
 
     def _dead_after_fusion(self) -> set[int]:
         """Q/DQ nodes whose every consumer was fused away."""
