@@ -93,6 +93,9 @@ def _bind(host: str, port: int) -> socket.socket:
                    "--lora-slots).")
 @click.option("--allow-runtime-lora", is_flag=True,
               help="Enable POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's runtime LoRA routes).")
+@click.option("--kv-events", default=None, metavar="tcp://HOST:PORT",
+              help="Publish the prefix cache's changes as vLLM's KV-event stream (ZeroMQ PUB; replay socket on PORT+1; "
+                   "behind --replicas replica r uses PORT+2r and PORT+2r+1), for llm-d / Dynamo routers.")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug"]))
 def serve(engine: Path, host: str, port: int, served_model_name: str | None, api_key: str | None, max_queue: int,
@@ -100,7 +103,7 @@ def serve(engine: Path, host: str, port: int, served_model_name: str | None, api
           max_num_seqs: int, max_num_tokens: int, threads: int | None, device: str | None, speculative: str | None,
           num_speculative_tokens: int, tool_call_parser: str | None, reasoning_parser: str | None,
           responses_store_size: int, replicas: int, routing: str, autoscale: str | None, ray_address: str | None,
-          log_level: str,
+          kv_events: str | None, log_level: str,
           lora: tuple[str, ...] = (), allow_runtime_lora: bool = False) -> None:
     """Serve ENGINE over HTTP with the OpenAI API: /v1/completions, /v1/chat/completions, /v1/models,
     /tokenize, /detokenize, /health, /ready and Prometheus /metrics.
@@ -140,8 +143,11 @@ def serve(engine: Path, host: str, port: int, served_model_name: str | None, api
     if replicas < 1:
         raise LlmcError(f"--replicas {replicas}: must be at least 1")
     scale = _autoscale(autoscale) if autoscale is not None else None
+    from llmc.serve.kv_events import parse_endpoint
+
+    events_at = parse_endpoint(kv_events) if kv_events is not None else None
     if replicas > 1 or scale is not None:
-        _serve_replicas(engine, host, port, log_level, replicas, routing, scale, ray_address, threads, dict(
+        _serve_replicas(engine, host, port, log_level, replicas, routing, scale, ray_address, threads, events_at, dict(
             kv_cache_tokens=kv_cache_tokens, max_num_seqs=max_num_seqs, max_num_tokens=max_num_tokens,
             max_waiting=max_queue, num_threads=threads or 1, device=device, speculative=spec), dict(
             api_key=api_key, max_queue=max_queue, max_body_size=body_limit, max_n=max_n,
@@ -160,7 +166,20 @@ def serve(engine: Path, host: str, port: int, served_model_name: str | None, api
     sock = _bind(host, port)
     bound = sock.getsockname()[1]
     click.echo(f"llmc serve: {name!r} on http://{host}:{bound}/v1 (metrics: /metrics)", err=True)
-    run_server(eng, config, sock=sock, log_level=log_level)
+    if events_at is None:
+        run_server(eng, config, sock=sock, log_level=log_level)
+        return
+    from llmc.serve.app import create_app
+    from llmc.serve.kv_events import attach
+    from llmc.serve.server import serve_app
+
+    app = create_app(eng, config)
+    publisher = attach(app.state.llmc.loop, eng, *events_at)
+    click.echo(f"llmc serve: KV events on {publisher.endpoint} (replay: {publisher.replay_endpoint})", err=True)
+    try:
+        serve_app(app, config, sock=sock, log_level=log_level)
+    finally:
+        publisher.close()
 
 
 def _lora_adapters(specs: tuple[str, ...]) -> dict[str, str]:
@@ -184,8 +203,9 @@ def _autoscale(text: str) -> tuple[int, int]:
 
 
 def _serve_replicas(engine: Path, host: str, port: int, log_level: str, replicas: int, routing: str,
-                    scale: tuple[int, int] | None, ray_address: str | None, threads: int | None, load_kwargs: dict,
-                    config_kwargs: dict, served_model_name: str | None) -> None:
+                    scale: tuple[int, int] | None, ray_address: str | None, threads: int | None,
+                    kv_events: tuple[str, int] | None, load_kwargs: dict, config_kwargs: dict,
+                    served_model_name: str | None) -> None:
     """``--replicas``: Ray is imported only here (serve/replicas.py), never by a plain ``llmc serve``."""
     from llmc.runtime import artifact
     from llmc.serve import ServeConfig
@@ -196,7 +216,7 @@ def _serve_replicas(engine: Path, host: str, port: int, log_level: str, replicas
     name = served_model_name or Path(os.path.abspath(engine)).name
     config = ServeConfig(model_name=name, **config_kwargs)
     opts = ReplicaOptions(replicas=replicas, autoscale=scale, routing=routing, ray_address=ray_address,
-                          cpus_per_replica=float(threads or 1), load_kwargs=load_kwargs)
+                          cpus_per_replica=float(threads or 1), load_kwargs=load_kwargs, kv_events=kv_events)
     sock = _bind(host, port)
     bound = sock.getsockname()[1]
     click.echo(f"llmc serve: {name!r} on http://{host}:{bound}/v1 (metrics: /metrics), "

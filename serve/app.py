@@ -43,7 +43,10 @@ def create_app(engine: Engine, config: ServeConfig, *, loop: EngineLoop | None =
     (``llmc serve --replicas``: serve/replicas.py's RemoteLoop over Ray Serve replicas; ``engine`` then only
     needs the engine's metadata: tokenizer, vocabulary, context, EOS ids, path).
     """
-    metrics = Metrics(config.model_name, lambda: loop.snapshot)
+    kv = engine.manifest.get("kv_cache", {})
+    cache = {"block_size": str(engine.block_size), "cache_dtype": str(kv.get("dtype", "auto")),
+             "enable_prefix_caching": str(getattr(getattr(engine, "config", None), "enable_prefix_caching", True))}
+    metrics = Metrics(config.model_name, lambda: loop.snapshot, cache)
     if loop is None:
         loop = EngineLoop(engine, max_queue=config.max_queue, stall_timeout=config.stall_timeout, observer=metrics)
     else:

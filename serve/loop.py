@@ -12,7 +12,7 @@ import collections
 import concurrent.futures
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -118,6 +118,8 @@ class EngineLoop:
         # Monotonic times requests finished: the drain rate behind a 429's Retry-After.
         self._finish_times: collections.deque[float] = collections.deque(maxlen=4096)
         self.error: BaseException | None = None
+        # Called on this thread after every step (serve/kv_events.py publishes the step's cache changes).
+        self.after_step: Callable[[], None] | None = None
         self.snapshot = self._snapshot()
 
     # -- event-loop side ----------------------------------------------------------------------------
@@ -218,6 +220,8 @@ class EngineLoop:
                             t.admitted = t0
                 self._deliver(outputs, now)
                 self.snapshot = self._snapshot()
+                if self.after_step is not None:
+                    self.after_step()
         except Exception as exc:  # a bug or a broken engine: every waiting handler gets a 500
             self._step_started = None
             self.error = exc

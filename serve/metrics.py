@@ -27,10 +27,16 @@ _E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 
                 480.0, 960.0, 1920.0, 7680.0)
 
 
+VLLM = "vllm:"
+# What llm-d's endpoint picker reads from a vLLM pod by default, published under vLLM's own names beside llmc's so
+# that it can route llmc pods too.
+
+
 class _EngineCollector(Collector):
-    def __init__(self, model_name: str, snapshot: Callable[[], Snapshot]) -> None:
+    def __init__(self, model_name: str, snapshot: Callable[[], Snapshot], cache: dict[str, str] | None) -> None:
         self._model = model_name
         self._snapshot = snapshot
+        self._cache = cache or {}
 
     def collect(self) -> Iterator[Metric]:
         snap = self._snapshot()
@@ -47,11 +53,22 @@ class _EngineCollector(Collector):
             m.add_metric([self._model], value)
             return m
 
+        usage = s.kv_blocks_used / s.kv_blocks_total if s.kv_blocks_total else 0.0
+        for name, doc, value in (("num_requests_running", "Requests in the running batch.", s.num_running),
+                                 ("num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting),
+                                 ("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full).", usage)):
+            m = GaugeMetricFamily(VLLM + name, doc + " (vLLM's name)", labels=labels)
+            m.add_metric([self._model], value)
+            yield m
+        info = {**self._cache, "num_gpu_blocks": str(s.kv_blocks_total)}
+        m = GaugeMetricFamily(VLLM + "cache_config_info", "KV-cache configuration (vLLM's name; value 1).",
+                              labels=["model_name", *info])
+        m.add_metric([self._model, *info.values()], 1.0)
+        yield m
         yield gauge("num_requests_running", "Requests in the running batch.", s.num_running)
         yield gauge("num_requests_waiting", "Requests waiting to be scheduled (including preempted ones).",
                     s.num_waiting)
-        yield gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full).",
-                    s.kv_blocks_used / s.kv_blocks_total if s.kv_blocks_total else 0.0)
+        yield gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full).", usage)
         yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
                       snap.admitted_prompt_tokens)
         yield counter("prefix_cache_hits", "Prompt tokens served by the prefix cache.", s.cached_prompt_tokens)
@@ -77,10 +94,11 @@ class _EngineCollector(Collector):
 class Metrics:
     """The server's registry: engine counters plus request histograms, labelled with the model name."""
 
-    def __init__(self, model_name: str, snapshot: Callable[[], Snapshot]) -> None:
+    def __init__(self, model_name: str, snapshot: Callable[[], Snapshot], cache: dict[str, str] | None = None) -> None:
+        """``cache``: labels of ``vllm:cache_config_info`` (block_size, cache_dtype, enable_prefix_caching)."""
         self.model_name = model_name
         self.registry = CollectorRegistry()  # no auto_describe: collect() only at scrape time
-        self.registry.register(_EngineCollector(model_name, snapshot))
+        self.registry.register(_EngineCollector(model_name, snapshot, cache))
         labels = ["model_name"]
         self.request_success = Counter(PREFIX + "request_success", "Finished requests by finish reason.",
                                        ["model_name", "finished_reason"], registry=self.registry)

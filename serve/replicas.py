@@ -83,6 +83,7 @@ class ReplicaOptions:
     # The Serve application's name. A process keeps one router per deployment for good (Ray Serve does not swap
     # the router class of a running handle), so another --routing in the same process needs another name.
     app_name: str = APP_NAME
+    kv_events: tuple[str, int] | None = None  # --kv-events HOST, PORT: replica r publishes at PORT + 2r
 
 
 @dataclass
@@ -111,7 +112,8 @@ class ReplicaFailed(Exception):
 class LlmcReplica:
     """One engine and its step loop, as a Ray Serve replica (deployed by :func:`deploy`)."""
 
-    def __init__(self, engine_path: str, load_kwargs: dict, max_queue: int, stall_timeout: float) -> None:
+    def __init__(self, engine_path: str, load_kwargs: dict, max_queue: int, stall_timeout: float,
+                 kv_events: tuple[str, int] | None = None) -> None:
         from llmc.runtime import Engine
         from llmc.serve.loop import EngineLoop
 
@@ -119,6 +121,16 @@ class LlmcReplica:
         self.loop = EngineLoop(self.engine, max_queue=max_queue, stall_timeout=stall_timeout)
         self._blocks = self.engine.scheduler.blocks
         self._started = False
+        self.publisher = None
+        if kv_events is not None:  # replica r of this node: PORT + 2r, replay PORT + 2r + 1 (serve/kv_events.py)
+            from ray import serve
+
+            from llmc.serve.kv_events import attach
+
+            rank = serve.get_replica_context().rank
+            local = int(getattr(rank, "local_rank", rank))
+            host, port = kv_events
+            self.publisher = attach(self.loop, self.engine, host, port + 2 * local, rank=local)
 
     def _start(self) -> None:
         # Serve runs replica methods on one event loop of its own; the step loop posts deliveries to it.
@@ -170,7 +182,9 @@ class LlmcReplica:
         Called on another thread than the step loop's: the block manager's calls are atomic under the GIL."""
         snap = self.loop.snapshot
         ok, why = self.loop.health() if self._started else (True, "ok")
+        pub = self.publisher
         return {"time": time.time(), "pid": os.getpid(), "block_hashes": self._blocks.cached_hashes(),
+                "kv_events": None if pub is None else pub.endpoint,
                 "block_size": self.engine.block_size, "stats": snap.stats.as_dict(),
                 "admitted_prompt_tokens": snap.admitted_prompt_tokens, "num_waiting": snap.num_waiting,
                 "healthy": ok, "why": why}
@@ -186,6 +200,8 @@ class LlmcReplica:
         loop = getattr(self, "loop", None)
         if loop is not None:
             loop.stop()
+        if getattr(self, "publisher", None) is not None:
+            self.publisher.close()
 
 
 class EngineInfo:
@@ -461,7 +477,7 @@ def deploy(engine: Path, opts: ReplicaOptions, config: ServeConfig, stall_timeou
         health_check_timeout_s=stall_timeout + 10,
         graceful_shutdown_timeout_s=config.drain_timeout, graceful_shutdown_wait_loop_s=0.5,
         **scaling)
-    app = dep.bind(str(engine), opts.load_kwargs, config.max_queue, stall_timeout)
+    app = dep.bind(str(engine), opts.load_kwargs, config.max_queue, stall_timeout, opts.kv_events)
     try:
         return serve.run(app, name=opts.app_name, route_prefix=None)
     except RuntimeError as exc:  # the replicas' constructor failed (Serve tried max_constructor_retry_count times)

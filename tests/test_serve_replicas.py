@@ -38,13 +38,14 @@ def ray_local():
 
 
 @contextmanager
-def replicas(engine, routing: str, kv_cache_tokens: int = KV_TOKENS):
+def replicas(engine, routing: str, kv_cache_tokens: int = KV_TOKENS, kv_events: tuple[str, int] | None = None):
     """Two replicas of ``engine`` behind a server on 127.0.0.1; removed at the end (the 2 CPUs hold two replicas).
 
     Each deployment is an application of its own name: a process keeps a deployment's router for good."""
     app_name = f"llmc-{routing}-{next(_apps)}"
     opts = rep.ReplicaOptions(replicas=2, routing=routing, stats_period_s=0.2, health_check_period_s=1.0,
-                              load_kwargs=dict(num_threads=1, kv_cache_tokens=kv_cache_tokens), app_name=app_name)
+                              load_kwargs=dict(num_threads=1, kv_cache_tokens=kv_cache_tokens), app_name=app_name,
+                              kv_events=kv_events)
     config = ServeConfig(model_name=MODEL, drain_timeout=5)
     app = rep.create_replicas_app(engine, opts, config)
     try:
@@ -80,8 +81,51 @@ def _reports(app_name: str, n: int = 2, timeout: float = 30.0) -> dict[str, dict
         time.sleep(0.1)
 
 
+def _free_ports(n: int) -> int:
+    """The first of ``n`` consecutive free ports on 127.0.0.1."""
+    import socket
+
+    for _ in range(50):
+        socks = [socket.socket() for _ in range(n)]
+        try:
+            socks[0].bind(("127.0.0.1", 0))
+            base = socks[0].getsockname()[1]
+            for i, s in enumerate(socks[1:], 1):
+                s.bind(("127.0.0.1", base + i))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError(f"no {n} consecutive free ports")
+
+
+def _replayed_events(endpoint: str) -> list[list]:
+    """Every event a replica's KV-event replay socket still holds (serve/kv_events.py)."""
+    import msgpack
+    import zmq
+
+    from llmc.serve.kv_events import END_SEQ
+
+    dealer = zmq.Context.instance().socket(zmq.DEALER)
+    dealer.connect(endpoint)
+    try:
+        dealer.send_multipart((b"", (0).to_bytes(8, "big")))
+        events = []
+        while True:
+            assert dealer.poll(5000), endpoint
+            _, seq, payload = dealer.recv_multipart()
+            if seq == END_SEQ:
+                return events
+            events += msgpack.unpackb(payload)[1]
+    finally:
+        dealer.close(0)
+
+
 def test_two_replicas_answer_as_engine_generate_and_survive_a_killed_replica(ray_local, default_engine, offline):
-    with replicas(default_engine, "prefix") as server:
+    events_port = _free_ports(4)
+    with replicas(default_engine, "prefix", kv_events=("127.0.0.1", events_port)) as server:
         client = _client(server)
         # Greedy answers through both replicas (the prompts spread over them) equal the engine's own.
         want = [o.token_ids for o in offline.generate(PROMPTS, SamplingParams(max_tokens=12))]
@@ -99,6 +143,19 @@ def test_two_replicas_answer_as_engine_generate_and_survive_a_killed_replica(ray
                                               max_tokens=4, temperature=0)
         assert chat.choices[0].finish_reason in ("length", "stop")
         assert httpx.get(server.url + "/ready").status_code == 200
+        # Each replica publishes its own KV events (replica r: PORT + 2r, replay PORT + 2r + 1); both stored blocks.
+        for i in range(4):  # new prefixes of 3+ blocks: the prefix router spreads them over the replicas' caches
+            client.completions.create(model=MODEL, prompt=f"{i} " + "for x in range(10): print(x) " * 6, max_tokens=1)
+        stored = [sum(e[0] == "BlockStored" for e in _replayed_events(f"tcp://127.0.0.1:{events_port + 2 * r + 1}"))
+                  for r in range(2)]
+        assert min(stored) > 0, stored
+        # The metric names llm-d's endpoint picker reads, beside llmc's, summed over the replicas.
+        time.sleep(0.5)  # a routing-stats report after the requests
+        metrics = httpx.get(server.url + "/metrics").text
+        for name in ("vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc",
+                     "vllm:cache_config_info", "llmc:generation_tokens_total"):
+            assert name in metrics, name
+        assert 'num_gpu_blocks="128"' in metrics  # 2 replicas x 64 blocks
 
         # One replica killed while both stream: its own requests end with an OpenAI error, the others finish.
         reports = _reports(server.app_name)
