@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_ir as ir
 
-from llmc.compiler import alibi_attention
+from llmc.compiler import alibi_attention, llama4_text
 from llmc.compiler.binding import account, bind
 from llmc.compiler.checkpoint import Checkpoint, TensorEntry, changed_during_build, read_tensor
 from llmc.errors import LlmcError, UnsupportedError
@@ -123,6 +123,7 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
         float(softcap),
         sinks,
         float(kwargs.get("alibi_max_bias") or 0.0),  # ALiBi: from llmc's forwards of inline-ALiBi attention only
+        int(kwargs.get("attention_chunk") or 0),  # chunked local attention: from llmc's llama4 attention forward
     )
     return out.reshape(1, tokens, num_heads, head_size)[..., :value_size], None
 
@@ -240,6 +241,7 @@ def _build_module(checkpoint: Checkpoint, compute_dtype: str):
         )
     hf.eval()
     alibi_attention.install(hf)  # bloom, mpt: attention computed inline, with ALiBi
+    llama4_text.install(hf)  # llama4: chunked local attention, NoPE temperature tuning, complex rotary
     rope = _select_longrope(hf, config)
 
     class PackedCausalLM(torch.nn.Module):

@@ -62,6 +62,7 @@ for _name, _fn in {"Add": torch.add, "Sub": torch.sub, "Mul": torch.mul, "Div": 
 for _name, _fn in {"Neg": torch.neg, "Tanh": torch.tanh, "Sigmoid": torch.sigmoid, "Cos": torch.cos,
                    "Sin": torch.sin, "Sqrt": torch.sqrt, "Exp": torch.exp, "Relu": torch.relu, "Erf": torch.erf,
                    "Reciprocal": torch.reciprocal, "Abs": torch.abs, "Not": torch.logical_not,
+                   "Floor": torch.floor, "Log": torch.log,  # llama4's NoPE temperature tuning
                    "Identity": lambda x: x}.items():
     OPS[_name] = (lambda f: lambda x, **_: (f(x),))(_fn)
 
@@ -172,6 +173,11 @@ def transpose(x, *, perm=None, **_):
 @op("Expand")
 def expand(x, shape, **_):
     return (x.expand(torch.broadcast_shapes(tuple(x.shape), tuple(int(s) for s in shape))),)
+
+
+@op("Tile")
+def tile(x, repeats, **_):  # llama4's MoE repeats its tokens once per expert
+    return (x.repeat(*(int(r) for r in repeats)),)
 
 
 @op("Concat")

@@ -18,9 +18,10 @@ TRIED_FAMILIES = {
                      layer_types=["sliding_attention", "full_attention"]),
                 "attention sinks, sliding + full layers, clamped SwiGLU experts with biases, router bias, YaRN",
                 "builds"),
+    # floor_scale 8: the NoPE layer's temperature tuning changes queries from position 7 on (8192 would not here).
     "llama4_text": (dict(BASE, intermediate_size_mlp=128, num_local_experts=4, num_experts_per_tok=1, head_dim=16,
-                         attention_chunk_size=16, no_rope_layers=[1, 0], interleave_moe_layer_step=2),
-                    "chunked local attention, layers without rotary, complex rotary", "chunked local attention"),
+                         attention_chunk_size=16, no_rope_layers=[1, 0], interleave_moe_layer_step=2, floor_scale=8),
+                    "chunked local attention, layers without rotary (temperature-tuned), complex rotary", "builds"),
     "falcon": (dict(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, parallel_attn=True),
                "parallel attention + MLP, attention without keyword pass-through", "builds"),
     "mamba": (dict(vocab_size=512, hidden_size=64, num_hidden_layers=2, state_size=8), "state-space layers",

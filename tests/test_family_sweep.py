@@ -24,7 +24,6 @@ BUILT = {
     "cpmant": ("refused", "fixed input_ids"),  # was an internal error at the first step of another size
 }
 QUICK = {
-    "llama4_text": ("refused", "chunked local attention"),
     "mamba": ("refused", "recurrent state"),
     "qwen3_next": ("refused", "recurrent state"),  # a hybrid, recognised by its fields
     "hrm_text": ("refused", "splits into several weights"),  # was exit 2 on a valid checkpoint
