@@ -84,6 +84,9 @@ class ReplicaOptions:
     # the router class of a running handle), so another --routing in the same process needs another name.
     app_name: str = APP_NAME
     kv_events: tuple[str, int] | None = None  # --kv-events HOST, PORT: replica r publishes at PORT + 2r
+    upscale_delay_s: float = 2.0  # --autoscale: how long the load must stay above target before a replica is added
+    downscale_delay_s: float = 10.0  # ... and below it before one is drained and removed
+    look_back_period_s: float | None = None  # the window ongoing requests are averaged over (None: Ray's default)
 
 
 @dataclass
@@ -463,8 +466,10 @@ def deploy(engine: Path, opts: ReplicaOptions, config: ServeConfig, stall_timeou
         # queues a whole batch's worth while another could run it.
         scaling = {"autoscaling_config": {
             "min_replicas": lo, "max_replicas": hi, "initial_replicas": max(lo, 1),
-            "target_ongoing_requests": max(1, max_num_seqs // 2), "upscale_delay_s": 2.0,
-            "downscale_delay_s": 10.0, "metrics_interval_s": 1.0, "look_back_period_s": 5.0}}
+            "target_ongoing_requests": max(1, max_num_seqs // 2), "upscale_delay_s": opts.upscale_delay_s,
+            "downscale_delay_s": opts.downscale_delay_s}}
+        if opts.look_back_period_s is not None:
+            scaling["autoscaling_config"]["look_back_period_s"] = opts.look_back_period_s
     dep = serve.deployment(
         LlmcReplica, name=DEPLOYMENT,
         # The engine answers 429 itself (--max-queue): Ray must not queue in front of it.

@@ -250,3 +250,64 @@ def test_plain_serve_and_the_runtime_never_import_ray(tmp_path):
                        capture_output=True, text=True, env=env)
     assert r.returncode == 2, r.stderr
     assert "pip install 'llmc[ray]'" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def _running_replicas(app_name: str) -> int:
+    from ray import serve
+
+    app = serve.status().applications.get(app_name)
+    dep = app.deployments.get(rep.DEPLOYMENT) if app is not None else None
+    if dep is None:
+        return 0
+    return sum(n for state, n in dep.replica_states.items() if str(getattr(state, "value", state)) == "RUNNING")
+
+
+# A short window so the test scales back within seconds; Ray warns that it is shorter than its metrics interval.
+@pytest.mark.filterwarnings("ignore:`look_back_period_s`:FutureWarning")
+def test_autoscaling_goes_to_two_replicas_under_load_and_back_without_a_failed_request(ray_local, default_engine,
+                                                                                        offline):
+    app_name = f"llmc-autoscale-{next(_apps)}"
+    # max_num_seqs 2: the target is 1 ongoing request per replica, so 6 concurrent streams ask for more than one.
+    opts = rep.ReplicaOptions(autoscale=(1, 2), routing="pow2", stats_period_s=0.2, health_check_period_s=1.0,
+                              upscale_delay_s=1.0, downscale_delay_s=2.0, look_back_period_s=2.0, app_name=app_name,
+                              load_kwargs=dict(num_threads=1, kv_cache_tokens=KV_TOKENS, max_num_seqs=2))
+    config = ServeConfig(model_name=MODEL, drain_timeout=30)
+    app = rep.create_replicas_app(default_engine, opts, config)
+    want = offline.generate(PROMPTS[:1], SamplingParams(max_tokens=12))[0].text
+    try:
+        with serve_app_in_thread(app, config) as server:
+            client = _client(server)
+            assert _running_replicas(app_name) == 1
+            stop = threading.Event()
+            outcomes: list[str] = []
+
+            def load() -> None:
+                while not stop.is_set():
+                    r = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=12, temperature=0)
+                    outcomes.append(r.choices[0].text)
+
+            threads = [threading.Thread(target=load) for _ in range(6)]
+            for t in threads:
+                t.start()
+            try:
+                deadline = time.monotonic() + 60
+                while _running_replicas(app_name) < 2:
+                    assert time.monotonic() < deadline, "did not scale up to 2 replicas"
+                    time.sleep(0.5)
+                time.sleep(2)  # requests on both
+            finally:
+                stop.set()
+                for t in threads:
+                    t.join(60)
+            deadline = time.monotonic() + 60
+            while _running_replicas(app_name) > 1:  # idle: one replica is drained and removed
+                assert time.monotonic() < deadline, "did not scale back down to 1 replica"
+                client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=1)  # light traffic meanwhile
+                time.sleep(0.5)
+            # Every request of the run was answered in full (an exception in a load thread leaves it short).
+            assert outcomes and set(outcomes) == {want}
+            assert all(not t.is_alive() for t in threads)
+    finally:
+        from ray import serve
+
+        serve.delete(app_name)
