@@ -311,3 +311,23 @@ def test_autoscaling_goes_to_two_replicas_under_load_and_back_without_a_failed_r
         from ray import serve
 
         serve.delete(app_name)
+
+
+def test_prefix_policy_and_prompt_hashes_are_the_block_managers():
+    from llmc.runtime.kv_cache import BlockManager
+    from llmc.serve.router import leading_match, prefix_choice, prompt_block_hashes
+
+    a, b = "replica-a", "replica-b"
+    assert prefix_choice({a: 3, b: 1}, {a: 2, b: 0}, {a: 9, b: 9}, imbalance=8) == a  # longest match wins
+    assert prefix_choice({a: 3, b: 1}, {a: 9, b: 0}, {a: 9, b: 9}, imbalance=8) is None  # overloaded: pow2
+    assert prefix_choice({a: 2, b: 2}, {a: 3, b: 1}, {a: 9, b: 9}, imbalance=8) == b  # ties: less loaded
+    assert prefix_choice({a: 0, b: 0}, {a: 0, b: 0}, {a: 40, b: 7}, imbalance=8) == b  # new prefix: smallest cache
+    # The router's hashes of a prompt are the keys the replica's block manager caches that prompt's blocks under.
+    tokens = list(range(100, 171))  # 4 full blocks of 16 and a partial one
+    bm = BlockManager(16, 16)
+    bm.add_sequence(0, tokens, len(tokens))
+    bm.append_slots(0, len(tokens))
+    bm.mark_computed(0, len(tokens))
+    hashes = prompt_block_hashes(tokens + [5], 16)
+    assert len(hashes) == 4 and set(hashes) == set(bm.cached_hashes())
+    assert leading_match(prompt_block_hashes(tokens[:40] + [1] * 40, 16), set(bm.cached_hashes())) == 2
