@@ -29,7 +29,7 @@ ext_modules = [
         depends=[f"{_PA}/paged_attention_core.h", f"{_PA}/ort_abi.h", "plugins/int4_matmul/csrc/int4_matmul_core.h",
                  "plugins/csrc/parallel_for.h", "plugins/csrc/exp_nonpos.h",
                  "plugins/recurrent/csrc/recurrent_core.h", "plugins/recurrent/csrc/ort_recurrent.h",
-                 "plugins/recurrent/csrc/ort_recurrent_exports.h"],
+                 "plugins/recurrent/csrc/ort_recurrent_exports.h", "plugins/lora/csrc/ort_lora.h"],
         language="c++",
         extra_compile_args=["-std=c++17", "-O3", "-fopenmp", "-march=x86-64-v2", "-fvisibility=hidden", "-Wno-psabi"],
         extra_link_args=["-fopenmp"],

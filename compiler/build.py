@@ -401,6 +401,10 @@ def _compile_stages(ckpt: Checkpoint, digest: str, plan: _Plan, dest: Path, say:
                                             options.block_size, traced.kv_layers),
                                     seed=int(digest.removeprefix("sha256:")[:16], 16))
         pass_stats = run_pipeline(traced.model, passes, verify=verifier, progress=lambda name: say(f"      {name}"))
+        if lora is not None and not gpu:  # the CUDA backend lowers each update on its own (LoraApply)
+            from llmc.passes.lora import fold_into_packed
+
+            fold_into_packed(traced.model)
         if verifier is not None:
             for entry in pass_stats:
                 entry["verified_rel_error"] = verifier.errors.get(entry["pass"])

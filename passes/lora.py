@@ -141,3 +141,44 @@ def add_lora(model: ir.Model, slots: int, max_rank: int, targets: tuple[str, ...
                                f"{' / '.join(sorted(TARGETS[t] for t in targets))}; LoRA slots are built for "
                                "Llama-style module names only")
     return LoraGeometry(slots, max_rank, tuple(targets), tuple(sites))
+
+
+def _is_delta(value: ir.Value | None) -> bool:
+    """Whether ``value`` is a slot update's expand GEMM (``MatMul(..., <module>.lora_B)``)."""
+    node = value.producer() if value is not None else None
+    return (node is not None and node.op_type == "MatMul" and node.inputs[1] is not None
+            and node.inputs[1].name.endswith(".lora_B") and node.inputs[1].producer() is None)
+
+
+def fold_into_packed(model: ir.Model) -> int:
+    """After pack-projections, move the slot updates of packed projections in front of their Split:
+    ``Split(P) -> o_i``, ``o_i + d_i`` becomes ``Split(P + Concat(d_i))``. The Split's outputs then feed attention
+    directly again, which the CPU backend's rotary-attention fusion needs (without it a decode step of the default
+    model took 2.5 ms more). Only where every output of the Split has an update. Returns how many Splits."""
+    graph = model.graph
+    count = 0
+    for split in [n for n in graph if n.op_type == "Split" and n.domain == ""]:
+        if split.attributes.get_int("axis", 0) != -1:
+            continue
+        adds = []
+        for out in split.outputs:
+            uses = list(out.uses())
+            if len(uses) != 1 or out.is_graph_output():
+                break
+            add = uses[0].node
+            if add.op_type != "Add" or add.inputs[0] is not out or not _is_delta(add.inputs[1]):
+                break
+            adds.append(add)
+        if len(adds) != len(split.outputs):
+            continue
+        concat = ir.node("Concat", [a.inputs[1] for a in adds], attributes={"axis": -1})
+        total = ir.node("Add", [split.inputs[0], concat.outputs[0]])
+        graph.insert_before(split, [concat, total])
+        split.replace_input_with(0, total.outputs[0])
+        for out, add in zip(split.outputs, adds, strict=True):
+            ir.convenience.replace_all_uses_with(add.outputs[0], out, replace_graph_outputs=True)
+            graph.remove(add, safe=True)
+        count += 1
+    if count:
+        graph.sort()  # the updates were computed after the Split they now feed
+    return count

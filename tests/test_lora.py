@@ -351,3 +351,39 @@ def test_cuda_engine_on_cpu(tiny_llama, lora_dir, engine):
     cuda._session = session
     session.bind_lora(cuda.lora)
     assert [o.token_ids for o in cuda.generate([PROMPTS[0]] * 3, params)] == want
+
+
+@pytest.mark.parametrize("tokens, offset, width", [(9, 0, 40), (5, 24, 100), (300, 8, 72)])
+def test_native_lora_apply_op(tokens, offset, width):
+    """llmc.LoraApply in llmc's ONNX Runtime library against numpy on fresh random inputs: each token's own slot,
+    slots 0 and -1 untouched, the update at a column offset of a wider (packed) output; 300 tokens take the
+    thread pool."""
+    import onnx_ir as ir
+
+    from llmc.plugins.paged_attention import DOMAIN
+    from llmc.testing.ort_sessions import native_session
+
+    rng = np.random.default_rng()
+    k, n, slots, rank = 48, 32, 3, 8
+    f32 = ir.TensorType(ir.DataType.FLOAT)
+    y = ir.Value(name="y", shape=ir.Shape([1, "t", width]), type=f32)
+    x = ir.Value(name="x", shape=ir.Shape([1, "t", k]), type=f32)
+    a = ir.Value(name="a", shape=ir.Shape([k, slots * rank]), type=f32)
+    b = ir.Value(name="b", shape=ir.Shape([slots * rank, n]), type=f32)
+    s = ir.Value(name="s", shape=ir.Shape(["t"]), type=ir.TensorType(ir.DataType.INT64))
+    node = ir.node("LoraApply", [y, x, a, b, s], attributes={"rank": rank, "offset": offset}, domain=DOMAIN)
+    node.outputs[0].name, node.outputs[0].type = "out", f32
+    model = ir.Model(ir.Graph([y, x, a, b, s], [node.outputs[0]], nodes=[node],
+                              opset_imports={"": 23, DOMAIN: 1}), ir_version=10)
+    feeds = {"y": rng.standard_normal((1, tokens, width), np.float32),
+             "x": rng.standard_normal((1, tokens, k), np.float32),
+             "a": rng.standard_normal((k, slots * rank), np.float32),
+             "b": rng.standard_normal((slots * rank, n), np.float32),
+             "s": rng.integers(-1, slots + 1, tokens).astype(np.int64)}
+    (got,) = native_session(ir.serde.serialize_model(model).SerializeToString()).run(None, feeds)
+    want = feeds["y"][0].copy()
+    for t, slot in enumerate(feeds["s"]):
+        if slot >= 1:
+            cols = slice((slot - 1) * rank, slot * rank)
+            want[t, offset: offset + n] += (feeds["x"][0, t] @ feeds["a"][:, cols]) @ feeds["b"][cols]
+    np.testing.assert_allclose(got[0], want, rtol=1e-4, atol=1e-4)

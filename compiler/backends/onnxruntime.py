@@ -22,6 +22,7 @@ from pathlib import Path
 import onnx_ir as ir
 
 from llmc.compiler.backends.ort_int4_swiglu import fuse_int4_swiglu
+from llmc.compiler.backends.ort_lora import lower_lora
 from llmc.compiler.backends.ort_rotary_attention import fuse_rotary_attention
 from llmc.errors import LlmcError
 from llmc.passes.base import replace_value
@@ -166,13 +167,16 @@ def lower(model: ir.Model, attention: str = "native", fusions: frozenset[str] | 
         else:
             raise NotImplementedError(f"the ONNX Runtime backend cannot lower llmc.{node.op_type}")
         count += 1
+    # LoRA slot updates (llmc.passes.lora): one llmc.LoraApply each on the native route (ort_lora); the Python-op
+    # route keeps their standard-op form.
+    lora = lower_lora(model) if attention == "native" else 0
     if attention == "pyop":
         model.opset_imports.pop(DOMAIN, None)
         model.opset_imports[ORT_CONTRIB_DOMAIN] = 1
     elif any(node.domain == DOMAIN for node in graph):
         model.opset_imports[DOMAIN] = OPSET_VERSION
     model.opset_imports[MS_DOMAIN] = 1
-    return {"lowered": count, **stats}
+    return {"lowered": count, **stats, **({"lora": lora} if lora else {})}
 
 
 def emit(model: ir.Model, out_dir: Path, attention: str = "native",

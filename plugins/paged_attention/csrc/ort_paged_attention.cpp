@@ -513,6 +513,8 @@ const OrtCustomOpV13 g_int4_op = make_op(int4_name, int4_input_type, int4_input_
 
 // llmc::CausalConv1d and the bound state pool of recurrent layers (plugins/recurrent/csrc).
 #include "../../recurrent/csrc/ort_recurrent.h"
+// llmc::LoraApply: LoRA slot updates chosen per token (plugins/lora/csrc).
+#include "../../lora/csrc/ort_lora.h"
 
 std::mutex g_domain_mutex;
 OrtCustomOpDomain* g_domain = nullptr;  // one domain object for every session; lives as long as the process
@@ -541,6 +543,8 @@ LLMC_EXPORT OrtStatus* RegisterCustomOps(OrtSessionOptions* options, const OrtAp
                 check(api_fn<OrtStatus* (*)(OrtCustomOpDomain*, const void*)>(kCustomOpDomain_Add)(domain, op),
                       "CustomOpDomain_Add");
             }
+            check(api_fn<OrtStatus* (*)(OrtCustomOpDomain*, const void*)>(kCustomOpDomain_Add)(domain, &g_lora_op),
+                  "CustomOpDomain_Add");
             g_domain = domain;
         }
         check(api_fn<OrtStatus* (*)(OrtSessionOptions*, OrtCustomOpDomain*)>(kAddCustomOpDomain)(options, g_domain),
