@@ -11,9 +11,15 @@ p99 time per output token met the SLO (use enough requests that an overloaded se
 
 Servers:
     python benchmarks/bench_serve.py --engine engines/m --threads 2      # starts `llmc serve` itself
+    python benchmarks/bench_serve.py --engine engines/m --threads 1 --replicas 2 --routing prefix
+        # two engines on Ray Serve (llmc serve --replicas; pip install 'llmc[ray]') behind one front
     python benchmarks/bench_serve.py --url http://127.0.0.1:8080 --model m --label llamacpp
         # any OpenAI-compatible server that accepts token-id prompts and ignore_eos, e.g. llama.cpp's:
         # llama-server -m model-q4_0.gguf --port 8080 -t 2 -np 32 -c 32768 --cont-batching
+With ``--docs N --questions Q`` the prompts are N documents of ``--prompt-len`` tokens, each asked Q
+questions (a short distinct suffix), interleaved one question per document in turn: the workload a
+prefix-cache-aware router is for. Each rate reports the prefix-cache hit rate (usage's cached_tokens over
+prompt tokens).
 Prompts are token ids of CPython's pydoc text (``pydoc_data.topics``) in the engine's tokenizer
 (``--tokenizer``, default ENGINE/tokenizer.json), so two servers of one checkpoint get identical prompts.
 
@@ -50,6 +56,7 @@ class Result:
     tokens: int = 0
     gaps: list[float] = field(default_factory=list)
     error: str | None = None
+    cached: int = 0  # prompt tokens the server's prefix cache served (usage.prompt_tokens_details)
 
     @property
     def ttft(self) -> float:
@@ -77,6 +84,17 @@ def workload(args, rng: np.random.Generator) -> list[tuple[list[int], int]]:
     lo, hi = args.prompt_len
     olo, ohi = args.output_len
     out = []
+    if args.docs:
+        docs = []
+        for _ in range(args.docs):
+            n = int(rng.integers(lo, hi + 1))
+            start = int(rng.integers(0, len(pool) - n))
+            docs.append(pool[start:start + n])
+        for _ in range(args.questions):
+            for d in docs:
+                at = int(rng.integers(0, len(pool) - 8))
+                out.append((d + pool[at:at + 8], int(rng.integers(olo, ohi + 1))))  # a question of its own
+        return out[: args.num_requests]
     for _ in range(args.num_requests):
         n = int(rng.integers(lo, hi + 1))
         start = int(rng.integers(0, len(pool) - n))
@@ -115,6 +133,8 @@ async def one(client: httpx.AsyncClient, url: str, model: str, prompt: list[int]
         r.end = time.perf_counter()
         if usage and usage.get("completion_tokens"):
             r.tokens = int(usage["completion_tokens"])
+        if usage and usage.get("prompt_tokens_details"):
+            r.cached = int(usage["prompt_tokens_details"].get("cached_tokens") or 0)
     except httpx.HTTPError as exc:
         r.error = f"{type(exc).__name__}: {exc}"
 
@@ -159,6 +179,7 @@ def summarise(rate: float, results: list[Result], args) -> dict:
         "tpot_p50": pct([r.tpot for r in ok], 50), "tpot_p99": pct([r.tpot for r in ok], 99),
         "e2e_p50": pct([r.end - r.sent for r in ok], 50), "e2e_p99": pct([r.end - r.sent for r in ok], 99),
         "short_outputs": sum(r.tokens != r.max_tokens for r in ok),
+        "prefix_hit_rate": sum(r.cached for r in ok) / max(1, sum(r.prompt_len for r in ok)),
     }
     # Kept up: nothing failed and the p99s met the SLO. TTFT alone is not enough: a server that admits every
     # request at once (llmc, up to --max-num-seqs) keeps TTFT low when overloaded and slows every decode
@@ -174,8 +195,14 @@ def start_llmc(args) -> tuple[subprocess.Popen, str, str]:
            "--max-queue", str(max(4096, args.num_requests)), "--kv-cache-tokens", str(args.kv_cache_tokens)]
     if args.threads:
         cmd += ["--threads", str(args.threads)]
+    if args.replicas > 1:
+        cmd += ["--replicas", str(args.replicas), "--routing", args.routing]
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
     line = proc.stderr.readline()
+    # Keep reading the server's stderr (Ray logs a lot under --replicas): a full pipe would stop the server.
+    import threading
+
+    threading.Thread(target=lambda: [None for _ in proc.stderr], daemon=True).start()
     m = re.search(r"'(.+)' on (http://[\d.]+:\d+)/v1", line)
     if not m:
         proc.kill()
@@ -199,14 +226,15 @@ def table(rows: list[dict]) -> str:
         return "-" if x is None else f"{x:.{nd}f}"
 
     head = ("| rate | done | req/s | out tok/s | goodput | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 | TPOT p99 "
-            "| E2E p50 | E2E p99 | sustained |\n|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|:-:|")
+            "| E2E p50 | E2E p99 | prefix hits | sustained |\n"
+            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|:-:|")
     lines = [head]
     for r in rows:
         lines.append(f"| {r['rate']:g} | {r['completed']}/{r['requests']} | {f(r['req_per_s'])} | "
                      f"{f(r['output_tok_per_s'], 1)} | {f(r['goodput_req_per_s'])} | {f(r['ttft_p50'], 3)} | "
                      f"{f(r['ttft_p99'], 3)} | {f(r['itl_p50'], 4)} | {f(r['itl_p99'], 4)} | {f(r['tpot_p99'], 4)} | "
                      f"{f(r['e2e_p50'])} | "
-                     f"{f(r['e2e_p99'])} | {'yes' if r['sustained'] else 'no'} |")
+                     f"{f(r['e2e_p99'])} | {f(r.get('prefix_hit_rate'))} | {'yes' if r['sustained'] else 'no'} |")
     return "\n".join(lines)
 
 
@@ -228,6 +256,11 @@ def main() -> None:
     p.add_argument("--tokenizer", type=Path, default=None, help="tokenizer.json for the prompts")
     p.add_argument("--vocab-size", type=int, default=512, help="random prompt ids below this without a tokenizer")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--replicas", type=int, default=1, help="llmc serve --replicas (Ray Serve)")
+    p.add_argument("--routing", default="prefix", choices=["prefix", "round_robin", "pow2"],
+                   help="llmc serve --routing, with --replicas")
+    p.add_argument("--docs", type=int, default=0, help="shared-prefix workload: this many documents ...")
+    p.add_argument("--questions", type=int, default=8, help="... each asked this many questions, interleaved")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
     if (args.engine is None) == (args.url is None):
@@ -256,7 +289,10 @@ def main() -> None:
         if proc is not None:
             proc.terminate()
             proc.wait(60)
-    title = (f"{label} ({model}, engine {args.engine}) at {url}: {args.num_requests} requests per rate, prompts "
+    setup = f", {args.replicas} replicas ({args.routing} routing)" if args.replicas > 1 else ""
+    if args.docs:
+        setup += f", {args.docs} documents x {args.questions} questions interleaved"
+    title = (f"{label} ({model}, engine {args.engine}{setup}) at {url}: {args.num_requests} requests per rate, prompts "
              f"{args.prompt_len[0]}-{args.prompt_len[1]} tokens, outputs {args.output_len[0]}-{args.output_len[1]}, "
              f"SLO TTFT <= {args.slo_ttft} s and TPOT <= {args.slo_tpot} s; {os.cpu_count()} cores, load average "
              f"{os.getloadavg()[0]:.1f} at the end")
