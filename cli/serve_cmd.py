@@ -146,6 +146,9 @@ def serve(engine: Path, host: str, port: int, served_model_name: str | None, api
     from llmc.serve.kv_events import parse_endpoint
 
     events_at = parse_endpoint(kv_events) if kv_events is not None else None
+    if ray_address is not None and replicas == 1 and scale is None:
+        raise LlmcError(f"--ray-address {ray_address}: only with --replicas N (N > 1) or --autoscale MIN:MAX; one "
+                        "server without them runs here, without Ray")
     if replicas > 1 or scale is not None:
         _serve_replicas(engine, host, port, log_level, replicas, routing, scale, ray_address, threads, events_at, dict(
             kv_cache_tokens=kv_cache_tokens, max_num_seqs=max_num_seqs, max_num_tokens=max_num_tokens,

@@ -331,3 +331,19 @@ def test_prefix_policy_and_prompt_hashes_are_the_block_managers():
     hashes = prompt_block_hashes(tokens + [5], 16)
     assert len(hashes) == 4 and set(hashes) == set(bm.cached_hashes())
     assert leading_match(prompt_block_hashes(tokens[:40] + [1] * 40, 16), set(bm.cached_hashes())) == 2
+
+
+@pytest.mark.parametrize(("flags", "needle"), [
+    (["--ray-address", "auto"], "--ray-address auto: only with --replicas"),
+    (["--autoscale", "3:1"], "--autoscale 3:1: give MIN:MAX"),
+    (["--replicas", "0"], "--replicas 0: must be at least 1"),
+    (["--kv-events", "localhost:5557"], "--kv-events localhost:5557: give tcp://HOST:PORT"),
+    (["--replicas", "2"], "no such engine directory"),  # a missing engine: one line before Ray starts
+])
+def test_replica_flags_are_checked_in_one_line(tmp_path, flags, needle):
+    from click.testing import CliRunner
+
+    from llmc.cli.main import cli
+
+    r = CliRunner().invoke(cli, ["serve", str(tmp_path / "nowhere"), *flags])
+    assert r.exit_code == 2 and needle in r.output and "Traceback" not in r.output, r.output
