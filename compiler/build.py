@@ -155,6 +155,34 @@ def _check_hybrid(ckpt: Checkpoint, plan: _Plan) -> None:
                                "native attention route")
 
 
+def _carry_int4(ckpt: Checkpoint, plan: _Plan) -> None:
+    """A checkpoint that arrives in INT4 (compiler/prequantized_int4.py: AutoAWQ GEMM) keeps its weights: the build's
+    recipe becomes INT4 with the checkpoint's group size and zero points, the embeddings and LM head stay as stored,
+    and the INT4 stage takes the checkpoint's codes instead of quantizing (never dequantize and re-quantize).
+    A request that would re-quantize them, or a target without this path yet, is refused before any work (exit 3)."""
+    import dataclasses
+
+    from llmc.compiler import prequantized_int4
+
+    if not prequantized_int4.carried(ckpt.tensors):
+        return
+    options, target = plan.options, plan.target
+    q = options.quant
+    group = ckpt.source_quantization["group_size"]
+    head = f"{ckpt.path}: the checkpoint is already INT4 (AWQ GEMM, group {group}, with zero points)"
+    if q.quant not in ("none", "int4", "int4-awq"):
+        raise UnsupportedError(f"{head}; --quant {q.quant} would dequantize and re-quantize it; build with "
+                               "--quant int4 (or leave --quant out) to keep its weights, or build from the unquantized "
+                               "original")
+    if q.symmetric:
+        raise UnsupportedError(f"{head}; --symmetric would drop its zero points; leave --symmetric out")
+    if target.sm is not None:
+        raise UnsupportedError(f"{head}; {target.flag}: llmc carries pre-quantized INT4 weights into CPU engines only "
+                               "so far; build with --target cpu")
+    recipe = dataclasses.replace(q, quant="int4", group_size=group, symmetric=False, embeddings="none", lm_head="none")
+    plan.options = dataclasses.replace(options, quant=recipe)
+
+
 def _validate(options: BuildOptions) -> None:
     if options.block_size < 1 or options.block_size > 1024 or options.block_size & (options.block_size - 1):
         raise LlmcError(f"--block-size {options.block_size}: must be a power of two from 1 to 1024 (default 16)")
@@ -350,6 +378,11 @@ def _compile_stages(ckpt: Checkpoint, digest: str, plan: _Plan, dest: Path, say:
         # GPU engines take INT4 as block-wise DequantizeLinear (TensorRT's INT4 GEMM form), not MatMulNBits.
         qstage = QuantStage(ckpt, options.quant, say, form="qdq" if gpu else "cpu", params=param_reader(ckpt),
                             memory=peaks)
+        from llmc.compiler import prequantized_int4
+
+        carried = prequantized_int4.carried(ckpt.tensors)
+        if carried:  # the checkpoint's own INT4 weights (_carry_int4 set the recipe): the stage quantizes nothing
+            qstage.calibration = prequantized_int4.int4_weights(carried)
         for warning in quant_recipe.check_target(options.quant, target.name, TARGETS):
             say(f"      warning: {warning}")
     # The quantize pass runs after the fusions, before the final dead-code elimination.
@@ -718,6 +751,7 @@ def build(checkpoint_dir: str | Path, out_dir: str | Path, options: BuildOptions
     ckpt = load_checkpoint(checkpoint_dir)
     _plan_memory(ckpt, plan)
     _check_hybrid(ckpt, plan)
+    _carry_int4(ckpt, plan)
     digest = ckpt.digest()
     timings["load"] = time.perf_counter() - t0
 
@@ -803,6 +837,7 @@ def build_cached(checkpoint_dir: str | Path, out_dir: str | Path, options: Build
     ckpt = load_checkpoint(checkpoint_dir)
     _plan_memory(ckpt, plan)
     _check_hybrid(ckpt, plan)
+    _carry_int4(ckpt, plan)
     digest = ckpt.digest()
     timings["load"] = time.perf_counter() - t0
 

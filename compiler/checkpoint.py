@@ -81,6 +81,9 @@ class TensorEntry:
     nbytes: int
     # A pre-quantized FP8 weight (compiler/prequantized.py): stored E4M3, read as float32 codes x scales.
     fp8_scale: object | None = None
+    # A weight computed from other tensors of the checkpoint (compiler/prequantized_int4.py: an INT4 layer's exact
+    # dequantization), read as ``derived.read()``.
+    derived: object | None = None
 
 
 @dataclass
@@ -286,6 +289,8 @@ def changed_during_build(path: Path, exc: Exception) -> LlmcError:
 
 def read_tensor(entry: TensorEntry) -> np.ndarray:
     """Read one tensor from disk (memory-mapped); bfloat16 is returned as float32."""
+    if entry.derived is not None:
+        return entry.derived.read()
     try:
         mm = np.memmap(entry.file, dtype=np.uint8, mode="r", offset=entry.offset, shape=(entry.nbytes,))
     except (OSError, ValueError) as exc:  # ValueError: the file is now shorter than its header said
