@@ -438,6 +438,8 @@ def _compile_stages(ckpt: Checkpoint, digest: str, plan: _Plan, dest: Path, say:
             from llmc.passes.lora import fold_into_packed
 
             fold_into_packed(traced.model)
+            if verifier is not None:
+                verifier("fold-lora-updates", traced.model)
         if verifier is not None:
             for entry in pass_stats:
                 entry["verified_rel_error"] = verifier.errors.get(entry["pass"])

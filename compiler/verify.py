@@ -94,6 +94,14 @@ class PassVerifier:
                  inexact: tuple[str, ...] = INEXACT_PASSES):
         self.rng = np.random.default_rng(seed)
         self.feeds, self.pool = random_step(self.rng, vocab, kv)
+        # A LoRA engine's inputs (llmc.passes.lora): random adapters in every slot, tokens of every slot and none.
+        tokens = len(self.feeds["input_ids"])
+        for v in model.graph.inputs:
+            if v.name == "lora_slots":
+                self.feeds[v.name] = self.rng.integers(-1, 4, tokens).astype(np.int64)
+            elif v.name.endswith((".lora_A", ".lora_B")):
+                shape = [int(d) for d in v.shape]
+                self.feeds[v.name] = (0.1 * self.rng.standard_normal(shape)).astype(np.float32)
         self.rtol = rtol
         self.reference = run_graph(model, self.feeds, self.pool)
         self.previous = self.reference

@@ -39,7 +39,8 @@ def lora_dir(tmp_path_factory, tiny_llama) -> Path:
     root = tmp_path_factory.mktemp("lora")
     for name, kwargs in ADAPTERS.items():
         write_peft_adapter(tiny_llama, root / name, **kwargs)
-    build(tiny_llama, root / "engine", BuildOptions(lora_slots=SLOTS, max_lora_rank=RANK))
+    # Every pass checked differentially, the slot inputs random (compiler/verify.py), as the suite's engines are.
+    build(tiny_llama, root / "engine", BuildOptions(lora_slots=SLOTS, max_lora_rank=RANK, verify_passes=True))
     return root
 
 

@@ -38,29 +38,43 @@ struct LoraProblem {
     int64_t K, W, N, R, S, offset, width;
 };
 
-void lora_row(const LoraProblem& p, int64_t t) {
-    float* o = p.out + t * p.width;
-    const float* yr = p.y + t * p.width;
+void lora_copy_row(const LoraProblem& p, int64_t t) {
+    float* __restrict o = p.out + t * p.width;
+    const float* __restrict yr = p.y + t * p.width;
     if (o != yr) {
         for (int64_t i = 0; i < p.width; ++i) o[i] = yr[i];
     }
+}
+
+// The tokens `rows[0..m)` of slot s together: each row of the slot's A and B is read once for all of them
+// (a decode step's update is bound by reading A and B, not by the multiply-adds). u: m * R floats.
+void lora_group(const LoraProblem& p, int64_t s, const int64_t* rows, int64_t m, float* __restrict u) {
+    const int64_t R = p.R, c0 = (s - 1) * R;
+    for (int64_t i = 0; i < m * R; ++i) u[i] = 0.0f;
+    for (int64_t k = 0; k < p.K; ++k) {
+        const float* __restrict ar = p.a + k * p.W + c0;
+        for (int64_t i = 0; i < m; ++i) {
+            const float xv = p.x[rows[i] * p.K + k];
+            float* __restrict ui = u + i * R;
+            for (int64_t r = 0; r < R; ++r) ui[r] += xv * ar[r];
+        }
+    }
+    for (int64_t r = 0; r < R; ++r) {
+        const float* __restrict br = p.b + (c0 + r) * p.N;
+        for (int64_t i = 0; i < m; ++i) {
+            const float uv = u[i * R + r];
+            float* __restrict od = p.out + rows[i] * p.width + p.offset;
+            for (int64_t n = 0; n < p.N; ++n) od[n] += uv * br[n];
+        }
+    }
+}
+
+void lora_row(const LoraProblem& p, int64_t t) {
+    lora_copy_row(p, t);
     const int64_t s = p.slots[t];
     if (s < 1 || s > p.S) return;
-    const int64_t c0 = (s - 1) * p.R;
     float u[256];  // R <= 256 (llmc.passes.lora.MAX_RANK)
-    for (int64_t r = 0; r < p.R; ++r) u[r] = 0.0f;
-    const float* xr = p.x + t * p.K;
-    for (int64_t k = 0; k < p.K; ++k) {
-        const float xv = xr[k];
-        const float* ar = p.a + k * p.W + c0;
-        for (int64_t r = 0; r < p.R; ++r) u[r] += xv * ar[r];
-    }
-    float* od = o + p.offset;
-    for (int64_t r = 0; r < p.R; ++r) {
-        const float uv = u[r];
-        const float* br = p.b + (c0 + r) * p.N;
-        for (int64_t n = 0; n < p.N; ++n) od[n] += uv * br[n];
-    }
+    lora_group(p, s, &t, 1, u);
 }
 
 void compute_lora(void* kernel, OrtKernelContext* ctx) {
@@ -92,7 +106,19 @@ void compute_lora(void* kernel, OrtKernelContext* ctx) {
                   K, W, N, k.rank, W / k.rank, k.offset, y.dims.back()};
     // A decode step's few rows are cheaper on one thread than the pool's hand-off; long prefills spread.
     if (T * k.rank * (K + N) < (int64_t{1} << 20)) {
-        for (int64_t t = 0; t < T; ++t) lora_row(p, t);
+        // Few rows (decode): tokens grouped by slot, on this thread.
+        std::vector<int64_t> rows;
+        std::vector<float> u;
+        for (int64_t t = 0; t < T; ++t) lora_copy_row(p, t);
+        for (int64_t s = 1; s <= p.S; ++s) {
+            rows.clear();
+            for (int64_t t = 0; t < T; ++t) {
+                if (p.slots[t] == s) rows.push_back(t);
+            }
+            if (rows.empty()) continue;
+            u.resize(rows.size() * static_cast<size_t>(k.rank));
+            lora_group(p, s, rows.data(), static_cast<int64_t>(rows.size()), u.data());
+        }
         return;
     }
     with_threads(ctx, [&](int threads, const llmc::ParallelFor* pf) {
