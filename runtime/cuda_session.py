@@ -134,6 +134,7 @@ class CudaSession:
         slot an adapter is written into (not every step)."""
         self.lora_buffers = {name: torch.from_numpy(buf).to(self.device, self.dtype)
                              for name, buf in lora.buffers.items()}
+        self._graphs.clear()  # graphs captured before hold no slot inputs
 
         def written(cols_or_rows: dict) -> None:
             for name, index in cols_or_rows.items():
@@ -311,7 +312,7 @@ class CudaSession:
         n = len(feeds["logits_indices"])
         bucket = next((b for b in self.graph_batches if b >= s), None) if self.cuda_graphs else None
         if (bucket is not None and t == s == n and feeds["block_tables"].shape[1] <= self._max_blocks
-                and set(feeds) == set(_META)):
+                and set(feeds) == set(_META) | ({"lora_slots"} if self.lora_buffers else set())):
             logits = self._replay(bucket, feeds)[:n]
             self.graph_replays += 1
         else:
@@ -328,7 +329,9 @@ class CudaSession:
         return {"input_ids": torch.zeros(b, **z), "positions": torch.zeros(b, **z),
                 "slot_mapping": torch.full((b,), -1, **z), "block_tables": torch.zeros(b, self._max_blocks, **z),
                 "context_lens": torch.ones(b, **z), "query_start_loc": torch.arange(b + 1, **z),
-                "logits_indices": torch.arange(b, **z)}
+                "logits_indices": torch.arange(b, **z),
+                # A LoRA engine: the tokens' slots, and the slot buffers (written in place: the graph keeps them).
+                **({"lora_slots": torch.zeros(b, **z), **self.lora_buffers} if self.lora_buffers else {})}
 
     def _capture(self, b: int):
         static = self._static_feeds(b)  # padding everywhere: slot -1 writes nothing while warming up
@@ -358,11 +361,15 @@ class CudaSession:
         host[2, :s] = feeds["slot_mapping"]
         host[3, :] = 1
         host[3, :s] = feeds["context_lens"]
+        if "lora_slots" in static:
+            host[4, :s] = feeds["lora_slots"]  # padding rows: slot 0, no adapter
         packed = torch.from_numpy(host).to(self.device, non_blocking=True)
         static["input_ids"].copy_(packed[0])
         static["positions"].copy_(packed[1])
         static["slot_mapping"].copy_(packed[2])
         static["context_lens"].copy_(packed[3])
+        if "lora_slots" in static:
+            static["lora_slots"].copy_(packed[4])
         bt = feeds["block_tables"]
         static["block_tables"][:s, : bt.shape[1]].copy_(torch.from_numpy(np.ascontiguousarray(bt)))
         graph.replay()
