@@ -29,11 +29,12 @@ SUPPORTED_MODEL_TYPES = (
 # KV design has pages of keys and values only, so they are refused before any work.
 RECURRENT_MODEL_TYPES = (
     "mamba", "mamba2", "falcon_mamba", "jamba", "zamba", "zamba2", "bamba", "rwkv", "recurrent_gemma",
-    "granitemoehybrid", "falcon_h1", "nemotron_h", "qwen3_next", "minimax", "xlstm",
+    "granitemoehybrid", "falcon_h1", "nemotron_h", "minimax", "xlstm",
 )
 # Hybrid architectures whose recurrent layers llmc lowers (llmc.plugins.recurrent; the runtime's state pool,
 # llmc.runtime.state_cache), CPU engine only: model_type -> what those layers are (tests/test_hybrid_*.py).
-HYBRID_MODEL_TYPES = {"lfm2": "short-convolution layers"}
+HYBRID_MODEL_TYPES = {"lfm2": "short-convolution layers", "qwen3_next": "Gated DeltaNet layers",
+                      "qwen3_5_text": "Gated DeltaNet layers"}
 # The recurrent mechanism llmc still lacks, per refused family (named in the refusal); a family recognised by its
 # fields only is named by _RECURRENT_BY_FIELD.
 _SSM = "Mamba/Mamba2 selective state-space layers (SSD scan with a per-sequence SSM state, and their causal conv1d)"
@@ -218,16 +219,17 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
                         f"the architecture (supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
     check_field_types(config, cfg_path)
     recurrent = [f for f in _RECURRENT_FIELDS if f in config]
-    if model_type in RECURRENT_MODEL_TYPES or (model_type not in SUPPORTED_MODEL_TYPES and recurrent):
+    if model_type in RECURRENT_MODEL_TYPES or (model_type not in SUPPORTED_MODEL_TYPES and recurrent
+                                               and model_type not in HYBRID_MODEL_TYPES):
         why = f"field {recurrent[0]!r}" if recurrent else "its model type"
         mechanism = RECURRENT_MECHANISMS.get(model_type) or next(
             (_RECURRENT_BY_FIELD[f] for f in recurrent if f in _RECURRENT_BY_FIELD),
             "state-space, linear-attention or convolution layers")
         raise UnsupportedError(
             f"{cfg_path}: model_type {model_type!r} keeps recurrent state between tokens ({why}: {mechanism}); "
-            f"llmc's state pool runs {', '.join(HYBRID_MODEL_TYPES.values())} ({', '.join(HYBRID_MODEL_TYPES)}) but "
-            f"does not lower these yet, so it cannot build this model. Supported model types: "
-            f"{', '.join(SUPPORTED_MODEL_TYPES)}"
+            f"llmc's state pool runs {', '.join(sorted(set(HYBRID_MODEL_TYPES.values())))} "
+            f"({', '.join(HYBRID_MODEL_TYPES)}) but does not lower these yet, so it cannot build this model. "
+            f"Supported model types: {', '.join(SUPPORTED_MODEL_TYPES)}"
         )
     if model_type not in SUPPORTED_MODEL_TYPES:
         from llmc.compiler.mechanisms import refuse_unlowered

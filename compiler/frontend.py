@@ -169,8 +169,38 @@ def _causal_conv1d_forward(conv1d, hidden_states, cache=None, layer_idx=0, activ
     return out.transpose(0, 1)[None].to(hidden_states.dtype)
 
 
+def _gated_delta_rule(query, key, value, g, beta, chunk_size=64, initial_state=None, output_final_state=False,
+                      use_qk_l2norm_in_kernel=False, **kwargs):
+    """transformers' ``torch_chunk_gated_delta_rule`` / ``torch_recurrent_gated_delta_rule`` (Gated DeltaNet:
+    Qwen3-Next, Qwen3.5) as llmc's ``GatedDeltaRule`` op on packed tokens: query/key ``[1, T, Hk, Dk]``, value
+    ``[1, T, Hv, Dv]``, g/beta ``[1, T, Hv]`` in, ``([1, T, Hv, Dv], None)`` out;
+    each sequence's state lives in its slot."""
+    import torch
+
+    from llmc.plugins.recurrent import torch_op  # noqa: F401  (registers torch.ops.llmc.gated_delta_rule)
+
+    if initial_state is not None:
+        raise UnsupportedError("llmc's gated delta rule takes its state from the runtime's state pool; a model that "
+                               "passes an initial state while tracing is not lowered")
+    num_k_heads, head_k = (int(d) for d in key.shape[-2:])  # (the token count stays symbolic)
+    num_v_heads, head_v = (int(d) for d in value.shape[-2:])
+    index = len(STATE_LAYERS)
+    layer = _CURRENT_LAYER.get("idx", -1)
+    STATE_LAYERS.append({"layer": layer, "kind": "gated_delta", "shape": [num_v_heads, head_k, head_v]})
+    flat = [t[0].flatten(1) for t in (query, key, value)]
+    out = torch.ops.llmc.gated_delta_rule(*flat, g[0].float(), beta[0].float(), _STEP[STATE_SLOTS],
+                                            _STEP["context_lens"], _STEP["query_start_loc"], index, num_k_heads,
+                                            num_v_heads, int(bool(use_qk_l2norm_in_kernel)))
+    return out.reshape(1, -1, num_v_heads, head_v).to(value.dtype), None
+
+
 # transformers' functions of recurrent layers that llmc replaces by its ops, by their name in the modeling module.
-_RECURRENT_FUNCTIONS = {"causal_conv1d_forward": _causal_conv1d_forward}
+_RECURRENT_FUNCTIONS = {"causal_conv1d_forward": _causal_conv1d_forward,
+                        "torch_chunk_gated_delta_rule": _gated_delta_rule,
+                        "torch_recurrent_gated_delta_rule": _gated_delta_rule}
+# The decoder layer whose recurrent layer runs now (Gated DeltaNet's functions are not given it), set by a forward
+# pre-hook on the modules that hold a ``layer_idx`` while tracing.
+_CURRENT_LAYER: dict[str, int] = {}
 
 
 def _recurrent_modules(hf) -> list:
@@ -189,16 +219,26 @@ class _PatchedRecurrent:
     """Swap the recurrent functions of ``modules`` for llmc's while tracing (the modules' globals, which the
     layers' forwards look up at call time), and put transformers' back afterwards."""
 
-    def __init__(self, modules: list) -> None:
+    def __init__(self, modules: list, hf=None) -> None:
         self.saved = [(m, n, getattr(m, n)) for m in modules for n in _RECURRENT_FUNCTIONS if hasattr(m, n)]
+        self.hf, self.hooks = hf, []
 
     def __enter__(self):
         for m, n, _ in self.saved:
             setattr(m, n, _RECURRENT_FUNCTIONS[n])
+        if self.saved and self.hf is not None:
+            def enter(module, args):
+                _CURRENT_LAYER["idx"] = int(module.layer_idx)
+
+            self.hooks = [m.register_forward_pre_hook(enter) for m in self.hf.modules()
+                          if isinstance(getattr(m, "layer_idx", None), int)]
 
     def __exit__(self, *exc):
         for m, n, f in self.saved:
             setattr(m, n, f)
+        for h in self.hooks:
+            h.remove()
+        _CURRENT_LAYER.clear()
 
 
 def _register_attention() -> None:
@@ -467,7 +507,7 @@ def _trace(checkpoint: Checkpoint, compute_dtype: str, torch, torch_op) -> Trace
     from llmc.plugins.recurrent import torch_op as recurrent_op
 
     recurrent_schema.register()
-    with warnings.catch_warnings(), _PatchedRecurrent(recurrent):
+    with warnings.catch_warnings(), _PatchedRecurrent(recurrent, hf):
         warnings.simplefilter("ignore")
         program = torch.onnx.export(
             module,
@@ -480,7 +520,8 @@ def _trace(checkpoint: Checkpoint, compute_dtype: str, torch, torch_op) -> Trace
             opset_version=OPSET,
             dynamic_shapes=dynamic,
             custom_translation_table={torch.ops.llmc.paged_attention.default: torch_op.onnx_translation,
-                                      torch.ops.llmc.causal_conv1d.default: recurrent_op.onnx_translation},
+                                      torch.ops.llmc.causal_conv1d.default: recurrent_op.onnx_translation,
+                                      torch.ops.llmc.gated_delta_rule.default: recurrent_op.delta_onnx_translation},
             # Folding here would materialise weights in RAM; ORT folds at load, passes fold later.
             optimize=False,
             verbose=False,

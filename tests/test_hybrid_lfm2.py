@@ -253,8 +253,7 @@ def test_lfm2_refusals(lfm2):
 
 
 @pytest.mark.parametrize("model_type,fields,mechanism", [
-    ("qwen3_next", dict(linear_conv_kernel_dim=4), "Gated DeltaNet"),
-    ("qwen3_5_text", dict(linear_conv_kernel_dim=4), "Gated DeltaNet"),
+    ("kimi_linear", dict(linear_conv_kernel_dim=4), "Kimi Delta Attention"),
     ("nemotron_h", dict(ssm_state_size=8), "Mamba/Mamba2"),
     ("falcon_h1", dict(mamba_d_state=8), "Mamba/Mamba2"),
     ("granitemoehybrid", dict(mamba_d_state=8), "Mamba/Mamba2"),

@@ -12,7 +12,12 @@ state after its last row in the slot.
 ``CausalConv1d(x [T, C], weight [C, K], bias [C] (optional), state_slots, context_lens, query_start_loc)
 -> [T, C]``, attributes ``state_idx`` (which array of the bound state pool), ``activation`` (0 none,
 1 SiLU): a causal depthwise convolution whose slot ``[C, K-1]`` holds each channel's last ``K-1``
-inputs, oldest first (transformers' ``conv_state``). :mod:`.reference` is normative.
+inputs, oldest first (transformers' ``conv_state``).
+
+``GatedDeltaRule(query [T, Hk*Dk], key [T, Hk*Dk], value [T, Hv*Dv], g [T, Hv], beta [T, Hv], state_slots,
+context_lens, query_start_loc) -> [T, Hv*Dv]``, attributes ``state_idx``, ``num_k_heads``, ``num_v_heads``,
+``use_qk_l2norm``: Gated DeltaNet's recurrence (Qwen3-Next, Qwen3.5) in its recurrent form, token by token,
+with a slot ``[Hv, Dk, Dv]``. :mod:`.reference` is normative for both.
 """
 
 DOMAIN = "llmc"
@@ -22,3 +27,5 @@ CONV_OP_TYPE = "CausalConv1d"
 STATE_SLOTS = "state_slots"
 CONV_INPUT_NAMES = ("x", "weight", "bias", STATE_SLOTS, "context_lens", "query_start_loc")
 ACTIVATIONS = {None: 0, "silu": 1, "swish": 1}
+DELTA_OP_TYPE = "GatedDeltaRule"
+DELTA_INPUT_NAMES = ("query", "key", "value", "g", "beta", STATE_SLOTS, "context_lens", "query_start_loc")

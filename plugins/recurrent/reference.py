@@ -34,3 +34,41 @@ def causal_conv1d(x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None, st
     if activation == 1:
         out = out / (1.0 + np.exp(-out))
     return out
+
+
+def _l2norm(x: np.ndarray) -> np.ndarray:
+    """transformers' (and FLA's) l2norm: ``x * rsqrt(sum(x^2) + 1e-6)`` over the last axis."""
+    return x / np.sqrt((x * x).sum(-1, keepdims=True) + 1e-6)
+
+
+def gated_delta_rule(query: np.ndarray, key: np.ndarray, value: np.ndarray, g: np.ndarray, beta: np.ndarray,
+                     state_slots: np.ndarray, context_lens: np.ndarray, query_start_loc: np.ndarray,
+                     state: np.ndarray, num_k_heads: int, num_v_heads: int, use_qk_l2norm: bool = True) -> np.ndarray:
+    """The gated delta rule (Gated DeltaNet) token by token on packed rows: transformers' recurrent form.
+
+    ``query``, ``key`` ``[T, Hk*Dk]``, ``value`` ``[T, Hv*Dv]``, ``g`` (log decay, <= 0) and ``beta`` ``[T, Hv]``;
+    value head ``h`` reads query/key head ``h // (Hv // Hk)``. Per sequence, from its slot's state ``[Hv, Dk, Dv]``
+    (zeros when fresh), for each token: ``S *= exp(g)``; ``S += k (beta (v - S^T k))^T``; ``out = S^T q``, with q
+    and k L2-normalised (``use_qk_l2norm``) and q scaled by ``Dk^-0.5``. The slot then holds the last state.
+    """
+    t_all = query.shape[0]
+    dk = query.shape[1] // num_k_heads
+    dv = value.shape[1] // num_v_heads
+    rep = num_v_heads // num_k_heads
+    q = np.repeat(query.reshape(t_all, num_k_heads, dk).astype(np.float32), rep, axis=1)
+    k = np.repeat(key.reshape(t_all, num_k_heads, dk).astype(np.float32), rep, axis=1)
+    v = value.reshape(t_all, num_v_heads, dv).astype(np.float32)
+    if use_qk_l2norm:
+        q, k = _l2norm(q), _l2norm(k)
+    q = q * np.float32(dk ** -0.5)
+    out = np.zeros((t_all, num_v_heads, dv), np.float32)
+    for slot, b, e, fresh in sequences(state_slots, context_lens, query_start_loc):
+        s = np.zeros((num_v_heads, dk, dv), np.float32) if fresh else state[slot].astype(np.float32)
+        for t in range(b, e):
+            s = s * np.exp(g[t].astype(np.float32))[:, None, None]
+            kv_mem = (s * k[t][:, :, None]).sum(1)  # [Hv, Dv]
+            delta = (v[t] - kv_mem) * beta[t].astype(np.float32)[:, None]
+            s = s + k[t][:, :, None] * delta[:, None, :]
+            out[t] = (s * q[t][:, :, None]).sum(1)
+        state[slot] = s
+    return out.reshape(t_all, num_v_heads * dv)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from llmc.plugins.recurrent import CONV_OP_TYPE, DOMAIN, OPSET_VERSION, reference, state_binding
+from llmc.plugins.recurrent import CONV_OP_TYPE, DELTA_OP_TYPE, DOMAIN, OPSET_VERSION, reference, state_binding
 
 
 @torch.library.custom_op("llmc::causal_conv1d", mutates_args=())
@@ -35,3 +35,34 @@ def onnx_translation(x, weight, bias, state_slots, context_lens, query_start_loc
     opset = onnxscript.values.Opset(DOMAIN, OPSET_VERSION)
     return getattr(opset, CONV_OP_TYPE)(x, weight, bias, state_slots, context_lens, query_start_loc,
                                         state_idx=state_idx, activation=activation)
+
+
+@torch.library.custom_op("llmc::gated_delta_rule", mutates_args=())
+def gated_delta_rule(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                     state_slots: torch.Tensor, context_lens: torch.Tensor, query_start_loc: torch.Tensor,
+                     state_idx: int, num_k_heads: int, num_v_heads: int, use_qk_l2norm: int) -> torch.Tensor:
+    def f(t):
+        return t.detach().float().numpy()
+
+    state = state_binding.state_array(state_idx)
+    out = reference.gated_delta_rule(f(query), f(key), f(value), f(g), f(beta), state_slots.numpy(),
+                                     context_lens.numpy(), query_start_loc.numpy(), state, num_k_heads, num_v_heads,
+                                     bool(use_qk_l2norm))
+    return torch.from_numpy(np.ascontiguousarray(out)).to(query.dtype)
+
+
+@gated_delta_rule.register_fake
+def _(query, key, value, g, beta, state_slots, context_lens, query_start_loc, state_idx, num_k_heads, num_v_heads,
+      use_qk_l2norm):
+    return torch.empty_like(value)
+
+
+def delta_onnx_translation(query, key, value, g, beta, state_slots, context_lens, query_start_loc, state_idx: int,
+                           num_k_heads: int, num_v_heads: int, use_qk_l2norm: int):
+    """Lowering for ``torch.onnx.export(custom_translation_table=...)``: one ``llmc.GatedDeltaRule`` node."""
+    import onnxscript
+
+    opset = onnxscript.values.Opset(DOMAIN, OPSET_VERSION)
+    return getattr(opset, DELTA_OP_TYPE)(query, key, value, g, beta, state_slots, context_lens, query_start_loc,
+                                         state_idx=state_idx, num_k_heads=num_k_heads, num_v_heads=num_v_heads,
+                                         use_qk_l2norm=use_qk_l2norm)

@@ -134,3 +134,112 @@ int32_t conv_input_characteristic(const OrtCustomOpV13*, size_t i) { return i ==
 
 const OrtCustomOpV13 g_conv_op = make_op(conv_name, conv_input_type, conv_input_count, create_conv_kernel,
                                          compute_conv, destroy_conv_kernel, conv_input_characteristic);
+
+// ---------------------------------------------------------------------------------------------
+// llmc::GatedDeltaRule(query [T, Hk*Dk], key [T, Hk*Dk], value [T, Hv*Dv], g [T, Hv], beta [T, Hv], state_slots [S],
+// context_lens [S], query_start_loc [S + 1]) -> [T, Hv*Dv]; attributes state_idx, num_k_heads, num_v_heads,
+// use_qk_l2norm (default 1). State slot [Hv, Dk, Dv].
+
+struct DeltaKernel {
+    int64_t state_idx = 0, num_k_heads = 0, num_v_heads = 0, use_l2norm = 1;
+};
+
+void* create_delta_kernel(const OrtCustomOpV13*, const OrtApi*, const OrtKernelInfo* info) {
+    auto* k = new DeltaKernel();
+    try {
+        k->state_idx = int_attr(info, "state_idx", true, 0);
+        k->num_k_heads = int_attr(info, "num_k_heads", true, 0);
+        k->num_v_heads = int_attr(info, "num_v_heads", true, 0);
+        k->use_l2norm = int_attr(info, "use_qk_l2norm", false, 1);
+        if (k->num_k_heads <= 0 || k->num_v_heads <= 0 || k->num_v_heads % k->num_k_heads) {
+            throw Error("num_v_heads (" + std::to_string(k->num_v_heads) + ") must be a positive multiple of "
+                        "num_k_heads (" + std::to_string(k->num_k_heads) + ")");
+        }
+    } catch (...) {
+        delete k;
+        throw;
+    }
+    return k;
+}
+
+void destroy_delta_kernel(void* kernel) { delete static_cast<DeltaKernel*>(kernel); }
+
+void compute_delta(void* kernel, OrtKernelContext* ctx) {
+    const DeltaKernel& kk = *static_cast<const DeltaKernel*>(kernel);
+    const Tensor q = input(ctx, 0, "query"), k = input(ctx, 1, "key"), v = input(ctx, 2, "value");
+    const Tensor g = input(ctx, 3, "g"), beta = input(ctx, 4, "beta");
+    const Tensor slots = input(ctx, 5, "state_slots"), lens = input(ctx, 6, "context_lens");
+    const Tensor qsl = input(ctx, 7, "query_start_loc");
+    for (const auto& [t, name] : {std::pair<const Tensor*, const char*>{&q, "query"}, {&k, "key"}, {&v, "value"},
+                                  {&g, "g"}, {&beta, "beta"}}) {
+        require_rank(*t, 2, name);
+    }
+    require_rank(slots, 1, "state_slots");
+    require_rank(lens, 1, "context_lens");
+    require_rank(qsl, 1, "query_start_loc");
+    llmc_rec::DeltaArgs a;
+    a.T = q.dims[0];
+    a.S = slots.dims[0];
+    a.Hk = kk.num_k_heads;
+    a.Hv = kk.num_v_heads;
+    if (q.dims[1] % a.Hk || v.dims[1] % a.Hv) {
+        throw Error("query " + dims_str(q.dims) + " and value " + dims_str(v.dims) + " must have num_k_heads (" +
+                    std::to_string(a.Hk) + ") and num_v_heads (" + std::to_string(a.Hv) + ") whole heads per row");
+    }
+    a.Dk = q.dims[1] / a.Hk;
+    a.Dv = v.dims[1] / a.Hv;
+    if (k.dims != q.dims || v.dims[0] != a.T || g.dims != std::vector<int64_t>{a.T, a.Hv} || beta.dims != g.dims) {
+        throw Error("key must have query's shape " + dims_str(q.dims) + ", value " + std::to_string(a.T) +
+                    " rows, g and beta shape (" + std::to_string(a.T) + ", " + std::to_string(a.Hv) + "); got key " +
+                    dims_str(k.dims) + ", value " + dims_str(v.dims) + ", g " + dims_str(g.dims) + ", beta " +
+                    dims_str(beta.dims));
+    }
+    if (lens.dims[0] != a.S || qsl.dims[0] != a.S + 1) {
+        throw Error("state_slots " + dims_str(slots.dims) + ", context_lens " + dims_str(lens.dims) +
+                    " and query_start_loc " + dims_str(qsl.dims) + " must describe the same S sequences");
+    }
+    a.q = static_cast<const float*>(q.data);
+    a.k = static_cast<const float*>(k.data);
+    a.v = static_cast<const float*>(v.data);
+    a.g = static_cast<const float*>(g.data);
+    a.beta = static_cast<const float*>(beta.data);
+    a.q_row = a.k_row = q.dims[1];
+    a.v_row = v.dims[1];
+    a.g_row = a.beta_row = a.Hv;
+    a.state_slots = static_cast<const int64_t*>(slots.data);
+    a.context_lens = static_cast<const int64_t*>(lens.data);
+    a.query_start_loc = static_cast<const int64_t*>(qsl.data);
+    a.use_l2norm = kk.use_l2norm != 0;
+    a.state = state_array(kk.state_idx, a.Hv * a.Dk * a.Dv, &a.num_slots, "GatedDeltaRule");
+    if (a.S > 0 && a.query_start_loc[a.S] != a.T) {
+        throw Error("query_start_loc[S] = " + std::to_string(a.query_start_loc[a.S]) + " but query has " +
+                    std::to_string(a.T) + " rows");
+    }
+    llmc_rec::check_delta(a);
+    const int64_t out_dims[2] = {a.T, a.Hv * a.Dv};
+    a.out = output(ctx, out_dims, 2);
+    struct Item {
+        const llmc_rec::DeltaArgs* a;
+    } item{&a};
+    auto body = [](void* p, int64_t i) {
+        const llmc_rec::DeltaArgs& x = *static_cast<const Item*>(p)->a;
+        std::vector<float> scratch(2 * x.Dk + 2 * x.Dv);
+        llmc_rec::gated_delta_rule_item(x, i / x.Hv, i % x.Hv, scratch.data());
+    };
+    const int64_t items = a.S * a.Hv;
+    with_threads(ctx, [&](int, const llmc::ParallelFor* pf) {
+        if (pf != nullptr && items > 1 && a.T * a.Hv * a.Dk * a.Dv >= (1 << 15)) {
+            pf->fn(pf->self, items, body, &item);  // bodies never throw: checked above
+        } else {
+            for (int64_t i = 0; i < items; ++i) body(&item, i);
+        }
+    });
+    g_state_calls.fetch_add(1, std::memory_order_relaxed);
+}
+
+const char* delta_name(const OrtCustomOpV13*) { return "GatedDeltaRule"; }
+int32_t delta_input_type(const OrtCustomOpV13*, size_t i) { return i < 5 ? kOrtFloat : kOrtInt64; }
+size_t delta_input_count(const OrtCustomOpV13*) { return 8; }
+
+const OrtCustomOpV13 g_delta_op = make_op(delta_name, delta_input_type, delta_input_count, create_delta_kernel,
+                                          compute_delta, destroy_delta_kernel);

@@ -107,4 +107,92 @@ inline void check_conv(const ConvArgs& a) {
     }
 }
 
+// The gated delta rule (Gated DeltaNet), token by token: per sequence and value head h, a state S [Dk, Dv]
+// (slot layout [Hv, Dk, Dv]) and for each token S = exp(g) S + k (beta (v - exp(g) S^T k))^T, out = S^T q, with q and
+// k L2-normalised (use_l2norm) and q scaled by Dk^-0.5; value head h reads query/key head h / (Hv / Hk).
+struct DeltaArgs {
+    const float *q = nullptr, *k = nullptr, *v = nullptr, *g = nullptr, *beta = nullptr;
+    int64_t q_row = 0, k_row = 0, v_row = 0, g_row = 0, beta_row = 0;
+    float* out = nullptr;    // [T, Hv * Dv]
+    float* state = nullptr;  // [num_slots, Hv, Dk, Dv]
+    int64_t num_slots = 0;
+    const int64_t* state_slots = nullptr;
+    const int64_t* context_lens = nullptr;
+    const int64_t* query_start_loc = nullptr;
+    int64_t T = 0, S = 0, Hk = 0, Hv = 0, Dk = 0, Dv = 0;
+    bool use_l2norm = true;
+};
+
+// One (sequence, value head) pair: the unit of parallel work (pairs share no state).
+inline void gated_delta_rule_item(const DeltaArgs& a, int64_t s, int64_t h, float* scratch) {
+    const SeqRows r = seq_rows(a.query_start_loc, a.context_lens, s, a.T);
+    const int64_t Dk = a.Dk, Dv = a.Dv, kh = h / (a.Hv / a.Hk);
+    float* st = a.state + (a.state_slots[s] * a.Hv + h) * Dk * Dv;
+    if (r.fresh) {
+        for (int64_t i = 0; i < Dk * Dv; ++i) st[i] = 0.0f;
+    }
+    float* q = scratch;        // [Dk]
+    float* k = scratch + Dk;   // [Dk]
+    float* u = scratch + 2 * Dk;  // [Dv]: S^T k, then beta (v - S^T k)
+    float* o = u + Dv;            // [Dv]
+    const float q_scale = 1.0f / std::sqrt(static_cast<float>(Dk));
+    for (int64_t t = r.begin; t < r.end; ++t) {
+        const float* qt = a.q + t * a.q_row + kh * Dk;
+        const float* kt = a.k + t * a.k_row + kh * Dk;
+        const float* vt = a.v + t * a.v_row + h * Dv;
+        float qn = 1.0f, kn = 1.0f;
+        if (a.use_l2norm) {
+            float sq = 0.0f, sk = 0.0f;
+            for (int64_t i = 0; i < Dk; ++i) {
+                sq += qt[i] * qt[i];
+                sk += kt[i] * kt[i];
+            }
+            qn = 1.0f / std::sqrt(sq + 1e-6f);
+            kn = 1.0f / std::sqrt(sk + 1e-6f);
+        }
+        for (int64_t i = 0; i < Dk; ++i) {
+            q[i] = qt[i] * qn * q_scale;
+            k[i] = kt[i] * kn;
+        }
+        const float decay = std::exp(a.g[t * a.g_row + h]), b = a.beta[t * a.beta_row + h];
+        for (int64_t j = 0; j < Dv; ++j) u[j] = 0.0f;
+        for (int64_t i = 0; i < Dk; ++i) {
+            float* row = st + i * Dv;
+            const float ki = k[i];
+            for (int64_t j = 0; j < Dv; ++j) u[j] += row[j] * ki;
+        }
+        for (int64_t j = 0; j < Dv; ++j) {
+            u[j] = (vt[j] - decay * u[j]) * b;
+            o[j] = 0.0f;
+        }
+        for (int64_t i = 0; i < Dk; ++i) {
+            float* row = st + i * Dv;
+            const float ki = k[i], qi = q[i];
+            for (int64_t j = 0; j < Dv; ++j) {
+                const float nv = decay * row[j] + ki * u[j];
+                row[j] = nv;
+                o[j] += nv * qi;
+            }
+        }
+        float* ot = a.out + t * a.Hv * Dv + h * Dv;
+        for (int64_t j = 0; j < Dv; ++j) ot[j] = o[j];
+    }
+}
+
+inline void check_delta(const DeltaArgs& a) {
+    if (a.Hk <= 0 || a.Hv <= 0 || a.Hv % a.Hk) {
+        throw Error("num_v_heads (" + std::to_string(a.Hv) + ") must be a positive multiple of num_k_heads (" +
+                    std::to_string(a.Hk) + ")");
+    }
+    ConvArgs c;
+    c.state_slots = a.state_slots;
+    c.context_lens = a.context_lens;
+    c.query_start_loc = a.query_start_loc;
+    c.num_slots = a.num_slots;
+    c.S = a.S;
+    c.T = a.T;
+    c.K = 1;
+    check_conv(c);  // the slots and sequence rows: the same checks as the convolution's
+}
+
 }  // namespace llmc_rec

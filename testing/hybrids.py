@@ -1,0 +1,57 @@
+"""Tiny random hybrid checkpoints (layers with recurrent state beside attention) and their greedy references.
+
+Weights are drawn wider than transformers' default init so that greedy tokens differ from step to step; the
+recurrent layers' own parameters that set their decay (``A_log``, ``dt_bias``) keep transformers' init.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+# The last prompt is longer than the 16-token step budget the tests use; no prompt holds the pad id 0, which
+# transformers' generate would mask out.
+PROMPTS = ([5, 17, 33, 90], list(range(3, 40)), [7, 7, 7, 101, 250, 2], [(i * 37) % 255 + 1 for i in range(70)])
+
+_GDN = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, max_position_embeddings=512, linear_conv_kernel_dim=4,
+            linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+            layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"])
+HYBRID_CONFIGS = {
+    "qwen3_5_text": _GDN,
+    "qwen3_next": dict(_GDN, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                       shared_expert_intermediate_size=32),
+    "lfm2": dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=512, conv_L_cache=3, block_auto_adjust_ff_dim=False,
+                 layer_types=["conv", "full_attention", "conv", "conv"]),
+}
+
+
+def write_hybrid(model_type: str, out: Path, seed: int = 0):
+    """Write a random tiny ``model_type`` checkpoint to ``out``; returns the transformers model (float32, eval)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model(model_type, **HYBRID_CONFIGS[model_type], bos_token_id=1, eos_token_id=2,
+                               pad_token_id=0)
+    torch.manual_seed(seed)
+    hf = AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.08 if "embed" in name else 0.2)
+            elif not name.endswith(("A_log", "dt_bias")):
+                p.uniform_(0.8, 1.2)
+    hf.save_pretrained(out)
+    return hf
+
+
+def greedy(hf, prompts, new_tokens: int) -> list[list[int]]:
+    """transformers' greedy continuation of each prompt (alone, no EOS)."""
+    import torch
+
+    refs = []
+    for p in prompts:
+        with torch.no_grad():
+            refs.append(hf.generate(torch.tensor([p]), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                                    do_sample=False, eos_token_id=None, pad_token_id=0)[0, len(p):].tolist())
+    return refs
