@@ -93,6 +93,9 @@ def _bind(host: str, port: int) -> socket.socket:
                    "--lora-slots).")
 @click.option("--allow-runtime-lora", is_flag=True,
               help="Enable POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's runtime LoRA routes).")
+@click.option("--target-itl-ms", default=None, type=float, metavar="MS",
+              help="Cap the prompt tokens of a step that also decodes, from measured step costs, so that running "
+                   "requests keep this inter-token latency (long prompts then take several steps). Default: off.")
 @click.option("--kv-events", default=None, metavar="tcp://HOST:PORT",
               help="Publish the prefix cache's changes as vLLM's KV-event stream (ZeroMQ PUB; replay socket on PORT+1; "
                    "behind --replicas replica r uses PORT+2r and PORT+2r+1), for llm-d / Dynamo routers.")
@@ -103,7 +106,7 @@ def serve(engine: Path, host: str, port: int, served_model_name: str | None, api
           max_num_seqs: int, max_num_tokens: int, threads: int | None, device: str | None, speculative: str | None,
           num_speculative_tokens: int, tool_call_parser: str | None, reasoning_parser: str | None,
           responses_store_size: int, replicas: int, routing: str, autoscale: str | None, ray_address: str | None,
-          kv_events: str | None, log_level: str,
+          target_itl_ms: float | None, kv_events: str | None, log_level: str,
           lora: tuple[str, ...] = (), allow_runtime_lora: bool = False) -> None:
     """Serve ENGINE over HTTP with the OpenAI API: /v1/completions, /v1/chat/completions, /v1/models,
     /tokenize, /detokenize, /health, /ready and Prometheus /metrics.
@@ -125,7 +128,8 @@ def serve(engine: Path, host: str, port: int, served_model_name: str | None, api
     from llmc.serve import ServeConfig
     from llmc.serve import serve as run_server
 
-    for name, value in (("--max-queue", max_queue), ("--max-n", max_n), ("--drain-timeout", drain_timeout),
+    for name, value in (("--target-itl-ms", target_itl_ms),
+                        ("--max-queue", max_queue), ("--max-n", max_n), ("--drain-timeout", drain_timeout),
                         ("--stall-timeout", stall_timeout), ("--kv-cache-tokens", kv_cache_tokens),
                         ("--max-num-seqs", max_num_seqs), ("--max-num-tokens", max_num_tokens)):
         if value is not None:
@@ -155,7 +159,7 @@ def serve(engine: Path, host: str, port: int, served_model_name: str | None, api
             max_waiting=max_queue, num_threads=threads or 1, device=device, speculative=spec), dict(
             api_key=api_key, max_queue=max_queue, max_body_size=body_limit, max_n=max_n,
             stall_timeout=stall_timeout, drain_timeout=drain_timeout, tool_call_parser=tool_call_parser,
-            reasoning_parser=reasoning_parser, responses_store_size=responses_store_size),
+            reasoning_parser=reasoning_parser, responses_store_size=responses_store_size, target_itl_ms=target_itl_ms),
             served_model_name)
         return
     eng = Engine.load(engine, kv_cache_tokens=kv_cache_tokens, max_num_seqs=max_num_seqs,
@@ -165,7 +169,8 @@ def serve(engine: Path, host: str, port: int, served_model_name: str | None, api
     config = ServeConfig(model_name=name, api_key=api_key, max_queue=max_queue, max_body_size=body_limit,
                          max_n=max_n, stall_timeout=stall_timeout, drain_timeout=drain_timeout,
                          tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser,
-                         responses_store_size=responses_store_size, allow_runtime_lora=allow_runtime_lora)
+                         responses_store_size=responses_store_size, allow_runtime_lora=allow_runtime_lora,
+                         target_itl_ms=target_itl_ms)
     sock = _bind(host, port)
     bound = sock.getsockname()[1]
     click.echo(f"llmc serve: {name!r} on http://{host}:{bound}/v1 (metrics: /metrics)", err=True)

@@ -49,6 +49,10 @@ def create_app(engine: Engine, config: ServeConfig, *, loop: EngineLoop | None =
     metrics = Metrics(config.model_name, lambda: loop.snapshot, cache)
     if loop is None:
         loop = EngineLoop(engine, max_queue=config.max_queue, stall_timeout=config.stall_timeout, observer=metrics)
+        if config.target_itl_ms is not None:
+            from llmc.serve.itl import ItlGovernor
+
+            loop.after_step.append(ItlGovernor(engine, config.target_itl_ms / 1000.0))
     else:
         loop.observer = metrics
     tok_config = engine.tokenizer.config if engine.tokenizer is not None else {}

@@ -150,10 +150,10 @@ def attach(loop, engine, host: str, port: int, rank: int = 0) -> KVEventPublishe
     blocks.record_events(True)
     block_size = engine.block_size
 
-    def after_step() -> None:  # on the step loop's thread: the only one that changes the block manager
+    def after_step(seconds: float) -> None:  # on the step loop's thread: the only one that changes the block manager
         raw = blocks.drain_events()
         if raw:
             publisher.publish(batch_events(raw, block_size))
 
-    loop.after_step = after_step
+    loop.after_step.append(after_step)
     return publisher

@@ -118,8 +118,9 @@ class EngineLoop:
         # Monotonic times requests finished: the drain rate behind a 429's Retry-After.
         self._finish_times: collections.deque[float] = collections.deque(maxlen=4096)
         self.error: BaseException | None = None
-        # Called on this thread after every step (serve/kv_events.py publishes the step's cache changes).
-        self.after_step: Callable[[], None] | None = None
+        # Called on this thread after every step with its seconds (serve/kv_events.py publishes the step's cache
+        # changes; serve/itl.py sizes the next step's prompt share).
+        self.after_step: list[Callable[[float], None]] = []
         self.snapshot = self._snapshot()
 
     # -- event-loop side ----------------------------------------------------------------------------
@@ -220,8 +221,8 @@ class EngineLoop:
                             t.admitted = t0
                 self._deliver(outputs, now)
                 self.snapshot = self._snapshot()
-                if self.after_step is not None:
-                    self.after_step()
+                for hook in self.after_step:
+                    hook(now - t0)
         except Exception as exc:  # a bug or a broken engine: every waiting handler gets a 500
             self._step_started = None
             self.error = exc

@@ -116,7 +116,7 @@ class LlmcReplica:
     """One engine and its step loop, as a Ray Serve replica (deployed by :func:`deploy`)."""
 
     def __init__(self, engine_path: str, load_kwargs: dict, max_queue: int, stall_timeout: float,
-                 kv_events: tuple[str, int] | None = None) -> None:
+                 kv_events: tuple[str, int] | None = None, target_itl_ms: float | None = None) -> None:
         from llmc.runtime import Engine
         from llmc.serve.loop import EngineLoop
 
@@ -125,6 +125,10 @@ class LlmcReplica:
         self._blocks = self.engine.scheduler.blocks
         self._started = False
         self.publisher = None
+        if target_itl_ms is not None:
+            from llmc.serve.itl import ItlGovernor
+
+            self.loop.after_step.append(ItlGovernor(self.engine, target_itl_ms / 1000.0))
         if kv_events is not None:  # replica r of this node: PORT + 2r, replay PORT + 2r + 1 (serve/kv_events.py)
             from ray import serve
 
@@ -474,7 +478,7 @@ def deploy(engine: Path, opts: ReplicaOptions, config: ServeConfig, stall_timeou
         LlmcReplica, name=DEPLOYMENT,
         # The engine answers 429 itself (--max-queue): Ray must not queue in front of it.
         max_ongoing_requests=config.max_queue + max_num_seqs,
-        ray_actor_options={"num_cpus": opts.cpus_per_replica},
+        ray_actor_options=_actor_resources(engine, opts),
         request_router_config=RequestRouterConfig(
             request_router_class=f"{router_cls.__module__}.{router_cls.__name__}", request_router_kwargs=router_kwargs,
             request_routing_stats_period_s=opts.stats_period_s, request_routing_stats_timeout_s=10.0),
@@ -482,13 +486,26 @@ def deploy(engine: Path, opts: ReplicaOptions, config: ServeConfig, stall_timeou
         health_check_timeout_s=stall_timeout + 10,
         graceful_shutdown_timeout_s=config.drain_timeout, graceful_shutdown_wait_loop_s=0.5,
         **scaling)
-    app = dep.bind(str(engine), opts.load_kwargs, config.max_queue, stall_timeout, opts.kv_events)
+    app = dep.bind(str(engine), opts.load_kwargs, config.max_queue, stall_timeout, opts.kv_events,
+                   config.target_itl_ms)
     try:
         return serve.run(app, name=opts.app_name, route_prefix=None)
     except RuntimeError as exc:  # the replicas' constructor failed (Serve tried max_constructor_retry_count times)
         text = str(exc)
         why = next((ln.strip() for ln in reversed(text.splitlines()) if "Error:" in ln), _first_line(exc))
         raise LlmcError(f"--replicas: the replicas did not start: {why}") from exc
+
+
+def _actor_resources(engine: Path, opts: ReplicaOptions) -> dict:
+    """What one replica reserves: its CPUs, and a GPU of its own for a CUDA engine (Ray then sets the replica's
+    CUDA_VISIBLE_DEVICES, so ``--device cuda`` in each replica is that GPU)."""
+    from llmc.runtime import artifact
+
+    res: dict = {"num_cpus": opts.cpus_per_replica}
+    backend = artifact.read_manifest(Path(engine))["engine"].get("backend")
+    if backend == "cuda" and opts.load_kwargs.get("device") in (None, "cuda"):
+        res["num_gpus"] = 1
+    return res
 
 
 def create_replicas_app(engine: Path, opts: ReplicaOptions, config: ServeConfig):
