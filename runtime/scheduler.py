@@ -14,6 +14,10 @@ Policy (continuous batching with chunked prefill, as in vLLM's scheduler):
   slots (``max_num_seqs``) and KV blocks allow; finished and cancelled requests leave at once.
   The waiting queue is bounded (``max_waiting``): a full queue rejects new requests with an
   ``LlmcError`` instead of growing without limit.
+- Multi-LoRA engines (``Scheduler.lora``): a request for an adapter takes one of the engine's adapter slots when
+  admitted and gives it back when it leaves the running list. When every slot is held by running requests for
+  other adapters, it keeps its place in the queue and the requests behind it are admitted past it (as vLLM's
+  scheduler skips them); it is tried first again at every step.
 - Prefix caching: an admitted request reuses every cached full block of its tokens (see the
   block manager), and computes only the rest. When the next block of a waiting request's prefix
   is being computed right now by a running request (requests sharing a system prompt arrive
@@ -366,6 +370,7 @@ class Scheduler:
     def _admit(self, out: SchedulerOutput, scheduled: dict[int, ScheduledChunk], budget: int) -> None:
         cfg = self.config
         watermark = int(cfg.admission_watermark * self.blocks.num_blocks)
+        skipped: list[Request] = []  # waiting for a LoRA slot: they keep their place, those behind them go on
         while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
             r = self.waiting[0]
             cached = self.blocks.cached_prefix_tokens(r.tokens, r.lora_key)
@@ -382,8 +387,9 @@ class Scheduler:
             slot = 0
             if r.params.lora is not None and self.lora is not None:
                 slot = self.lora.acquire(r.params.lora)
-                if not slot:
-                    break  # every adapter slot is held by running requests: wait for one (FCFS)
+                if not slot:  # every adapter slot is held by running requests: it waits for one
+                    skipped.append(self.waiting.popleft())
+                    continue
             if self.blocks.add_sequence(r.seq_id, r.tokens, n, r.lora_key) < 0:
                 if slot:
                     self.lora.release(slot)
@@ -404,6 +410,7 @@ class Scheduler:
             if self.blocks.enable_prefix_caching:
                 for h in self._block_hashes(r)[cached // self.block_size :]:
                     self._inflight.setdefault(h, r)
+        self.waiting.extendleft(reversed(skipped))
 
     def _block_hashes(self, r: Request) -> list[int]:
         """Chained hashes of the blocks of ``r`` the prefix cache can serve (full, before the last token)."""

@@ -142,6 +142,32 @@ def test_more_adapters_than_slots_wait_evict_and_reload(engine):
         assert _greedy(engine, PROMPTS[:1], "all-rs")[0] == solo["all-rs"]
 
 
+def test_request_waiting_for_a_slot_lets_others_pass(engine):
+    """Both slots held by running requests for two adapters: a request for a third waits (keeping its place),
+    a base request and one for a resident adapter behind it start at once; it starts when a slot frees."""
+    def submit(lora, n):
+        return engine.submit(PROMPTS[0], SamplingParams(max_tokens=n, ignore_eos=True, lora=lora))
+
+    long = [submit("qv", 12), submit("all-rs", 12)]
+    engine.step()
+    waiting = submit("mlp", 4)
+    behind = [submit(None, 4), submit("qv", 4)]
+    engine.step()
+    running = {r.request_id for r in engine.scheduler.running}
+    assert set(behind) <= running and waiting not in running
+    assert engine.stats().waiting_lora_adapters == ("mlp",)
+    assert set(engine.stats().running_lora_adapters) == {"qv", "all-rs"}
+    while waiting not in {r.request_id for r in engine.scheduler.running}:
+        engine.step()
+    assert engine.result(long[0]) is not None
+    while engine.has_unfinished():
+        engine.step()
+    solo = _greedy(engine, PROMPTS[:1], "mlp")[0][:4]
+    assert engine.result(waiting).token_ids == solo
+    for rid in [*long, *behind]:
+        engine.result(rid)
+
+
 def test_prefix_cache_keyed_by_adapter(engine):
     prompt = list(range(100, 150))  # 3 full blocks of 16
     params = {lora: SamplingParams(max_tokens=4, ignore_eos=True, lora=lora) for lora in (None, "qv")}
