@@ -29,7 +29,7 @@ def _alibi(c: dict, model_type: str) -> str | None:
 def _chunked(c: dict, model_type: str) -> str | None:
     if c.get("attention_chunk_size") is not None and model_type != "llama4_text":  # compiler/llama4_text.py
         return (f"chunked local attention (attention_chunk_size {c['attention_chunk_size']}: tokens see only their "
-                "own chunk) and complex-valued rotary; llmc lowers full and sliding-window attention only")
+                "own chunk) outside llama4_text, whose attention llmc replaces (compiler/llama4_text.py)")
     return None
 
 
