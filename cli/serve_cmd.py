@@ -9,7 +9,7 @@ from pathlib import Path
 
 import click
 
-from llmc.errors import LlmcError
+from llmc.errors import LlmcError, UnsupportedError
 
 
 def _positive(name: str, value: float) -> None:
@@ -154,6 +154,9 @@ def serve(engine: Path, host: str, port: int, served_model_name: str | None, api
         raise LlmcError(f"--ray-address {ray_address}: only with --replicas N (N > 1) or --autoscale MIN:MAX; one "
                         "server without them runs here, without Ray")
     if replicas > 1 or scale is not None:
+        if lora or allow_runtime_lora:
+            raise UnsupportedError("--lora / --allow-runtime-lora: not with --replicas or --autoscale yet (the "
+                                   "replicas load the base engine only); serve LoRA adapters from one server")
         _serve_replicas(engine, host, port, log_level, replicas, routing, scale, ray_address, threads, events_at, dict(
             kv_cache_tokens=kv_cache_tokens, max_num_seqs=max_num_seqs, max_num_tokens=max_num_tokens,
             max_waiting=max_queue, num_threads=threads or 1, device=device, speculative=spec), dict(
