@@ -55,11 +55,18 @@ def test_shrink_expand_kernels_equal_the_reference(dtype, t, k, n, slots, rank):
     assert torch.equal(out[none], y[none])  # no adapter: the base output, untouched
 
 
-def test_lora_kernels_compile_ahead_of_time():
+def test_lora_kernels_compile_ahead_of_time_for_every_target_sm():
+    from llmc.compiler.targets import TARGETS
     from llmc.plugins import triton_aot
     from llmc.plugins.lora import requests
 
     reqs = [requests.shrink_request(2048, 16, 4, "bf16"), requests.expand_request(2048, 16, 4, "bf16")]
-    for sm in (80, 90):
+    sms = sorted({int(t.sm.replace(".", "")) for t in TARGETS.values() if t.sm})
+    assert {80, 90, 100} <= set(sms)
+    for sm in sms:
         built = triton_aot.compile_requests(reqs, sm)
-        assert [b["name"] for b in built] and all(f"sm_{sm}" in b["target"] for b in built)
+        for req, k in zip(reqs, built, strict=True):
+            entry = k["ptx"][k["ptx"].index(".entry"):].split(")")[0]
+            visible = [n for n, t in req["signature"].items() if t != "constexpr"]
+            assert entry.count(".param") == len(visible), (req["fn"], sm)  # hidden scratch params removed
+            assert k["target"].startswith(f"sm_{sm}")
