@@ -232,6 +232,30 @@ def test_refusals(tmp_path, tiny_llama, lora_dir, engine):
         engine.submit(PROMPTS[0], SamplingParams(lora="nope"))
 
 
+def test_reads_half_precision_adapters(tmp_path, lora_dir, engine):
+    """Adapters saved in bfloat16 / float16 (PEFT keeps the model's dtype) are read exactly, then scaled."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from llmc.runtime.lora import read_adapter
+
+    ref = read_adapter("qv", lora_dir / "qv", engine.lora.spec)
+    for dtype in (torch.bfloat16, torch.float16):
+        out = tmp_path / str(dtype).split(".")[-1]
+        shutil.copytree(lora_dir / "qv", out)
+        tensors = load_file(out / "adapter_model.safetensors")
+        save_file({k: v.to(dtype) for k, v in tensors.items()}, out / "adapter_model.safetensors")
+        got = read_adapter("qv", out, engine.lora.spec)
+        assert got.weights.keys() == ref.weights.keys()
+        for module, (a, b) in got.weights.items():
+            a32 = tensors[f"base_model.model.{module}.lora_A.weight"].to(dtype).float().numpy()
+            np.testing.assert_array_equal(a, a32)
+            b32 = tensors[f"base_model.model.{module}.lora_B.weight"].to(dtype).float().numpy()
+            np.testing.assert_allclose(b, b32 * np.float32(ref.scaling), rtol=1e-7)
+
+
 def test_engine_without_slots_refuses_adapters(tiny_engine, lora_dir):
     with pytest.raises(UnsupportedError, match="built without LoRA slots.*--lora-slots"):
         Engine.load(tiny_engine, lora_adapters={"qv": lora_dir / "qv"})
