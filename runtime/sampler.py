@@ -73,6 +73,9 @@ class SamplingParams:
             raise LlmcError(f"SamplingParams.logprobs={self.logprobs}: must be >= 0 (or None for none)")
         if any(not s for s in self.stop):
             raise LlmcError("SamplingParams.stop: stop strings must be non-empty")
+        if self.lora is not None and (not isinstance(self.lora, str) or not self.lora):
+            raise LlmcError(f"SamplingParams.lora={self.lora!r}: must be the name of a loaded LoRA adapter (a "
+                            "non-empty string) or None for the base model")
 
     @property
     def greedy(self) -> bool:

@@ -230,6 +230,9 @@ def test_refusals(tmp_path, tiny_llama, lora_dir, engine):
     _refused(engine, tmp_path / "no-weights", LlmcError, "adapter_model.safetensors", "no such file")
     with pytest.raises(LlmcError, match="not loaded"):
         engine.submit(PROMPTS[0], SamplingParams(lora="nope"))
+    for bad in ("", 3):
+        with pytest.raises(LlmcError, match="SamplingParams.lora"):
+            SamplingParams(lora=bad)
 
 
 def test_reads_half_precision_adapters(tmp_path, lora_dir, engine):
