@@ -59,12 +59,22 @@ void lora_group(const LoraProblem& p, int64_t s, const int64_t* rows, int64_t m,
             for (int64_t r = 0; r < R; ++r) ui[r] += xv * ar[r];
         }
     }
-    for (int64_t r = 0; r < R; ++r) {
-        const float* __restrict br = p.b + (c0 + r) * p.N;
+    // Expand in column blocks: a block of B's slot rows (R x 64 floats) stays in L1 across the tokens, and each
+    // token's block of sums in registers across the R rows.
+    constexpr int64_t kBlock = 64;
+    for (int64_t n0 = 0; n0 < p.N; n0 += kBlock) {
+        const int64_t nb = std::min(kBlock, p.N - n0);
         for (int64_t i = 0; i < m; ++i) {
-            const float uv = u[i * R + r];
-            float* __restrict od = p.out + rows[i] * p.width + p.offset;
-            for (int64_t n = 0; n < p.N; ++n) od[n] += uv * br[n];
+            float acc[kBlock];
+            for (int64_t n = 0; n < nb; ++n) acc[n] = 0.0f;
+            const float* ui = u + i * R;
+            for (int64_t r = 0; r < R; ++r) {
+                const float uv = ui[r];
+                const float* __restrict br = p.b + (c0 + r) * p.N + n0;
+                for (int64_t n = 0; n < nb; ++n) acc[n] += uv * br[n];
+            }
+            float* __restrict od = p.out + rows[i] * p.width + p.offset + n0;
+            for (int64_t n = 0; n < nb; ++n) od[n] += acc[n];
         }
     }
 }
