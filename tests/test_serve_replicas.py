@@ -158,6 +158,27 @@ def test_two_replicas_answer_as_engine_generate_and_survive_a_killed_replica(ray
             assert name in metrics, name
         assert 'num_gpu_blocks="128"' in metrics  # 2 replicas x 64 blocks
 
+        # A client that leaves mid-stream cancels its request on the replica (its engine stops computing it).
+        def totals(key: str) -> int:
+            return sum(r["stats"][key] for r in _reports(server.app_name).values())
+
+        generated = totals("generated_tokens")
+        body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 400, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", server.v1 + "/completions", json=body, timeout=60) as resp:
+            lines = resp.iter_lines()
+            for _ in range(3):
+                next(lines)
+            deadline = time.monotonic() + 20
+            while not totals("num_running"):  # a report with the request running, then the client leaves
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
+        deadline = time.monotonic() + 20
+        while totals("num_running"):
+            assert time.monotonic() < deadline, "the abandoned request still runs on its replica"
+            time.sleep(0.2)
+        time.sleep(0.5)  # one more report
+        assert totals("generated_tokens") - generated < 400
+
         # One replica killed while both stream: its own requests end with an OpenAI error, the others finish.
         reports = _reports(server.app_name)
         assert len(reports) == 2
