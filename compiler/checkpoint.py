@@ -28,13 +28,13 @@ SUPPORTED_MODEL_TYPES = (
 # Architectures whose layers keep recurrent state (state-space, linear attention, convolution caches): the
 # KV design has pages of keys and values only, so they are refused before any work.
 RECURRENT_MODEL_TYPES = (
-    "mamba", "mamba2", "falcon_mamba", "jamba", "zamba", "zamba2", "bamba", "rwkv", "recurrent_gemma",
-    "granitemoehybrid", "falcon_h1", "nemotron_h", "minimax", "xlstm",
+    "mamba", "mamba2", "falcon_mamba", "jamba", "zamba", "zamba2", "rwkv", "recurrent_gemma", "minimax", "xlstm",
 )
 # Hybrid architectures whose recurrent layers llmc lowers (llmc.plugins.recurrent; the runtime's state pool,
 # llmc.runtime.state_cache), CPU engine only: model_type -> what those layers are (tests/test_hybrid_*.py).
 HYBRID_MODEL_TYPES = {"lfm2": "short-convolution layers", "qwen3_next": "Gated DeltaNet layers",
-                      "qwen3_5_text": "Gated DeltaNet layers"}
+                      "qwen3_5_text": "Gated DeltaNet layers", "nemotron_h": "Mamba2 layers",
+                      "falcon_h1": "Mamba2 layers", "granitemoehybrid": "Mamba2 layers", "bamba": "Mamba2 layers"}
 # The recurrent mechanism llmc still lacks, per refused family (named in the refusal); a family recognised by its
 # fields only is named by _RECURRENT_BY_FIELD.
 _SSM = "Mamba/Mamba2 selective state-space layers (SSD scan with a per-sequence SSM state, and their causal conv1d)"

@@ -194,10 +194,30 @@ def _gated_delta_rule(query, key, value, g, beta, chunk_size=64, initial_state=N
     return out.reshape(1, -1, num_v_heads, head_v).to(value.dtype), None
 
 
+def _mamba2_scan_forward(module, hidden_states, B, C, dt, cache=None, **kwargs):
+    """transformers' ``mamba2_scan_forward`` (Mamba2 layers of Nemotron-H, Falcon-H1, Granite-4 hybrid, Bamba, ...) as
+    llmc's ``SsdScan`` op on packed tokens: ``hidden_states`` ``[1, T, H*P]``, B/C ``[1, T, G*N]``, dt ``[1, T, H]``
+    in, ``[1, T, H*P]`` out (the D skip included); each sequence's SSM state lives in its slot."""
+    import torch
+
+    from llmc.plugins.recurrent import torch_op  # noqa: F401  (registers torch.ops.llmc.ssd_scan)
+
+    heads, groups, width = int(module.num_heads), int(module.n_groups), int(module.head_dim)
+    state_size = int(module.ssm_state_size)
+    lo, hi = (float(v) for v in getattr(module, "time_step_limit", (0.0, float("inf"))))
+    index = len(STATE_LAYERS)
+    STATE_LAYERS.append({"layer": int(module.layer_idx), "kind": "ssm", "shape": [heads, width, state_size]})
+    f32 = [t.float() for t in (module.A_log, module.D, module.dt_bias)]
+    out = torch.ops.llmc.ssd_scan(hidden_states[0], B[0], C[0], dt[0], *f32, _STEP[STATE_SLOTS], _STEP["context_lens"],
+                                  _STEP["query_start_loc"], index, heads, groups, lo, hi)
+    return out[None].to(hidden_states.dtype)
+
+
 # transformers' functions of recurrent layers that llmc replaces by its ops, by their name in the modeling module.
 _RECURRENT_FUNCTIONS = {"causal_conv1d_forward": _causal_conv1d_forward,
                         "torch_chunk_gated_delta_rule": _gated_delta_rule,
-                        "torch_recurrent_gated_delta_rule": _gated_delta_rule}
+                        "torch_recurrent_gated_delta_rule": _gated_delta_rule,
+                        "mamba2_scan_forward": _mamba2_scan_forward}
 # The decoder layer whose recurrent layer runs now (Gated DeltaNet's functions are not given it), set by a forward
 # pre-hook on the modules that hold a ``layer_idx`` while tracing.
 _CURRENT_LAYER: dict[str, int] = {}
@@ -521,7 +541,8 @@ def _trace(checkpoint: Checkpoint, compute_dtype: str, torch, torch_op) -> Trace
             dynamic_shapes=dynamic,
             custom_translation_table={torch.ops.llmc.paged_attention.default: torch_op.onnx_translation,
                                       torch.ops.llmc.causal_conv1d.default: recurrent_op.onnx_translation,
-                                      torch.ops.llmc.gated_delta_rule.default: recurrent_op.delta_onnx_translation},
+                                      torch.ops.llmc.gated_delta_rule.default: recurrent_op.delta_onnx_translation,
+                                      torch.ops.llmc.ssd_scan.default: recurrent_op.ssd_onnx_translation},
             # Folding here would materialise weights in RAM; ORT folds at load, passes fold later.
             optimize=False,
             verbose=False,

@@ -254,9 +254,9 @@ def test_lfm2_refusals(lfm2):
 
 @pytest.mark.parametrize("model_type,fields,mechanism", [
     ("kimi_linear", dict(linear_conv_kernel_dim=4), "Kimi Delta Attention"),
-    ("nemotron_h", dict(ssm_state_size=8), "Mamba/Mamba2"),
-    ("falcon_h1", dict(mamba_d_state=8), "Mamba/Mamba2"),
-    ("granitemoehybrid", dict(mamba_d_state=8), "Mamba/Mamba2"),
+    ("jamba", dict(mamba_d_state=8), "Mamba/Mamba2"),
+    ("zamba2", dict(mamba_d_state=8), "Mamba/Mamba2"),
+    ("mamba2", dict(state_size=8), "Mamba/Mamba2"),
 ])
 def test_other_hybrids_refused_naming_the_mechanism(tmp_path, model_type, fields, mechanism):
     """Families whose recurrent layers are not lowered yet stop before any work (exit 3), naming what is missing."""

@@ -27,7 +27,7 @@ from llmc.compiler.backends.ort_rotary_attention import fuse_rotary_attention
 from llmc.errors import LlmcError
 from llmc.passes.base import replace_value
 from llmc.plugins.paged_attention import DOMAIN, OP_TYPE, OPSET_VERSION, ROTARY_OP_TYPE
-from llmc.plugins.recurrent import CONV_OP_TYPE, DELTA_OP_TYPE
+from llmc.plugins.recurrent import CONV_OP_TYPE, DELTA_OP_TYPE, SSD_OP_TYPE
 
 ORT_CONTRIB_DOMAIN = "ai.onnx.contrib"
 MS_DOMAIN = "com.microsoft"
@@ -155,7 +155,7 @@ def lower(model: ir.Model, attention: str = "native", fusions: frozenset[str] | 
                 raise LlmcError("llmc.Int4MatMul runs only in llmc's native custom-op library; build with the "
                                 "native attention route, or with --int4-kernel mlas (ONNX Runtime's MatMulNBits)")
             continue
-        elif node.op_type in (CONV_OP_TYPE, DELTA_OP_TYPE):  # recurrent-state ops: llmc's native library only
+        elif node.op_type in (CONV_OP_TYPE, DELTA_OP_TYPE, SSD_OP_TYPE):  # recurrent-state ops: native library only
             if attention == "pyop":
                 raise LlmcError(f"llmc.{node.op_type} runs only in llmc's native custom-op library; build with the "
                                 "native attention route")

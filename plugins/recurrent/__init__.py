@@ -17,7 +17,12 @@ inputs, oldest first (transformers' ``conv_state``).
 ``GatedDeltaRule(query [T, Hk*Dk], key [T, Hk*Dk], value [T, Hv*Dv], g [T, Hv], beta [T, Hv], state_slots,
 context_lens, query_start_loc) -> [T, Hv*Dv]``, attributes ``state_idx``, ``num_k_heads``, ``num_v_heads``,
 ``use_qk_l2norm``: Gated DeltaNet's recurrence (Qwen3-Next, Qwen3.5) in its recurrent form, token by token,
-with a slot ``[Hv, Dk, Dv]``. :mod:`.reference` is normative for both.
+with a slot ``[Hv, Dk, Dv]``.
+
+``SsdScan(x [T, H*P], B [T, G*N], C [T, G*N], dt [T, H], A_log [H], D [H], dt_bias [H], state_slots, context_lens,
+query_start_loc) -> [T, H*P]``, attributes ``state_idx``, ``num_heads``, ``n_groups``, ``dt_min``, ``dt_max``: Mamba2's
+selective scan (Nemotron-H, Falcon-H1, Granite-4 hybrid, Bamba, ...) in its recurrent form, slot ``[H, P, N]``.
+:mod:`.reference` is normative for all three.
 """
 
 DOMAIN = "llmc"
@@ -29,3 +34,5 @@ CONV_INPUT_NAMES = ("x", "weight", "bias", STATE_SLOTS, "context_lens", "query_s
 ACTIVATIONS = {None: 0, "silu": 1, "swish": 1}
 DELTA_OP_TYPE = "GatedDeltaRule"
 DELTA_INPUT_NAMES = ("query", "key", "value", "g", "beta", STATE_SLOTS, "context_lens", "query_start_loc")
+SSD_OP_TYPE = "SsdScan"
+SSD_INPUT_NAMES = ("x", "B", "C", "dt", "A_log", "D", "dt_bias", STATE_SLOTS, "context_lens", "query_start_loc")

@@ -12,12 +12,14 @@ from llmc.plugins.recurrent import (
     DELTA_OP_TYPE,
     DOMAIN,
     OPSET_VERSION,
+    SSD_INPUT_NAMES,
+    SSD_OP_TYPE,
 )
 
 
 def register() -> None:
     """Register the schemas once per process (idempotent)."""
-    if onnx.defs.has(DELTA_OP_TYPE, DOMAIN):
+    if onnx.defs.has(SSD_OP_TYPE, DOMAIN):
         return
     option = OpSchema.FormalParameterOption
     inputs = [OpSchema.FormalParameter(name, "T" if i < 3 else "tensor(int64)",
@@ -41,4 +43,15 @@ def register() -> None:
         type_constraints=[("T", ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"], "")],
         attributes=[OpSchema.Attribute(n, OpSchema.AttrType.INT, required=False)
                     for n in ("state_idx", "num_k_heads", "num_v_heads", "use_qk_l2norm")],
+    ))
+    onnx.defs.register_schema(OpSchema(
+        SSD_OP_TYPE, DOMAIN, OPSET_VERSION,
+        doc="Mamba2's selective scan (SSD) with per-sequence state slots; see llmc.plugins.recurrent.",
+        inputs=[OpSchema.FormalParameter(name, "T" if i < 7 else "tensor(int64)")
+                for i, name in enumerate(SSD_INPUT_NAMES)],
+        outputs=[OpSchema.FormalParameter("output", "T")],
+        type_constraints=[("T", ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"], "")],
+        attributes=[OpSchema.Attribute(n, OpSchema.AttrType.INT, required=False)
+                    for n in ("state_idx", "num_heads", "n_groups")]
+        + [OpSchema.Attribute(n, OpSchema.AttrType.FLOAT, required=False) for n in ("dt_min", "dt_max")],
     ))

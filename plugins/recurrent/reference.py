@@ -72,3 +72,38 @@ def gated_delta_rule(query: np.ndarray, key: np.ndarray, value: np.ndarray, g: n
             out[t] = (s * q[t][:, :, None]).sum(1)
         state[slot] = s
     return out.reshape(t_all, num_v_heads * dv)
+
+
+def _softplus(x: np.ndarray) -> np.ndarray:
+    """torch's softplus (threshold 20: above it, x itself)."""
+    return np.where(x > 20.0, x, np.log1p(np.exp(np.minimum(x, 20.0)))).astype(np.float32)
+
+
+def ssd_scan(x: np.ndarray, b: np.ndarray, c: np.ndarray, dt: np.ndarray, a_log: np.ndarray, d: np.ndarray,
+             dt_bias: np.ndarray, state_slots: np.ndarray, context_lens: np.ndarray, query_start_loc: np.ndarray,
+             state: np.ndarray, num_heads: int, n_groups: int, dt_min: float = 0.0,
+             dt_max: float = float("inf")) -> np.ndarray:
+    """Mamba2's selective scan (state space duality) token by token on packed rows: transformers' recurrent form.
+
+    ``x`` ``[T, H*P]``, ``b``/``c`` ``[T, G*N]`` (head ``h`` reads group ``h // (H // G)``), ``dt`` ``[T, H]`` before
+    its bias. Per head: ``dt' = clamp(softplus(dt + dt_bias), dt_min, dt_max)``, ``A = -exp(a_log)``; for each token
+    ``S = exp(dt' A) S + dt' x B^T`` (``S`` ``[P, N]``, zeros when fresh), ``y = S C + D x``. The slot ``[H, P, N]``
+    then holds the last state.
+    """
+    t_all = x.shape[0]
+    p = x.shape[1] // num_heads
+    n = b.shape[1] // n_groups
+    rep = num_heads // n_groups
+    xs = x.reshape(t_all, num_heads, p).astype(np.float32)
+    bs = np.repeat(b.reshape(t_all, n_groups, n).astype(np.float32), rep, axis=1)  # [T, H, N]
+    cs = np.repeat(c.reshape(t_all, n_groups, n).astype(np.float32), rep, axis=1)
+    step = np.clip(_softplus(dt.astype(np.float32) + dt_bias.astype(np.float32)), dt_min, dt_max)  # [T, H]
+    a = -np.exp(a_log.astype(np.float32))
+    out = np.zeros((t_all, num_heads, p), np.float32)
+    for slot, lo, hi, fresh in sequences(state_slots, context_lens, query_start_loc):
+        s = np.zeros((num_heads, p, n), np.float32) if fresh else state[slot].astype(np.float32)
+        for t in range(lo, hi):
+            s = s * np.exp(step[t] * a)[:, None, None] + (step[t][:, None] * xs[t])[:, :, None] * bs[t][:, None, :]
+            out[t] = (s * cs[t][:, None, :]).sum(-1) + d.astype(np.float32)[:, None] * xs[t]
+        state[slot] = s
+    return out.reshape(t_all, num_heads * p)

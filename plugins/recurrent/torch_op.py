@@ -9,7 +9,15 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from llmc.plugins.recurrent import CONV_OP_TYPE, DELTA_OP_TYPE, DOMAIN, OPSET_VERSION, reference, state_binding
+from llmc.plugins.recurrent import (
+    CONV_OP_TYPE,
+    DELTA_OP_TYPE,
+    DOMAIN,
+    OPSET_VERSION,
+    SSD_OP_TYPE,
+    reference,
+    state_binding,
+)
 
 
 @torch.library.custom_op("llmc::causal_conv1d", mutates_args=())
@@ -66,3 +74,33 @@ def delta_onnx_translation(query, key, value, g, beta, state_slots, context_lens
     return getattr(opset, DELTA_OP_TYPE)(query, key, value, g, beta, state_slots, context_lens, query_start_loc,
                                          state_idx=state_idx, num_k_heads=num_k_heads, num_v_heads=num_v_heads,
                                          use_qk_l2norm=use_qk_l2norm)
+
+
+@torch.library.custom_op("llmc::ssd_scan", mutates_args=())
+def ssd_scan(x: torch.Tensor, b: torch.Tensor, c: torch.Tensor, dt: torch.Tensor, a_log: torch.Tensor,
+             d: torch.Tensor, dt_bias: torch.Tensor, state_slots: torch.Tensor, context_lens: torch.Tensor,
+             query_start_loc: torch.Tensor, state_idx: int, num_heads: int, n_groups: int, dt_min: float,
+             dt_max: float) -> torch.Tensor:
+    def f(t):
+        return t.detach().float().numpy()
+
+    out = reference.ssd_scan(f(x), f(b), f(c), f(dt), f(a_log), f(d), f(dt_bias), state_slots.numpy(),
+                             context_lens.numpy(), query_start_loc.numpy(), state_binding.state_array(state_idx),
+                             num_heads, n_groups, dt_min, dt_max)
+    return torch.from_numpy(np.ascontiguousarray(out)).to(x.dtype)
+
+
+@ssd_scan.register_fake
+def _(x, b, c, dt, a_log, d, dt_bias, state_slots, context_lens, query_start_loc, *attrs):
+    return torch.empty_like(x)
+
+
+def ssd_onnx_translation(x, b, c, dt, a_log, d, dt_bias, state_slots, context_lens, query_start_loc, state_idx: int,
+                         num_heads: int, n_groups: int, dt_min: float, dt_max: float):
+    """Lowering for ``torch.onnx.export(custom_translation_table=...)``: one ``llmc.SsdScan`` node."""
+    import onnxscript
+
+    opset = onnxscript.values.Opset(DOMAIN, OPSET_VERSION)
+    return getattr(opset, SSD_OP_TYPE)(x, b, c, dt, a_log, d, dt_bias, state_slots, context_lens, query_start_loc,
+                                       state_idx=state_idx, num_heads=num_heads, n_groups=n_groups, dt_min=dt_min,
+                                       dt_max=dt_max)

@@ -539,7 +539,8 @@ LLMC_EXPORT OrtStatus* RegisterCustomOps(OrtSessionOptions* options, const OrtAp
             OrtCustomOpDomain* domain = nullptr;
             check(api_fn<OrtStatus* (*)(const char*, OrtCustomOpDomain**)>(kCreateCustomOpDomain)("llmc", &domain),
                   "CreateCustomOpDomain");
-            for (const OrtCustomOpV13* op : {&g_op, &g_rotary_op, &g_int4_op, &g_conv_op, &g_delta_op}) {
+            for (const OrtCustomOpV13* op : {&g_op, &g_rotary_op, &g_int4_op, &g_conv_op, &g_delta_op,
+                                              &g_ssd_op}) {
                 check(api_fn<OrtStatus* (*)(OrtCustomOpDomain*, const void*)>(kCustomOpDomain_Add)(domain, op),
                       "CustomOpDomain_Add");
             }

@@ -243,3 +243,124 @@ size_t delta_input_count(const OrtCustomOpV13*) { return 8; }
 
 const OrtCustomOpV13 g_delta_op = make_op(delta_name, delta_input_type, delta_input_count, create_delta_kernel,
                                           compute_delta, destroy_delta_kernel);
+
+// ---------------------------------------------------------------------------------------------
+// llmc::SsdScan(x [T, H*P], B [T, G*N], C [T, G*N], dt [T, H], A_log [H], D [H], dt_bias [H], state_slots [S],
+// context_lens [S], query_start_loc [S + 1]) -> [T, H*P]; attributes state_idx, num_heads, n_groups, dt_min, dt_max.
+// State slot [H, P, N].
+
+struct SsdKernel {
+    int64_t state_idx = 0, num_heads = 0, n_groups = 0;
+    float dt_min = 0.0f, dt_max = INFINITY;
+};
+
+void* create_ssd_kernel(const OrtCustomOpV13*, const OrtApi*, const OrtKernelInfo* info) {
+    auto* k = new SsdKernel();
+    try {
+        k->state_idx = int_attr(info, "state_idx", true, 0);
+        k->num_heads = int_attr(info, "num_heads", true, 0);
+        k->n_groups = int_attr(info, "n_groups", true, 0);
+        k->dt_min = float_attr(info, "dt_min", 0.0f);
+        k->dt_max = float_attr(info, "dt_max", INFINITY);
+        if (k->num_heads <= 0 || k->n_groups <= 0 || k->num_heads % k->n_groups) {
+            throw Error("num_heads (" + std::to_string(k->num_heads) + ") must be a positive multiple of n_groups (" +
+                        std::to_string(k->n_groups) + ")");
+        }
+    } catch (...) {
+        delete k;
+        throw;
+    }
+    return k;
+}
+
+void destroy_ssd_kernel(void* kernel) { delete static_cast<SsdKernel*>(kernel); }
+
+void compute_ssd(void* kernel, OrtKernelContext* ctx) {
+    const SsdKernel& kk = *static_cast<const SsdKernel*>(kernel);
+    const Tensor x = input(ctx, 0, "x"), b = input(ctx, 1, "B"), c = input(ctx, 2, "C"), dt = input(ctx, 3, "dt");
+    const Tensor a_log = input(ctx, 4, "A_log"), d = input(ctx, 5, "D"), bias = input(ctx, 6, "dt_bias");
+    const Tensor slots = input(ctx, 7, "state_slots"), lens = input(ctx, 8, "context_lens");
+    const Tensor qsl = input(ctx, 9, "query_start_loc");
+    for (const auto& [t, name] : {std::pair<const Tensor*, const char*>{&x, "x"}, {&b, "B"}, {&c, "C"}, {&dt, "dt"}}) {
+        require_rank(*t, 2, name);
+    }
+    require_rank(slots, 1, "state_slots");
+    require_rank(lens, 1, "context_lens");
+    require_rank(qsl, 1, "query_start_loc");
+    llmc_rec::SsdArgs a;
+    a.T = x.dims[0];
+    a.S = slots.dims[0];
+    a.H = kk.num_heads;
+    a.G = kk.n_groups;
+    if (x.dims[1] % a.H || b.dims[1] % a.G) {
+        throw Error("x " + dims_str(x.dims) + " and B " + dims_str(b.dims) + " must have num_heads (" +
+                    std::to_string(a.H) + ") and n_groups (" + std::to_string(a.G) + ") whole heads per row");
+    }
+    a.P = x.dims[1] / a.H;
+    a.N = b.dims[1] / a.G;
+    const std::vector<int64_t> heads{a.H};
+    if (b.dims[0] != a.T || c.dims != b.dims || dt.dims != std::vector<int64_t>{a.T, a.H} || a_log.dims != heads ||
+        d.dims != heads || bias.dims != heads) {
+        throw Error("B and C must have shape (T, n_groups * N), dt (T, num_heads), A_log, D and dt_bias (num_heads,); "
+                    "got B " + dims_str(b.dims) + ", C " + dims_str(c.dims) + ", dt " + dims_str(dt.dims) + ", A_log " +
+                    dims_str(a_log.dims) + ", D " + dims_str(d.dims) + ", dt_bias " + dims_str(bias.dims));
+    }
+    if (lens.dims[0] != a.S || qsl.dims[0] != a.S + 1) {
+        throw Error("state_slots " + dims_str(slots.dims) + ", context_lens " + dims_str(lens.dims) +
+                    " and query_start_loc " + dims_str(qsl.dims) + " must describe the same S sequences");
+    }
+    a.x = static_cast<const float*>(x.data);
+    a.b = static_cast<const float*>(b.data);
+    a.c = static_cast<const float*>(c.data);
+    a.dt = static_cast<const float*>(dt.data);
+    a.a_log = static_cast<const float*>(a_log.data);
+    a.d = static_cast<const float*>(d.data);
+    a.dt_bias = static_cast<const float*>(bias.data);
+    a.x_row = x.dims[1];
+    a.bc_row = b.dims[1];
+    a.dt_row = a.H;
+    a.dt_min = kk.dt_min;
+    a.dt_max = kk.dt_max;
+    a.state_slots = static_cast<const int64_t*>(slots.data);
+    a.context_lens = static_cast<const int64_t*>(lens.data);
+    a.query_start_loc = static_cast<const int64_t*>(qsl.data);
+    a.state = state_array(kk.state_idx, a.H * a.P * a.N, &a.num_slots, "SsdScan");
+    if (a.S > 0 && a.query_start_loc[a.S] != a.T) {
+        throw Error("query_start_loc[S] = " + std::to_string(a.query_start_loc[a.S]) + " but x has " +
+                    std::to_string(a.T) + " rows");
+    }
+    llmc_rec::ConvArgs check;
+    check.state_slots = a.state_slots;
+    check.context_lens = a.context_lens;
+    check.query_start_loc = a.query_start_loc;
+    check.num_slots = a.num_slots;
+    check.S = a.S;
+    check.T = a.T;
+    check.K = 1;
+    llmc_rec::check_conv(check);
+    const int64_t out_dims[2] = {a.T, a.H * a.P};
+    a.out = output(ctx, out_dims, 2);
+    struct Item {
+        const llmc_rec::SsdArgs* a;
+    } item{&a};
+    auto body = [](void* p, int64_t i) {
+        const llmc_rec::SsdArgs& s = *static_cast<const Item*>(p)->a;
+        llmc_rec::ssd_scan_item(s, i / s.H, i % s.H);
+    };
+    const int64_t items = a.S * a.H;
+    with_threads(ctx, [&](int, const llmc::ParallelFor* pf) {
+        if (pf != nullptr && items > 1 && a.T * a.H * a.P * a.N >= (1 << 15)) {
+            pf->fn(pf->self, items, body, &item);  // bodies never throw: checked above
+        } else {
+            for (int64_t i = 0; i < items; ++i) body(&item, i);
+        }
+    });
+    g_state_calls.fetch_add(1, std::memory_order_relaxed);
+}
+
+const char* ssd_name(const OrtCustomOpV13*) { return "SsdScan"; }
+int32_t ssd_input_type(const OrtCustomOpV13*, size_t i) { return i < 7 ? kOrtFloat : kOrtInt64; }
+size_t ssd_input_count(const OrtCustomOpV13*) { return 10; }
+
+const OrtCustomOpV13 g_ssd_op = make_op(ssd_name, ssd_input_type, ssd_input_count, create_ssd_kernel, compute_ssd,
+                                        destroy_ssd_kernel);

@@ -9,6 +9,7 @@
 
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <stdexcept>
@@ -193,6 +194,54 @@ inline void check_delta(const DeltaArgs& a) {
     c.T = a.T;
     c.K = 1;
     check_conv(c);  // the slots and sequence rows: the same checks as the convolution's
+}
+
+// Mamba2's selective scan (SSD), token by token: per sequence and head h, a state S [P, N] (slot layout [H, P, N]);
+// for each token dt' = clamp(softplus(dt + dt_bias), dt_min, dt_max), S = exp(dt' A) S + dt' x B^T, y = S C + D x,
+// A = -exp(A_log); head h reads B and C of group h / (H / G).
+struct SsdArgs {
+    const float *x = nullptr, *b = nullptr, *c = nullptr, *dt = nullptr;
+    const float *a_log = nullptr, *d = nullptr, *dt_bias = nullptr;
+    int64_t x_row = 0, bc_row = 0, dt_row = 0;
+    float* out = nullptr;    // [T, H * P]
+    float* state = nullptr;  // [num_slots, H, P, N]
+    int64_t num_slots = 0;
+    const int64_t* state_slots = nullptr;
+    const int64_t* context_lens = nullptr;
+    const int64_t* query_start_loc = nullptr;
+    int64_t T = 0, S = 0, H = 0, G = 0, P = 0, N = 0;
+    float dt_min = 0.0f, dt_max = INFINITY;
+};
+
+inline float softplus(float v) { return v > 20.0f ? v : std::log1p(std::exp(v)); }
+
+inline void ssd_scan_item(const SsdArgs& a, int64_t s, int64_t h) {
+    const SeqRows r = seq_rows(a.query_start_loc, a.context_lens, s, a.T);
+    const int64_t P = a.P, N = a.N, g = h / (a.H / a.G);
+    float* st = a.state + (a.state_slots[s] * a.H + h) * P * N;
+    if (r.fresh) {
+        for (int64_t i = 0; i < P * N; ++i) st[i] = 0.0f;
+    }
+    const float A = -std::exp(a.a_log[h]), D = a.d ? a.d[h] : 0.0f, bias = a.dt_bias ? a.dt_bias[h] : 0.0f;
+    for (int64_t t = r.begin; t < r.end; ++t) {
+        const float step = std::min(std::max(softplus(a.dt[t * a.dt_row + h] + bias), a.dt_min), a.dt_max);
+        const float decay = std::exp(step * A);
+        const float* xt = a.x + t * a.x_row + h * P;
+        const float* bt = a.b + t * a.bc_row + g * N;
+        const float* ct = a.c + t * a.bc_row + g * N;
+        float* ot = a.out + t * a.H * P + h * P;
+        for (int64_t i = 0; i < P; ++i) {
+            float* row = st + i * N;
+            const float dx = step * xt[i];
+            float y = 0.0f;
+            for (int64_t j = 0; j < N; ++j) {
+                const float nv = row[j] * decay + dx * bt[j];
+                row[j] = nv;
+                y += nv * ct[j];
+            }
+            ot[i] = y + D * xt[i];
+        }
+    }
 }
 
 }  // namespace llmc_rec
