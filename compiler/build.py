@@ -176,11 +176,18 @@ def _carry_int4(ckpt: Checkpoint, plan: _Plan) -> None:
                                "original")
     if q.symmetric:
         raise UnsupportedError(f"{head}; --symmetric would drop its zero points; leave --symmetric out")
-    if target.sm is not None:
-        raise UnsupportedError(f"{head}; {target.flag}: llmc carries pre-quantized INT4 weights into CPU engines only "
-                               "so far; build with --target cpu")
+    if target.sm is not None and not uses_cuda_engine(options, target):
+        raise UnsupportedError(f"{head}; {target.flag} --engine tensorrt: TensorRT's INT4 GEMMs take symmetric groups, "
+                               "which would re-quantize it; build the CUDA engine (leave --engine out) or --target cpu")
+    if target.sm is not None and options.dtype == "bfloat16":
+        # The CUDA engine keeps INT4 group scales in its compute dtype: float16 scales are exact in float16/float32.
+        raise UnsupportedError(f"{head}; {target.flag} --dtype bfloat16 would round its float16 scales to bfloat16; "
+                               "build with --dtype float16 (or float32)")
     recipe = dataclasses.replace(q, quant="int4", group_size=group, symmetric=False, embeddings="none", lm_head="none")
+    quant_recipe.check_target(recipe, target.name, TARGETS)
     plan.options = dataclasses.replace(options, quant=recipe)
+    if uses_cuda_engine(plan.options, target):
+        plan.options = _check_cuda_request(plan.options, target)
 
 
 def _validate(options: BuildOptions) -> None:

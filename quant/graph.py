@@ -611,7 +611,10 @@ def quantize_model(model: ir.Model, recipe: QuantRecipe, calib: CalibrationResul
         experts = _expert_weights(model)
         if experts:  # batched [E, N, K] expert weights this format does not rewrite stay in full precision
             b.stats["expert_weights_kept"] = experts
-        head = lm_head_site(model, sites) if fmt.family == "int4" and form == "cpu" else None
+        # The LM head's own format (--lm-head): on the CPU any of them; in the GPU (qdq) form INT4 unless "none"
+        # (kept in the compute dtype; a pre-quantized checkpoint's float head stays as stored).
+        head = (lm_head_site(model, sites) if fmt.family == "int4" and (form == "cpu" or recipe.lm_head == "none")
+                else None)
         for site in sites:
             if feeds_router(site.node.outputs[0]):
                 b.stats["routers_kept"] = b.stats.get("routers_kept", 0) + 1

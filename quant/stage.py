@@ -219,7 +219,7 @@ class QuantStage:
             "emulated_on_cpu": bool((r.format and not r.format.cpu_native) or r.kv_cache_dtype == "fp8"),
             "graph": {k: v for k, v in self.stats.items() if isinstance(v, int)},
         }}
-        if self.calibration is not None:
+        if self.calibration is not None and self.calib_device is not None:  # (not: weights handed in, uncalibrated)
             out["quantization"]["calibration"] = {
                 "data": r.calib_data or "built-in: pydoc_data.topics train split", "samples": r.calib_samples,
                 "seq_len": r.calib_seq_len, "seed": r.seed, "tokens": self.calibration.num_tokens,

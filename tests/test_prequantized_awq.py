@@ -210,6 +210,32 @@ def test_awq_checkpoint_builds_exactly_and_matches_transformers(tmp_path, monkey
         assert out.token_ids == ref, (prompt, out.token_ids, ref)
 
 
+def test_awq_checkpoint_cuda_program_matches_transformers(tmp_path, monkeypatch):
+    """The CUDA engine (h100, float32, built with no GPU and run by torch on the CPU) keeps the checkpoint's codes,
+    zero points and scales (block-wise DequantizeLinear + MatMul, lowered to its Int4Linear) and gives transformers'
+    greedy tokens on the dequantized checkpoint."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from llmc.compiler.build import BuildOptions, build
+    from llmc.runtime import Engine, SamplingParams
+
+    awq, deq = write_awq_fixture(tmp_path)
+    monkeypatch.setenv("LLMC_CACHE_DIR", str(tmp_path / "cache"))
+    result = build(awq, tmp_path / "cuda", BuildOptions(target="h100", dtype="float32", aot_kernels=False))
+    assert result.report["source_quantization"]["method"] == "awq"
+    quantization = result.report["quantization"]
+    assert quantization["graph"]["calibrated"] == 8 and "calibration" not in quantization  # the checkpoint's weights
+    engine = Engine.load(tmp_path / "cuda", device="cpu")
+    hf = AutoModelForCausalLM.from_pretrained(deq, dtype=torch.float32).eval()
+    outs = engine.generate([list(p) for p in PROMPTS], SamplingParams(max_tokens=32, ignore_eos=True))
+    for prompt, out in zip(PROMPTS, outs, strict=True):
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([prompt]), max_new_tokens=32, min_new_tokens=32, do_sample=False,
+                              eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+        assert out.token_ids == ref, (prompt, out.token_ids, ref)
+
+
 @pytest.mark.parametrize("overrides,phrase", [
     ({"version": "gemv"}, "not the gemv layout"),
     ({"bits": 8}, "4-bit AWQ weights only"),
@@ -238,7 +264,7 @@ def test_refused_requests_and_bad_tensors(tmp_path, monkeypatch):
         build(awq, tmp_path / "e1", BuildOptions(quant=QuantRecipe(quant="fp8")))
     with pytest.raises(UnsupportedError, match="--symmetric would drop its zero points"):
         build(awq, tmp_path / "e2", BuildOptions(quant=QuantRecipe(quant="int4", symmetric=True)))
-    with pytest.raises(UnsupportedError, match="CPU engines only so far; build with --target cpu"):
+    with pytest.raises(UnsupportedError, match="--dtype bfloat16 would round its float16 scales"):
         build(awq, tmp_path / "e3", BuildOptions(target="h100"))
     tensors = load_file(awq / "model.safetensors")
     tensors["model.layers.0.mlp.up_proj.scales"] = tensors["model.layers.0.mlp.up_proj.scales"][:, :8]
