@@ -319,8 +319,24 @@ class Engine:
                                kv["dtype"], kv.get("layers"))
         tokenizer = Tokenizer(root) if (root / "tokenizer.json").is_file() else None
         blocks = BlockManager(num_blocks, block_size, enable_prefix_caching)
-        # One state slot per running sequence, and one for score().
-        state = StatePool.allocate(hybrid, max_num_seqs + 1) if hybrid else None
+        state = None
+        if hybrid:
+            # One state slot per running sequence, and one for score(); at most as much state as the KV pool holds
+            # (and at least STATE_MIN_BYTES' worth), fewer running sequences if need be.
+            per_slot = StatePool.bytes_per_slot(hybrid)
+            budget = max(STATE_MIN_BYTES, KVPool.bytes_per_block(
+                kv["num_layers"], kv["num_kv_heads"], block_size, kv["head_size"], kv["dtype"], kv.get("layers"))
+                * num_blocks)
+            slots = min(max_num_seqs + 1, max(2, budget // per_slot))
+            if slots < max_num_seqs + 1:
+                import logging
+
+                logging.getLogger("llmc").warning(
+                    "%s: max_num_seqs %d -> %d: each sequence's recurrent state takes %.1f MB, and the state pool is "
+                    "held to the KV pool's size (raise kv_cache_tokens to run more sequences at once)", root,
+                    max_num_seqs, slots - 1, per_slot / 1e6)
+                config.max_num_seqs = slots - 1
+            state = StatePool.allocate(hybrid, slots)
         return cls(root, manifest, session, pool, blocks, tokenizer, _eos_ids(root), config, state, no_prefix)
 
     @classmethod
@@ -966,6 +982,8 @@ class _TextDeltas:
 
 # The state slot owner of score()'s sequence (request seq_ids count up from 0).
 _SCORE_SEQ = -1
+# A hybrid engine's state pool may take at least this much memory, whatever the KV pool's size.
+STATE_MIN_BYTES = 256 << 20
 
 
 def _max_model_len(root: Path, manifest: dict) -> int | None:
