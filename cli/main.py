@@ -419,6 +419,10 @@ def inspect(engine: Path, as_json: bool) -> None:
     else:
         click.echo(f"kv cache    {kv['layout']} {geometry} {kv['dtype']}, {kv['num_layers']} layers × "
                    f"{kv['num_kv_heads']} kv heads × {kv['head_size']}")
+    if manifest.get("lora"):
+        lo = manifest["lora"]
+        click.echo(f"lora        {lo['slots']} slots of rank ≤ {lo['max_rank']} on {','.join(lo['targets'])} "
+                   f"({len(lo['modules'])} linears); adapters load at run time")
     if manifest["engine"].get("engine_file"):
         e = manifest["engine"]
         click.echo(f"engine      {e['engine_file']}: {e['builder']['product']} {e['builder']['version']}, "

@@ -82,6 +82,10 @@ def test_manifest_records_geometry(lora_dir):
     inputs = {i.name for i in graph.input}
     assert {"lora_slots", q["a_input"], q["b_input"]} <= inputs
     assert not any(i.name.endswith((".lora_A", ".lora_B")) for i in graph.initializer)
+    from llmc.cli.main import cli
+
+    shown = CliRunner().invoke(cli, ["inspect", str(lora_dir / "engine")]).output
+    assert f"lora        {SLOTS} slots of rank ≤ {RANK} on q,k,v,o,gate,up,down (14 linears)" in shown
 
 
 def test_build_without_slots_is_unchanged():
