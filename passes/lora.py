@@ -8,11 +8,12 @@ artifact): ``<module>.lora_A`` ``[in, S*R]`` (column block ``s-1`` holds slot ``
 zero-padded. ``<module>`` is the Hugging Face module path (``model.layers.0.self_attn.q_proj``), which is
 what PEFT's tensor names carry.
 
-The slot is selected with standard ONNX ops: every token's ``x A`` is computed for all slots at once (one
-``[in, S*R]`` GEMM), the columns of other slots are zeroed by a ``[tokens, S*R]`` mask, and one
-``[S*R, out]`` GEMM adds the chosen slot's update. That costs ``S*R*(in + out)`` multiply-adds per token and
-linear whatever the batch's mix of adapters (a gather-by-slot kernel would cost ``R*(in + out)``): small
-beside the base GEMM's ``in*out`` while ``S*R`` is well below ``min(in, out)``.
+The graph states the update in standard ONNX ops: every token's ``x A`` for all slots at once (one ``[in, S*R]``
+GEMM), the columns of other slots zeroed by a ``[tokens, S*R]`` mask, one ``[S*R, out]`` GEMM adding the chosen
+slot's update (``S*R*(in + out)`` multiply-adds per token and linear). That form is the semantics every pass and
+the pass verifier run; the backends lower it to kernels that compute each token's own slot only
+(``R*(in + out)``): ``llmc.LoraApply`` in llmc's ONNX Runtime library (compiler/backends/ort_lora.py) and the
+CUDA engine's ``LoraApply`` node with its shrink/expand Triton kernels (compiler/backends/cuda.py, plugins/lora).
 
 This runs right after tracing, before any fusion, while each linear is still ``MatMul(x, Transpose(W))``
 with ``W`` named by its checkpoint key.
