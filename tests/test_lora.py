@@ -222,6 +222,10 @@ def test_refusals(tmp_path, tiny_llama, lora_dir, engine):
              "modules_to_save")
     _refused(engine, write_peft_adapter(tiny_llama, tmp_path / "head", targets=("lm_head",)), UnsupportedError,
              "lm_head", "no LoRA slots for", "--lora-targets")
+    _refused(engine, write_peft_adapter(tiny_llama, tmp_path / "bias", bias="lora_only"), UnsupportedError,
+             "bias 'lora_only'", "bias='none'")
+    _refused(engine, write_peft_adapter(tiny_llama, tmp_path / "pattern", rank_pattern={"q_proj": 2}),
+             UnsupportedError, "rank_pattern")
     # an adapter trained for another model (hidden size 32): shapes that do not fit the base
     from llmc.testing.checkpoints import write_tiny_llama
 
