@@ -156,9 +156,9 @@ def _check_hybrid(ckpt: Checkpoint, plan: _Plan) -> None:
 
 
 def _carry_int4(ckpt: Checkpoint, plan: _Plan) -> None:
-    """A checkpoint that arrives in INT4 (compiler/prequantized_int4.py: AutoAWQ GEMM) keeps its weights: the build's
-    recipe becomes INT4 with the checkpoint's group size and zero points, the embeddings and LM head stay as stored,
-    and the INT4 stage takes the checkpoint's codes instead of quantizing (never dequantize and re-quantize).
+    """A checkpoint that arrives in INT4 (compiler/prequantized_int4.py: AutoAWQ GEMM, GPTQ) keeps its weights: the
+    build's recipe becomes INT4 with the checkpoint's group size and zero points, the embeddings and LM head stay as
+    stored, and the INT4 stage takes the checkpoint's codes instead of quantizing (never dequantize and re-quantize).
     A request that would re-quantize them, or a target without this path yet, is refused before any work (exit 3)."""
     import dataclasses
 
@@ -169,8 +169,9 @@ def _carry_int4(ckpt: Checkpoint, plan: _Plan) -> None:
     options, target = plan.options, plan.target
     q = options.quant
     group = ckpt.source_quantization["group_size"]
-    head = f"{ckpt.path}: the checkpoint is already INT4 (AWQ GEMM, group {group}, with zero points)"
-    if q.quant not in ("none", "int4", "int4-awq"):
+    method = ckpt.source_quantization["method"].upper()
+    head = f"{ckpt.path}: the checkpoint is already INT4 ({method}, group {group}, with zero points)"
+    if q.quant not in ("none", "int4", "int4-awq", "int4-gptq"):
         raise UnsupportedError(f"{head}; --quant {q.quant} would dequantize and re-quantize it; build with "
                                "--quant int4 (or leave --quant out) to keep its weights, or build from the unquantized "
                                "original")
