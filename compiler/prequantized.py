@@ -10,10 +10,11 @@ plain floats:
   once to float32's 24 bits: relative error at most 2**-24). The build then proceeds from those values, and
   ``--quant fp8`` re-quantizes them with llmc's own per-channel scales (reported by the accuracy check).
   Static activation scales and KV-cache scales in the checkpoint are dropped (recorded in the report).
-- **AutoAWQ GEMM** and **GPTQ** (v1, v2; groups in input order) INT4 are carried exactly: codes, zero points and
-  scales as stored become llmc's INT4 weights (compiler/prequantized_int4.py), never dequantized and re-quantized.
-- **Every other method** (other AWQ layouts, act-order GPTQ, bitsandbytes, MXFP4, HQQ, packed INT4/NVFP4
-  compressed-tensors, …) is refused before any work, naming the method and what to do instead: llmc quantizes
+- **AutoAWQ GEMM**, **GPTQ** (v1, v2; groups in input order) and compressed-tensors **pack-quantized** INT4 are
+  carried exactly: codes, zero points and scales as stored become llmc's INT4 weights
+  (compiler/prequantized_int4.py), never dequantized and re-quantized.
+- **Every other method** (other AWQ layouts, act-order GPTQ, bitsandbytes, MXFP4, HQQ, NVFP4 compressed-tensors,
+  …) is refused before any work, naming the method and what to do instead: llmc quantizes
   from the original unquantized checkpoint itself (``--quant int4-awq`` / ``int4-gptq`` / ``int4`` / ``nvfp4``).
 """
 
@@ -98,6 +99,12 @@ def plan(config: dict, tensors: dict, cfg_path: Path) -> tuple[dict, dict | None
         planner = prequantized_int4.plan if kind == "awq" else prequantized_int4.plan_gptq
         tensors, record, _ = planner(qc, tensors, cfg_path)
         return tensors, record
+    if kind == "compressed-tensors":
+        from llmc.compiler import prequantized_int4
+
+        if prequantized_int4.compressed_int4_group(qc, cfg_path) is not None:  # pack-quantized INT4, carried exactly
+            tensors, record, _ = prequantized_int4.plan_compressed(qc, tensors, cfg_path)
+            return tensors, record
     if kind not in ("fp8", "compressed-tensors"):
         instead = _INSTEAD.get(kind, "--quant int4-awq, int4-gptq, int4 or nvfp4")
         raise UnsupportedError(

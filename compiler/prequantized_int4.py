@@ -1,4 +1,5 @@
-"""Pre-quantized INT4 checkpoints carried exactly: AutoAWQ GEMM and GPTQ (v1, v2).
+"""Pre-quantized INT4 checkpoints carried exactly: AutoAWQ GEMM, GPTQ (v1, v2) and compressed-tensors
+``pack-quantized``.
 
 An AutoAWQ GEMM checkpoint (``quantization_config``: ``quant_method`` ``awq``, ``version`` ``gemm``, ``bits`` 4,
 ``zero_point`` true) stores each quantized linear ``m`` (``nn.Linear`` weight ``[N, K]``) as
@@ -31,6 +32,13 @@ exactly when ``g_idx[k] = k // group_size`` (groups in input order); refused: ac
 other ``g_idx``: the layer's input would need a permutation llmc does not apply yet), v1 zero points stored as 15
 (a zero point of 0 that AutoGPTQ's v1 packing wrapped to -1: it does not fit 4 bits), bits other than 4, group sizes
 other than 32/64/128 (``-1``: one group per row).
+
+A compressed-tensors ``pack-quantized`` checkpoint (4-bit ``int`` weights, ``group`` strategy) stores
+``m.weight_packed`` int32 ``[N, K / 8]`` (signed codes plus 8, element ``8 c + j`` of a row in nibble ``j`` of word
+``c``), ``m.weight_scale`` ``[N, K / G]`` and, when asymmetric, ``m.weight_zero_point`` int32 ``[N / 8, K / G]``
+(signed zero points plus 8, packed along N); its reference dequantization is ``(q - z) * s`` on the signed values,
+which is the difference of the stored ones: carried as codes ``q + 8`` with zero points ``z + 8`` (8 when
+symmetric). ``m.weight_shape`` is checked and dropped.
 """
 
 from __future__ import annotations
@@ -281,6 +289,102 @@ def plan_gptq(qc: dict, tensors: dict, cfg_path: Path) -> tuple[dict, dict, dict
                         "not describe these weights")
     record = {"method": "gptq", "version": "v1" if v1 else "v2", "bits": 4, "group_size": group, "zero_point": True,
               "linears": len(linears), "kept": "INT4 codes, zero points and scales as stored (never re-quantized)"}
+    return out, record, linears
+
+
+@dataclass(frozen=True)
+class PackedLinear(Int4Source):
+    """One compressed-tensors pack-quantized linear (TensorEntry each; ``zero_point`` None when symmetric)."""
+
+    packed: object
+    scale: object
+    zero_point: object | None
+    group_size: int
+
+    @property
+    def n(self) -> int:
+        return int(self.packed.shape[0])
+
+    @property
+    def k(self) -> int:
+        return 8 * int(self.packed.shape[1])
+
+    def load(self) -> Int4Weights:
+        from llmc.compiler.checkpoint import read_tensor
+
+        codes = sequential_nibbles(read_tensor(self.packed), 1)  # [N, K]: signed codes + 8
+        zp = (sequential_nibbles(read_tensor(self.zero_point), 0)[: self.n] if self.zero_point is not None
+              else np.full((self.n, self.k // self.group_size), 8, np.uint8))
+        scales = read_tensor(self.scale).astype(np.float32).reshape(self.n, -1)
+        return Int4Weights(q=codes, scales=np.ascontiguousarray(scales), zero_points=np.ascontiguousarray(zp),
+                           group_size=self.group_size, k=self.k)
+
+
+CT_INSTEAD = "--quant int4 (or int4-awq / int4-gptq)"
+
+
+def compressed_int4_group(qc: dict, cfg_path: Path) -> tuple[int, bool] | None:
+    """(group size, symmetric) of a compressed-tensors config whose weights are 4-bit ints, None for other weights;
+    refuses 4-bit int layouts llmc cannot carry exactly."""
+    fmt = str(qc.get("format") or "")
+    found = None
+    for name, group in (qc.get("config_groups") or {}).items():
+        w = (group or {}).get("weights") or {}
+        if w.get("type") != "int" or w.get("num_bits") != 4:
+            continue
+        where = f"{cfg_path}: quantization_config (compressed-tensors group {name!r}"
+        if fmt != "pack-quantized":
+            raise UnsupportedError(f"{where}, format {fmt!r}): llmc carries 4-bit int weights in the pack-quantized "
+                                   f"format only; build from the unquantized original with {CT_INSTEAD}")
+        if w.get("strategy") != "group" or w.get("group_size") not in GROUP_SIZES or w.get("actorder"):
+            raise UnsupportedError(f"{where}, strategy {w.get('strategy')!r}, group_size {w.get('group_size')!r}, "
+                                   f"actorder {w.get('actorder')!r}): llmc carries groups of "
+                                   f"{', '.join(map(str, GROUP_SIZES))} in input order only; build from the "
+                                   f"unquantized original with {CT_INSTEAD}")
+        this = (int(w["group_size"]), bool(w.get("symmetric", True)))
+        if found is not None and found != this:
+            raise UnsupportedError(f"{where}): config groups with different group sizes or symmetry; llmc carries one "
+                                   f"INT4 layout per model; build from the unquantized original with {CT_INSTEAD}")
+        found = this
+    return found
+
+
+def plan_compressed(qc: dict, tensors: dict, cfg_path: Path) -> tuple[dict, dict, dict[str, PackedLinear]]:
+    """As :func:`plan`, for compressed-tensors ``pack-quantized`` 4-bit weights."""
+    group, symmetric = compressed_int4_group(qc, cfg_path)
+    out = dict(tensors)
+    linears: dict[str, PackedLinear] = {}
+    for name in sorted(n for n in tensors if n.endswith(".weight_packed")):
+        base = name[: -len(".weight_packed")]
+        packed, scale = tensors[name], tensors.get(f"{base}.weight_scale")
+        zp = tensors.get(f"{base}.weight_zero_point")
+        if scale is None or (zp is None and not symmetric):
+            missing = f"{base}.weight_scale" if scale is None else f"{base}.weight_zero_point"
+            raise LlmcError(f"{packed.file}: compressed-tensors layer {base!r} has {name} but no {missing}; the "
+                            "checkpoint is incomplete (re-download it)")
+        n, k8 = packed.shape if len(packed.shape) == 2 else (0, 0)
+        k = 8 * k8
+        fits = (packed.dtype == "int32" and k % group == 0 and n > 0
+                and tuple(scale.shape) in ((n, k // group),) and scale.dtype in ("float16", "bfloat16", "float32")
+                and (symmetric or (zp.dtype == "int32" and tuple(zp.shape) == (-(-n // 8), k // group))))
+        if not fits:
+            raise LlmcError(f"{packed.file}: compressed-tensors layer {base!r}: weight_packed {packed.dtype} "
+                            f"{list(packed.shape)}, weight_scale {scale.dtype} {list(scale.shape)}"
+                            + (f", weight_zero_point {zp.dtype} {list(zp.shape)}" if zp is not None else "")
+                            + f" do not fit pack-quantized with group_size {group} (int32 [N, K/8], [N, K/G], int32 "
+                            "[N/8, K/G]); config.json's quantization_config does not describe these weights")
+        linear = PackedLinear(packed, scale, None if symmetric else zp, group)
+        weight = f"{base}.weight"
+        out[weight] = replace(packed, name=weight, dtype="float32", shape=(n, k), nbytes=4 * n * k, derived=linear)
+        for p in ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape"):
+            out.pop(f"{base}.{p}", None)
+        linears[weight] = linear
+    if not linears:
+        raise LlmcError(f"{cfg_path}: quantization_config says pack-quantized 4-bit weights, but no tensor ends in "
+                        ".weight_packed; config.json does not describe these weights")
+    record = {"method": "compressed-tensors", "version": "pack-quantized", "bits": 4, "group_size": group,
+              "zero_point": not symmetric, "linears": len(linears),
+              "kept": "INT4 codes, zero points and scales as stored (never re-quantized)"}
     return out, record, linears
 
 
