@@ -193,3 +193,25 @@ def test_v1_zero_point_that_does_not_fit_is_refused(tmp_path):
     save_file(tensors, ckpt / "model.safetensors")
     with pytest.raises(UnsupportedError, match="v1 zero point is stored as 15"):
         load_checkpoint(ckpt)
+
+
+def test_gptq_v1_cuda_program_matches_transformers(tmp_path, monkeypatch):
+    """The CUDA engine (h100, float32, built here with no GPU, run by torch on the CPU) keeps the weights too."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from llmc.compiler.build import BuildOptions, build
+    from llmc.runtime import Engine, SamplingParams
+
+    ckpt, deq = write_gptq_fixture(tmp_path, v1=True)
+    monkeypatch.setenv("LLMC_CACHE_DIR", str(tmp_path / "cache"))
+    result = build(ckpt, tmp_path / "cuda", BuildOptions(target="h100", dtype="float32", aot_kernels=False))
+    assert result.report["quantization"]["graph"]["calibrated"] == 8
+    engine = Engine.load(tmp_path / "cuda", device="cpu")
+    hf = AutoModelForCausalLM.from_pretrained(deq, dtype=torch.float32).eval()
+    outs = engine.generate([list(p) for p in PROMPTS], SamplingParams(max_tokens=32, ignore_eos=True))
+    for prompt, out in zip(PROMPTS, outs, strict=True):
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([prompt]), max_new_tokens=32, min_new_tokens=32, do_sample=False,
+                              eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+        assert out.token_ids == ref, (prompt, out.token_ids, ref)
