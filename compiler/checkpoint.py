@@ -34,7 +34,8 @@ RECURRENT_MODEL_TYPES = (
 # llmc.runtime.state_cache), CPU engine only: model_type -> what those layers are (tests/test_hybrid_*.py).
 HYBRID_MODEL_TYPES = {"lfm2": "short-convolution layers", "qwen3_next": "Gated DeltaNet layers",
                       "qwen3_5_text": "Gated DeltaNet layers", "nemotron_h": "Mamba2 layers",
-                      "falcon_h1": "Mamba2 layers", "granitemoehybrid": "Mamba2 layers", "bamba": "Mamba2 layers"}
+                      "falcon_h1": "Mamba2 layers", "granitemoehybrid": "Mamba2 layers", "bamba": "Mamba2 layers",
+                      "qwen3_5_moe_text": "Gated DeltaNet layers", "lfm2_moe": "short-convolution layers"}
 # The recurrent mechanism llmc still lacks, per refused family (named in the refusal); a family recognised by its
 # fields only is named by _RECURRENT_BY_FIELD.
 _SSM = "Mamba/Mamba2 selective state-space layers (SSD scan with a per-sequence SSM state, and their causal conv1d)"

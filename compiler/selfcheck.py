@@ -41,7 +41,10 @@ _WIDTH_FIELDS = ("hidden_size", "n_embd", "d_model")
 _FEW_KINDS = 4
 _NOT_PER_LAYER = {"architectures", "bad_words_ids"}
 # Lists of layer indices (not one entry per layer): the indices past the twin's last layer go.
-_LAYER_INDEX_LISTS = ("mlp_only_layers", "moe_layers")
+_LAYER_INDEX_LISTS = ("mlp_only_layers", "moe_layers", "attn_layer_indices", "full_attn_idxs")
+# Index lists of the layers of one kind among others (Bamba's attention layers between Mamba2 layers): the twin keeps
+# layers up to the first one listed, so that it has a layer of each kind.
+_KIND_INDEX_LISTS = ("attn_layer_indices",)
 _OS_ERROR_IN_MESSAGE = re.compile(r"\(os error (\d+)\)")
 _SIZE_ONLY = {"torch_dtype", "dtype", "quantization_config", "_name_or_path", "architectures", "transformers_version",
               "use_cache", "auto_map"}
@@ -117,6 +120,10 @@ def shrink_config(config: dict) -> dict:
         for key in ("first_k_dense_replace", "decoder_sparse_step", "interleave_moe_layer_step"):
             if isinstance(c.get(key), int) and c[key] > 0:  # keep a layer of each kind: dense and MoE
                 keep = max(keep, c[key] + 1)
+        for key in _KIND_INDEX_LISTS:
+            listed = [i for i in c.get(key) or () if isinstance(i, int) and 0 <= i < layers]
+            if listed:
+                keep = max(keep, min(listed) + 1)
         for key in _per_layer_lists(c, layers):
             values = c[key]
             if all(isinstance(v, (str, bool, int)) for v in values) and len(set(values)) <= _FEW_KINDS:
@@ -142,6 +149,7 @@ def shrink_config(config: dict) -> dict:
         else:
             c = cut_layers(c, lkey, min(layers, keep))
     _shrink_per_layer_config(c, config)
+    _shrink_mamba(c)
     if isinstance(c.get("hidden_size_per_layer_input"), int) and c["hidden_size_per_layer_input"] > 8:
         c["hidden_size_per_layer_input"] = 8  # Gemma 4's per-layer input embeddings: a width
     if isinstance(c.get("sliding_window"), int) and c["sliding_window"] > 24:
@@ -179,6 +187,23 @@ def cut_layers(config: dict, lkey: str, n: int, picked: list[int] | None = None)
     if isinstance(shared, int) and shared > 0:
         c["num_kv_shared_layers"] = sum(1 for i in picked if i >= layers - shared)
     return c
+
+
+def _shrink_mamba(c: dict) -> None:
+    """Mamba2 widths the twin's smaller hidden size must still satisfy (Bamba, Granite-4 hybrid: mamba_n_heads *
+    mamba_d_head = mamba_expand * hidden_size, heads a multiple of the groups), and a small SSM state."""
+    hidden, expand = c.get("hidden_size"), c.get("mamba_expand")
+    if all(isinstance(v, int) for v in (hidden, expand, c.get("mamba_n_heads"))) and c.get("mamba_d_ssm") is None:
+        groups = max(1, min(int(c.get("mamba_n_groups") or 1), 2))
+        inner = expand * hidden
+        heads = next((h for h in (8, 4, 2, 1) if inner % h == 0 and h % groups == 0), None)
+        if heads is not None:
+            c.update(mamba_n_heads=heads, mamba_n_groups=groups)
+            if isinstance(c.get("mamba_d_head"), int):
+                c["mamba_d_head"] = inner // heads
+    for key in ("mamba_d_state", "ssm_state_size"):
+        if isinstance(c.get(key), int) and c[key] > 16:
+            c[key] = 16
 
 
 def _shrink_per_layer_config(c: dict, config: dict) -> None:

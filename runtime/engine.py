@@ -248,6 +248,9 @@ class Engine:
             draft = Engine.load(config.draft_model, kv_cache_tokens=config.draft_kv_cache_tokens or
                                 self._blocks.num_blocks * self.block_size, max_num_tokens=self.max_num_tokens,
                                 num_threads=num_threads, attention_threads=attention_threads, verify=verify)
+            if draft._state is not None:  # its steps run outside Engine.step, with no state slots
+                raise UnsupportedError(f"{config.draft_model}: a draft model with recurrent layers (state_cache) is "
+                                       "not supported yet; use a draft model without them, or method 'ngram'")
         return Speculator(config, self.vocab_size, draft)
 
     def set_speculator(self, speculator: Speculator | None) -> Speculator | None:

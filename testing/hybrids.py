@@ -20,6 +20,12 @@ HYBRID_CONFIGS = {
     "qwen3_5_text": _GDN,
     "qwen3_next": dict(_GDN, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                        shared_expert_intermediate_size=32),
+    "qwen3_5_moe_text": dict(_GDN, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                             shared_expert_intermediate_size=32),
+    "lfm2_moe": dict(vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                     num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                     conv_L_cache=3, num_dense_layers=1, num_experts=4, num_experts_per_tok=2,
+                     layer_types=["conv", "full_attention", "conv", "conv"]),
     # Mamba2 (SSD) hybrids: Mamba2 layers beside attention (Nemotron-H: also an MLP-only layer; Falcon-H1: attention
     # and Mamba2 in parallel in every layer; Granite-4 hybrid and Bamba: Mamba2 or attention per layer).
     "nemotron_h": dict(vocab_size=256, hidden_size=64, layers_block_type=["mamba", "attention", "mlp", "mamba"],

@@ -115,28 +115,17 @@ def test_native_op_matches_reference_mixed_step_and_chunks():
 NEW = 32
 
 
-@pytest.fixture(scope="module", params=["qwen3_5_text", "qwen3_next"])
+@pytest.fixture(scope="module", params=["qwen3_5_text", "qwen3_next", "qwen3_5_moe_text"])
 def family(request, tmp_path_factory):
-    """(model_type, engine dir, transformers model, greedy references); Qwen3.5 built with the self-check."""
-    import os
-
+    """(model_type, engine dir, transformers model, greedy references). (The build's self-check runs on the LFM2 and
+    Nemotron-H fixtures; test_hybrid_mamba2.py checks that twins of Qwen3.5-sized configs keep their layer kinds.)"""
     from llmc.compiler.build import BuildOptions, build
     from llmc.testing.hybrids import PROMPTS, greedy, write_hybrid
 
     model_type = request.param
     root = tmp_path_factory.mktemp(model_type)
     hf = write_hybrid(model_type, root / "ckpt")
-    old = os.environ.get("LLMC_SELF_CHECK")
-    os.environ["LLMC_SELF_CHECK"] = "1" if model_type == "qwen3_5_text" else "0"
-    try:
-        result = build(root / "ckpt", root / "engine", BuildOptions())
-    finally:
-        if old is None:
-            del os.environ["LLMC_SELF_CHECK"]
-        else:
-            os.environ["LLMC_SELF_CHECK"] = old
-    if model_type == "qwen3_5_text":
-        assert result.build_info["self_check"]["status"] in ("passed", "cached")
+    build(root / "ckpt", root / "engine", BuildOptions())
     return model_type, root / "engine", hf, greedy(hf, PROMPTS, NEW)
 
 
@@ -154,8 +143,9 @@ def test_engine_matches_transformers(family):
     params = SamplingParams(max_tokens=NEW, ignore_eos=True)
     engine = Engine.load(engine_dir, kv_cache_tokens=512, max_num_tokens=16)
     assert [o.token_ids for o in engine.generate([list(p) for p in PROMPTS], params)] == refs
-    for prompt, ref in zip(PROMPTS, refs, strict=True):
-        assert engine.generate([list(prompt)], params)[0].token_ids == ref
+    if family[0] == "qwen3_5_text":  # batched = alone (once per file: the same step code runs for every family)
+        for prompt, ref in zip(PROMPTS, refs, strict=True):
+            assert engine.generate([list(prompt)], params)[0].token_ids == ref
     stats = engine.stats()
     assert stats.state_slots_used == 0 and "not snapshotted" in stats.prefix_caching_disabled_reason
     engine = Engine.load(engine_dir, kv_cache_tokens=512, enable_chunked_prefill=False, max_num_tokens=256)

@@ -250,6 +250,9 @@ def test_lfm2_refusals(lfm2):
     assert not (engine_dir.parent / "gpu").exists() and not (engine_dir.parent / "q").exists()
     with pytest.raises(UnsupportedError, match="speculative decoding"):
         Engine.load(engine_dir, kv_cache_tokens=256, speculative=SpeculativeConfig())
+    with pytest.raises(UnsupportedError, match="draft model with recurrent layers"):
+        Engine.load(engine_dir, kv_cache_tokens=256).new_speculator(
+            SpeculativeConfig(method="draft", draft_model=str(engine_dir)))
 
 
 @pytest.mark.parametrize("model_type,fields,mechanism", [
@@ -285,3 +288,21 @@ def test_state_pool_is_held_to_the_kv_pools_size(lfm2, monkeypatch):
     assert engine.config.max_num_seqs == 2 and engine.stats().state_slots_total == 3
     outs = engine.generate([list(p) for p in PROMPTS], SamplingParams(max_tokens=4, ignore_eos=True))
     assert [o.token_ids for o in outs] == [r[:4] for r in refs]
+
+
+def test_lfm2_moe_matches_transformers(tmp_path, monkeypatch):
+    """LFM2-MoE: the same short convolutions beside MoE blocks (a dense first layer, then experts)."""
+    from llmc.compiler.build import BuildOptions, build
+    from llmc.runtime import Engine, SamplingParams
+    from llmc.testing.hybrids import PROMPTS as HYBRID_PROMPTS
+    from llmc.testing.hybrids import greedy, write_hybrid
+
+    hf = write_hybrid("lfm2_moe", tmp_path / "ckpt")
+    monkeypatch.setenv("LLMC_SELF_CHECK", "0")  # the LFM2 fixture above runs the self-check
+    build(tmp_path / "ckpt", tmp_path / "engine", BuildOptions())
+    refs = greedy(hf, HYBRID_PROMPTS, NEW)
+    params = SamplingParams(max_tokens=NEW, ignore_eos=True)
+    for kwargs in (dict(kv_cache_tokens=512, max_num_tokens=16), dict(kv_cache_tokens=160, max_num_tokens=32)):
+        engine = Engine.load(tmp_path / "engine", **kwargs)
+        assert [o.token_ids for o in engine.generate([list(p) for p in HYBRID_PROMPTS], params)] == refs
+    assert engine.stats().num_preemptions > 0
