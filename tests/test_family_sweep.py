@@ -25,7 +25,8 @@ BUILT = {
 }
 QUICK = {
     "mamba": ("refused", "recurrent state"),
-    "qwen3_next": ("refused", "recurrent state"),  # a hybrid, recognised by its fields
+    # a hybrid whose recurrent layers llmc does not lower yet, recognised by its fields and named (qwen3_next builds)
+    "kimi_linear": ("refused", ("recurrent state", "Kimi Delta Attention")),
     "hrm_text": ("refused", "splits into several weights"),  # was exit 2 on a valid checkpoint
 }
 
