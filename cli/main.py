@@ -182,6 +182,9 @@ def _quant_options(f):
               help="GPU engines: longest sequence (prompt + output), the KV slots' length  [default: the model's "
                    "context, at most 8192]")
 @click.option("--block-size", default=16, show_default=True, help="KV-cache block size in tokens (power of two).")
+@click.option("--tp", default=1, show_default=True, type=int, metavar="N",
+              help="CUDA engines: tensor parallelism over N GPUs (1, 2, 4, 8): N rank programs, each with its share "
+                   "of the attention heads and MLP columns, joined by an all-reduce.")
 @click.option("--force", is_flag=True, help="Replace the output directory if it exists (only once the build succeeds).")
 @click.option("--cache-dir", type=click.Path(path_type=Path), default=None,
               help="Build cache directory [default: $LLMC_CACHE_DIR, else $XDG_CACHE_HOME/llmc or ~/.cache/llmc].")
@@ -205,7 +208,7 @@ def _quant_options(f):
 def build(checkpoint: Path, output: Path, disabled_passes: tuple[str, ...], verify_passes: bool, target: str,
           gpu: str | None, engine_kind: str, engine_dtype: str, max_batch_size: int | None,
           max_num_tokens: int | None, max_seq_len: int | None,
-          block_size: int, force: bool, cache_dir: Path | None, no_cache: bool, max_memory: str | None,
+          block_size: int, tp: int, force: bool, cache_dir: Path | None, no_cache: bool, max_memory: str | None,
           lora_slots: int, max_lora_rank: int, lora_targets: str,
           as_json: bool, quiet: bool, max_ppl_increase: float | None, **quant_args) -> None:
     """Build an engine from a Hugging Face CHECKPOINT directory.
@@ -238,7 +241,7 @@ def build(checkpoint: Path, output: Path, disabled_passes: tuple[str, ...], veri
                            verify_passes=verify_passes, quant=QuantRecipe(**quant), max_ppl_increase=max_ppl_increase,
                            max_batch_size=max_batch_size, max_num_tokens=max_num_tokens, max_seq_len=max_seq_len,
                            engine=engine_kind, dtype=engine_dtype, max_memory=limit, lora_slots=lora_slots,
-                           max_lora_rank=max_lora_rank,
+                           max_lora_rank=max_lora_rank, tp=tp,
                            lora_targets=tuple(t.strip() for t in lora_targets.split(",") if t.strip()))
     try:
         try:
@@ -423,6 +426,14 @@ def inspect(engine: Path, as_json: bool) -> None:
         lo = manifest["lora"]
         click.echo(f"lora        {lo['slots']} slots of rank ≤ {lo['max_rank']} on {','.join(lo['targets'])} "
                    f"({len(lo['modules'])} linears); adapters load at run time")
+    par = manifest.get("parallel")
+    if par:  # --tp: what each rank holds
+        click.echo(f"parallel    tensor {par['tensor']}: {par['heads_per_rank']} heads and "
+                   f"{par['kv_heads_per_rank']} kv heads per rank; embeddings {par['embeddings']}, "
+                   f"lm_head {par['lm_head']}")
+        for r in par["ranks"]:
+            click.echo(f"  rank {r['rank']}    {r['weights_file']}: {r['weight_bytes']:,} bytes "
+                       f"({r['sharded_bytes']:,} of them its share of split weights)")
     if manifest["engine"].get("engine_file"):
         e = manifest["engine"]
         click.echo(f"engine      {e['engine_file']}: {e['builder']['product']} {e['builder']['version']}, "

@@ -89,6 +89,8 @@ class BuildOptions:
     lora_slots: int = 0
     max_lora_rank: int = 16
     lora_targets: tuple[str, ...] = ("q", "k", "v", "o", "gate", "up", "down")
+    # CUDA engines: tensor-parallel ranks (--tp; compiler/sharding.py writes one program and weights file per rank).
+    tp: int = 1
 
 
 # BuildOptions fields that exist only for LoRA engines: left out of the recipe (the cache key) of a build
@@ -155,6 +157,14 @@ def _check_hybrid(ckpt: Checkpoint, plan: _Plan) -> None:
                                "native attention route")
 
 
+def _check_tp(ckpt: Checkpoint, plan: _Plan) -> None:
+    """--tp N: what the sharding pass (compiler/sharding.py) cannot split, refused before any work (exit 3)."""
+    from llmc.compiler import sharding
+
+    if plan.options.tp > 1:
+        sharding.check_config(ckpt.config, plan.options.tp, str(ckpt.path / "config.json"))
+
+
 def _carry_int4(ckpt: Checkpoint, plan: _Plan) -> None:
     """A checkpoint that arrives in INT4 (compiler/prequantized_int4.py: AutoAWQ GEMM, GPTQ) keeps its weights: the
     build's recipe becomes INT4 with the checkpoint's group size and zero points, the embeddings and LM head stay as
@@ -200,6 +210,8 @@ def _validate(options: BuildOptions) -> None:
         raise LlmcError(f"--engine {options.engine}: must be one of {', '.join(ENGINE_KINDS)} (default cuda)")
     if options.dtype not in ("bfloat16", "float16", "float32"):
         raise LlmcError(f"--dtype {options.dtype}: must be bfloat16 (default), float16 or float32")
+    if options.tp not in (1, 2, 4, 8):
+        raise LlmcError(f"--tp {options.tp}: tensor parallelism takes 1, 2, 4 or 8 ranks (GPUs)")
     if options.lora_slots:
         from llmc.passes.lora import check_options
 
@@ -275,6 +287,12 @@ def _plan(out_dir: str | Path, options: BuildOptions) -> _Plan:
     # their rounding, so their weights may too.
     options = replace(options, quant=quant_recipe.resolve_calib_device(options.quant))
     target = get_target(options.target)
+    if options.tp > 1 and not uses_cuda_engine(options, target):
+        raise UnsupportedError(f"--tp {options.tp} with {target.flag}: tensor parallelism splits llmc's CUDA engine "
+                               "over GPUs; build for a GPU (--gpu h100 ...) or without --tp")
+    if options.tp > 1 and options.lora_slots:
+        raise UnsupportedError(f"--tp {options.tp} with --lora-slots: LoRA slots are not split across ranks yet; "
+                               "build one of them")
     if uses_cuda_engine(options, target):
         options = _check_cuda_request(options, target)
     elif target.backend in GPU_BACKENDS:
@@ -314,6 +332,8 @@ def canonical_recipe(options: BuildOptions) -> dict:
     if not options.lora_slots:
         for k in _LORA_FIELDS:
             del recipe[k]
+    if options.tp == 1:  # the keys of single-rank builds stay what they were before --tp existed
+        del recipe["tp"]
     else:
         recipe["lora_targets"] = list(options.lora_targets)
     recipe.update(quant=quant_recipe.canonical(options.quant), compute_dtype=COMPUTE_DTYPE,
@@ -474,7 +494,7 @@ def _compile_stages(ckpt: Checkpoint, digest: str, plan: _Plan, dest: Path, say:
         cpu_graph = traced.model.clone() if qstage is not None else None
         sm = int(target.sm.replace(".", ""))
         cuda_files = cuda_backend.emit(traced.model, dest, sm=sm, dtype=options.dtype, block_size=options.block_size,
-                                       say=say, aot=options.aot_kernels)
+                                       say=say, aot=options.aot_kernels, tp=options.tp)
         files = _NoOnnxFiles()
         files.fusions = cuda_files.fusions
     elif gpu:
@@ -559,6 +579,8 @@ def _compile_stages(ckpt: Checkpoint, digest: str, plan: _Plan, dest: Path, say:
         }
         # The cache holds what the kernels write: the engine dtype, or E4M3 codes (--kv-cache-dtype fp8).
         fields["kv_cache"] = {**fields["kv_cache"], "dtype": cuda_files.kv_cache_dtype}
+        if cuda_files.parallel is not None:  # --tp: the rank files (compiler/sharding.py)
+            fields["parallel"] = cuda_files.parallel
         fields["target"] = {"name": target.name, "backend": "cuda", "sm": target.sm}
         fields["toolchain"] = {**fields["toolchain"], **_cuda_toolchain(int(target.sm.replace(".", "")))}
     elif gpu:  # the CPU form of the same graph (for the accuracy check) keeps the ONNX Runtime fields
@@ -728,7 +750,7 @@ def _self_check(ckpt: Checkpoint, plan: _Plan, say: Progress, lookup_only: bool 
     twin_options = dataclasses.replace(
         options, target=target.name if cuda or target.sm is None else "cpu", quant=QuantRecipe(),
         max_ppl_increase=None, force=True, verify_passes=False, self_check=False, aot_kernels=False,
-        dtype="float32", lora_slots=0)  # the twin checks the architecture; tests/test_lora.py the LoRA slots
+        dtype="float32", lora_slots=0, tp=1)  # the twin checks the architecture; tests/test_lora.py the LoRA slots
     lowering = {k: v for k, v in canonical_recipe(twin_options).items() if k not in ("quant",)}
 
     def build_twin(twin_ckpt: Path, out: Path, **overrides) -> None:
@@ -761,6 +783,7 @@ def build(checkpoint_dir: str | Path, out_dir: str | Path, options: BuildOptions
     ckpt = load_checkpoint(checkpoint_dir)
     _plan_memory(ckpt, plan)
     _check_hybrid(ckpt, plan)
+    _check_tp(ckpt, plan)
     _carry_int4(ckpt, plan)
     digest = ckpt.digest()
     timings["load"] = time.perf_counter() - t0
@@ -847,6 +870,7 @@ def build_cached(checkpoint_dir: str | Path, out_dir: str | Path, options: Build
     ckpt = load_checkpoint(checkpoint_dir)
     _plan_memory(ckpt, plan)
     _check_hybrid(ckpt, plan)
+    _check_tp(ckpt, plan)
     _carry_int4(ckpt, plan)
     digest = ckpt.digest()
     timings["load"] = time.perf_counter() - t0

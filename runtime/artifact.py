@@ -195,7 +195,9 @@ def cuda_problem(manifest: dict, device: str = "cuda") -> str | None:
     engine = manifest.get("engine", {})
     sm = engine.get("sm") or manifest.get("target", {}).get("sm")
     name = manifest.get("target", {}).get("name", "?")
-    need = f"engine backend 'cuda' is built for target {name!r} (compute capability {sm})"
+    tp = int(manifest.get("parallel", {}).get("tensor", 1))
+    need = f"engine backend 'cuda' is built for target {name!r} (compute capability {sm})" + (
+        f" and runs on {tp} GPUs of it (tensor parallel, parallel.tensor = {tp})" if tp > 1 else "")
     try:
         import torch
     except Exception as exc:  # noqa: BLE001 - any failure to import means it cannot load
@@ -214,6 +216,8 @@ def cuda_problem(manifest: dict, device: str = "cuda") -> str | None:
     if sm and cc != sm:
         return (f"{need}, but this GPU ({torch.cuda.get_device_name(index)}) has compute capability {cc}; "
                 f"rebuild with --gpu auto on this machine")
+    if torch.cuda.device_count() < tp:
+        return f"{need}; this machine has {torch.cuda.device_count()}; run it where {tp} such GPUs are"
     from llmc.runtime import cuda_kernels
 
     drv = cuda_kernels.driver_version()

@@ -357,7 +357,13 @@ class Engine:
 
         kv = manifest["kv_cache"]
         max_len = _max_model_len(root, manifest)
-        session = CudaSession(root, manifest, device=device, cuda_graphs=cuda_graphs, max_model_len=max_len)
+        if int(manifest.get("parallel", {}).get("tensor", 1)) > 1:  # N ranks: this process is rank 0
+            from llmc.runtime.tensor_parallel import TensorParallelSession
+
+            session = TensorParallelSession(root, manifest, device=device, cuda_graphs=cuda_graphs,
+                                            max_model_len=max_len)
+        else:
+            session = CudaSession(root, manifest, device=device, cuda_graphs=cuda_graphs, max_model_len=max_len)
         block_size = int(kv["block_size"])
         if kv_cache_tokens is not None:
             num_blocks = max(1, -(-kv_cache_tokens // block_size))

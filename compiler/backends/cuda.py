@@ -437,6 +437,7 @@ class CudaEngineFiles:
     fusions: dict[str, int]
     dtype: str
     kv_cache_dtype: str  # what the KV pool stores: the engine dtype, or float8_e4m3fn codes
+    parallel: dict | None = None  # --tp N: the manifest's ``parallel`` section (rank files, heads per rank)
 
 
 def attention_configs(nodes: list[dict]) -> dict[str, dict]:
@@ -507,8 +508,9 @@ def ptxas_cuda_version(sm: int) -> str | None:
 
 
 def emit(model: ir.Model, out_dir: Path, *, sm: int, dtype: str = "bfloat16", block_size: int = 16,
-         say: Callable[[str], None] | None = None, aot: bool = True) -> CudaEngineFiles:
-    """Lower ``model`` and write the CUDA engine's files into ``out_dir``."""
+         say: Callable[[str], None] | None = None, aot: bool = True, tp: int = 1) -> CudaEngineFiles:
+    """Lower ``model`` and write the CUDA engine's files into ``out_dir`` (``tp`` > 1: one program and one
+    weights file per rank, ``rank<r>/``, split by :mod:`llmc.compiler.sharding`)."""
     if dtype not in ENGINE_DTYPES:
         raise UnsupportedError(f"--dtype {dtype}: the CUDA engine computes in one of {', '.join(ENGINE_DTYPES)}")
     say = say or (lambda msg: None)
@@ -518,10 +520,16 @@ def emit(model: ir.Model, out_dir: Path, *, sm: int, dtype: str = "bfloat16", bl
     spec = {"format": torch_program.FORMAT, "version": torch_program.VERSION, "dtype": dtype,
             "inputs": [v.name for v in model.graph.inputs], "outputs": outputs,
             "weights_file": torch_program.WEIGHTS_FILE, "nodes": low.nodes}
-    (out_dir / torch_program.PROGRAM_FILE).write_text(json.dumps(spec, indent=0))
-    say(f"      writing {len(low.weights)} weights ({dtype})")
-    write_safetensors(out_dir / torch_program.WEIGHTS_FILE, list(low.weights.values()))
-    configs = attention_configs(low.nodes)
+    parallel = None
+    if tp > 1:
+        parallel = _write_ranks(low, spec, out_dir, tp, dtype, say)
+        nodes = parallel.pop("_nodes")
+    else:
+        (out_dir / torch_program.PROGRAM_FILE).write_text(json.dumps(spec, indent=0))
+        say(f"      writing {len(low.weights)} weights ({dtype})")
+        write_safetensors(out_dir / torch_program.WEIGHTS_FILE, list(low.weights.values()))
+        nodes = low.nodes
+    configs = attention_configs(nodes)
     kv_dtype = "float8_e4m3fn" if low.kv_fp8 else dtype
     if low.kv_fp8:
         low.fusions["fp8-kv-cache"] = len(low.kv_fp8)
@@ -532,6 +540,35 @@ def emit(model: ir.Model, out_dir: Path, *, sm: int, dtype: str = "bfloat16", bl
         say(f"      compiling {2 * len(configs)} attention and {len(low.kernel_requests)} fused kernels for sm_{sm} "
             "ahead of time")
         kernels = compile_kernels(configs, sm, dtype, kv_dtype, block_size, out_dir)
-        kernels += compile_fused(low.kernel_requests, sm, out_dir)
-    return CudaEngineFiles(program=torch_program.PROGRAM_FILE, weights=torch_program.WEIGHTS_FILE, kernels=kernels,
-                           fusions=low.fusions, dtype=dtype, kv_cache_dtype=kv_dtype)
+        requests = low.kernel_requests
+        if parallel:  # the fused kernels of a rank's blocks were asked for the full width: those run in torch
+            named = {n["attrs"]["kernel"] for n in nodes if "kernel" in n["attrs"]}
+            requests = {k: r for k, r in requests.items() if k in named}
+        kernels += compile_fused(requests, sm, out_dir)
+    program, weights = ((f"rank0/{torch_program.PROGRAM_FILE}", f"rank0/{torch_program.WEIGHTS_FILE}") if parallel
+                        else (torch_program.PROGRAM_FILE, torch_program.WEIGHTS_FILE))
+    return CudaEngineFiles(program=program, weights=weights, kernels=kernels, fusions=low.fusions, dtype=dtype,
+                           kv_cache_dtype=kv_dtype, parallel=parallel)
+
+
+def _write_ranks(low: _Lowering, spec: dict, out_dir: Path, tp: int, dtype: str, say) -> dict:
+    """Shard the lowered program into ``tp`` rank programs and write each with its own weights file (each file
+    streamed tensor by tensor, each tensor cut to the rank's share as it is written)."""
+    from llmc.compiler import sharding
+
+    plan = sharding.shard(low.nodes, low.weights, tp)
+    ranks = []
+    for rank in plan.ranks:
+        d = out_dir / f"rank{rank.rank}"
+        d.mkdir()
+        (d / torch_program.PROGRAM_FILE).write_text(json.dumps({**spec, "nodes": rank.nodes}, indent=0))
+        say(f"      rank {rank.rank}: writing {len(rank.weights)} weights ({dtype})")
+        write_safetensors(d / torch_program.WEIGHTS_FILE, list(rank.weights.values()))
+        ranks.append({"rank": rank.rank, "program_file": f"rank{rank.rank}/{torch_program.PROGRAM_FILE}",
+                      "weights_file": f"rank{rank.rank}/{torch_program.WEIGHTS_FILE}",
+                      "weight_bytes": (d / torch_program.WEIGHTS_FILE).stat().st_size,
+                      "sharded_bytes": rank.sharded_bytes})
+    low.fusions["tensor-parallel-all-reduce"] = plan.all_reduces
+    return {"tensor": tp, "heads_per_rank": plan.heads_per_rank, "kv_heads_per_rank": plan.kv_heads_per_rank,
+            "kv_head_replicas": plan.kv_replicated, "collective": "nccl (gloo with device='cpu')",
+            **plan.layout, "ranks": ranks, "_nodes": plan.ranks[0].nodes}

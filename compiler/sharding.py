@@ -1,0 +1,403 @@
+"""Tensor parallelism: the CUDA engine's lowered program split into N rank programs.
+
+The approach is TensorRT-LLM AutoDeploy's (``transform/library/sharding.py``), applied to the fused graph
+as the CUDA backend lowers it (a flat node list whose weights are still lazy): every block of a decoder
+layer runs between *column-parallel openers* (Q/K/V, gate/up; fused openers split by their fused output
+sizes) and one *row-parallel closer* (o_proj, down_proj) whose output meets the residual stream. Each rank
+keeps its share of the openers' output columns and the matching rows of the closer, and an ``AllReduce``
+node after the closer sums the ranks' partial outputs. Everything outside a block (embeddings, norms, the
+LM head) is replicated.
+
+- Attention: each rank owns ``num_heads / N`` query heads and ``num_kv_heads / N`` KV heads; with fewer KV
+  heads than ranks each KV head is replicated on ``N / num_kv_heads`` ranks (the ranks whose query heads read
+  it). Head counts in node attributes and reshape shapes are rewritten per rank.
+- INT4 linears split along whole groups and FP8 linears carry their per-channel scales with their columns,
+  so a quantization group never straddles two ranks.
+- What is not handled is refused before any work is written, naming it: MoE experts (expert parallelism is
+  not lowered yet), norms over a whole sharded width, ops with unknown semantics inside a block.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from llmc.errors import UnsupportedError
+
+ALL_REDUCE = "AllReduce"
+_LINEARS = ("MatMul", "Fp8Linear", "Int4Linear")
+# Ops inside a block that act on each feature (or each head) alone: they run unchanged on a rank's share.
+_ELEMENTWISE = {"SwiGLU", "Gelu", "FastGelu", "Relu", "Sigmoid", "Tanh", "Mul", "Add", "Sub", "Div", "Softplus",
+                "Neg", "Cast", "Identity", "Erf", "Pow", "Sqrt", "Where", "Clip", "Max", "Min", "Exp", "Log"}
+# Ops that rewrite per rank (head counts, shapes, split sizes).
+_HANDLED = {"Reshape", "Split", "RotaryEmbedding", "RMSNormalization", "PagedAttention", "Transpose", "Gather"}
+_ST_SIZE = {"F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1}
+
+
+@dataclass
+class ShardedWeight:
+    """One rank's share of a weight: the full weight's bytes, cut along ``axis`` at ``index`` (None: whole)."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    produce: Callable[[], bytes]
+
+
+@dataclass
+class RankProgram:
+    rank: int
+    nodes: list[dict]
+    weights: dict[str, ShardedWeight]
+    sharded_bytes: int = 0  # bytes of the weights this rank holds a share of
+
+
+@dataclass
+class ShardPlan:
+    world: int
+    ranks: list[RankProgram]
+    heads_per_rank: int
+    kv_heads_per_rank: int
+    kv_replicated: int  # ranks that hold each KV head (1: split)
+    all_reduces: int
+    layout: dict = field(default_factory=dict)  # what is replicated / split, for the manifest
+
+
+def _cut(produce: Callable[[], bytes], dtype: str, shape: tuple[int, ...], axis: int,
+         index: np.ndarray) -> Callable[[], bytes]:
+    """Bytes of ``weight[..., index, ...]`` (along ``axis``), whatever the element type (cut as raw bytes)."""
+    size = _ST_SIZE[dtype]
+
+    def run() -> bytes:
+        raw = np.frombuffer(produce(), np.uint8).reshape(*shape, size)
+        return np.ascontiguousarray(np.take(raw, index, axis=axis)).tobytes()
+    return run
+
+
+def _consts(dtype: str, values: list[int]) -> Callable[[], bytes]:
+    data = np.asarray(values, np.int64 if dtype == "I64" else np.int32).tobytes()
+    return lambda: data
+
+
+class _Graph:
+    def __init__(self, nodes: list[dict], weights: dict) -> None:
+        self.nodes, self.weights = nodes, weights
+        self.producer: dict[str, int] = {}
+        self.users: dict[str, list[int]] = {}
+        for i, n in enumerate(nodes):
+            for o in n["outputs"]:
+                self.producer[o] = i
+            for v in n["inputs"]:
+                if v:
+                    self.users.setdefault(v, []).append(i)
+        act = {"input_ids"}
+        for n in nodes:  # values computed from the token ids (not from positions or constants)
+            if any(v in act for v in n["inputs"]):
+                act.update(n["outputs"])
+        self.act = act
+
+    def is_linear(self, i: int) -> bool:
+        n = self.nodes[i]
+        return n["op"] in _LINEARS and len(n["inputs"]) > 1 and n["inputs"][1] in self.weights
+
+
+# Where a walk back from a linear's input stops being a block: the residual stream (norms that add it, the
+# embedding lookup, the last-token gather).
+_BARRIERS = {"SkipRMSNormalization", "SkipLayerNormalization", "LayerNormalization", "GatherND"}
+
+
+def _blocks(g: _Graph) -> list[tuple[list[int], set[int], int]]:
+    """Every (openers, interior nodes, closer) block. A linear closes a block when the walk back from its input,
+    over activations only, reaches linears (the openers) before any barrier of the residual stream; the nodes it
+    passes are the block's interior."""
+    out = []
+    for c in range(len(g.nodes)):
+        if not g.is_linear(c) or g.nodes[c]["inputs"][0] not in g.act:
+            continue
+        interior: set[int] = set()
+        openers: list[int] = []
+        stack, ok = [g.nodes[c]["inputs"][0]], True
+        while stack and ok:
+            p = g.producer.get(stack.pop())
+            if p is None or p in interior or p in openers:
+                continue
+            n = g.nodes[p]
+            if g.is_linear(p):
+                openers.append(p)
+            elif n["op"] in _BARRIERS or (n["op"] == "Gather" and n["inputs"][0] in g.weights):
+                ok = False
+            else:
+                interior.add(p)
+                stack.extend(x for x in n["inputs"] if x and x in g.act)
+        if ok and openers and interior:
+            out.append((sorted(openers), interior, c))
+    return out
+
+
+def shard(nodes: list[dict], weights: dict, world: int) -> ShardPlan:
+    """Split a lowered CUDA program (``nodes``, ``weights``: name -> object with dtype/shape/produce) into
+    ``world`` rank programs. Raises UnsupportedError, naming the reason, for anything it cannot split."""
+    if world < 1 or world & (world - 1):
+        raise UnsupportedError(f"--tp {world}: tensor parallelism takes 1, 2, 4 or 8 ranks")
+    g = _Graph(nodes, weights)
+    attn = [n for n in nodes if n["op"] == "PagedAttention"]
+    if not attn:
+        raise UnsupportedError("--tp: this program has no attention layers to split")
+    heads = {int(n["attrs"]["num_heads"]) for n in attn}
+    kv_heads = {int(n["attrs"]["num_kv_heads"]) for n in attn}
+    if len(heads) != 1 or len(kv_heads) != 1:
+        raise UnsupportedError(f"--tp {world}: layers with different head counts ({sorted(heads)} query, "
+                               f"{sorted(kv_heads)} KV) are not split yet; build with --tp 1")
+    h, kv = heads.pop(), kv_heads.pop()
+    if h % world:
+        raise UnsupportedError(f"--tp {world}: the model's {h} attention heads do not divide into {world} ranks; "
+                               f"choose a --tp that divides {h}")
+    if kv >= world and kv % world:
+        raise UnsupportedError(f"--tp {world}: the model's {kv} KV heads do not divide into {world} ranks; choose a "
+                               f"--tp that divides {kv} or a multiple of it")
+    if kv < world and world % kv:
+        raise UnsupportedError(f"--tp {world}: {kv} KV heads cannot be replicated evenly over {world} ranks "
+                               f"({world} is not a multiple of {kv}); choose a --tp that is")
+    for n in nodes:
+        if n["op"] in ("MoEGate", "MoE", "TopK", "ScatterND", "ScatterElements", "GatherElements"):
+            raise UnsupportedError(f"--tp {world}: node {n['op']} ({n['outputs'][0]}): mixture-of-experts layers "
+                                   "are not split across ranks yet (expert parallelism); build with --tp 1")
+        if n["op"] == "LoraApply":
+            raise UnsupportedError(f"--tp {world}: LoRA slots are not split across ranks yet; build without "
+                                   "--lora-slots or with --tp 1")
+    blocks = _blocks(g)
+    if len(blocks) != 2 * len(attn):
+        raise UnsupportedError(f"--tp {world}: found {len(blocks)} column/row-parallel blocks for {len(attn)} "
+                               "attention layers (expected one attention and one MLP block per layer); this "
+                               "architecture's layers are not split yet; build with --tp 1")
+    ranks = []
+    reps = max(1, world // kv)
+    for r in range(world):
+        ranks.append(_rank(g, blocks, r, world, h, kv))
+    layout = {"attention": "heads split, KV heads " + (f"replicated on {reps} ranks each" if reps > 1 else "split"),
+              "mlp": "intermediate columns split", "embeddings": "replicated", "lm_head": "replicated",
+              "all_reduce_after": "o_proj and down_proj (row-parallel)"}
+    return ShardPlan(world, ranks, h // world, max(1, kv // world), reps, len(blocks), layout)
+
+
+def _head_cols(heads: list[int], d: int) -> np.ndarray:
+    return np.concatenate([np.arange(x * d, (x + 1) * d) for x in heads]).astype(np.int64)
+
+
+def _rank(g: _Graph, blocks, r: int, world: int, h: int, kv: int) -> RankProgram:
+    nodes = [dict(n, inputs=list(n["inputs"]), outputs=list(n["outputs"]), attrs=dict(n["attrs"])) for n in g.nodes]
+    weights = dict(g.weights)
+    cols: dict[str, np.ndarray] = {}  # value -> its global feature indices on this rank (flattened last dim)
+    width: dict[str, int] = {}  # value -> global width of the flattened last dim
+    role: dict[str, str] = {}
+    q_heads = list(range(r * h // world, (r + 1) * h // world))
+    kv_heads = ([r * kv // world + i for i in range(kv // world)] if kv >= world else [r // (world // kv)])
+    inserted: list[tuple[int, dict]] = []
+    sharded_bytes = 0
+
+    def new_weight(base: str, tag: str, dtype: str, shape, produce, kind: str = "rank") -> str:
+        name = f"{base}@{kind}{tag}"  # @shard: a cut of a weight; @rank: a constant rewritten for this rank
+        weights[name] = ShardedWeight(name, dtype, tuple(int(s) for s in shape), produce)
+        return name
+
+    def cut(name: str, axis: int, index: np.ndarray, tag: str) -> str:
+        nonlocal sharded_bytes
+        w = g.weights[name]
+        shape = list(w.shape)
+        shape[axis] = len(index)
+        out = new_weight(name, tag, w.dtype, shape, _cut(w.produce, w.dtype, tuple(w.shape), axis, index), "shard")
+        sharded_bytes += int(np.prod(shape)) * _ST_SIZE[w.dtype]
+        return out
+
+    for openers, interior, closer in blocks:
+        # which attention input each opener output (or part of its Split) feeds
+        for o in openers:
+            node = nodes[o]
+            y = node["outputs"][0]
+            split = [u for u in g.users.get(y, []) if nodes[u]["op"] == "Split" and u in interior]
+            parts = nodes[split[0]]["outputs"] if split else [y]
+            if split:
+                sizes = [int(v) for v in np.frombuffer(g.weights[nodes[split[0]]["inputs"][1]].produce(), np.int64)]
+            else:
+                sizes = [_out_width(g, o)]
+            part_cols, offset = [], 0
+            for part, size in zip(parts, sizes, strict=True):
+                which = _role(g, part, interior)
+                d = None
+                if which in ("q", "k", "v"):
+                    d = size // (h if which == "q" else kv)
+                    local = _head_cols(q_heads if which == "q" else kv_heads, d)
+                else:
+                    if size % world:
+                        raise UnsupportedError(f"--tp {world}: linear {node['inputs'][1]}: {size} output columns do "
+                                               f"not divide into {world} ranks")
+                    local = np.arange(r * size // world, (r + 1) * size // world, dtype=np.int64)
+                cols[part], width[part], role[part] = local, size, which
+                part_cols.append(local + offset)
+                offset += size
+            all_cols = np.concatenate(part_cols)
+            _cut_opener(node, all_cols, cut, g, world)
+            cols[y], width[y], role[y] = all_cols, offset, "packed"
+            if split:
+                sn = nodes[split[0]]
+                sn["inputs"][1] = new_weight(sn["inputs"][1], f"r{r}", "I64", (len(sizes),),
+                                             _consts("I64", [len(cols[p]) for p in parts]))
+        # the interior, in program order
+        for i in sorted(interior):
+            n = nodes[i]
+            op = n["op"]
+            ins = [v for v in n["inputs"] if v in cols]
+            if op == "Split":
+                continue  # its parts were assigned with the opener
+            if op not in _ELEMENTWISE | _HANDLED:
+                raise UnsupportedError(f"--tp {world}: node {op} ({n['outputs'][0]}) sits between a column-parallel "
+                                       "and a row-parallel linear and has no per-rank form yet; build with --tp 1")
+            src = ins[0]
+            if op == "Gather" and (int(n["attrs"].get("axis", 0)) != 0 or n["inputs"][1] not in g.weights):
+                raise UnsupportedError(f"--tp {world}: gather {n['outputs'][0]} inside a block picks along a sharded "
+                                       "axis; build with --tp 1")
+            if op == "Reshape":
+                n["inputs"][1] = _reshape(n, g, cols[src], width[src], role[src], h, kv, r, new_weight)
+            elif op == "RotaryEmbedding":
+                n["attrs"]["num_heads"] = int(n["attrs"]["num_heads"]) * len(cols[src]) // width[src]
+            elif op == "RMSNormalization":
+                scale = g.weights.get(n["inputs"][1])
+                if scale is not None and scale.shape and scale.shape[-1] == width[src] != len(cols[src]):
+                    raise UnsupportedError(f"--tp {world}: {n['inputs'][1]} normalizes over all heads at once (a "
+                                           "norm across the sharded width needs an all-reduce of its own); build with "
+                                           "--tp 1")
+            elif op == "PagedAttention":
+                n["attrs"]["num_heads"] = len(q_heads)
+                n["attrs"]["num_kv_heads"] = len(kv_heads)
+                if len(n["inputs"]) > 7 and n["inputs"][7]:
+                    n["inputs"][7] = cut(n["inputs"][7], 0, np.asarray(q_heads, np.int64), f"r{r}")
+                q = n["inputs"][0]
+                cols[n["outputs"][0]], width[n["outputs"][0]], role[n["outputs"][0]] = cols[q], width[q], "o"
+                n["attrs"].pop("kernel", None)
+                continue
+            else:  # elementwise: slice constants that span the feature dim
+                for j, v in enumerate(n["inputs"]):
+                    w = g.weights.get(v)
+                    if w is not None and w.shape and w.shape[-1] == width[src] and width[src] > 1:
+                        n["inputs"][j] = cut(v, len(w.shape) - 1, cols[src], f"r{r}")
+            n["attrs"].pop("kernel", None)  # fused kernels were compiled for the full width: torch runs them
+            for o in n["outputs"]:
+                cols[o], width[o], role[o] = cols[src], width[src], role[src]
+        # the closer: this rank's rows, then the all-reduce of the partial sums
+        c = nodes[closer]
+        x = c["inputs"][0]
+        _cut_closer(c, cols[x], cut, g, world)
+        out = c["outputs"][0]
+        c["outputs"][0] = f"{out}@partial"
+        inserted.append((closer, {"op": ALL_REDUCE, "inputs": [f"{out}@partial"], "outputs": [out], "attrs": {}}))
+    for at, node in sorted(inserted, key=lambda t: t[0], reverse=True):
+        nodes.insert(at + 1, node)
+    used = {v for n in nodes for v in n["inputs"] if v}
+    return RankProgram(r, nodes, {k: w for k, w in weights.items() if k in used}, sharded_bytes)
+
+
+def _out_width(g: _Graph, i: int) -> int:
+    n = g.nodes[i]
+    w = g.weights[n["inputs"][1]]
+    return int(w.shape[0] if n["op"] == "Fp8Linear" else w.shape[-1])
+
+
+def _role(g: _Graph, value: str, interior: set[int]) -> str:
+    """q / k / v: the attention input the value reaches inside the block; mlp otherwise."""
+    stack, seen = [value], set()
+    while stack:
+        v = stack.pop()
+        for u in g.users.get(v, []):
+            if u not in interior or u in seen:
+                continue
+            seen.add(u)
+            n = g.nodes[u]
+            if n["op"] == "PagedAttention":
+                k = n["inputs"].index(v)
+                if k < 3:
+                    return "qkv"[k]
+            stack.extend(n["outputs"])
+    return "mlp"
+
+
+def _cut_opener(node: dict, index: np.ndarray, cut, g: _Graph, world: int) -> None:
+    op, ins = node["op"], node["inputs"]
+    tag = f"c{abs(hash(index.tobytes())) % 10**8}"
+    if op == "MatMul":
+        ins[1] = cut(ins[1], 1, index, tag)
+    elif op == "Fp8Linear":  # [N, K] E4M3 + per-channel scales [N]: a channel's scale goes with it
+        ins[1] = cut(ins[1], 0, index, tag)
+        ins[2] = cut(ins[2], 0, index, tag)
+    elif op == "Int4Linear":  # [K/2, N] codes, [K/g, N] scales (+ zeros): columns carry whole groups
+        for j in range(1, len(ins)):
+            if ins[j]:
+                ins[j] = cut(ins[j], 1, index, tag)
+        node["attrs"].pop("kernel", None)
+
+
+def _cut_closer(node: dict, index: np.ndarray, cut, g: _Graph, world: int) -> None:
+    op, ins = node["op"], node["inputs"]
+    tag = f"r{abs(hash(index.tobytes())) % 10**8}"
+    if op == "MatMul":
+        ins[1] = cut(ins[1], 0, index, tag)
+    elif op == "Fp8Linear":  # rows of K: the per-output-channel scales stay whole
+        ins[1] = cut(ins[1], 1, index, tag)
+    elif op == "Int4Linear":
+        group = int(node["attrs"]["group_size"])
+        lo, n = int(index[0]), len(index)
+        if not np.array_equal(index, np.arange(lo, lo + n)) or lo % group or n % group or lo % 2:
+            raise UnsupportedError(f"--tp {world}: {ins[1]}: a rank's rows {lo}..{lo + n} would split an INT4 group "
+                                   f"of {group}; build with a smaller --tp or group size")
+        ins[1] = cut(ins[1], 0, np.arange(lo // 2, (lo + n) // 2), "r")
+        for j in range(2, len(ins)):
+            if ins[j]:
+                ins[j] = cut(ins[j], 0, np.arange(lo // group, (lo + n) // group), "r")
+        node["attrs"]["k"] = n
+        node["attrs"].pop("kernel", None)
+
+
+def _reshape(node: dict, g: _Graph, index: np.ndarray, full: int, role: str, h: int, kv: int, r: int,
+             new_weight) -> str:
+    name = node["inputs"][1]
+    w = g.weights.get(name)
+    if w is None:
+        raise UnsupportedError(f"--tp: reshape {node['outputs'][0]} takes a computed shape; build with --tp 1")
+    shape = [int(v) for v in np.frombuffer(w.produce(), np.int64 if w.dtype == "I64" else np.int32)]
+    local = len(index)
+    heads = h if role in ("q", "o") else kv if role in ("k", "v") else None
+    new = list(shape)
+    if shape and shape[-1] == full:
+        new[-1] = local
+    elif heads and len(shape) >= 2 and shape[-2] == heads and shape[-1] * heads == full:
+        new[-2] = local // shape[-1]
+    elif not (shape and shape[-1] * (heads or 0) == full):
+        raise UnsupportedError(f"--tp: reshape {node['outputs'][0]} to {shape} of a sharded value of width {full} "
+                               "has no per-rank form; build with --tp 1")
+    if new == shape:
+        return name
+    return new_weight(name, "x".join(map(str, new)), w.dtype, (len(new),), _consts(w.dtype, new))
+
+
+def check_config(config: dict, world: int, where: str) -> None:
+    """What ``--tp world`` cannot split in this model, from its config alone (before any work)."""
+    cfg = config.get("text_config", config)
+    if cfg.get("kv_lora_rank"):
+        raise UnsupportedError(f"{where}: --tp {world}: multi-head latent attention (kv_lora_rank "
+                               f"{cfg['kv_lora_rank']}) is not split across ranks yet; build with --tp 1")
+    for key in ("num_local_experts", "num_experts", "n_routed_experts"):
+        if cfg.get(key):
+            raise UnsupportedError(f"{where}: --tp {world}: {key} {cfg[key]}: mixture-of-experts layers are not "
+                                   "partitioned across ranks yet (expert parallelism); build with --tp 1")
+    h = cfg.get("num_attention_heads")
+    kv = cfg.get("num_key_value_heads") or h
+    if isinstance(h, int) and h % world:
+        raise UnsupportedError(f"{where}: --tp {world}: num_attention_heads {h} does not divide into {world} ranks; "
+                               f"choose a --tp that divides {h}")
+    if isinstance(kv, int) and kv >= world and kv % world:
+        raise UnsupportedError(f"{where}: --tp {world}: num_key_value_heads {kv} does not divide into {world} "
+                               f"ranks; choose a --tp that divides {kv} or a multiple of it")
+    if isinstance(kv, int) and kv < world and world % kv:
+        raise UnsupportedError(f"{where}: --tp {world}: num_key_value_heads {kv} cannot be replicated evenly over "
+                               f"{world} ranks ({world} is not a multiple of {kv}); choose a --tp that is")

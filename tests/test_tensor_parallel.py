@@ -1,0 +1,180 @@
+"""Tensor parallelism with no GPU: ``llmc build --gpu h100 --tp N`` engines run with ``device="cpu"``, their
+ranks in worker processes joined by gloo, and are held to the same engine built with one rank (fp32: identical
+greedy tokens, logits within 1e-5).
+
+The builds skip the AOT kernels (they play no part on the CPU) and the self-check (tests/test_cuda_engine.py
+runs it for these families), to keep the file short.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+
+from llmc.cli.main import cli
+from llmc.compiler.build import BuildOptions, build
+from llmc.errors import UnsupportedError
+from llmc.runtime import Engine, SamplingParams
+from llmc.runtime.tensor_parallel import TensorParallelError, all_reduce_reference
+
+PARAMS = SamplingParams(max_tokens=16, ignore_eos=True)
+
+
+def _build(ckpt, out, tp: int, **kw):
+    return build(ckpt, out, BuildOptions(target="h100", dtype="float32", aot_kernels=False, self_check=False,
+                                         tp=tp, **kw))
+
+
+def _prompts(seed: int) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(4, 512, n).tolist() for n in (3, 20, 45)]  # past the fixtures' sliding window of 24
+
+
+def _logits(engine: Engine, ids: list[int]) -> np.ndarray:
+    """Every position's logits of one prompt (the session's step API; Engine.score asks sessions for state)."""
+    n = len(ids)
+    blocks = -(-n // engine.block_size)
+    feeds = {"input_ids": np.asarray(ids, np.int64), "positions": np.arange(n, dtype=np.int64),
+             "slot_mapping": np.arange(n, dtype=np.int64), "block_tables": np.arange(blocks, dtype=np.int64)[None],
+             "context_lens": np.asarray([n], np.int64), "query_start_loc": np.asarray([0, n], np.int64),
+             "logits_indices": np.arange(n, dtype=np.int64)}
+    return engine._session.run(feeds, engine._pool)
+
+
+@pytest.fixture(scope="module")
+def llama_engines(tmp_path_factory, tiny_llama):
+    out = tmp_path_factory.mktemp("tp")
+    return {tp: _build(tiny_llama, out / f"tp{tp}", tp).out_dir for tp in (1, 2, 4)}
+
+
+def test_all_reduce_reference_matches_gloo():
+    """The op's reference (the sum of the ranks' partials) against gloo's all-reduce, on fresh random inputs."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    parts = [torch.randn(5, 7) for _ in range(1)]
+    store = dist.HashStore()
+    group = dist.ProcessGroupGloo(store, 0, 1, timedelta(seconds=10))
+    x = parts[0].clone()
+    group.allreduce([x]).wait()
+    torch.testing.assert_close(x, all_reduce_reference(parts), rtol=0, atol=0)
+    many = [torch.randn(3, 4) for _ in range(4)]
+    torch.testing.assert_close(all_reduce_reference(many), torch.stack(many).sum(0), rtol=1e-6, atol=1e-6)
+
+
+def test_llama_tp2_and_tp4_equal_tp1(llama_engines):
+    """llama (4 heads, 2 KV heads): tp=2 splits the KV heads, tp=4 replicates each on two ranks; greedy tokens
+    identical to tp=1 (batched and alone), logits within 1e-5."""
+    seed = int(np.random.SeedSequence().entropy % 2**31)
+    prompts = _prompts(seed)
+    one = Engine.load(llama_engines[1], device="cpu")
+    want = [o.token_ids for o in one.generate(prompts, PARAMS)]
+    ref = _logits(one, prompts[2])
+    for tp in (2, 4):
+        eng = Engine.load(llama_engines[tp], device="cpu")
+        par = eng.manifest["parallel"]
+        assert par["tensor"] == tp and par["heads_per_rank"] == 4 // tp
+        assert par["kv_heads_per_rank"] == 1 and par["kv_head_replicas"] == tp // 2
+        assert [o.token_ids for o in eng.generate(prompts, PARAMS)] == want, f"tp={tp} seed {seed}"
+        assert [eng.generate([p], PARAMS)[0].token_ids for p in prompts] == want, f"tp={tp} seed {seed}"
+        np.testing.assert_allclose(_logits(eng, prompts[2]), ref, rtol=0, atol=1e-5)
+        eng._session.close()
+
+
+def test_each_rank_holds_one_nth_of_the_split_weights(llama_engines):
+    """Each rank's share of the sharded tensors is 1/N of them (within 2%): at tp=2 all of them; at tp=4 all but
+    the packed Q/K/V, whose K and V columns are replicated on two ranks (16 of 64 Q columns, 16 of 32 K and V:
+    48 of 128). The rank files hold that plus the replicated weights; the manifest names them with their sha256."""
+    from safetensors import safe_open
+
+    with safe_open(str(llama_engines[1] / "weights.safetensors"), "np") as f:
+        full = {k: f.get_tensor(k).nbytes for k in f.keys()}  # noqa: SIM118
+    for tp in (2, 4):
+        root = llama_engines[tp]
+        manifest = json.loads((root / "manifest.json").read_text())
+        ranks = manifest["parallel"]["ranks"]
+        assert len(ranks) == tp and not (root / "weights.safetensors").exists()
+        for r in ranks:
+            assert r["weights_file"] in manifest["files"] and r["program_file"] in manifest["files"]
+            with safe_open(str(root / r["weights_file"]), "np") as f:
+                cut = {k.split("@shard")[0]: f.get_tensor(k).nbytes for k in f.keys() if "@shard" in k}  # noqa: SIM118
+                whole = {k: f.get_tensor(k).nbytes for k in f.keys() if "@" not in k}  # noqa: SIM118
+            assert sum(cut.values()) == r["sharded_bytes"] and set(cut) <= set(full)
+            assert all(whole[k] == full[k] for k in whole)  # replicated: as in the one-rank engine
+            qkv = {k for k in cut if "k_proj" in k}
+            assert len(qkv) == 2 and len(cut) == 8  # 2 layers x (Q/K/V, o_proj, gate/up, down_proj)
+            if tp == 4:
+                for k in qkv:
+                    assert cut[k] / full[k] == pytest.approx(48 / 128, rel=0.02)
+            rest = set(cut) - (qkv if tp == 4 else set())
+            share = sum(cut[k] for k in rest) / sum(full[k] for k in rest)
+            assert share == pytest.approx(1 / tp, rel=0.02), (tp, r["rank"], share)
+            assert sum(full[k] for k in cut) > 0.5 * sum(full.values())  # the split tensors are most of the model
+
+
+@pytest.mark.parametrize("model_type", ["qwen3", "gemma3_text"])
+def test_families_tp2_equal_tp1(model_type, family_checkpoint, tmp_path):
+    """qwen3 (per-head q/k norms), gemma3 (sliding window, GeGLU, norms after each block): tp=2 = tp=1."""
+    ckpt = family_checkpoint(model_type)
+    one = Engine.load(_build(ckpt, tmp_path / "tp1", 1).out_dir, device="cpu")
+    two = Engine.load(_build(ckpt, tmp_path / "tp2", 2).out_dir, device="cpu")
+    seed = int(np.random.SeedSequence().entropy % 2**31)
+    prompts = _prompts(seed)
+    assert [o.token_ids for o in two.generate(prompts, PARAMS)] == [o.token_ids for o in
+                                                                   one.generate(prompts, PARAMS)], seed
+    np.testing.assert_allclose(_logits(two, prompts[2]), _logits(one, prompts[2]), rtol=0, atol=1e-5)
+    two._session.close()
+
+
+def test_a_killed_worker_ends_the_requests_with_an_error(llama_engines):
+    """SIGKILL a rank mid-generation: the next step raises TensorParallelError naming the rank within seconds
+    (never a hang), and every later step says the same."""
+    eng = Engine.load(llama_engines[2], device="cpu")
+    eng.submit(list(range(5, 30)), SamplingParams(max_tokens=200, ignore_eos=True))
+    for _ in range(3):
+        eng.step()
+    pid = eng._session.worker_pids[0]
+    os.kill(pid, signal.SIGKILL)
+    t0 = time.monotonic()
+    with pytest.raises(TensorParallelError, match=rf"rank 1 .*pid {pid}"):
+        for _ in range(200):
+            eng.step()
+    assert time.monotonic() - t0 < 10
+    with pytest.raises(TensorParallelError, match="cannot run another step"):
+        eng.step()
+
+
+def test_refusals_before_any_work(tmp_path, tiny_llama, family_checkpoint):
+    runner = CliRunner()
+    r = runner.invoke(cli, ["build", str(tiny_llama), "-o", str(tmp_path / "a"), "--target", "cpu", "--tp", "2"])
+    assert r.exit_code == 3 and "--tp 2 with --target cpu" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    r = runner.invoke(cli, ["build", str(tiny_llama), "-o", str(tmp_path / "b"), "--gpu", "h100", "--tp", "3"])
+    assert r.exit_code != 0 and "1, 2, 4 or 8" in r.stderr
+    with pytest.raises(UnsupportedError, match="num_key_value_heads 2 .* 8 ranks|num_attention_heads 4"):
+        _build(tiny_llama, tmp_path / "c", 8)
+    with pytest.raises(UnsupportedError, match="mixture-of-experts"):
+        _build(family_checkpoint("mixtral"), tmp_path / "d", 2)
+    assert not any((tmp_path / n).exists() for n in "abcd")
+
+
+def test_cli_inspect_verify_and_run_a_tp_engine(llama_engines):
+    runner = CliRunner()
+    root = llama_engines[2]
+    r = runner.invoke(cli, ["inspect", str(root)])
+    assert r.exit_code == 0, r.output
+    assert "parallel    tensor 2" in r.output and "rank 1    rank1/weights.safetensors" in r.output
+    r = runner.invoke(cli, ["verify", str(root)])
+    assert r.exit_code == 1 and "2 GPUs" in r.stderr
+    r = runner.invoke(cli, ["run", str(root), "--device", "cpu", "--prompt-ids", "5,17,33,90", "-n", "8", "--json"])
+    assert r.exit_code == 0, r.output
+    one = Engine.load(llama_engines[1], device="cpu")
+    want = one.generate([[5, 17, 33, 90]], SamplingParams(max_tokens=8))[0].token_ids
+    assert json.loads(r.stdout.strip().splitlines()[-1])["token_ids"] in (want, [want])
