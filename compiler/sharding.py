@@ -161,32 +161,59 @@ def shard(nodes: list[dict], weights: dict, world: int) -> ShardPlan:
         raise UnsupportedError(f"--tp {world}: {kv} KV heads cannot be replicated evenly over {world} ranks "
                                f"({world} is not a multiple of {kv}); choose a --tp that is")
     for n in nodes:
-        if n["op"] in ("MoEGate", "MoE", "TopK", "ScatterND", "ScatterElements", "GatherElements"):
-            raise UnsupportedError(f"--tp {world}: node {n['op']} ({n['outputs'][0]}): mixture-of-experts layers "
-                                   "are not split across ranks yet (expert parallelism); build with --tp 1")
         if n["op"] == "LoraApply":
             raise UnsupportedError(f"--tp {world}: LoRA slots are not split across ranks yet; build without "
                                    "--lora-slots or with --tp 1")
     blocks = _blocks(g)
-    if len(blocks) != 2 * len(attn):
-        raise UnsupportedError(f"--tp {world}: found {len(blocks)} column/row-parallel blocks for {len(attn)} "
-                               "attention layers (expected one attention and one MLP block per layer); this "
-                               "architecture's layers are not split yet; build with --tp 1")
+    moe = _moe_blocks(g)
+    if any(n["op"] == "TopK" for n in nodes) and len(moe) != len(attn):
+        raise UnsupportedError(f"--tp {world}: this model's mixture-of-experts layers are not in the form llmc "
+                               "splits (a gathered [experts, 2*intermediate, hidden] gate/up and [experts, hidden, "
+                               "intermediate] down projection); build with --tp 1")
+    if len(blocks) + len(moe) != 2 * len(attn):
+        raise UnsupportedError(f"--tp {world}: found {len(blocks) + len(moe)} column/row-parallel blocks for "
+                               f"{len(attn)} attention layers (expected one attention and one MLP block per layer); "
+                               "this architecture's layers are not split yet; build with --tp 1")
     ranks = []
     reps = max(1, world // kv)
     for r in range(world):
-        ranks.append(_rank(g, blocks, r, world, h, kv))
+        ranks.append(_rank(g, blocks, moe, r, world, h, kv))
     layout = {"attention": "heads split, KV heads " + (f"replicated on {reps} ranks each" if reps > 1 else "split"),
-              "mlp": "intermediate columns split", "embeddings": "replicated", "lm_head": "replicated",
-              "all_reduce_after": "o_proj and down_proj (row-parallel)"}
-    return ShardPlan(world, ranks, h // world, max(1, kv // world), reps, len(blocks), layout)
+              "mlp": "intermediate columns split", "embeddings": "replicated",
+              **({"experts": "each expert's intermediate columns split (router replicated)"} if moe else {}),
+              "lm_head": "replicated", "all_reduce_after": "o_proj and down_proj (row-parallel)"}
+    return ShardPlan(world, ranks, h // world, max(1, kv // world), reps, len(blocks) + len(moe), layout)
 
 
 def _head_cols(heads: list[int], d: int) -> np.ndarray:
     return np.concatenate([np.arange(x * d, (x + 1) * d) for x in heads]).astype(np.int64)
 
 
-def _rank(g: _Graph, blocks, r: int, world: int, h: int, kv: int) -> RankProgram:
+def _moe_blocks(g: _Graph) -> list[tuple[int, int, str]]:
+    """Mixture-of-experts layers as the frontend traces them (transformers' grouped experts): per (token, expert)
+    pair ``GatherND(gate_up [E, 2I, H], ids)`` times the token, split into gate and up halves, the activation,
+    ``GatherND(down [E, H, I], ids)`` times that, weighted and summed. -> (gate/up gather, down gather, the value
+    the residual stream receives)."""
+    out = []
+    gathers = [i for i, n in enumerate(g.nodes) if n["op"] == "GatherND" and n["inputs"][0] in g.weights
+               and len(g.weights[n["inputs"][0]].shape) == 3]
+    for a, b in zip(gathers[0::2], gathers[1::2], strict=False):
+        up, down = g.weights[g.nodes[a]["inputs"][0]].shape, g.weights[g.nodes[b]["inputs"][0]].shape
+        if not (up[0] == down[0] and up[1] == 2 * down[2] and up[2] == down[1]):
+            return []
+        v = g.nodes[b]["outputs"][0]
+        while True:  # forward from the down projection to the residual stream
+            users = g.users.get(v, [])
+            if len(users) != 1:
+                return []
+            if g.nodes[users[0]]["op"] in _BARRIERS:
+                break
+            v = g.nodes[users[0]]["outputs"][0]
+        out.append((a, b, v))
+    return out
+
+
+def _rank(g: _Graph, blocks, moe, r: int, world: int, h: int, kv: int) -> RankProgram:
     nodes = [dict(n, inputs=list(n["inputs"]), outputs=list(n["outputs"]), attrs=dict(n["attrs"])) for n in g.nodes]
     weights = dict(g.weights)
     cols: dict[str, np.ndarray] = {}  # value -> its global feature indices on this rank (flattened last dim)
@@ -292,6 +319,20 @@ def _rank(g: _Graph, blocks, r: int, world: int, h: int, kv: int) -> RankProgram
         out = c["outputs"][0]
         c["outputs"][0] = f"{out}@partial"
         inserted.append((closer, {"op": ALL_REDUCE, "inputs": [f"{out}@partial"], "outputs": [out], "attrs": {}}))
+    for a, b, v in moe:  # every expert keeps 1/N of its intermediate columns; one all-reduce of the weighted sum
+        up = g.weights[nodes[a]["inputs"][0]]
+        i = int(up.shape[1]) // 2
+        if i % world:
+            raise UnsupportedError(f"--tp {world}: {nodes[a]['inputs'][0]}: {i} intermediate columns do not divide "
+                                   f"into {world} ranks")
+        local = np.arange(r * i // world, (r + 1) * i // world, dtype=np.int64)
+        nodes[a]["inputs"][0] = cut(nodes[a]["inputs"][0], 1, np.concatenate([local, local + i]), f"r{r}")
+        nodes[b]["inputs"][0] = cut(nodes[b]["inputs"][0], 2, local, f"r{r}")
+        for n in nodes[a:b]:
+            n["attrs"].pop("kernel", None)  # the fused activation was compiled for the full width
+        p = g.producer[v]
+        nodes[p]["outputs"][nodes[p]["outputs"].index(v)] = f"{v}@partial"
+        inserted.append((p, {"op": ALL_REDUCE, "inputs": [f"{v}@partial"], "outputs": [v], "attrs": {}}))
     for at, node in sorted(inserted, key=lambda t: t[0], reverse=True):
         nodes.insert(at + 1, node)
     used = {v for n in nodes for v in n["inputs"] if v}
@@ -386,10 +427,9 @@ def check_config(config: dict, world: int, where: str) -> None:
     if cfg.get("kv_lora_rank"):
         raise UnsupportedError(f"{where}: --tp {world}: multi-head latent attention (kv_lora_rank "
                                f"{cfg['kv_lora_rank']}) is not split across ranks yet; build with --tp 1")
-    for key in ("num_local_experts", "num_experts", "n_routed_experts"):
-        if cfg.get(key):
-            raise UnsupportedError(f"{where}: --tp {world}: {key} {cfg[key]}: mixture-of-experts layers are not "
-                                   "partitioned across ranks yet (expert parallelism); build with --tp 1")
+    if cfg.get("n_shared_experts") or cfg.get("shared_expert_intermediate_size"):
+        raise UnsupportedError(f"{where}: --tp {world}: shared experts beside the routed ones are not split across "
+                               "ranks yet; build with --tp 1")
     h = cfg.get("num_attention_heads")
     kv = cfg.get("num_key_value_heads") or h
     if isinstance(h, int) and h % world:

@@ -120,9 +120,11 @@ def test_each_rank_holds_one_nth_of_the_split_weights(llama_engines):
             assert sum(full[k] for k in cut) > 0.5 * sum(full.values())  # the split tensors are most of the model
 
 
-@pytest.mark.parametrize("model_type", ["qwen3", "gemma3_text"])
+@pytest.mark.parametrize("model_type", ["qwen3", "gemma3_text", "mixtral"])
 def test_families_tp2_equal_tp1(model_type, family_checkpoint, tmp_path):
-    """qwen3 (per-head q/k norms), gemma3 (sliding window, GeGLU, norms after each block): tp=2 = tp=1."""
+    """qwen3 (per-head q/k norms), gemma3 (sliding window, GeGLU, norms after each block), mixtral (MoE: each
+    expert's gate/up columns and down rows split, router replicated, one all-reduce of the weighted sum):
+    tp=2 = tp=1."""
     ckpt = family_checkpoint(model_type)
     one = Engine.load(_build(ckpt, tmp_path / "tp1", 1).out_dir, device="cpu")
     two = Engine.load(_build(ckpt, tmp_path / "tp2", 2).out_dir, device="cpu")
@@ -152,7 +154,9 @@ def test_a_killed_worker_ends_the_requests_with_an_error(llama_engines):
         eng.step()
 
 
-def test_refusals_before_any_work(tmp_path, tiny_llama, family_checkpoint):
+def test_refusals_before_any_work(tmp_path, tiny_llama):
+    from llmc.compiler import sharding
+
     runner = CliRunner()
     r = runner.invoke(cli, ["build", str(tiny_llama), "-o", str(tmp_path / "a"), "--target", "cpu", "--tp", "2"])
     assert r.exit_code == 3 and "--tp 2 with --target cpu" in r.stderr and len(r.stderr.strip().splitlines()) == 1
@@ -160,9 +164,10 @@ def test_refusals_before_any_work(tmp_path, tiny_llama, family_checkpoint):
     assert r.exit_code != 0 and "1, 2, 4 or 8" in r.stderr
     with pytest.raises(UnsupportedError, match="num_key_value_heads 2 .* 8 ranks|num_attention_heads 4"):
         _build(tiny_llama, tmp_path / "c", 8)
-    with pytest.raises(UnsupportedError, match="mixture-of-experts"):
-        _build(family_checkpoint("mixtral"), tmp_path / "d", 2)
-    assert not any((tmp_path / n).exists() for n in "abcd")
+    mla = {"num_attention_heads": 4, "num_key_value_heads": 4, "kv_lora_rank": 512}
+    with pytest.raises(UnsupportedError, match="multi-head latent attention"):
+        sharding.check_config(mla, 2, "config.json")
+    assert not any((tmp_path / n).exists() for n in "abc")
 
 
 def test_cli_inspect_verify_and_run_a_tp_engine(llama_engines):
