@@ -591,9 +591,13 @@ def _trace(checkpoint: Checkpoint, compute_dtype: str, torch, torch_op) -> Trace
     state_layers = [dict(d) for d in STATE_LAYERS] or None
     STATE_LAYERS.clear()
     if recurrent and not state_layers:
-        raise UnsupportedError(f"{checkpoint.path}: model_type {checkpoint.model_type!r} defines recurrent layers but "
-                               "none of them reached llmc's recurrent ops while tracing, so llmc stops rather than run "
-                               "them without their state")
+        # The family has recurrent layers but this configuration uses none (an LFM2 config of attention layers only):
+        # a plain model, without the state_slots input. (A recurrent layer that bypassed llmc's ops would compute
+        # each step's tokens alone; the build's self-check stops such a model, its decode steps differing.)
+        slots = next(v for v in model.graph.inputs if v.name == STATE_SLOTS)
+        if not slots.uses():
+            model.graph.inputs.remove(slots)
+            inputs = tuple(n for n in inputs if n != STATE_SLOTS)
     if state_layers and ATTENTION_SHAPES:
         # Hybrid: only the attention layers have KV caches; the graph's PagedAttention nodes index a pool of those.
         num_layers = _compact_attention_layers(model, checkpoint)

@@ -306,3 +306,26 @@ def test_lfm2_moe_matches_transformers(tmp_path, monkeypatch):
         engine = Engine.load(tmp_path / "engine", **kwargs)
         assert [o.token_ids for o in engine.generate([list(p) for p in HYBRID_PROMPTS], params)] == refs
     assert engine.stats().num_preemptions > 0
+
+
+def test_lfm2_of_attention_layers_only_is_a_plain_model(tmp_path):
+    """An LFM2 config without conv layers (transformers' default) builds with no state pool and no state_slots input."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from llmc.compiler.build import BuildOptions, build
+    from llmc.runtime import Engine, SamplingParams
+
+    cfg = AutoConfig.for_model("lfm2", **{**LFM2, "num_hidden_layers": 2, "layer_types": None})
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(cfg).eval()
+    hf.save_pretrained(tmp_path / "ckpt")
+    build(tmp_path / "ckpt", tmp_path / "engine", BuildOptions())
+    manifest = json.loads((tmp_path / "engine" / "manifest.json").read_text())
+    assert "state_cache" not in manifest and "state_slots" not in manifest["engine"]["inputs"]
+    with torch.no_grad():
+        ref = hf.generate(torch.tensor([PROMPTS[0]]), max_new_tokens=8, min_new_tokens=8, do_sample=False,
+                          eos_token_id=None, pad_token_id=0)[0, len(PROMPTS[0]):].tolist()
+    engine = Engine.load(tmp_path / "engine", kv_cache_tokens=256)
+    assert engine.generate([list(PROMPTS[0])], SamplingParams(max_tokens=8, ignore_eos=True))[0].token_ids == ref
+    assert engine.stats().state_slots_total == 0 and engine.stats().prefix_caching_disabled_reason == ""
