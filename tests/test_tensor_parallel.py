@@ -183,3 +183,33 @@ def test_cli_inspect_verify_and_run_a_tp_engine(llama_engines):
     one = Engine.load(llama_engines[1], device="cpu")
     want = one.generate([[5, 17, 33, 90]], SamplingParams(max_tokens=8))[0].token_ids
     assert json.loads(r.stdout.strip().splitlines()[-1])["token_ids"] in (want, [want])
+
+
+def test_the_server_loop_fails_requests_and_health_when_a_worker_dies(llama_engines):
+    """`llmc serve`'s step loop over a tp engine: a SIGKILLed rank ends the in-flight request with the
+    TensorParallelError and /health's check turns unhealthy naming it, within seconds."""
+    import asyncio
+
+    from llmc.serve.loop import EngineLoop
+
+    eng = Engine.load(llama_engines[2], device="cpu")
+    loop = EngineLoop(eng, max_queue=8)
+
+    async def go():
+        loop.start(asyncio.get_running_loop())
+        sink = await loop.submit([list(range(5, 30))], [SamplingParams(max_tokens=400, ignore_eos=True)], ["r"],
+                                 time.perf_counter())
+        first = await asyncio.wait_for(sink.get(), 30)
+        assert first.error is None
+        os.kill(eng._session.worker_pids[0], signal.SIGKILL)
+        t0 = time.monotonic()
+        while True:
+            d = await asyncio.wait_for(sink.get(), 10)
+            if d.error is not None or d.final is not None:
+                return d, time.monotonic() - t0
+
+    d, seconds = asyncio.run(go())
+    assert isinstance(d.error, TensorParallelError) and "rank 1" in str(d.error) and seconds < 10
+    ok, why = loop.health()
+    assert not ok and "TensorParallelError" in why
+    loop.stop()
