@@ -9,11 +9,11 @@ An engine built with ``llmc build --gpu ... --tp N`` holds ``rank<r>/program.jso
   rank 0's program. It starts ranks 1..N-1 as worker processes (torch.multiprocessing, ``spawn``), each with
   its own :class:`~llmc.runtime.cuda_session.CudaSession` on its own device (``cuda:<r>``; with
   ``device="cpu"`` all on the CPU) and its own KV pool, which holds only that rank's KV heads.
-- Ranks form a process group of their own (a ``TCPStore`` on localhost and ``ProcessGroupGloo``, or
-  ``ProcessGroupNCCL`` on GPUs): a group object rather than the process-wide default group, so one process
-  can hold several engines. Every step rank 0 broadcasts the step's packed inputs (pickled, as
-  ``broadcast_object_list`` does); every rank runs its program, whose ``AllReduce`` nodes sum the
-  row-parallel partial outputs over the group. Only rank 0's logits are read.
+- Ranks form process groups of their own over a ``TCPStore`` on localhost (group objects rather than the
+  process-wide default group, so one process can hold several engines): a gloo group for control, over which
+  rank 0 broadcasts every step's packed inputs (pickled, as ``broadcast_object_list`` does), and the group
+  of the program's ``AllReduce`` nodes, which sum the row-parallel partial outputs: the same gloo group on
+  the CPU, ``ProcessGroupNCCL`` on GPUs. Only rank 0's logits are read.
 - A rank that dies or hangs ends the engine: rank 0 checks its workers before each step, and every
   collective has the group's timeout (``LLMC_TP_TIMEOUT`` seconds, default 30), so a step fails with
   :class:`TensorParallelError` naming the rank instead of waiting forever; the engine then refuses every
@@ -74,12 +74,22 @@ def _timeout() -> float:
     return float(os.environ.get("LLMC_TP_TIMEOUT", "30"))
 
 
-def _group(store, rank: int, world: int, device: torch.device, timeout: float):
-    if device.type == "cuda":  # untested: no multi-GPU machine
-        opts = dist.ProcessGroupNCCL.Options()
-        opts._timeout = timedelta(seconds=timeout)
-        return dist.ProcessGroupNCCL(store, rank, world, opts)
-    return dist.ProcessGroupGloo(store, rank, world, timedelta(seconds=timeout))
+def _groups(store, rank: int, world: int, device: torch.device, timeout: float):
+    """(control group, all-reduce group): the step broadcasts travel as host bytes over gloo always (NCCL moves
+    device tensors only, so vLLM keeps a CPU group beside it too); the all-reduce runs on NCCL on GPUs."""
+    ctl = dist.ProcessGroupGloo(dist.PrefixStore("ctl", store), rank, world, timedelta(seconds=timeout))
+    if device.type != "cuda":
+        return ctl, ctl
+    opts = dist.ProcessGroupNCCL.Options()  # untested: no multi-GPU machine
+    opts._timeout = timedelta(seconds=timeout)
+    return ctl, dist.ProcessGroupNCCL(dist.PrefixStore("nccl", store), rank, world, opts)
+
+
+def _rank_manifest(manifest: dict) -> dict:
+    """The manifest as a rank's session reads it from ``rank<r>/``: the AOT kernels live beside the rank dirs."""
+    engine = manifest["engine"]
+    kernels = [{**k, "file": f"../{k['file']}"} for k in engine.get("kernels", [])]
+    return {**manifest, "engine": {**engine, "kernels": kernels}}
 
 
 def _root0():
@@ -116,14 +126,14 @@ def _worker(rank: int, world: int, root: str, manifest: dict, device: str, port:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     store = dist.TCPStore("127.0.0.1", port, world, False, timedelta(seconds=timeout))
     store.set(f"ready/{rank}", "1")
-    group = _group(store, rank, world, dev, timeout)
-    session = CudaSession(Path(root) / RANK_DIR.format(rank), manifest, device=str(dev), cuda_graphs=cuda_graphs,
-                          max_model_len=max_model_len)
+    ctl, group = _groups(store, rank, world, dev, timeout)
+    session = CudaSession(Path(root) / RANK_DIR.format(rank), _rank_manifest(manifest), device=str(dev),
+                          cuda_graphs=cuda_graphs, max_model_len=max_model_len)
     pool = None
     token = _ACTIVE.set(group)
     try:
         while True:
-            cmd = _recv(group)
+            cmd = _recv(ctl)
             if cmd[0] == "step":
                 session.run_device(cmd[1], pool)
             elif cmd[0] == "copy":
@@ -192,14 +202,14 @@ class TensorParallelSession:
         self._finalizer = weakref.finalize(self, _stop, self.procs, store)
         self._wait_for_workers(store)
         try:
-            self.group = _group(store, 0, self.world, dev, self.timeout)
+            self.ctl, self.group = _groups(store, 0, self.world, dev, self.timeout)
         except Exception as exc:  # noqa: BLE001 - a worker that never joined
             self._finalizer()
             raise TensorParallelError(f"{root}: the {self.world - 1} tensor-parallel worker(s) did not join within "
                                       f"{self.timeout:g} s ({type(exc).__name__}: {exc})") from None
         self._store = store
-        self.inner = CudaSession(self.root / RANK_DIR.format(0), manifest, device=str(dev), cuda_graphs=cuda_graphs,
-                                 max_model_len=max_model_len)
+        self.inner = CudaSession(self.root / RANK_DIR.format(0), _rank_manifest(manifest), device=str(dev),
+                                 cuda_graphs=cuda_graphs, max_model_len=max_model_len)
         self.steps = 0
 
     def _wait_for_workers(self, store) -> None:
@@ -242,7 +252,7 @@ class TensorParallelSession:
     def _broadcast(self, cmd) -> None:
         self._check()
         try:
-            _send(self.group, cmd)
+            _send(self.ctl, cmd)
         except RuntimeError as exc:  # gloo/NCCL (DistError): a peer closed or the timeout passed
             self._fail(self._why(exc))
 
@@ -290,7 +300,7 @@ class TensorParallelSession:
         """Stop the workers (also done when this session is garbage collected or the process exits)."""
         if not self._failed and all(p.is_alive() for p in self.procs):
             try:
-                _send(self.group, ("stop",))
+                _send(self.ctl, ("stop",))
             except Exception:  # noqa: BLE001 - stopping anyway
                 pass
         self._finalizer()
