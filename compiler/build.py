@@ -161,8 +161,11 @@ def _check_tp(ckpt: Checkpoint, plan: _Plan) -> None:
     """--tp N: what the sharding pass (compiler/sharding.py) cannot split, refused before any work (exit 3)."""
     from llmc.compiler import sharding
 
-    if plan.options.tp > 1:
-        sharding.check_config(ckpt.config, plan.options.tp, str(ckpt.path / "config.json"))
+    options = plan.options
+    if options.tp > 1:
+        fmt = options.quant.format
+        group = options.quant.group_size if fmt is not None and fmt.family == "int4" else None
+        sharding.check_config(ckpt.config, options.tp, str(ckpt.path / "config.json"), group)
 
 
 def _carry_int4(ckpt: Checkpoint, plan: _Plan) -> None:

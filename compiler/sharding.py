@@ -421,9 +421,20 @@ def _reshape(node: dict, g: _Graph, index: np.ndarray, full: int, role: str, h: 
     return new_weight(name, "x".join(map(str, new)), w.dtype, (len(new),), _consts(w.dtype, new))
 
 
-def check_config(config: dict, world: int, where: str) -> None:
-    """What ``--tp world`` cannot split in this model, from its config alone (before any work)."""
+def check_config(config: dict, world: int, where: str, int4_group: int | None = None) -> None:
+    """What ``--tp world`` cannot split in this model, from its config alone (before any work). ``int4_group``:
+    the group size of an INT4 recipe, whose groups along a row-parallel linear's inputs must not straddle ranks."""
     cfg = config.get("text_config", config)
+    if int4_group and world > 1:
+        h, hidden = cfg.get("num_attention_heads"), cfg.get("hidden_size")
+        d = cfg.get("head_dim") or (hidden // h if h and hidden else None)
+        widths = {"num_attention_heads x head_dim (o_proj's inputs)": h * d if h and d else None,
+                  "intermediate_size (down_proj's inputs)": cfg.get("intermediate_size")}
+        for what, width in widths.items():
+            if isinstance(width, int) and (width % world or (width // world) % int4_group):
+                raise UnsupportedError(f"{where}: --tp {world} with INT4 groups of {int4_group}: {what} {width} gives "
+                                       f"each rank {width / world:g} inputs, not whole groups; choose a --group-size "
+                                       f"or --tp that divides it")
     if cfg.get("kv_lora_rank"):
         raise UnsupportedError(f"{where}: --tp {world}: multi-head latent attention (kv_lora_rank "
                                f"{cfg['kv_lora_rank']}) is not split across ranks yet; build with --tp 1")

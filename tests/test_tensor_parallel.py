@@ -164,6 +164,10 @@ def test_refusals_before_any_work(tmp_path, tiny_llama):
     assert r.exit_code != 0 and "1, 2, 4 or 8" in r.stderr
     with pytest.raises(UnsupportedError, match="num_key_value_heads 2 .* 8 ranks|num_attention_heads 4"):
         _build(tiny_llama, tmp_path / "c", 8)
+    from llmc.quant.recipe import QuantRecipe
+
+    with pytest.raises(UnsupportedError, match=r"intermediate_size \(down_proj's inputs\) 176 gives each rank 88"):
+        _build(tiny_llama, tmp_path / "c", 2, quant=QuantRecipe(quant="int4", group_size=32))
     mla = {"num_attention_heads": 4, "num_key_value_heads": 4, "kv_lora_rank": 512}
     with pytest.raises(UnsupportedError, match="multi-head latent attention"):
         sharding.check_config(mla, 2, "config.json")
