@@ -19,6 +19,7 @@ LM head) is replicated.
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -365,7 +366,7 @@ def _role(g: _Graph, value: str, interior: set[int]) -> str:
 
 def _cut_opener(node: dict, index: np.ndarray, cut, g: _Graph, world: int) -> None:
     op, ins = node["op"], node["inputs"]
-    tag = f"c{abs(hash(index.tobytes())) % 10**8}"
+    tag = f"c{zlib.crc32(index.tobytes()):08x}"  # deterministic: names enter the artifact digest
     if op == "MatMul":
         ins[1] = cut(ins[1], 1, index, tag)
     elif op == "Fp8Linear":  # [N, K] E4M3 + per-channel scales [N]: a channel's scale goes with it
@@ -380,7 +381,7 @@ def _cut_opener(node: dict, index: np.ndarray, cut, g: _Graph, world: int) -> No
 
 def _cut_closer(node: dict, index: np.ndarray, cut, g: _Graph, world: int) -> None:
     op, ins = node["op"], node["inputs"]
-    tag = f"r{abs(hash(index.tobytes())) % 10**8}"
+    tag = f"r{zlib.crc32(index.tobytes()):08x}"
     if op == "MatMul":
         ins[1] = cut(ins[1], 0, index, tag)
     elif op == "Fp8Linear":  # rows of K: the per-output-channel scales stay whole
