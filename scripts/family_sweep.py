@@ -84,6 +84,10 @@ _INDEXER = dict(index_n_heads=2, index_head_dim=16, index_topk=8)
 FAMILY_OVERRIDES: dict[str, dict] = {
     "nemotron": dict(num_key_value_heads=2),  # the default (None) fails in transformers' own attention
     "lfm2_moe": dict(layer_types=["conv", "full_attention"], num_dense_layers=1),
+    # hybrids: a recurrent layer beside an attention layer (the defaults at 2 layers have only one kind)
+    "lfm2": dict(layer_types=["conv", "full_attention"]),
+    "granitemoehybrid": dict(layer_types=["mamba", "attention"]),
+    "bamba": dict(attn_layer_indices=[1]),
     "cohere_compass_text": dict(rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 10000.0},
                                                  "sliding_attention": {"rope_type": "default",
                                                                        "rope_theta": 10000.0}}),
