@@ -168,7 +168,10 @@ def _stop(procs: list, store) -> None:
         if p.is_alive():
             p.terminate()
     for p in procs:
-        p.join(timeout=5)
+        p.join(timeout=2)
+        if p.is_alive():  # a hung (or stopped) rank does not act on SIGTERM
+            p.kill()
+            p.join(timeout=2)
     del store
 
 

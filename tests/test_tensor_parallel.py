@@ -8,6 +8,7 @@ runs it for these families), to keep the file short.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -239,3 +240,23 @@ def test_quantized_tp2_equals_tp1_of_the_same_recipe(quant, model_type, family_c
                                                                    one.generate(prompts, PARAMS)], seed
     np.testing.assert_allclose(_logits(two, prompts[2]), _logits(one, prompts[2]), rtol=0, atol=1e-5)
     two._session.close()
+
+
+def test_a_hung_worker_fails_the_step_after_the_timeout(llama_engines, monkeypatch):
+    """SIGSTOP a rank: its peers' collectives give up after LLMC_TP_TIMEOUT seconds and the step fails with
+    TensorParallelError instead of hanging."""
+    monkeypatch.setenv("LLMC_TP_TIMEOUT", "3")
+    eng = Engine.load(llama_engines[2], device="cpu")
+    eng.submit(list(range(5, 30)), SamplingParams(max_tokens=200, ignore_eos=True))
+    eng.step()
+    pid = eng._session.worker_pids[0]
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(TensorParallelError, match="did not answer within 3 s"):
+            for _ in range(200):
+                eng.step()
+        assert time.monotonic() - t0 < 15
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # the engine has killed it already
+            os.kill(pid, signal.SIGKILL)
