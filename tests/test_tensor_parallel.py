@@ -260,3 +260,19 @@ def test_a_hung_worker_fails_the_step_after_the_timeout(llama_engines, monkeypat
     finally:
         with contextlib.suppress(ProcessLookupError):  # the engine has killed it already
             os.kill(pid, signal.SIGKILL)
+
+
+def test_prefix_cache_hits_and_preemption_on_a_tp_engine(llama_engines):
+    """A pool of 96 tokens and repeated prompts: prefix-cache hits and preemptions happen on rank 0's block
+    tables, every rank's KV follows them, and the tokens stay tp=1's."""
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    p = list(range(5, 25))
+    prompts = [p, p + [7], p, list(range(40, 60))]
+    got = {}
+    for tp in (1, 2):
+        eng = Engine.load(llama_engines[tp], device="cpu", kv_cache_tokens=96)
+        first = eng.generate([p], params)[0].token_ids
+        got[tp] = (first, [o.token_ids for o in eng.generate(prompts, params)], eng.stats())
+    assert got[2][:2] == got[1][:2]
+    stats = got[2][2]
+    assert stats.prefix_cache_hit_rate > 0 and stats.num_preemptions > 0
