@@ -244,7 +244,12 @@ def _rank(g: _Graph, blocks, moe, r: int, world: int, h: int, kv: int) -> RankPr
         for o in openers:
             node = nodes[o]
             y = node["outputs"][0]
-            split = [u for u in g.users.get(y, []) if nodes[u]["op"] == "Split" and u in interior]
+            fused = y  # the fused output the Split reads: after the bias Add of a linear with a bias (qwen2)
+            users = [u for u in g.users.get(y, []) if u in interior]
+            if len(users) == 1 and nodes[users[0]]["op"] == "Add" and any(v in g.weights for v in
+                                                                          nodes[users[0]]["inputs"]):
+                fused = nodes[users[0]]["outputs"][0]
+            split = [u for u in g.users.get(fused, []) if nodes[u]["op"] == "Split" and u in interior]
             parts = nodes[split[0]]["outputs"] if split else [y]
             if split:
                 sizes = [int(v) for v in np.frombuffer(g.weights[nodes[split[0]]["inputs"][1]].produce(), np.int64)]
@@ -422,10 +427,20 @@ def _reshape(node: dict, g: _Graph, index: np.ndarray, full: int, role: str, h: 
     return new_weight(name, "x".join(map(str, new)), w.dtype, (len(new),), _consts(w.dtype, new))
 
 
+# Families whose traced layers the pass splits, each held to its one-rank engine (tests/test_tensor_parallel.py
+# and the notes of issue 34). The others trace their Q/K/V differently: gpt2's fused c_attn, gpt_neox's per-head
+# interleaved query_key_value, phi3's qkv_proj sliced by Slice nodes.
+TP_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "mixtral", "qwen3_moe")
+
+
 def check_config(config: dict, world: int, where: str, int4_group: int | None = None) -> None:
     """What ``--tp world`` cannot split in this model, from its config alone (before any work). ``int4_group``:
     the group size of an INT4 recipe, whose groups along a row-parallel linear's inputs must not straddle ranks."""
     cfg = config.get("text_config", config)
+    model_type = config.get("model_type")
+    if world > 1 and model_type not in TP_FAMILIES and not cfg.get("kv_lora_rank"):
+        raise UnsupportedError(f"{where}: --tp {world}: model_type {model_type!r} is not split across ranks yet "
+                               f"(tensor parallelism covers {', '.join(TP_FAMILIES)}); build with --tp 1")
     if int4_group and world > 1:
         h, hidden = cfg.get("num_attention_heads"), cfg.get("hidden_size")
         d = cfg.get("head_dim") or (hidden // h if h and hidden else None)

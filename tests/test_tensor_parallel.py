@@ -121,11 +121,11 @@ def test_each_rank_holds_one_nth_of_the_split_weights(llama_engines):
             assert sum(full[k] for k in cut) > 0.5 * sum(full.values())  # the split tensors are most of the model
 
 
-@pytest.mark.parametrize("model_type", ["qwen3", "gemma3_text", "mixtral"])
+@pytest.mark.parametrize("model_type", ["qwen3", "gemma3_text", "mixtral", "qwen2"])
 def test_families_tp2_equal_tp1(model_type, family_checkpoint, tmp_path):
     """qwen3 (per-head q/k norms), gemma3 (sliding window, GeGLU, norms after each block), mixtral (MoE: each
-    expert's gate/up columns and down rows split, router replicated, one all-reduce of the weighted sum):
-    tp=2 = tp=1."""
+    expert's gate/up columns and down rows split, router replicated, one all-reduce of the weighted sum), qwen2
+    (Q/K/V biases, cut with their columns): tp=2 = tp=1."""
     ckpt = family_checkpoint(model_type)
     one = Engine.load(_build(ckpt, tmp_path / "tp1", 1).out_dir, device="cpu")
     two = Engine.load(_build(ckpt, tmp_path / "tp2", 2).out_dir, device="cpu")
@@ -169,7 +169,9 @@ def test_refusals_before_any_work(tmp_path, tiny_llama):
 
     with pytest.raises(UnsupportedError, match=r"intermediate_size \(down_proj's inputs\) 176 gives each rank 88"):
         _build(tiny_llama, tmp_path / "c", 2, quant=QuantRecipe(quant="int4", group_size=32))
-    mla = {"num_attention_heads": 4, "num_key_value_heads": 4, "kv_lora_rank": 512}
+    with pytest.raises(UnsupportedError, match="model_type 'gpt2' is not split across ranks yet"):
+        sharding.check_config({"model_type": "gpt2", "num_attention_heads": 4}, 2, "config.json")
+    mla = {"model_type": "deepseek_v3", "num_attention_heads": 4, "num_key_value_heads": 4, "kv_lora_rank": 512}
     with pytest.raises(UnsupportedError, match="multi-head latent attention"):
         sharding.check_config(mla, 2, "config.json")
     assert not any((tmp_path / n).exists() for n in "abc")
