@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from llmc.errors import UnsupportedError
 from llmc.runtime import cuda_kernels
 from llmc.runtime.device_sampler import sample_rows
 from llmc.runtime.kv_cache import distinct_pairs, layer_geometry
@@ -284,8 +285,12 @@ class CudaSession:
 
     # -- steps ------------------------------------------------------------------------------------
 
-    def run(self, feeds: dict[str, np.ndarray], pool: TorchKVPool) -> np.ndarray:
-        """Run one step; returns logits ``[n_logits, vocab]`` (float32, host)."""
+    def run(self, feeds: dict[str, np.ndarray], pool: TorchKVPool, state: list[np.ndarray] | None = None) -> np.ndarray:
+        """Run one step; returns logits ``[n_logits, vocab]`` (float32, host). ``state``: the recurrent-state pool
+        the engine passes every session; always None here (the CUDA loader refuses engines with a state cache)."""
+        if state is not None:
+            raise UnsupportedError("the CUDA engine does not run models with recurrent state (state_cache); "
+                                   "build it for the CPU (--target cpu)")
         return self.host_rows(self.run_device(feeds, pool))
 
     def host_rows(self, logits: torch.Tensor, rows: list[int] | None = None) -> np.ndarray:
