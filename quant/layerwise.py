@@ -282,7 +282,9 @@ class LayerwiseScorer:
                 inputs = {name: (values[name] if name in values else feeds[w][name])
                           for name in session.input_names}
                 results = session.run(inputs, pool, outputs=wanted)
-                values.update(zip(wanted, results, strict=True))
+                # Copies: ONNX Runtime's outputs are views of its session's memory arena and would keep the whole
+                # arena (an FP8 stage's dequantized weights: ~2 GB on an 8B layer) alive while they are carried.
+                values.update((name, np.array(r)) for name, r in zip(wanted, results, strict=True))
                 for name in [n for n in values if last_use.get(n, -1) <= i and n != self.output]:
                     del values[name]
             self.run_seconds += time.perf_counter() - t
