@@ -320,8 +320,14 @@ def _register_attention() -> None:
 
     AttentionInterface.register(CALIB_ATTENTION, _calibration_attention)
     # Without a registered mask function transformers builds no mask at all for a custom attention,
-    # which would make sliding-window layers attend over the whole sequence.
-    ALL_MASK_ATTENTION_FUNCTIONS.register(CALIB_ATTENTION, sdpa_mask)
+    # which would make sliding-window layers attend over the whole sequence. Always an explicit mask: a plain
+    # causal one left implicit (None, for SDPA's is_causal) reaches families that attend inline (bloom adds
+    # no mask then; mpt calls .to(bool) on it).
+    def explicit_mask(*args, **kwargs):
+        kwargs["allow_is_causal_skip"] = False  # create_causal_mask passes its own value
+        return sdpa_mask(*args, **kwargs)
+
+    ALL_MASK_ATTENTION_FUNCTIONS.register(CALIB_ATTENTION, explicit_mask)
 
 
 # -- the layer-by-layer driver -----------------------------------------------------------------------

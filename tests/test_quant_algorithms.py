@@ -109,3 +109,19 @@ def test_load_texts_plain_jsonl_and_errors(tmp_path):
     with pytest.raises(LlmcError, match="no such file"):
         calibration.load_texts(tmp_path / "missing.txt")
     assert len(calibration.load_texts(None)) > 10  # the built-in pydoc training split
+
+
+def test_calibration_attention_masks_are_always_explicit():
+    """The mask function llmc registers for calibration returns the causal mask itself, never None for SDPA's
+    is_causal: families that attend inline (bloom, mpt) read that mask, and with None bloom attended to future
+    tokens while calibrating and mpt failed (.to(bool) on None)."""
+    import torch
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+    from llmc.quant import calibration
+
+    calibration._register_attention()
+    mask = ALL_MASK_ATTENTION_FUNCTIONS[calibration.CALIB_ATTENTION](
+        batch_size=1, q_length=5, kv_length=5, allow_is_causal_skip=True, device="cpu")
+    assert mask is not None
+    assert torch.equal(mask.reshape(5, 5), torch.ones(5, 5, dtype=torch.bool).tril())
