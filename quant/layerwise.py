@@ -281,10 +281,11 @@ class LayerwiseScorer:
             for w, values in enumerate(carried):
                 inputs = {name: (values[name] if name in values else feeds[w][name])
                           for name in session.input_names}
-                results = session.run(inputs, pool, outputs=wanted)
-                # Copies: ONNX Runtime's outputs are views of its session's memory arena and would keep the whole
-                # arena (an FP8 stage's dequantized weights: ~2 GB on an 8B layer) alive while they are carried.
-                values.update((name, np.array(r)) for name, r in zip(wanted, results, strict=True))
+                # Copies, and no name left holding the originals: ONNX Runtime's outputs are views of its session's
+                # memory arena and would keep the whole arena (an FP8 stage's dequantized weights: ~2 GB on an 8B
+                # layer) alive after the session, while they are carried.
+                values.update((name, np.array(r)) for name, r in
+                              zip(wanted, session.run(inputs, pool, outputs=wanted), strict=True))
                 for name in [n for n in values if last_use.get(n, -1) <= i and n != self.output]:
                     del values[name]
             self.run_seconds += time.perf_counter() - t
