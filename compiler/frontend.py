@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_ir as ir
 
-from llmc.compiler import alibi_attention, llama4_text
+from llmc.compiler import alibi_attention, llama4_text, mla_trace
 from llmc.compiler.binding import account, bind
 from llmc.compiler.checkpoint import Checkpoint, TensorEntry, changed_during_build, read_tensor
 from llmc.errors import LlmcError, UnsupportedError
@@ -302,6 +302,7 @@ def _build_module(checkpoint: Checkpoint, compute_dtype: str):
     hf.eval()
     alibi_attention.install(hf)  # bloom, mpt: attention computed inline, with ALiBi
     llama4_text.install(hf)  # llama4: chunked local attention, NoPE temperature tuning, complex rotary
+    mla_trace.install(hf)  # DeepSeek-V3's latent attention: per-head keys by cat, not new_empty + copy_
     rope = _select_longrope(hf, config)
 
     class PackedCausalLM(torch.nn.Module):

@@ -238,6 +238,48 @@ def gelu(x, *, approximate="none", **_):
     return (F.gelu(x, approximate=approximate),)
 
 
+@op("Shape")
+def shape(x, *, start=0, end=None, **_):
+    # Host metadata (int64 on the CPU, as ONNX Runtime keeps shapes): consumers read it as Python ints, so it
+    # costs no device round trip. DeepSeek-V3's grouped router (zeros_like + scatter_) is where programs have it.
+    return (torch.tensor(list(x.shape)[start:end], dtype=torch.int64),)
+
+
+@op("ConstantOfShape")
+def constant_of_shape(shape, *, value=(0.0,), dtype="float32", **_):
+    # On the CPU: the consumer that meets a device tensor moves it (ScatterElements below).
+    return (torch.full([int(s) for s in shape], value[0], dtype=DTYPES[dtype]),)
+
+
+@op("GatherElements")
+def gather_elements(data, indices, *, axis=0, **_):
+    idx = torch.where(indices < 0, indices + data.shape[axis], indices)
+    return (torch.gather(data, axis, idx.to(data.device)),)
+
+
+@op("ScatterElements")
+def scatter_elements(data, indices, updates, *, axis=0, reduction="none", **_):
+    if reduction != "none":
+        raise NotImplementedError(f"ScatterElements with reduction {reduction!r}")
+    idx = torch.where(indices < 0, indices + data.shape[axis], indices).to(data.device)
+    return (torch.scatter(data, axis, idx, updates.to(data.device, data.dtype)),)
+
+
+@op("Pad")
+def pad(x, pads, value=None, axes=None, *, mode="constant", **_):
+    """ONNX Pad, constant mode: ``pads`` = all begins then all ends (the frontend widens MLA's value heads)."""
+    if mode != "constant":
+        raise NotImplementedError(f"Pad mode {mode!r}")
+    pads = [int(p) for p in pads]
+    axes = list(range(x.dim())) if axes is None else [int(a) % x.dim() for a in axes]
+    n = len(axes)
+    widths = [0, 0] * x.dim()  # F.pad's order: last axis first, (begin, end) each
+    for a, lo, hi in zip(axes, pads[:n], pads[n:], strict=True):
+        widths[2 * (x.dim() - 1 - a)], widths[2 * (x.dim() - 1 - a) + 1] = lo, hi
+    fill = float(value.reshape(-1)[0]) if isinstance(value, torch.Tensor) and value.numel() else 0.0
+    return (F.pad(x, widths, value=fill),)
+
+
 @op("SwiGLU")
 def swiglu(gate, up, **_):
     return (F.silu(gate) * up,)

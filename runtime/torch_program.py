@@ -35,7 +35,8 @@ WEIGHTS_FILE = "weights.safetensors"
 ATTENTION_OP = "PagedAttention"
 # Inputs that ops read as Python integers (shapes, axes, sizes): constants become lists at load.
 HOST_INPUTS = {"Reshape": (1,), "Split": (1,), "Unsqueeze": (1,), "Squeeze": (1,), "Slice": (1, 2, 3, 4),
-               "TopK": (1,), "ReduceSum": (1,), "ReduceMean": (1,), "Expand": (1,), "Tile": (1,)}
+               "TopK": (1,), "ReduceSum": (1,), "ReduceMean": (1,), "Expand": (1,), "Tile": (1,), "Pad": (1, 3),
+               "ConstantOfShape": (0,)}
 # ... and as Python floats (a scalar exponent: no host sync inside a captured CUDA graph).
 HOST_SCALARS = {"Pow": (1,)}
 

@@ -365,6 +365,10 @@ class _Lowering:
                                    f"{op} (node {node.name}); build this model with --target cpu")
         attrs = {}
         for name, a in node.attributes.items():
+            if op == "ConstantOfShape" and name == "value":  # a one-element tensor: its value and type
+                t = a.value.numpy().reshape(-1)
+                attrs.update(value=[t[0].item()], dtype=_IR_TO_NAME[a.value.dtype])
+                continue
             try:
                 attrs[name] = _attr(a.value)
             except TypeError:
