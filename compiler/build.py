@@ -204,6 +204,43 @@ def _carry_int4(ckpt: Checkpoint, plan: _Plan) -> None:
         plan.options = _check_cuda_request(plan.options, target)
 
 
+def _carry_mxfp4(ckpt: Checkpoint, plan: _Plan) -> None:
+    """A gpt-oss checkpoint with MXFP4 experts (compiler/prequantized_mxfp4.py) keeps them as stored: the CPU engine
+    runs them from their codes. What would re-quantize them, expand them, or has no MXFP4 kernel yet is refused
+    before any work (exit 3)."""
+    from llmc.compiler import prequantized_mxfp4
+
+    if not prequantized_mxfp4.carried(ckpt.tensors):
+        return
+    options, target = plan.options, plan.target
+    head = f"{ckpt.path}: the checkpoint's experts are MXFP4 (E2M1 codes + E8M0 scales, 4.25 bits per weight)"
+    if options.quant.quant != "none":
+        raise UnsupportedError(f"{head}; --quant {options.quant.quant} would re-quantize them; "
+                               f"{prequantized_mxfp4.INSTEAD}, or build from the unquantized original")
+    if target.sm is not None or target.backend != "onnxruntime":
+        raise UnsupportedError(f"{head}; {target.flag}: llmc's GPU engines have no MXFP4 expert kernel yet (the CPU "
+                               "engine has), and expanding the experts to bfloat16 would quadruple their memory; "
+                               "build with --target cpu")
+    if options.tp > 1:
+        raise UnsupportedError(f"{head}; --tp {options.tp}: MXFP4 experts are not split across ranks yet; build "
+                               "without --tp")
+    if options.attention != "native":
+        raise UnsupportedError(f"{head}; the MXFP4 expert matmul runs only in llmc's native ONNX Runtime op "
+                               "library; build with the native attention route")
+
+
+def _lower_mxfp4(ckpt: Checkpoint, model) -> int:
+    """The CPU engine's routed expert matmuls over MXFP4 weights -> llmc.Mxfp4MoEMatMul on the checkpoint's codes."""
+    from llmc.compiler import prequantized_mxfp4
+
+    carried = prequantized_mxfp4.carried(ckpt.tensors)
+    if not carried:
+        return 0
+    from llmc.passes.mxfp4_experts import lower_mxfp4_experts
+
+    return lower_mxfp4_experts(model, {name: w.source() for name, w in carried.items()})
+
+
 def _validate(options: BuildOptions) -> None:
     if options.block_size < 1 or options.block_size > 1024 or options.block_size & (options.block_size - 1):
         raise LlmcError(f"--block-size {options.block_size}: must be a power of two from 1 to 1024 (default 16)")
@@ -471,6 +508,7 @@ def _compile_stages(ckpt: Checkpoint, digest: str, plan: _Plan, dest: Path, say:
             fold_into_packed(traced.model)
             if verifier is not None:
                 verifier("fold-lora-updates", traced.model)
+        mxfp4 = _lower_mxfp4(ckpt, traced.model) if not gpu else 0
         if verifier is not None:
             for entry in pass_stats:
                 entry["verified_rel_error"] = verifier.errors.get(entry["pass"])
@@ -531,6 +569,8 @@ def _compile_stages(ckpt: Checkpoint, digest: str, plan: _Plan, dest: Path, say:
     }
     if ckpt.source_quantization is not None:  # a pre-quantized checkpoint, dequantized exactly on the way in
         report["source_quantization"] = ckpt.source_quantization
+    if mxfp4:  # what the engine kept of an MXFP4 checkpoint: its experts as codes
+        report["mxfp4"] = {"matmuls": mxfp4, "op": "llmc.Mxfp4MoEMatMul", "bits_per_weight": 4.25}
     if qstage is not None:
         report.update(qstage.report())
     artifact.write_json(dest / "report.json", report)
@@ -788,6 +828,7 @@ def build(checkpoint_dir: str | Path, out_dir: str | Path, options: BuildOptions
     _check_hybrid(ckpt, plan)
     _check_tp(ckpt, plan)
     _carry_int4(ckpt, plan)
+    _carry_mxfp4(ckpt, plan)
     digest = ckpt.digest()
     timings["load"] = time.perf_counter() - t0
 
@@ -875,6 +916,7 @@ def build_cached(checkpoint_dir: str | Path, out_dir: str | Path, options: Build
     _check_hybrid(ckpt, plan)
     _check_tp(ckpt, plan)
     _carry_int4(ckpt, plan)
+    _carry_mxfp4(ckpt, plan)
     digest = ckpt.digest()
     timings["load"] = time.perf_counter() - t0
 

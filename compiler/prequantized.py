@@ -13,7 +13,8 @@ plain floats:
 - **AutoAWQ GEMM**, **GPTQ** (v1, v2; groups in input order) and compressed-tensors **pack-quantized** INT4 are
   carried exactly: codes, zero points and scales as stored become llmc's INT4 weights
   (compiler/prequantized_int4.py), never dequantized and re-quantized.
-- **Every other method** (other AWQ layouts, act-order GPTQ, bitsandbytes, MXFP4, HQQ, NVFP4 compressed-tensors,
+- gpt-oss **MXFP4** experts are carried as stored (compiler/prequantized_mxfp4.py).
+- **Every other method** (other AWQ layouts, act-order GPTQ, bitsandbytes, HQQ, NVFP4 compressed-tensors,
   …) is refused before any work, naming the method and what to do instead: llmc quantizes
   from the original unquantized checkpoint itself (``--quant int4-awq`` / ``int4-gptq`` / ``int4`` / ``nvfp4``).
 """
@@ -30,7 +31,7 @@ _SCALE_SUFFIXES = ("_scale_inv", "_scale")  # weight_scale_inv (fp8), weight_sca
 _DROPPED_SUFFIXES = (".input_scale", ".k_scale", ".v_scale", ".weight_zero_point", ".input_zero_point")
 _INSTEAD = {
     "awq": "--quant int4-awq", "gptq": "--quant int4-gptq", "gptqmodel": "--quant int4-gptq",
-    "mxfp4": "--quant nvfp4 or --quant int4", "bitsandbytes": "--quant int4", "hqq": "--quant int4",
+    "bitsandbytes": "--quant int4", "hqq": "--quant int4",
 }
 
 
@@ -98,6 +99,11 @@ def plan(config: dict, tensors: dict, cfg_path: Path) -> tuple[dict, dict | None
 
         planner = prequantized_int4.plan if kind == "awq" else prequantized_int4.plan_gptq
         tensors, record, _ = planner(qc, tensors, cfg_path)
+        return tensors, record
+    if kind == "mxfp4":  # gpt-oss experts carried as E2M1 codes + E8M0 scales (compiler/prequantized_mxfp4.py)
+        from llmc.compiler import prequantized_mxfp4
+
+        tensors, record, _ = prequantized_mxfp4.plan(config, qc, tensors, cfg_path)
         return tensors, record
     if kind == "compressed-tensors":
         from llmc.compiler import prequantized_int4

@@ -155,6 +155,11 @@ def lower(model: ir.Model, attention: str = "native", fusions: frozenset[str] | 
                 raise LlmcError("llmc.Int4MatMul runs only in llmc's native custom-op library; build with the "
                                 "native attention route, or with --int4-kernel mlas (ONNX Runtime's MatMulNBits)")
             continue
+        elif node.op_type == "Mxfp4MoEMatMul":  # MXFP4 experts (passes/mxfp4_experts): native library only
+            if attention == "pyop":
+                raise LlmcError("llmc.Mxfp4MoEMatMul runs only in llmc's native custom-op library; build with the "
+                                "native attention route")
+            continue
         elif node.op_type in (CONV_OP_TYPE, DELTA_OP_TYPE, SSD_OP_TYPE):  # recurrent-state ops: native library only
             if attention == "pyop":
                 raise LlmcError(f"llmc.{node.op_type} runs only in llmc's native custom-op library; build with the "

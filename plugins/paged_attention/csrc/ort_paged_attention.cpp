@@ -515,6 +515,8 @@ const OrtCustomOpV13 g_int4_op = make_op(int4_name, int4_input_type, int4_input_
 #include "../../recurrent/csrc/ort_recurrent.h"
 // llmc::LoraApply: LoRA slot updates chosen per token (plugins/lora/csrc).
 #include "../../lora/csrc/ort_lora.h"
+// llmc::Mxfp4MoEMatMul: MoE experts straight from their MXFP4 codes (plugins/mxfp4/csrc).
+#include "../../mxfp4/csrc/ort_mxfp4.h"
 
 std::mutex g_domain_mutex;
 OrtCustomOpDomain* g_domain = nullptr;  // one domain object for every session; lives as long as the process
@@ -545,6 +547,8 @@ LLMC_EXPORT OrtStatus* RegisterCustomOps(OrtSessionOptions* options, const OrtAp
                       "CustomOpDomain_Add");
             }
             check(api_fn<OrtStatus* (*)(OrtCustomOpDomain*, const void*)>(kCustomOpDomain_Add)(domain, &g_lora_op),
+                  "CustomOpDomain_Add");
+            check(api_fn<OrtStatus* (*)(OrtCustomOpDomain*, const void*)>(kCustomOpDomain_Add)(domain, &g_mxfp4_op),
                   "CustomOpDomain_Add");
             g_domain = domain;
         }
@@ -639,5 +643,17 @@ LLMC_EXPORT int64_t llmc_int4_set_parallel_min(int64_t work) {
 
 // Int4MatMul kernel calls completed since the library was loaded.
 LLMC_EXPORT int64_t llmc_int4_calls() { return g_int4_calls.load(); }
+
+// Mxfp4MoEMatMul's instruction set: 0 scalar, 1 AVX2 (default: the best this CPU has); -1 if the CPU lacks it.
+LLMC_EXPORT int llmc_mxfp4_set_isa(int isa) {
+    if (isa < 0 || isa > static_cast<int>(llmc_mx::best_isa())) return -1;
+    g_mxfp4_isa = isa;
+    return 0;
+}
+
+LLMC_EXPORT int llmc_mxfp4_get_isa() { return g_mxfp4_isa.load(); }
+
+// Mxfp4MoEMatMul kernel calls completed since the library was loaded.
+LLMC_EXPORT int64_t llmc_mxfp4_calls() { return g_mxfp4_calls.load(); }
 
 #include "../../recurrent/csrc/ort_recurrent_exports.h"

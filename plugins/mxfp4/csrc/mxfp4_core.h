@@ -1,0 +1,194 @@
+// llmc::Mxfp4MoEMatMul's kernel: each token row times its expert's MXFP4 weight, straight from the codes.
+//
+// Weights as gpt-oss ships them (OpenAI's layout): blocks uint8 [E, N, K/32, 16] (E2M1 codes, two per byte, the
+// low nibble first, 32 codes of one output row n along K per block) and scales uint8 [E, N, K/32] (E8M0, bias
+// 127). W[e, n, k] = FP4[code] * 2^(scale - 127). Rows are grouped by expert (a counting sort of the ids), and the
+// work is (expert, tile of output rows n): each weight row is decoded once into a float32 buffer -- a 16-entry
+// table of E2M1 values times the block's power of two, exact -- and dotted with every token row routed to that
+// expert, accumulating in float32. Nothing is dequantized ahead of time: the experts stay 4.25 bits per weight.
+
+#pragma once
+
+#include <immintrin.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "../../csrc/parallel_for.h"
+
+namespace llmc_mx {
+
+enum Isa { kScalar = 0, kAvx2 = 1 };
+
+inline Isa best_isa() {
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return kAvx2;
+    return kScalar;
+}
+
+constexpr int64_t kBlock = 32;
+constexpr int64_t kTile = 32;  // output rows per work item
+// Twice the E2M1 values, as int8 (so that a byte shuffle decodes 16 codes at once); the block scale is halved.
+constexpr int8_t kFp4x2[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+struct Problem {
+    const float* x;          // [M, K]
+    const int64_t* ids;      // [M], each in [0, E)
+    const uint8_t* blocks;   // [E, N, K/32, 16]
+    const uint8_t* scales;   // [E, N, K/32]
+    float* y;                // [M, N]
+    int64_t M, K, N, E;
+};
+
+// 2^(s - 128): half the E8M0 scale, exact for every s (2^-128 is a float32 subnormal; s = 255 gives 2^127).
+inline float half_scale(uint8_t s) { return std::ldexp(1.0f, static_cast<int>(s) - 128); }
+
+inline void decode_row_scalar(const uint8_t* blk, const uint8_t* sc, int64_t groups, float* w) {
+    for (int64_t g = 0; g < groups; ++g) {
+        const float s = half_scale(sc[g]);
+        for (int j = 0; j < 16; ++j) {
+            const uint8_t b = blk[g * 16 + j];
+            w[g * kBlock + 2 * j] = static_cast<float>(kFp4x2[b & 15]) * s;
+            w[g * kBlock + 2 * j + 1] = static_cast<float>(kFp4x2[b >> 4]) * s;
+        }
+    }
+}
+
+inline float dot_scalar(const float* a, const float* b, int64_t k) {
+    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    for (int64_t i = 0; i < k; i += 8) {
+        for (int j = 0; j < 8; ++j) acc[j] += a[i + j] * b[i + j];
+    }
+    return ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+}
+
+__attribute__((target("avx2,fma"))) inline void decode_row_avx2(const uint8_t* blk, const uint8_t* sc,
+                                                                 int64_t groups, float* w) {
+    const __m128i lut = _mm_loadu_si128(reinterpret_cast<const __m128i*>(kFp4x2));
+    const __m128i low = _mm_set1_epi8(0x0F);
+    for (int64_t g = 0; g < groups; ++g) {
+        const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + g * 16));
+        const __m128i lo = _mm_and_si128(b, low), hi = _mm_and_si128(_mm_srli_epi16(b, 4), low);
+        // Codes in K order: lo0 hi0 lo1 hi1 ...
+        const __m128i c0 = _mm_shuffle_epi8(lut, _mm_unpacklo_epi8(lo, hi));
+        const __m128i c1 = _mm_shuffle_epi8(lut, _mm_unpackhi_epi8(lo, hi));
+        const __m256 s = _mm256_set1_ps(half_scale(sc[g]));
+        float* o = w + g * kBlock;
+        _mm256_storeu_ps(o, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(c0)), s));
+        _mm256_storeu_ps(o + 8, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(c0, 8))), s));
+        _mm256_storeu_ps(o + 16, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(c1)), s));
+        _mm256_storeu_ps(o + 24, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(c1, 8))), s));
+    }
+}
+
+__attribute__((target("avx2,fma"))) inline float hsum_avx2(__m256 v) {
+    const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
+}
+
+// Rows r[0..m) of X (each K floats) dotted with w, four rows at a time (w's loads shared).
+__attribute__((target("avx2,fma"))) inline void dots_avx2(const float* w, const float* x, const int64_t* rows,
+                                                           int64_t m, int64_t K, float* out) {
+    int64_t i = 0;
+    for (; i + 4 <= m; i += 4) {
+        const float *x0 = x + rows[i] * K, *x1 = x + rows[i + 1] * K, *x2 = x + rows[i + 2] * K,
+                    *x3 = x + rows[i + 3] * K;
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        for (int64_t k = 0; k < K; k += 8) {
+            const __m256 wv = _mm256_loadu_ps(w + k);
+            a0 = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x0 + k), a0);
+            a1 = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x1 + k), a1);
+            a2 = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x2 + k), a2);
+            a3 = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x3 + k), a3);
+        }
+        out[i] = hsum_avx2(a0);
+        out[i + 1] = hsum_avx2(a1);
+        out[i + 2] = hsum_avx2(a2);
+        out[i + 3] = hsum_avx2(a3);
+    }
+    for (; i < m; ++i) {
+        const float* xr = x + rows[i] * K;
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0;
+        int64_t k = 0;
+        for (; k + 16 <= K; k += 16) {
+            a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w + k), _mm256_loadu_ps(xr + k), a0);
+            a1 = _mm256_fmadd_ps(_mm256_loadu_ps(w + k + 8), _mm256_loadu_ps(xr + k + 8), a1);
+        }
+        for (; k < K; k += 8) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w + k), _mm256_loadu_ps(xr + k), a0);
+        out[i] = hsum_avx2(_mm256_add_ps(a0, a1));
+    }
+}
+
+// Rows grouped by expert: order[start[e] .. start[e + 1]) are the rows routed to expert e.
+struct Routing {
+    std::vector<int64_t> order, start;
+    // Work items: (expert, first output row) for every expert with rows.
+    std::vector<std::pair<int64_t, int64_t>> items;
+};
+
+inline Routing route(const Problem& p) {
+    Routing r;
+    r.start.assign(p.E + 1, 0);
+    for (int64_t m = 0; m < p.M; ++m) ++r.start[p.ids[m] + 1];
+    for (int64_t e = 0; e < p.E; ++e) r.start[e + 1] += r.start[e];
+    r.order.resize(p.M);
+    std::vector<int64_t> fill(r.start.begin(), r.start.end() - 1);
+    for (int64_t m = 0; m < p.M; ++m) r.order[fill[p.ids[m]]++] = m;
+    for (int64_t e = 0; e < p.E; ++e) {
+        if (r.start[e + 1] == r.start[e]) continue;
+        for (int64_t n0 = 0; n0 < p.N; n0 += kTile) r.items.emplace_back(e, n0);
+    }
+    return r;
+}
+
+struct Job {
+    const Problem* p;
+    const Routing* r;
+    Isa isa;
+};
+
+inline void run_item(const Job& job, int64_t item) {
+    const Problem& p = *job.p;
+    const auto [e, n0] = job.r->items[item];
+    const int64_t* rows = job.r->order.data() + job.r->start[e];
+    const int64_t m = job.r->start[e + 1] - job.r->start[e];
+    const int64_t groups = p.K / kBlock, n1 = std::min(p.N, n0 + kTile);
+    thread_local std::vector<float> w, out;
+    w.resize(p.K);
+    out.resize(m);
+    for (int64_t n = n0; n < n1; ++n) {
+        const int64_t row = e * p.N + n;
+        const uint8_t* blk = p.blocks + row * groups * 16;
+        const uint8_t* sc = p.scales + row * groups;
+        if (job.isa == kAvx2) {
+            decode_row_avx2(blk, sc, groups, w.data());
+            dots_avx2(w.data(), p.x, rows, m, p.K, out.data());
+        } else {
+            decode_row_scalar(blk, sc, groups, w.data());
+            for (int64_t i = 0; i < m; ++i) out[i] = dot_scalar(w.data(), p.x + rows[i] * p.K, p.K);
+        }
+        for (int64_t i = 0; i < m; ++i) p.y[rows[i] * p.N + n] = out[i];
+    }
+}
+
+// `threads` > 1 spreads the (expert, tile) items over `pf` (the caller's pool) or, without one, OpenMP threads.
+inline void run(const Problem& p, Isa isa, int threads, const llmc::ParallelFor* pf) {
+    const Routing r = route(p);
+    const Job job{&p, &r, isa};
+    const auto n = static_cast<int64_t>(r.items.size());
+    if (threads > 1 && n > 1 && pf != nullptr) {
+        pf->fn(pf->self, n, [](void* arg, int64_t i) { run_item(*static_cast<const Job*>(arg), i); },
+               const_cast<Job*>(&job));
+    } else if (threads > 1 && n > 1) {
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
+        for (int64_t i = 0; i < n; ++i) run_item(job, i);
+    } else {
+        for (int64_t i = 0; i < n; ++i) run_item(job, i);
+    }
+}
+
+}  // namespace llmc_mx

@@ -1,0 +1,62 @@
+// llmc::Mxfp4MoEMatMul for ONNX Runtime: a token row times its expert's MXFP4 weight (mxfp4_core.h).
+// Included by plugins/paged_attention/csrc/ort_paged_attention.cpp inside its anonymous namespace, after its
+// helpers (input, output, with_threads, make_op), so that one library holds every llmc op.
+//
+// Mxfp4MoEMatMul(X float [..., K], expert_ids int64 (M values: M = the rows of X), blocks uint8 [E, N, K/32, 16],
+//                scales uint8 [E, N, K/32]) -> float [..., N]
+
+#include "../../mxfp4/csrc/mxfp4_core.h"
+
+std::atomic<int> g_mxfp4_isa{static_cast<int>(llmc_mx::best_isa())};
+std::atomic<int64_t> g_mxfp4_calls{0};
+
+void* create_mxfp4_kernel(const OrtCustomOpV13*, const OrtApi*, const OrtKernelInfo*) { return new int(0); }
+
+void destroy_mxfp4_kernel(void* kernel) { delete static_cast<int*>(kernel); }
+
+void compute_mxfp4(void*, OrtKernelContext* ctx) {
+    const Tensor x = input(ctx, 0, "X"), ids = input(ctx, 1, "expert_ids"), blocks = input(ctx, 2, "blocks"),
+                 scales = input(ctx, 3, "scales");
+    require_rank(blocks, 4, "blocks");
+    const int64_t E = blocks.dims[0], N = blocks.dims[1], G = blocks.dims[2];
+    if (blocks.dims[3] != 16 || E <= 0 || N <= 0 || G <= 0) {
+        throw Error("blocks must be [E, N, K/32, 16] uint8 (E2M1 pairs), got shape " + dims_str(blocks.dims));
+    }
+    require_shape(scales, {E, N, G}, "scales");
+    const int64_t K = G * llmc_mx::kBlock;
+    if (x.dims.empty() || x.dims.back() != K) {
+        throw Error("X must have K = " + std::to_string(K) + " (blocks' K/32 x 32) in its last dimension, got shape " +
+                    dims_str(x.dims));
+    }
+    int64_t M = 1, I = 1;
+    for (size_t i = 0; i + 1 < x.dims.size(); ++i) M *= x.dims[i];
+    for (int64_t d : ids.dims) I *= d;
+    if (I != M) {
+        throw Error("expert_ids must hold one expert per row of X (" + std::to_string(M) + "), got shape " +
+                    dims_str(ids.dims));
+    }
+    const auto* id = static_cast<const int64_t*>(ids.data);
+    for (int64_t m = 0; m < M; ++m) {
+        if (id[m] < 0 || id[m] >= E) {
+            throw Error("expert_ids[" + std::to_string(m) + "] = " + std::to_string(id[m]) + " is outside [0, " +
+                        std::to_string(E) + ")");
+        }
+    }
+    std::vector<int64_t> out_dims(x.dims);
+    out_dims.back() = N;
+    llmc_mx::Problem p{static_cast<const float*>(x.data), id, static_cast<const uint8_t*>(blocks.data),
+                       static_cast<const uint8_t*>(scales.data), output(ctx, out_dims.data(), out_dims.size()),
+                       M, K, N, E};
+    const auto isa = static_cast<llmc_mx::Isa>(g_mxfp4_isa.load());
+    with_threads(ctx, [&](int threads, const llmc::ParallelFor* pf) { llmc_mx::run(p, isa, threads, pf); });
+    g_mxfp4_calls.fetch_add(1, std::memory_order_relaxed);
+}
+
+const char* mxfp4_name(const OrtCustomOpV13*) { return "Mxfp4MoEMatMul"; }
+int32_t mxfp4_input_type(const OrtCustomOpV13*, size_t i) {
+    return i == 0 ? kOrtFloat : (i == 1 ? kOrtInt64 : kOrtUint8);
+}
+size_t mxfp4_input_count(const OrtCustomOpV13*) { return 4; }
+
+const OrtCustomOpV13 g_mxfp4_op = make_op(mxfp4_name, mxfp4_input_type, mxfp4_input_count, create_mxfp4_kernel,
+                                          compute_mxfp4, destroy_mxfp4_kernel);

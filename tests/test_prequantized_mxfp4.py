@@ -1,0 +1,267 @@
+"""gpt-oss MXFP4 checkpoints carried as stored (compiler/prequantized_mxfp4.py, plugins/mxfp4).
+
+The fixture is a tiny gpt-oss (transformers' own config class: sinks, a 16-token sliding window beside a full
+layer, 4 experts, top-2) written by the test in OpenAI's published layout: each expert weight as ``<proj>_blocks``
+uint8 ``[E, N, K/32, 16]`` (random E2M1 codes, two per byte, low nibble first) and ``<proj>_scales`` uint8
+``[E, N, K/32]`` (random E8M0 exponents), every other tensor in bfloat16, ``quantization_config`` ``{"quant_method":
+"mxfp4"}``. transformers' own MXFP4 dequantizer (``Mxfp4Config(dequantize=True)``, what it does on a machine without
+its triton kernels) is the reference: llmc's reading of the codes must equal it bit for bit, the engine must keep
+the experts as those codes (about 4.25 bits per weight, counted from the artifact's weight bytes) and its greedy
+tokens (float32, 32 tokens x 3 prompts, one longer than the sliding window) must equal transformers running the
+dequantized model. The native op is held to the numpy reference on random inputs; each refusal is one line.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from llmc.errors import LlmcError, UnsupportedError
+from llmc.plugins.mxfp4 import reference
+from llmc.plugins.paged_attention import ort_native
+from llmc.testing.ort_sessions import native_session
+
+PROMPTS = ([5, 17, 33, 90], list(range(3, 40)), [7, 7, 7, 101, 250, 2])  # the second: past the 16-token window
+ISAS = {0: "scalar", 1: "AVX2"}
+
+
+def write_mxfp4_fixture(root: Path) -> Path:
+    """A tiny gpt-oss in OpenAI's MXFP4 layout (random codes and exponents), bf16 elsewhere."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from llmc.testing.tried_families import write_tried_family
+
+    plain = write_tried_family("gpt_oss", root / "plain")
+    state = load_file(plain / "model.safetensors")
+    rng = np.random.default_rng(5)
+    tensors = {}
+    for name, w in state.items():
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            e, k, n = w.shape  # transformers' parameter: input dimension first
+            tensors[f"{name}_blocks"] = torch.from_numpy(rng.integers(0, 256, (e, n, k // 32, 16), dtype=np.uint8))
+            # 2^-9 .. 2^-4: weights up to 6 x 2^-4, activations that stay in the clamp's range
+            tensors[f"{name}_scales"] = torch.from_numpy(rng.integers(118, 124, (e, n, k // 32)).astype(np.uint8))
+        else:
+            tensors[name] = w.to(torch.bfloat16)
+    out = root / "mxfp4"
+    shutil.copytree(plain, out)
+    (out / "model.safetensors").unlink()
+    save_file(tensors, out / "model.safetensors")
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (out / "config.json").write_text(json.dumps(cfg))
+    return out
+
+
+# -- the native op against the reference ---------------------------------------------------------------------
+
+
+def _op_model(blocks: np.ndarray, scales: np.ndarray) -> bytes:
+    e, n, g, _ = blocks.shape
+    node = helper.make_node("Mxfp4MoEMatMul", ["X", "ids", "blocks", "scales"], ["Y"], domain="llmc")
+    graph = helper.make_graph(
+        [node], "mxfp4",
+        [helper.make_tensor_value_info("X", TensorProto.FLOAT, ["S", 1, 32 * g]),
+         helper.make_tensor_value_info("ids", TensorProto.INT64, ["S"])],
+        [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["S", 1, n])],
+        [numpy_helper.from_array(blocks, "blocks"), numpy_helper.from_array(scales, "scales")])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18),
+                                                   helper.make_opsetid("llmc", 1)]).SerializeToString()
+
+
+@pytest.fixture
+def mxfp4_isa():
+    lib = ort_native.load()
+    best = lib.llmc_mxfp4_get_isa()
+    yield lambda isa: lib.llmc_mxfp4_set_isa(isa) == 0
+    lib.llmc_mxfp4_set_isa(best)
+
+
+@pytest.mark.parametrize("isa", list(ISAS))
+@pytest.mark.parametrize("e,n,k,rows", [(4, 96, 64, 1), (8, 40, 288, 13), (3, 70, 32, 64)])
+def test_op_matches_reference(isa, e, n, k, rows, mxfp4_isa):
+    """Random codes (every E2M1 value, both zeros), the whole E8M0 range that keeps products finite, random rows
+    routed to random experts (some to none, some to many), N not a multiple of the kernel's tile."""
+    if not mxfp4_isa(isa):
+        pytest.skip(f"this CPU has no {ISAS[isa]}")
+    rng = np.random.default_rng([e, n, k, rows, isa])
+    blocks = rng.integers(0, 256, (e, n, k // 32, 16), dtype=np.uint8)
+    scales = rng.integers(100, 140, (e, n, k // 32)).astype(np.uint8)
+    scales.flat[0], scales.flat[-1] = 0, 150  # 2^-127 (a float32 subnormal) and a large one
+    x = rng.standard_normal((rows, 1, k)).astype(np.float32)
+    ids = rng.integers(0, e, rows).astype(np.int64)
+    want = reference.mxfp4_moe_matmul(x, ids, blocks, scales)
+    for threads in (1, 2):
+        got = native_session(_op_model(blocks, scales), threads=threads).run(None, {"X": x, "ids": ids})[0]
+        assert got.shape == want.shape
+        np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5 * np.abs(want).max())
+
+
+def test_op_refuses_bad_inputs():
+    from onnxruntime.capi.onnxruntime_pybind11_state import RuntimeException
+
+    blocks = np.zeros((2, 8, 2, 16), np.uint8)
+    session = native_session(_op_model(blocks, np.full((2, 8, 2), 127, np.uint8)))
+    x = np.ones((3, 1, 64), np.float32)
+    with pytest.raises(RuntimeException, match=r"expert_ids\[1\] = 2 is outside"):
+        session.run(None, {"X": x, "ids": np.array([0, 2, 1], np.int64)})
+    with pytest.raises(RuntimeException, match="one expert per row"):
+        session.run(None, {"X": x, "ids": np.array([0, 1], np.int64)})
+
+
+# -- the checkpoint -----------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def fixture_dir(tmp_path_factory) -> Path:
+    return write_mxfp4_fixture(tmp_path_factory.mktemp("mxfp4"))
+
+
+@pytest.fixture(scope="module")
+def transformers_model(fixture_dir):
+    """transformers' own load of the MXFP4 checkpoint, dequantized (float32)."""
+    import torch
+    from transformers import AutoModelForCausalLM, Mxfp4Config
+
+    return AutoModelForCausalLM.from_pretrained(fixture_dir, dtype=torch.float32,
+                                                quantization_config=Mxfp4Config(dequantize=True)).eval()
+
+
+def test_codes_read_as_transformers_dequantizes_them(fixture_dir, transformers_model):
+    """llmc's reading of every expert weight equals transformers' MXFP4 dequantization bit for bit (and its
+    convert_moe_packed_tensors on the raw tensors), so the engine's codes are the checkpoint's."""
+    import torch
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from llmc.compiler import prequantized_mxfp4
+    from llmc.compiler.checkpoint import load_checkpoint
+
+    ckpt = load_checkpoint(fixture_dir)
+    carried = prequantized_mxfp4.carried(ckpt.tensors)
+    assert sorted(carried) == sorted(f"model.layers.{i}.mlp.experts.{p}" for i in range(2)
+                                     for p in ("gate_up_proj", "down_proj"))
+    assert ckpt.source_quantization["method"] == "mxfp4"
+    params = dict(transformers_model.named_parameters())
+    for name, weight in carried.items():
+        ours = weight.read()
+        theirs = params[name].detach().numpy()
+        assert ours.shape == theirs.shape and ours.dtype == np.float32
+        assert np.array_equal(ours.view(np.uint32), theirs.view(np.uint32)), name
+        blocks, scales = weight.codes()
+        raw = convert_moe_packed_tensors(torch.from_numpy(blocks.copy()), torch.from_numpy(scales.copy()),
+                                         dtype=torch.float32).numpy()
+        assert np.array_equal(ours.view(np.uint32), raw.view(np.uint32)), name
+
+
+@pytest.fixture(scope="module")
+def engine_dir(fixture_dir, tmp_path_factory):
+    import os
+
+    from llmc.compiler.build import build
+
+    out = tmp_path_factory.mktemp("mxfp4_engine") / "engine"
+    old = os.environ.get("LLMC_CACHE_DIR")
+    os.environ["LLMC_CACHE_DIR"] = str(out.parent / "cache")
+    try:
+        result = build(fixture_dir, out)
+    finally:
+        if old is None:
+            os.environ.pop("LLMC_CACHE_DIR", None)
+        else:
+            os.environ["LLMC_CACHE_DIR"] = old
+    return out, result
+
+
+def test_engine_keeps_the_codes_and_matches_transformers(engine_dir, transformers_model):
+    """The experts reach the engine as the checkpoint's blocks and scales (4.25 bits per weight, counted from the
+    weights file's bytes), report.json says so, and the greedy tokens equal transformers'."""
+    import onnx
+    import torch
+    from onnx import external_data_helper
+
+    from llmc.runtime import Engine, SamplingParams
+
+    out, result = engine_dir
+    record = result.report["source_quantization"]
+    assert record["method"] == "mxfp4" and "never re-quantized" in record["kept"]
+    assert result.report["mxfp4"]["matmuls"] == 4
+    model = onnx.load(str(out / "model.onnx"), load_external_data=False)
+    nodes = [n for n in model.graph.node if n.op_type == "Mxfp4MoEMatMul"]
+    assert len(nodes) == 4
+    sizes = {}
+    for t in model.graph.initializer:
+        info = {e.key: e.value for e in t.external_data}
+        sizes[t.name] = int(info["length"]) if external_data_helper.uses_external_data(t) else len(t.raw_data)
+    expert_bytes = sum(sizes[i] for n in nodes for i in n.input[2:])
+    expert_weights = sum(int(np.prod(t.dims)) * 2 for n in nodes
+                         for t in model.graph.initializer if t.name == n.input[2])
+    # 2 layers x 4 experts x (gate_up + down)
+    assert expert_weights == record["weights"] == 2 * 4 * (64 * 256 + 128 * 64)
+    assert 8 * expert_bytes / expert_weights == pytest.approx(4.25)
+    assert not any("experts" in t.name and t.data_type == TensorProto.FLOAT and len(t.dims) == 3
+                   for t in model.graph.initializer)  # no float copy of any expert weight
+
+    engine = Engine.load(out)
+    outs = engine.generate([list(p) for p in PROMPTS], SamplingParams(max_tokens=32, ignore_eos=True))
+    for prompt, got in zip(PROMPTS, outs, strict=True):
+        with torch.no_grad():
+            want = transformers_model.generate(torch.tensor([prompt]), max_new_tokens=32, min_new_tokens=32,
+                                               do_sample=False, eos_token_id=None,
+                                               pad_token_id=0)[0, len(prompt):].tolist()
+        assert got.token_ids == want, (prompt, got.token_ids, want)
+
+
+# -- refusals ------------------------------------------------------------------------------------------------
+
+
+def test_other_families_are_refused(tmp_path, tiny_llama):
+    from llmc.compiler.checkpoint import load_checkpoint
+
+    ckpt = tmp_path / "llama"
+    shutil.copytree(tiny_llama, ckpt)
+    cfg = json.loads((ckpt / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "mxfp4"}
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UnsupportedError, match="model_type 'llama'.*gpt_oss only") as info:
+        load_checkpoint(ckpt)
+    assert "\n" not in str(info.value) and info.value.exit_code == 3
+
+
+def test_malformed_blocks_and_scales_are_refused(fixture_dir, tmp_path):
+    from safetensors.numpy import load_file, save_file
+
+    from llmc.compiler.checkpoint import load_checkpoint
+
+    bad = tmp_path / "bad"
+    shutil.copytree(fixture_dir, bad)
+    name = "model.layers.0.mlp.experts.down_proj"
+    for edit, phrase in ((lambda t: t.update({f"{name}_scales": t[f"{name}_scales"][:, :, :2]}), "do not fit"),
+                         (lambda t: t.update({f"{name}_blocks": t[f"{name}_blocks"][..., :8]}), "do not fit"),
+                         (lambda t: t.pop(f"{name}_scales"), "no model.layers.0.mlp.experts.down_proj_scales")):
+        tensors = load_file(fixture_dir / "model.safetensors")
+        edit(tensors)
+        save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, bad / "model.safetensors")
+        with pytest.raises(LlmcError, match=phrase) as info:
+            load_checkpoint(bad)
+        assert "\n" not in str(info.value) and info.value.exit_code == 2 and "model.safetensors" in str(info.value)
+
+
+@pytest.mark.parametrize("options,phrase", [
+    (dict(quant="int4"), "--quant int4 would re-quantize"),
+    (dict(target="h100"), "--gpu h100"),
+])
+def test_requests_that_would_not_keep_the_codes_are_refused(fixture_dir, tmp_path, options, phrase):
+    from llmc.compiler.build import BuildOptions, build
+    from llmc.quant.recipe import QuantRecipe
+
+    opts = BuildOptions(quant=QuantRecipe(quant=options["quant"])) if "quant" in options else BuildOptions(**options)
+    with pytest.raises(UnsupportedError, match=phrase) as info:
+        build(fixture_dir, tmp_path / "e", opts)
+    assert "\n" not in str(info.value) and not (tmp_path / "e").exists()
