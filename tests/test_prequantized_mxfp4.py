@@ -27,7 +27,7 @@ from llmc.plugins.paged_attention import ort_native
 from llmc.testing.ort_sessions import native_session
 
 PROMPTS = ([5, 17, 33, 90], list(range(3, 40)), [7, 7, 7, 101, 250, 2])  # the second: past the 16-token window
-ISAS = {0: "scalar", 1: "AVX2"}
+ISAS = {0: "scalar", 1: "AVX2", 2: "AVX-512"}
 
 
 def write_mxfp4_fixture(root: Path) -> Path:

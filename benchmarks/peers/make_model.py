@@ -6,12 +6,16 @@
 2. Create a randomly initialised LlamaForCausalLM (torch.manual_seed(0)) and
    save it (safetensors, float32) together with the tokenizer.
 
-usage: make_model.py [small|1b|3b|8b|all] [--dtype float32|bfloat16] [--out DIR]
+usage: make_model.py [small|1b|3b|8b|oss20b|all] [--dtype float32|bfloat16] [--out DIR]
   small -> $PEERS_ROOT/model     (hidden 576, inter 1536, 30 layers, 9 heads, 3 kv)
   1b    -> $PEERS_ROOT/model-1b  (Llama-3.2-1B shape with vocab 8192)
   3b    -> $PEERS_ROOT/model-3b  (Llama-3.2-3B shape with vocab 8192: hidden 3072, 28 layers, 24/8 heads)
   8b    -> $PEERS_ROOT/model-8b  (Llama-3.1-8B shape with vocab 8192: hidden 4096, inter 14336, 32 layers,
                                   32/8 heads, untied LM head)
+  oss20b -> $PEERS_ROOT/model-oss20b  (gpt-oss-20b's layer shape with vocab 8192 and 4 layers: hidden 2880,
+                                  64/8 heads of 64, 32 experts of 2880, top 4, sinks, 128-token windows on
+                                  alternate layers; the experts in OpenAI's MXFP4 layout as the hub ships them,
+                                  random E2M1 codes with E8M0 scales 2^-8..2^-7, every other tensor bfloat16)
 
 ``--dtype bfloat16`` (the default for 3b and 8b) writes the checkpoint tensor by tensor into 2 GB safetensors
 shards with an index, as the hub's checkpoints are: an 8B model is never whole in memory (the build-scale
@@ -38,6 +42,13 @@ SHAPES = {
                num_hidden_layers=28, num_attention_heads=24, num_key_value_heads=8),
     "8b": dict(out=f"{ROOT}/model-8b", hidden_size=4096, intermediate_size=14336,
                num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=False),
+}
+# gpt-oss-20b's layers (GptOssConfig defaults: YaRN, sinks, clamped SwiGLU experts with biases), 4 of them.
+OSS_SHAPES = {
+    "oss20b": dict(out=f"{ROOT}/model-oss20b", hidden_size=2880, intermediate_size=2880, num_hidden_layers=4,
+                   num_attention_heads=64, num_key_value_heads=8, head_dim=64, num_local_experts=32,
+                   num_experts_per_tok=4, sliding_window=128,
+                   layer_types=["sliding_attention", "full_attention"] * 2),
 }
 # Shapes written streamed in bfloat16 unless --dtype says otherwise (they do not fit this machine in float32).
 STREAMED = ("3b", "8b")
@@ -158,6 +169,61 @@ def make_streamed(name, tok, dtype="bfloat16", out=None):
     return out
 
 
+def make_oss_mxfp4(name, tok, out=None):
+    """A gpt-oss checkpoint as OpenAI publishes it: experts as ``<proj>_blocks`` (uint8 [E, N, K/32, 16], E2M1
+    pairs, low nibble first) and ``<proj>_scales`` (uint8 [E, N, K/32], E8M0), ``quantization_config`` mxfp4; the
+    rest bfloat16 N(0, 0.02), norms ones. One safetensors shard per layer (never the whole model in memory)."""
+    import hashlib
+
+    import numpy as np
+    from safetensors.torch import save_file
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    s = dict(OSS_SHAPES[name])
+    out = out or s.pop("out")
+    s.pop("out", None)
+    os.makedirs(out, exist_ok=True)
+    cfg = GptOssConfig(vocab_size=8192, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                       pad_token_id=None, tie_word_embeddings=False, **s)
+    with torch.device("meta"):
+        model = GptOssForCausalLM(cfg)
+    shards: dict[str, dict] = {}
+    for n, p in model.named_parameters():
+        layer = n.split(".")[2] if n.startswith("model.layers.") else "rest"
+        seed = int(hashlib.sha256(n.encode()).hexdigest()[:12], 16)
+        if n.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            e, k, m = p.shape  # [E, K, N]: input dimension first
+            rng = np.random.default_rng(seed)
+            shards.setdefault(layer, {})[n + "_blocks"] = torch.from_numpy(
+                rng.integers(0, 256, (e, m, k // 32, 16), dtype=np.uint8))
+            # E8M0 119..120 (2^-8, 2^-7): about N(0, 0.02)'s spread for uniformly random E2M1 codes
+            shards[layer][n + "_scales"] = torch.from_numpy(rng.integers(119, 121, (e, m, k // 32)).astype(np.uint8))
+        elif n.endswith("norm.weight"):
+            shards.setdefault(layer, {})[n] = torch.ones(p.shape, dtype=torch.bfloat16)
+        else:
+            g = torch.Generator().manual_seed(seed)
+            shards.setdefault(layer, {})[n] = (torch.randn(p.shape, generator=g) * 0.02).to(torch.bfloat16)
+    index, total = {}, 0
+    names = sorted(shards, key=lambda k: (k == "rest", int(k) if k.isdigit() else 0))
+    for i, key in enumerate(names):
+        fname = f"model-{i + 1:05d}-of-{len(names):05d}.safetensors"
+        save_file(shards[key], f"{out}/{fname}", metadata={"format": "pt"})
+        for n, t in shards[key].items():
+            index[n] = fname
+            total += t.numel() * t.element_size()
+        print(f"  {fname}: {len(shards[key])} tensors", flush=True)
+    cfg.save_pretrained(out)
+    c = json.load(open(f"{out}/config.json"))
+    c["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    json.dump(c, open(f"{out}/config.json", "w"), indent=2)
+    json.dump({"metadata": {"total_size": total}, "weight_map": index},
+              open(f"{out}/model.safetensors.index.json", "w"), indent=2)
+    _finish(out, TOK_DIR, "bfloat16")
+    print(f"{name}: {total / 1e9:.2f} GB (MXFP4 experts, bfloat16 elsewhere) -> {out}")
+    return out
+
+
 def make(name, tok):
     cfg, out = _config(name, tok, "float32")
     torch.manual_seed(0)
@@ -172,12 +238,15 @@ if __name__ == "__main__":
     import argparse
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("which", nargs="?", default="all", choices=[*SHAPES, "all"])
+    ap.add_argument("which", nargs="?", default="all", choices=[*SHAPES, *OSS_SHAPES, "all"])
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                     help="checkpoint dtype (default: float32 for small/1b, bfloat16 for 3b/8b)")
     ap.add_argument("--out", default=None, help="output directory (default: under $PEERS_ROOT)")
     args = ap.parse_args()
     tok = train_tokenizer()
+    if args.which in OSS_SHAPES:
+        make_oss_mxfp4(args.which, tok, args.out)
+        raise SystemExit(0)
     for name in (["small", "1b"] if args.which == "all" else [args.which]):
         dtype = args.dtype or ("bfloat16" if name in STREAMED else "float32")
         if dtype == "bfloat16" or name in STREAMED:

@@ -6,6 +6,8 @@
 // work is (expert, tile of output rows n): each weight row is decoded once into a float32 buffer -- a 16-entry
 // table of E2M1 values times the block's power of two, exact -- and dotted with every token row routed to that
 // expert, accumulating in float32. Nothing is dequantized ahead of time: the experts stay 4.25 bits per weight.
+// On AVX-512 the table lookup is one vpermps per 16 codes and a decoded block stays in registers (dots_avx512);
+// scalar and AVX2 decode a weight row into a float32 buffer first.
 
 #pragma once
 
@@ -21,10 +23,11 @@
 
 namespace llmc_mx {
 
-enum Isa { kScalar = 0, kAvx2 = 1 };
+enum Isa { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
 
 inline Isa best_isa() {
     __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512f")) return kAvx512;
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return kAvx2;
     return kScalar;
 }
@@ -123,6 +126,60 @@ __attribute__((target("avx2,fma"))) inline void dots_avx2(const float* w, const 
     }
 }
 
+// AVX-512: a 16-entry float table is one vpermps, so the codes never become bytes in memory. X is read
+// de-interleaved per block (xd: the 16 even then the 16 odd elements of each 32, made once per call), so that a
+// block's 16 low nibbles meet the even elements and its 16 high nibbles the odd ones. Up to four rows share each
+// decoded block.
+constexpr float kFp4[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
+                            -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+
+struct ScaleTable {
+    float v[256];
+    ScaleTable() {
+        for (int e = 0; e < 256; ++e) v[e] = std::ldexp(1.0f, e - 127);  // E8M0, exact (2^-127 is subnormal)
+    }
+};
+inline const ScaleTable& scale_table() {
+    static const ScaleTable t;
+    return t;
+}
+
+template <int R>
+__attribute__((target("avx512f"))) inline void dots_avx512(const uint8_t* blk, const uint8_t* sc, int64_t groups,
+                                                            const float* const* xr, float* out) {
+    const __m512 lut = _mm512_loadu_ps(kFp4);
+    const __m512i low = _mm512_set1_epi32(15);
+    const float* st = scale_table().v;
+    __m512 acc[R];
+    for (int i = 0; i < R; ++i) acc[i] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; ++g) {
+        const __m512i codes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + g * 16)));
+        const __m512 s = _mm512_set1_ps(st[sc[g]]);
+        const __m512 wl = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_and_si512(codes, low), lut), s);
+        const __m512 wh = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(codes, 4), lut), s);
+        for (int i = 0; i < R; ++i) {
+            acc[i] = _mm512_fmadd_ps(wl, _mm512_loadu_ps(xr[i] + g * kBlock), acc[i]);
+            acc[i] = _mm512_fmadd_ps(wh, _mm512_loadu_ps(xr[i] + g * kBlock + 16), acc[i]);
+        }
+    }
+    for (int i = 0; i < R; ++i) out[i] = _mm512_reduce_add_ps(acc[i]);
+}
+
+__attribute__((target("avx512f"))) inline void row_avx512(const uint8_t* blk, const uint8_t* sc, int64_t groups,
+                                                           const float* xd, const int64_t* rows, int64_t m,
+                                                           int64_t K, float* out) {
+    int64_t i = 0;
+    const float* xr[4];
+    for (; i + 4 <= m; i += 4) {
+        for (int j = 0; j < 4; ++j) xr[j] = xd + rows[i + j] * K;
+        dots_avx512<4>(blk, sc, groups, xr, out + i);
+    }
+    for (; i < m; ++i) {
+        xr[0] = xd + rows[i] * K;
+        dots_avx512<1>(blk, sc, groups, xr, out + i);
+    }
+}
+
 // Rows grouped by expert: order[start[e] .. start[e + 1]) are the rows routed to expert e.
 struct Routing {
     std::vector<int64_t> order, start;
@@ -149,6 +206,7 @@ struct Job {
     const Problem* p;
     const Routing* r;
     Isa isa;
+    const float* xd;  // AVX-512: X de-interleaved per block (else nullptr)
 };
 
 inline void run_item(const Job& job, int64_t item) {
@@ -164,7 +222,9 @@ inline void run_item(const Job& job, int64_t item) {
         const int64_t row = e * p.N + n;
         const uint8_t* blk = p.blocks + row * groups * 16;
         const uint8_t* sc = p.scales + row * groups;
-        if (job.isa == kAvx2) {
+        if (job.isa == kAvx512) {
+            row_avx512(blk, sc, groups, job.xd, rows, m, p.K, out.data());
+        } else if (job.isa == kAvx2) {
             decode_row_avx2(blk, sc, groups, w.data());
             dots_avx2(w.data(), p.x, rows, m, p.K, out.data());
         } else {
@@ -178,7 +238,21 @@ inline void run_item(const Job& job, int64_t item) {
 // `threads` > 1 spreads the (expert, tile) items over `pf` (the caller's pool) or, without one, OpenMP threads.
 inline void run(const Problem& p, Isa isa, int threads, const llmc::ParallelFor* pf) {
     const Routing r = route(p);
-    const Job job{&p, &r, isa};
+    std::vector<float> xd;
+    if (isa == kAvx512) {
+        xd.resize(static_cast<size_t>(p.M * p.K));
+        for (int64_t m = 0; m < p.M; ++m) {
+            for (int64_t g = 0; g < p.K / kBlock; ++g) {
+                const float* src = p.x + m * p.K + g * kBlock;
+                float* dst = xd.data() + m * p.K + g * kBlock;
+                for (int j = 0; j < 16; ++j) {
+                    dst[j] = src[2 * j];
+                    dst[16 + j] = src[2 * j + 1];
+                }
+            }
+        }
+    }
+    const Job job{&p, &r, isa, xd.data()};
     const auto n = static_cast<int64_t>(r.items.size());
     if (threads > 1 && n > 1 && pf != nullptr) {
         pf->fn(pf->self, n, [](void* arg, int64_t i) { run_item(*static_cast<const Job*>(arg), i); },

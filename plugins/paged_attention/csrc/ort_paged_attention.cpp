@@ -644,7 +644,7 @@ LLMC_EXPORT int64_t llmc_int4_set_parallel_min(int64_t work) {
 // Int4MatMul kernel calls completed since the library was loaded.
 LLMC_EXPORT int64_t llmc_int4_calls() { return g_int4_calls.load(); }
 
-// Mxfp4MoEMatMul's instruction set: 0 scalar, 1 AVX2 (default: the best this CPU has); -1 if the CPU lacks it.
+// Mxfp4MoEMatMul's instruction set: 0 scalar, 1 AVX2, 2 AVX-512 (default: the best this CPU has); -1 if absent.
 LLMC_EXPORT int llmc_mxfp4_set_isa(int isa) {
     if (isa < 0 || isa > static_cast<int>(llmc_mx::best_isa())) return -1;
     g_mxfp4_isa = isa;
