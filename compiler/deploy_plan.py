@@ -334,8 +334,9 @@ def model_from_config(cfg: dict, where: Path) -> Model:
     qm = (cfg.get("quantization_config") or {}).get("quant_method") if isinstance(
         cfg.get("quantization_config"), dict) else None
     if qm == "mxfp4":
-        notes.append("the checkpoint ships MXFP4 experts, which llmc does not load (compiler/prequantized.py); "
-                     "planned: its weights in bfloat16 (a dequantized copy) stored as the --quant recipe stores them")
+        notes.append("the checkpoint ships MXFP4 experts: llmc's CPU engine keeps them as codes "
+                     "(compiler/prequantized_mxfp4.py), but its GPU builds refuse them (no MXFP4 kernel in the CUDA "
+                     "engine yet); planned here: the weights as the --quant recipe stores them, from the original")
     elif qm == "fp8":
         notes.append("the checkpoint's FP8 weights are dequantized on read; planned: as the --quant recipe stores "
                      "them")
