@@ -4,9 +4,10 @@ For a model config, a recipe (``--quant``, ``--kv-cache-dtype``), a target from 
 tensor-parallel degree, :func:`plan` gives per GPU:
 
 - the weight bytes llmc's CUDA engine would store, by tensor class (attention, MLP, experts, router, embeddings,
-  LM head, norms and other vectors), sharded as the tensor-parallel design shards them (DESIGN.md: column-parallel
-  openers and row-parallel closers, query heads divided by N, KV heads split or replicated, MoE experts
-  partitioned whole, embeddings and LM head vocab-parallel, everything else replicated);
+  LM head, norms and other vectors), sharded as ``llmc build --tp N`` shards them (:mod:`llmc.compiler.sharding`:
+  column-parallel openers and row-parallel closers, query heads divided by N, KV heads split or replicated, MoE
+  experts' weights divided by N, everything else -- embeddings and the LM head included -- replicated on every
+  GPU, as the manifest's ``parallel`` section states);
 - the KV bytes per token, layer by layer as the KV pool stores them (:func:`kv_layers`);
 - how many tokens of KV fit at ``gpu_memory_utilization`` after the weights and the runtime's activation reserve,
   and the largest batch of ``max_model_len``-token sequences;
@@ -25,8 +26,8 @@ Units: bytes (B), seconds (s), bandwidth in GB/s (1e9 B/s). What each recipe sto
   NVFP4 today (``--engine tensorrt`` exports it); the figures are what the recipe stores;
 - kept unquantized by every recipe: embeddings (GPU builds keep the table in the engine dtype), MoE routers (their
   scores choose the experts), MoE experts' batched ``[E, N, K]`` weights (the quantize pass rewrites them only in
-  the CPU form), norms, biases, attention sinks. A tied embedding is one tensor unquantized; quantized, the LM
-  head is a second (quantized) copy beside the embedding table.
+  the CPU form), norms, biases; attention sinks are float32 (what the attention kernels read). A tied embedding
+  is one tensor unquantized; quantized, the LM head is a second (quantized) copy beside the embedding table.
 """
 
 from __future__ import annotations
@@ -60,10 +61,12 @@ class Tensor:
     """One weight of the model: ``e`` stacked matrices of ``n`` outputs x ``k`` inputs (a vector: n x 1).
 
     ``kind``: ``linear`` (quantized by the recipe), ``head`` (the LM head: quantized like a linear), ``experts``,
-    ``router``, ``embedding``, ``vector`` (all kept in the engine dtype). ``split``: how tensor parallelism shards
-    it: ``n`` (column-parallel, outputs / N), ``k`` (row-parallel, inputs / N), ``kv`` (KV-head rows: split when
-    kv_heads >= N, one head per rank when replicated), ``e`` (experts / N, each whole), ``vocab`` (rows / N,
-    rounded up), or ``None`` (replicated). ``copies``: identical layers holding one each."""
+    ``router``, ``embedding``, ``vector`` (all kept in the engine dtype), ``float32`` (attention sinks).
+    ``split``: how tensor parallelism shards it: ``n`` (column-parallel, outputs / N), ``k`` (row-parallel,
+    inputs / N), ``kv`` (KV-head rows: split when kv_heads >= N, one head per rank when replicated), ``e``
+    (experts' bytes / N: each expert's intermediate columns split, the same bytes as whole experts partitioned),
+    or ``None`` (replicated: embeddings and the LM head too, as the sharding pass leaves them). ``copies``:
+    identical layers holding one each."""
 
     cls: str
     name: str
@@ -278,7 +281,7 @@ def model_from_config(cfg: dict, where: Path) -> Model:
                 tensors += [Tensor("other", "q_norm", "vector", 1, lh, 1, None),
                             Tensor("other", "k_norm", "vector", 1, lh, 1, None)]
         if mt == "gpt_oss":
-            tensors.append(Tensor(a, "sinks", "vector", 1, heads, 1, "n"))
+            tensors.append(Tensor(a, "sinks", "float32", 1, heads, 1, "n"))
         norms = 4 if mt.startswith(("gemma2", "gemma3", "gemma4")) else 2  # gemma: pre- and post- norms
         if mt in ("cohere", "cohere2", "cohere2_moe"):
             norms = 1  # attention and MLP in parallel off one norm
@@ -314,11 +317,11 @@ def model_from_config(cfg: dict, where: Path) -> Model:
                         Tensor("mlp", "down_bias", "vector", 1, hidden, 1, None)]
 
     tensors.append(Tensor("other", "final_norm", "vector", 1, hidden, 1, None))
-    tensors.append(Tensor("embeddings", "embed_tokens", "embedding", 1, vocab, hidden, "vocab"))
+    tensors.append(Tensor("embeddings", "embed_tokens", "embedding", 1, vocab, hidden, None))
     if mt.startswith("gemma4") and cfg.get("hidden_size_per_layer_input"):
         # Gemma 4's per-layer inputs: one packed table, its projection from the residual, per-layer gates
         ple, ple_vocab = int(cfg["hidden_size_per_layer_input"]), int(cfg.get("vocab_size_per_layer_input", vocab))
-        tensors += [Tensor("embeddings", "embed_tokens_per_layer", "embedding", 1, ple_vocab, layers * ple, "vocab"),
+        tensors += [Tensor("embeddings", "embed_tokens_per_layer", "embedding", 1, ple_vocab, layers * ple, None),
                     Tensor("other", "per_layer_model_projection", "linear", 1, layers * ple, hidden, None),
                     Tensor("other", "per_layer_input_gate", "linear", layers, ple, hidden, None),
                     Tensor("other", "per_layer_projection", "linear", layers, hidden, ple, None),
@@ -327,7 +330,7 @@ def model_from_config(cfg: dict, where: Path) -> Model:
         notes.append("Gemma 4: per-layer-input table, projection and gates counted; vision/audio towers not")
     tied = cfg.get("tie_word_embeddings", mt.startswith("gemma"))
     if not tied:
-        tensors.append(Tensor("lm_head", "lm_head", "head", 1, vocab, hidden, "vocab"))
+        tensors.append(Tensor("lm_head", "lm_head", "head", 1, vocab, hidden, None))
     if cfg.get("num_nextn_predict_layers"):
         notes.append(f"{cfg['num_nextn_predict_layers']} multi-token-prediction layer(s) in the checkpoint are not "
                      "counted: transformers' model (which llmc traces) does not use them")
@@ -348,7 +351,7 @@ def model_from_config(cfg: dict, where: Path) -> Model:
                      f"({cfg['kv_lora_rank']} + {cfg['qk_rope_head_dim']} per layer, {latent} B/token in bf16)")
     if tied:
         notes.append("tied embeddings: one table unquantized; a quantized recipe adds a quantized LM head copy")
-        tensors.append(Tensor("lm_head", "lm_head (tied, quantized copy)", "tied_head", 1, vocab, hidden, "vocab"))
+        tensors.append(Tensor("lm_head", "lm_head (tied, quantized copy)", "tied_head", 1, vocab, hidden, None))
     return Model(mt, layers, hidden, heads, kv_heads, vocab, max_pos, tuple(tensors), tuple(kv), n_exp, top_k,
                  tuple(notes))
 
@@ -439,8 +442,6 @@ def shard(t: Tensor, tp: int) -> tuple[int, int, int]:
         return t.e, t.n, t.k // tp
     if t.split == "e":
         return t.e // tp, t.n, t.k
-    if t.split == "vocab":
-        return t.e, -(-t.n // tp), t.k
     if t.split == "kv":
         return t.e, (t.n // tp if t.heads >= tp else t.n // t.heads), t.k
     return t.e, t.n, t.k
@@ -453,6 +454,8 @@ def tensor_bytes(kind: str, e: int, n: int, k: int, quant: str) -> int:
     quantized = kind in ("linear", "head", "tied_head") and quant != "none"
     if kind == "tied_head" and not quantized:
         return 0
+    if kind == "float32":
+        return e * n * k * 4
     if not quantized:
         return e * n * k * ENGINE_DTYPE_BYTES
     if quant == "fp8":

@@ -166,24 +166,36 @@ def shard(nodes: list[dict], weights: dict, world: int) -> ShardPlan:
             raise UnsupportedError(f"--tp {world}: LoRA slots are not split across ranks yet; build without "
                                    "--lora-slots or with --tp 1")
     blocks = _blocks(g)
+    mla = _mla_blocks(g, blocks)
+    nested = {o for m in mla.values() for o in m.split_openers}
+    blocks = [b for b in blocks if b[2] not in nested]  # q_b_proj / kv_b_proj: MLA's openers, not closers
     moe = _moe_blocks(g)
-    if any(n["op"] == "TopK" for n in nodes) and len(moe) != len(attn):
+    expert_gathers = [n for n in nodes if n["op"] == "GatherND" and n["inputs"][0] in g.weights
+                      and len(g.weights[n["inputs"][0]].shape) == 3]
+    if any(n["op"] == "TopK" for n in nodes) and (not moe or 2 * len(moe) != len(expert_gathers)):
         raise UnsupportedError(f"--tp {world}: this model's mixture-of-experts layers are not in the form llmc "
                                "splits (a gathered [experts, 2*intermediate, hidden] gate/up and [experts, hidden, "
                                "intermediate] down projection); build with --tp 1")
-    if len(blocks) + len(moe) != 2 * len(attn):
-        raise UnsupportedError(f"--tp {world}: found {len(blocks) + len(moe)} column/row-parallel blocks for "
-                               f"{len(attn)} attention layers (expected one attention and one MLP block per layer); "
-                               "this architecture's layers are not split yet; build with --tp 1")
+    shared = _shared_expert_blocks(g, blocks, moe)
+    if len(blocks) - len(shared) + len(moe) != 2 * len(attn):
+        raise UnsupportedError(f"--tp {world}: found {len(blocks) - len(shared) + len(moe)} column/row-parallel "
+                               f"blocks for {len(attn)} attention layers (expected one attention and one MLP block per "
+                               "layer); this architecture's layers are not split yet; build with --tp 1")
     ranks = []
     reps = max(1, world // kv)
     for r in range(world):
-        ranks.append(_rank(g, blocks, moe, r, world, h, kv))
-    layout = {"attention": "heads split, KV heads " + (f"replicated on {reps} ranks each" if reps > 1 else "split"),
-              "mlp": "intermediate columns split", "embeddings": "replicated",
+        ranks.append(_rank(g, blocks, moe, mla, shared, r, world, h, kv))
+    attention = "heads split, KV heads " + (f"replicated on {reps} ranks each" if reps > 1 else "split")
+    if mla:
+        attention = ("multi-head latent attention: q_b_proj/q_proj and kv_b_proj columns split by heads, the "
+                     "compressed latent (q_a_proj, kv_a_proj_with_mqa, their norms, the rotary key) replicated")
+    layout = {"attention": attention, "mlp": "intermediate columns split", "embeddings": "replicated",
               **({"experts": "each expert's intermediate columns split (router replicated)"} if moe else {}),
+              **({"shared_experts": "intermediate columns split; summed with the routed experts by one all-reduce"}
+                 if shared else {}),
               "lm_head": "replicated", "all_reduce_after": "o_proj and down_proj (row-parallel)"}
-    return ShardPlan(world, ranks, h // world, max(1, kv // world), reps, len(blocks) + len(moe), layout)
+    return ShardPlan(world, ranks, h // world, max(1, kv // world), reps, len(blocks) - len(shared) + len(moe),
+                     layout)
 
 
 def _head_cols(heads: list[int], d: int) -> np.ndarray:
@@ -214,7 +226,221 @@ def _moe_blocks(g: _Graph) -> list[tuple[int, int, str]]:
     return out
 
 
-def _rank(g: _Graph, blocks, moe, r: int, world: int, h: int, kv: int) -> RankProgram:
+@dataclass
+class _MlaBlock:
+    """One multi-head latent attention layer's block (keyed by its closer, o_proj): the openers split by heads
+    (q_b_proj or q_proj, kv_b_proj), the fused opener parts that stay whole on every rank (the latent
+    projections), and the nodes whose values carry heads (rewritten per rank)."""
+
+    attention: int
+    split_openers: list[int]
+    parts: dict[str, bool]  # an opener output (or Split part) -> split by heads (else replicated)
+    opener_parts: dict[int, list[str]]  # a split opener -> its output, or the parts of the Split that unfuses it
+    region: list[int]  # nodes between the split parts and the closer, in program order
+    broadcasts: list[int]  # Expand nodes that widen a replicated value (the rotary key) over the heads
+
+
+def _reaches_attention(g: _Graph, value: str, stop_at_expand: bool) -> bool:
+    """Whether ``value`` flows into an attention input (query/key/value) without passing a linear (or an Expand)."""
+    stack, seen = [value], set()
+    while stack:
+        for u in g.users.get(stack.pop(), []):
+            n = g.nodes[u]
+            if u in seen or g.is_linear(u) or (stop_at_expand and n["op"] == "Expand"):
+                continue
+            seen.add(u)
+            if n["op"] == "PagedAttention":
+                return True
+            stack.extend(n["outputs"])
+    return False
+
+
+def _mla_blocks(g: _Graph, blocks) -> dict[int, _MlaBlock]:
+    """The attention blocks whose openers feed one another (closer -> block): multi-head latent attention, where
+    the query and the per-head keys/values come from linears (q_b_proj, kv_b_proj) applied to a compressed latent
+    that another opener (q_a_proj + kv_a_proj_with_mqa, fused) computed. An opener part is split by heads when it
+    flows into attention directly; the latent parts, and the rotary key that an Expand widens over the heads,
+    stay whole."""
+    out = {}
+    for openers, interior, closer in blocks:
+        attn = [i for i in interior if g.nodes[i]["op"] == "PagedAttention"]
+        if len(attn) != 1:
+            continue
+        parts: dict[str, bool] = {}
+        opener_parts = {o: _parts(g, o, interior) for o in openers}
+        for o in openers:
+            for part in opener_parts[o]:
+                parts[part] = _reaches_attention(g, part, stop_at_expand=True)
+        fed = [o for o in openers if _fed_by(g, o) & set(openers)]
+        if not fed:
+            continue  # an ordinary attention block
+        split_openers = [o for o in openers if any(parts[p] for p in opener_parts[o])]
+        region: set[int] = set()
+        stack = [p for p, split in parts.items() if split]
+        while stack:
+            for u in g.users.get(stack.pop(), []):
+                if u in interior and u not in region:
+                    region.add(u)
+                    stack.extend(g.nodes[u]["outputs"])
+        broadcasts = sorted({g.producer[v] for i in region for v in g.nodes[i]["inputs"] if v in g.producer and
+                             g.producer[v] not in region and g.nodes[g.producer[v]]["op"] == "Expand"})
+        out[closer] = _MlaBlock(attn[0], split_openers, parts, {o: opener_parts[o] for o in split_openers},
+                                sorted(region), broadcasts)
+    return out
+
+
+def _fed_by(g: _Graph, i: int) -> set[int]:
+    """The linears whose outputs reach linear ``i``'s input through other ops only (none past the residual)."""
+    out, stack, seen = set(), [g.nodes[i]["inputs"][0]], set()
+    while stack:
+        p = g.producer.get(stack.pop())
+        if p is None or p in seen:
+            continue
+        seen.add(p)
+        if g.is_linear(p):
+            out.add(p)
+        elif g.nodes[p]["op"] not in _BARRIERS:
+            stack.extend(v for v in g.nodes[p]["inputs"] if v and v in g.act)
+    return out
+
+
+def _parts(g: _Graph, o: int, interior: set[int]) -> list[str]:
+    y = g.nodes[o]["outputs"][0]
+    split = [u for u in g.users.get(y, []) if g.nodes[u]["op"] == "Split" and u in interior]
+    return g.nodes[split[0]]["outputs"] if split else [y]
+
+
+def _shared_expert_blocks(g: _Graph, blocks, moe) -> set[int]:
+    """Closers of dense MLPs beside routed experts (DeepSeek's shared experts): their partial output is added to
+    the experts' before the residual stream, so the experts' all-reduce sums both (one collective, not two)."""
+    paths: set[int] = set()
+    for _, b, v in moe:
+        x = g.nodes[b]["outputs"][0]
+        while x != v:
+            (u,) = g.users[x]
+            paths.add(u)
+            x = g.nodes[u]["outputs"][0]
+    out = set()
+    for _, _, c in blocks:
+        users = g.users.get(g.nodes[c]["outputs"][0], [])
+        if len(users) == 1 and users[0] in paths and g.nodes[users[0]]["op"] == "Add":
+            out.add(c)
+    return out
+
+
+# Ops that run unchanged on a rank's heads of a latent-attention block (its values are [.., heads, .., head dim]
+# with the head dim last, or [tokens, heads x head dim]; each is checked not to act across heads).
+_MLA_OPS = {"Reshape", "Transpose", "Split", "Slice", "Concat", "Expand", "Pad", "Gather", "Mul", "Add", "Sub",
+            "Neg", "Cast", "Identity", "RotaryEmbedding", "RMSNormalization", "PagedAttention", "Unsqueeze"}
+
+
+def _mla_rank(g: _Graph, nodes: list[dict], m: _MlaBlock, closer: int, q_heads: list[int], h: int, world: int,
+              cut, new_weight) -> None:
+    """Rewrite one latent-attention block for the rank that owns ``q_heads``: the split openers' head columns,
+    head counts in shapes and attributes, the closer's rows of those heads."""
+    def const(name: str) -> list[int]:
+        w = g.weights[name]
+        return [int(v) for v in np.frombuffer(w.produce(), np.int64 if w.dtype == "I64" else np.int32)]
+
+    dims: set[int] = set()  # the per-head widths of the block's values (query/key, key+value, value)
+    for o in m.split_openers:
+        node = nodes[o]
+        parts = m.opener_parts[o]
+        split = [g.producer[parts[0]]] if parts[0] != node["outputs"][0] else []
+        sizes = const(g.nodes[split[0]]["inputs"][1]) if split else [_out_width(g, o)]
+        index, local, offset = [], [], 0
+        for part, size in zip(parts, sizes, strict=True):
+            if m.parts.get(part):
+                if size % h:
+                    raise UnsupportedError(f"--tp {world}: linear {node['inputs'][1]}: {size} columns are not "
+                                           f"{h} heads' worth; build with --tp 1")
+                dims.add(size // h)
+                cols = _head_cols(q_heads, size // h)
+            else:
+                cols = np.arange(size, dtype=np.int64)  # the latent: every rank computes all of it
+            index.append(cols + offset)
+            local.append(len(cols))
+            offset += size
+        _cut_opener(node, np.concatenate(index), cut, g, world)
+        if split:
+            sn = nodes[split[0]]
+            sn["inputs"][1] = new_weight(sn["inputs"][1], f"h{q_heads[0]}", "I64", (len(local),),
+                                         _consts("I64", local))
+    c = nodes[closer]
+    rows = _in_width(g, closer)
+    if rows % h:
+        raise UnsupportedError(f"--tp {world}: {c['inputs'][1]}: {rows} rows are not {h} heads' worth; build with "
+                               "--tp 1")
+    dims.add(rows // h)
+    dims.add(int(g.nodes[m.attention]["attrs"]["head_size"]))
+    local_h = len(q_heads)
+    for i in m.region + m.broadcasts:
+        n = nodes[i]
+        op = n["op"]
+        if op not in _MLA_OPS:
+            raise UnsupportedError(f"--tp {world}: node {op} ({n['outputs'][0]}) inside a latent-attention block has "
+                                   "no per-rank form yet; build with --tp 1")
+        if op in ("Reshape", "Expand"):
+            shape = const(n["inputs"][1]) if n["inputs"][1] in g.weights else None
+            if shape is None:
+                raise UnsupportedError(f"--tp: {op.lower()} {n['outputs'][0]} takes a computed shape; build with "
+                                       "--tp 1")
+            new = list(shape)
+            at = [j for j, v in enumerate(shape) if v == h]
+            if op == "Expand":  # the rotary key [1, 1, T, D] widened to [1, heads, T, D]
+                if len(at) > 1:
+                    raise UnsupportedError(f"--tp: expand {n['outputs'][0]} to {shape}: which axis holds the {h} "
+                                           "heads is ambiguous; build with --tp 1")
+                if at:
+                    new[at[0]] = local_h
+            elif len(shape) >= 2 and shape[-2] == h and shape[-1] in dims:  # [.., heads, head dim]
+                new[-2] = local_h
+            elif shape and any(shape[-1] == h * d for d in dims):  # [.., heads x head dim]
+                new[-1] = shape[-1] // h * local_h
+            elif at or any(v == h * d for v in shape for d in dims):
+                raise UnsupportedError(f"--tp: reshape {n['outputs'][0]} to {shape} has no per-rank form; build "
+                                       "with --tp 1")
+            if new != shape:
+                n["inputs"][1] = new_weight(n["inputs"][1], "x".join(map(str, new)), g.weights[n["inputs"][1]].dtype,
+                                            (len(new),), _consts(g.weights[n["inputs"][1]].dtype, new))
+        elif op in ("Slice", "Split", "Concat", "Gather"):  # along the head dim (last) or the batch axis only
+            axes = (const(n["inputs"][3]) if op == "Slice" and len(n["inputs"]) > 3 and n["inputs"][3] else
+                    [int(n["attrs"].get("axis", 0))])
+            ok = all(a in (-1, 3) for a in axes) if op != "Gather" else axes == [0]
+            if not ok:
+                raise UnsupportedError(f"--tp: {op} {n['outputs'][0]} along axis {axes} may cross heads; build with "
+                                       "--tp 1")
+        elif op == "RotaryEmbedding" and int(n["attrs"].get("num_heads", 0)):
+            n["attrs"]["num_heads"] = int(n["attrs"]["num_heads"]) // h * local_h
+        elif op == "RMSNormalization":
+            scale = g.weights.get(n["inputs"][1])
+            if scale is not None and scale.shape and scale.shape[-1] not in dims:
+                raise UnsupportedError(f"--tp {world}: {n['inputs'][1]} normalizes across heads; build with --tp 1")
+        elif op == "PagedAttention":
+            n["attrs"]["num_heads"] = n["attrs"]["num_kv_heads"] = local_h
+            if len(n["inputs"]) > 7 and n["inputs"][7]:
+                n["inputs"][7] = cut(n["inputs"][7], 0, np.asarray(q_heads, np.int64), f"h{q_heads[0]}")
+        elif op in ("Mul", "Add", "Sub"):
+            for v in n["inputs"]:
+                w = g.weights.get(v)
+                if w is not None and w.shape and int(np.prod(w.shape)) > 1 and w.shape[-1] not in dims:
+                    raise UnsupportedError(f"--tp {world}: {v} spans the heads of a latent-attention block; build "
+                                           "with --tp 1")
+        n["attrs"].pop("kernel", None)  # fused kernels were compiled for all heads: torch runs them
+    _cut_closer(c, _head_cols(q_heads, rows // h), cut, g, world)
+
+
+def _in_width(g: _Graph, i: int) -> int:
+    n = g.nodes[i]
+    w = g.weights[n["inputs"][1]]
+    if n["op"] == "Fp8Linear":
+        return int(w.shape[1])
+    if n["op"] == "Int4Linear":
+        return int(n["attrs"]["k"])
+    return int(w.shape[0])
+
+
+def _rank(g: _Graph, blocks, moe, mla, shared, r: int, world: int, h: int, kv: int) -> RankProgram:
     nodes = [dict(n, inputs=list(n["inputs"]), outputs=list(n["outputs"]), attrs=dict(n["attrs"])) for n in g.nodes]
     weights = dict(g.weights)
     cols: dict[str, np.ndarray] = {}  # value -> its global feature indices on this rank (flattened last dim)
@@ -240,6 +466,10 @@ def _rank(g: _Graph, blocks, moe, r: int, world: int, h: int, kv: int) -> RankPr
         return out
 
     for openers, interior, closer in blocks:
+        if closer in mla:
+            _mla_rank(g, nodes, mla[closer], closer, q_heads, h, world, cut, new_weight)
+            _all_reduce_after(nodes, closer, inserted)
+            continue
         # which attention input each opener output (or part of its Split) feeds
         for o in openers:
             node = nodes[o]
@@ -322,9 +552,8 @@ def _rank(g: _Graph, blocks, moe, r: int, world: int, h: int, kv: int) -> RankPr
         c = nodes[closer]
         x = c["inputs"][0]
         _cut_closer(c, cols[x], cut, g, world)
-        out = c["outputs"][0]
-        c["outputs"][0] = f"{out}@partial"
-        inserted.append((closer, {"op": ALL_REDUCE, "inputs": [f"{out}@partial"], "outputs": [out], "attrs": {}}))
+        if closer not in shared:  # a shared expert's partial sum joins the routed experts' all-reduce
+            _all_reduce_after(nodes, closer, inserted)
     for a, b, v in moe:  # every expert keeps 1/N of its intermediate columns; one all-reduce of the weighted sum
         up = g.weights[nodes[a]["inputs"][0]]
         i = int(up.shape[1]) // 2
@@ -343,6 +572,13 @@ def _rank(g: _Graph, blocks, moe, r: int, world: int, h: int, kv: int) -> RankPr
         nodes.insert(at + 1, node)
     used = {v for n in nodes for v in n["inputs"] if v}
     return RankProgram(r, nodes, {k: w for k, w in weights.items() if k in used}, sharded_bytes)
+
+
+def _all_reduce_after(nodes: list[dict], closer: int, inserted: list) -> None:
+    c = nodes[closer]
+    out = c["outputs"][0]
+    c["outputs"][0] = f"{out}@partial"
+    inserted.append((closer, {"op": ALL_REDUCE, "inputs": [f"{out}@partial"], "outputs": [out], "attrs": {}}))
 
 
 def _out_width(g: _Graph, i: int) -> int:
@@ -430,7 +666,7 @@ def _reshape(node: dict, g: _Graph, index: np.ndarray, full: int, role: str, h: 
 # Families whose traced layers the pass splits, each held to its one-rank engine (tests/test_tensor_parallel.py
 # and the notes of issue 34). The others trace their Q/K/V differently: gpt2's fused c_attn, gpt_neox's per-head
 # interleaved query_key_value, phi3's qkv_proj sliced by Slice nodes.
-TP_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "mixtral", "qwen3_moe")
+TP_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "mixtral", "qwen3_moe", "deepseek_v3")
 
 
 def check_config(config: dict, world: int, where: str, int4_group: int | None = None) -> None:
@@ -438,25 +674,26 @@ def check_config(config: dict, world: int, where: str, int4_group: int | None = 
     the group size of an INT4 recipe, whose groups along a row-parallel linear's inputs must not straddle ranks."""
     cfg = config.get("text_config", config)
     model_type = config.get("model_type")
-    if world > 1 and model_type not in TP_FAMILIES and not cfg.get("kv_lora_rank"):
+    if world > 1 and model_type not in TP_FAMILIES:
         raise UnsupportedError(f"{where}: --tp {world}: model_type {model_type!r} is not split across ranks yet "
                                f"(tensor parallelism covers {', '.join(TP_FAMILIES)}); build with --tp 1")
     if int4_group and world > 1:
         h, hidden = cfg.get("num_attention_heads"), cfg.get("hidden_size")
-        d = cfg.get("head_dim") or (hidden // h if h and hidden else None)
-        widths = {"num_attention_heads x head_dim (o_proj's inputs)": h * d if h and d else None,
-                  "intermediate_size (down_proj's inputs)": cfg.get("intermediate_size")}
+        d = cfg.get("v_head_dim") if cfg.get("kv_lora_rank") else cfg.get("head_dim")  # o_proj reads V heads
+        d = d or (hidden // h if h and hidden else None)
+        shared = (cfg.get("moe_intermediate_size") or 0) * (cfg.get("n_shared_experts") or 0)
+        widths = {"num_attention_heads x " + ("v_head_dim" if cfg.get("kv_lora_rank") else "head_dim") +
+                  " (o_proj's inputs)": h * d if h and d else None,
+                  "intermediate_size (down_proj's inputs)": cfg.get("intermediate_size"),
+                  "moe_intermediate_size x n_shared_experts (the shared experts' down_proj inputs)": shared or None}
         for what, width in widths.items():
             if isinstance(width, int) and (width % world or (width // world) % int4_group):
                 raise UnsupportedError(f"{where}: --tp {world} with INT4 groups of {int4_group}: {what} {width} gives "
                                        f"each rank {width / world:g} inputs, not whole groups; choose a --group-size "
                                        f"or --tp that divides it")
-    if cfg.get("kv_lora_rank"):
-        raise UnsupportedError(f"{where}: --tp {world}: multi-head latent attention (kv_lora_rank "
-                               f"{cfg['kv_lora_rank']}) is not split across ranks yet; build with --tp 1")
-    if cfg.get("n_shared_experts") or cfg.get("shared_expert_intermediate_size"):
-        raise UnsupportedError(f"{where}: --tp {world}: shared experts beside the routed ones are not split across "
-                               "ranks yet; build with --tp 1")
+    if cfg.get("shared_expert_intermediate_size"):
+        raise UnsupportedError(f"{where}: --tp {world}: a gated shared expert (shared_expert_intermediate_size, "
+                               "qwen2_moe's form) is not split across ranks yet; build with --tp 1")
     h = cfg.get("num_attention_heads")
     kv = cfg.get("num_key_value_heads") or h
     if isinstance(h, int) and h % world:

@@ -70,6 +70,9 @@ def _all_reduce(x: torch.Tensor, **_attrs) -> tuple[torch.Tensor]:
 torch_ops.OPS.setdefault("AllReduce", _all_reduce)
 
 
+_START_TIMEOUT = 120.0  # seconds a worker may take to start (import, load its weights), at least
+
+
 def _timeout() -> float:
     return float(os.environ.get("LLMC_TP_TIMEOUT", "30"))
 
@@ -219,13 +222,15 @@ class TensorParallelSession:
         """Until every worker has started (it sets ``ready/<rank>`` before joining the group): a worker that died
         while starting is reported at once, with its exit code, instead of after the group's timeout."""
         keys = [f"ready/{r}" for r in range(1, self.world)]
-        deadline = time.monotonic() + self.timeout
+        # Starting is importing torch and loading a rank's weights: it may take longer than a step's collective may
+        # (LLMC_TP_TIMEOUT of a few seconds on a loaded machine), and a worker that dies is reported at once anyway.
+        deadline = time.monotonic() + max(self.timeout, _START_TIMEOUT)
         while not store.check(keys):
             dead = [(r, p) for r, p in enumerate(self.procs, 1) if not p.is_alive()]
             if dead or time.monotonic() > deadline:
                 self._finalizer()
                 why = (", ".join(f"rank {r} exited with code {p.exitcode} while starting" for r, p in dead) if dead
-                       else f"the workers did not start within {self.timeout:g} s")
+                       else f"the workers did not start within {max(self.timeout, _START_TIMEOUT):g} s")
                 raise TensorParallelError(f"{self.root}: {why}; see its output above")
             time.sleep(0.05)
 

@@ -63,7 +63,9 @@ DEEPSEEK_V3 = {
 # -- the independent calculation ----------------------------------------------------------------------------------
 # Storage per llmc's CUDA engine: floats bf16 (2 B); fp8 linear [n, k]: n*k codes + n float32 channel scales + one
 # float32 activation scale; int4 linear: n*k/2 code bytes + per group of 128 inputs a bf16 scale and a uint8 zero
-# point. Embeddings, routers, experts, norms and biases stay bf16 under every recipe.
+# point. Embeddings, routers, experts, norms and biases stay bf16 under every recipe; attention sinks float32.
+# Sharded as llmc build --tp N shards (compiler/sharding.py): heads, MLP columns/rows and experts / N, KV heads split
+# or one per GPU, everything else (embeddings and LM head included) on every GPU.
 
 def linear(n, k, quant):
     if quant == "fp8":
@@ -78,8 +80,8 @@ def llama_weights(tp, quant):
     per_layer = (linear(q * d // tp, h, quant) + 2 * linear(kv * d // tp, h, quant) + linear(h, q * d // tp, quant)
                  + linear(2 * ffn // tp, h, quant)
                  + linear(h, ffn // tp, quant) + 2 * 2 * h)
-    table = math.ceil(vocab / tp) * h
-    return L * per_layer + 2 * h + 2 * table + linear(math.ceil(vocab / tp), h, quant)
+    table = vocab * h  # embeddings and LM head replicated on every GPU (compiler/sharding.py)
+    return L * per_layer + 2 * h + 2 * table + linear(vocab, h, quant)
 
 
 def qwen3_weights(tp, quant):
@@ -89,18 +91,18 @@ def qwen3_weights(tp, quant):
             + 2 * 2 * d)  # q_norm, k_norm
     moe = 2 * experts * h + 2 * (experts // tp) * (2 * ffn * h + h * ffn)  # router + experts, bf16
     per_layer = attn + moe + 2 * 2 * h
-    return L * per_layer + 2 * h + 2 * math.ceil(vocab / tp) * h + linear(math.ceil(vocab / tp), h, quant)
+    return L * per_layer + 2 * h + 2 * vocab * h + linear(vocab, h, quant)
 
 
 def gpt_oss_weights(tp, quant):
     h, L, q, kv, d, experts, ffn, vocab = 2880, 36, 64, 8, 64, 128, 2880, 201088
     attn = (linear(q * d // tp, h, quant) + 2 * linear(kv * d // tp, h, quant) + linear(h, q * d // tp, quant)
             + 2 * (q * d // tp + 2 * kv * d // tp + h)  # q, k, v, o biases
-            + 2 * q // tp)  # sinks
+            + 4 * q // tp)  # sinks, float32 (what the attention kernels read)
     router = 2 * (experts * h + experts)
     expert = 2 * (2 * ffn * h + 2 * ffn + h * ffn + h)  # gate_up, its bias, down, its bias
     per_layer = attn + router + (experts // tp) * expert + 2 * 2 * h
-    return L * per_layer + 2 * h + 2 * math.ceil(vocab / tp) * h + linear(math.ceil(vocab / tp), h, quant)
+    return L * per_layer + 2 * h + 2 * vocab * h + linear(vocab, h, quant)
 
 
 def deepseek_weights(tp, quant):
@@ -115,7 +117,7 @@ def deepseek_weights(tp, quant):
            + linear(2 * moe_ffn // tp, h, quant) + linear(h, moe_ffn // tp, quant))  # shared expert
     norms = 2 * 2 * h
     return (L * (attn + norms) + dense * dense_mlp + (L - dense) * moe + 2 * h
-            + 2 * math.ceil(vocab / tp) * h + linear(math.ceil(vocab / tp), h, quant))
+            + 2 * vocab * h + linear(vocab, h, quant))
 
 
 def kv_per_token(name, tp, kv_bytes):
@@ -178,7 +180,8 @@ def test_totals_are_the_published_parameter_counts(configs):
     for name, billions in (("llama", 70.6), ("qwen3", 235.1), ("gpt_oss", 116.8), ("deepseek", 671.0)):
         rep = report(configs[name], "h100", "1")
         assert rep["model"]["parameters"] == pytest.approx(billions * 1e9, rel=2e-3), name
-        assert rep["plans"][0]["weights_bytes"] == 2 * rep["model"]["parameters"]
+        sinks = 2 * 36 * 64 if name == "gpt_oss" else 0  # float32: 2 B more than bf16 per head and layer
+        assert rep["plans"][0]["weights_bytes"] == 2 * rep["model"]["parameters"] + sinks
 
 
 def test_llama_fp8_h100_roofline_and_allreduce(configs):
@@ -186,7 +189,7 @@ def test_llama_fp8_h100_roofline_and_allreduce(configs):
     rows = {p["tp"]: p for p in rep["plans"]}
     w8 = llama_weights(8, "fp8")
     # tp 8, batch 1: every weight read once except the embedding table (one row), plus 8192 tokens of KV
-    base = w8 - math.ceil(128256 / 8) * 8192 * 2
+    base = w8 - 128256 * 8192 * 2
     per_sequence = 8192 * 2 + 8192 * kv_per_token("llama", 8, 2)  # its embedding row, its 8192 tokens of KV
     read = base + per_sequence
     assert rows[8]["decode_b1_bytes"] == read

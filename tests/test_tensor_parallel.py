@@ -137,6 +137,57 @@ def test_families_tp2_equal_tp1(model_type, family_checkpoint, tmp_path):
     two._session.close()
 
 
+@pytest.fixture(scope="module")
+def deepseek_engines(tmp_path_factory):
+    """The deepseek_v3 fixture tests/test_mechanisms.py builds (MLA with a q LoRA, one dense layer, one layer of 8
+    routed experts in 2 groups beside a shared expert), at tp=1 and tp=2."""
+    from llmc.testing.tried_families import write_tried_family
+
+    out = tmp_path_factory.mktemp("tp-deepseek")
+    ckpt = write_tried_family("deepseek_v3", out / "ckpt")
+    return {tp: _build(ckpt, out / f"tp{tp}", tp).out_dir for tp in (1, 2)}
+
+
+def test_deepseek_v3_mla_tp2_equals_tp1(deepseek_engines):
+    """Multi-head latent attention split by heads (q_b_proj and kv_b_proj columns, o_proj rows; the latent
+    projections, their norms and the rotary key replicated), the dense MLP and the shared expert by columns, the
+    routed experts by their intermediate columns, the shared expert's partial sum joining the experts' all-reduce:
+    greedy tokens identical to tp=1, logits within 1e-5; each split tensor is halved, the latent kept whole."""
+    from safetensors import safe_open
+
+    one = Engine.load(deepseek_engines[1], device="cpu")
+    two = Engine.load(deepseek_engines[2], device="cpu")
+    seed = int(np.random.SeedSequence().entropy % 2**31)
+    prompts = _prompts(seed)
+    assert [o.token_ids for o in two.generate(prompts, PARAMS)] == [o.token_ids for o in
+                                                                   one.generate(prompts, PARAMS)], seed
+    np.testing.assert_allclose(_logits(two, prompts[2]), _logits(one, prompts[2]), rtol=0, atol=1e-5)
+    two._session.close()
+    par = two.manifest["parallel"]
+    assert par["heads_per_rank"] == 2 and "latent" in par["attention"] and "shared_experts" in par
+    spec = json.loads((deepseek_engines[2] / "rank1" / "program.json").read_text())
+    assert sum(n["op"] == "AllReduce" for n in spec["nodes"]) == 4  # per layer: attention, then MLP or experts
+    with safe_open(str(deepseek_engines[1] / "weights.safetensors"), "np") as f:
+        full = {k: f.get_tensor(k).nbytes for k in f.keys()}  # noqa: SIM118
+    with safe_open(str(deepseek_engines[2] / "rank1" / "weights.safetensors"), "np") as f:
+        cut = {k.split("@shard")[0]: f.get_tensor(k).nbytes for k in f.keys() if "@shard" in k}  # noqa: SIM118
+        whole = {k for k in f.keys() if "@" not in k}  # noqa: SIM118
+    for k, n in cut.items():
+        assert n / full[k] == pytest.approx(0.5, rel=0.02), k
+    names = " ".join(cut)
+    for proj in ("q_b_proj", "kv_b_proj", "o_proj", "shared_experts.down_proj", "experts.gate_up_proj"):
+        assert proj in names
+    assert any("kv_a_proj_with_mqa" in k for k in whole) and "kv_a_proj" not in names
+    # `llmc plan`'s per-GPU weight bytes (bfloat16) are this engine's (float32) float tensors, halved: within the
+    # rotary frequencies and scalar constants the plan does not count (28 B here)
+    from llmc.compiler.deploy_plan import model_from_config, weight_bytes
+
+    with safe_open(str(deepseek_engines[2] / "rank1" / "weights.safetensors"), "np") as f:
+        floats = sum(f.get_tensor(k).nbytes for k in f.keys() if f.get_tensor(k).dtype.kind == "f")  # noqa: SIM118
+    model = model_from_config(json.loads((deepseek_engines[2] / "hf_config.json").read_text()), "hf_config.json")
+    assert 0 <= floats - 2 * sum(weight_bytes(model, 2, "none").values()) < 64
+
+
 def test_a_killed_worker_ends_the_requests_with_an_error(llama_engines):
     """SIGKILL a rank mid-generation: the next step raises TensorParallelError naming the rank within seconds
     (never a hang), and every later step says the same."""
@@ -171,9 +222,15 @@ def test_refusals_before_any_work(tmp_path, tiny_llama):
         _build(tiny_llama, tmp_path / "c", 2, quant=QuantRecipe(quant="int4", group_size=32))
     with pytest.raises(UnsupportedError, match="model_type 'gpt2' is not split across ranks yet"):
         sharding.check_config({"model_type": "gpt2", "num_attention_heads": 4}, 2, "config.json")
-    mla = {"model_type": "deepseek_v3", "num_attention_heads": 4, "num_key_value_heads": 4, "kv_lora_rank": 512}
-    with pytest.raises(UnsupportedError, match="multi-head latent attention"):
-        sharding.check_config(mla, 2, "config.json")
+    gated = {"model_type": "qwen2_moe", "num_attention_heads": 4, "shared_expert_intermediate_size": 64}
+    with pytest.raises(UnsupportedError, match="model_type 'qwen2_moe' is not split"):
+        sharding.check_config(gated, 2, "config.json")
+    mla = {"model_type": "deepseek_v3", "num_attention_heads": 4, "num_key_value_heads": 4, "kv_lora_rank": 16,
+           "v_head_dim": 24, "head_dim": 8, "intermediate_size": 128, "moe_intermediate_size": 32,
+           "n_shared_experts": 1}
+    sharding.check_config(mla, 2, "config.json")  # MLA splits; o_proj reads 4 x v_head_dim 24, not x head_dim
+    with pytest.raises(UnsupportedError, match=r"num_attention_heads x v_head_dim \(o_proj's inputs\) 96 gives "):
+        sharding.check_config(mla, 2, "config.json", int4_group=32)
     assert not any((tmp_path / n).exists() for n in "abc")
 
 
