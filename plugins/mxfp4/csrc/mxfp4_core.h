@@ -150,8 +150,9 @@ __attribute__((target("avx512f"))) inline void dots_avx512(const uint8_t* blk, c
     const __m512 lut = _mm512_loadu_ps(kFp4);
     const __m512i low = _mm512_set1_epi32(15);
     const float* st = scale_table().v;
-    __m512 acc[R];
-    for (int i = 0; i < R; ++i) acc[i] = _mm512_setzero_ps();
+    // Two sums per row (low and high nibbles): two independent FMA chains even for one row.
+    __m512 acc[R], acc_hi[R];
+    for (int i = 0; i < R; ++i) acc[i] = acc_hi[i] = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; ++g) {
         const __m512i codes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + g * 16)));
         const __m512 s = _mm512_set1_ps(st[sc[g]]);
@@ -159,10 +160,10 @@ __attribute__((target("avx512f"))) inline void dots_avx512(const uint8_t* blk, c
         const __m512 wh = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(codes, 4), lut), s);
         for (int i = 0; i < R; ++i) {
             acc[i] = _mm512_fmadd_ps(wl, _mm512_loadu_ps(xr[i] + g * kBlock), acc[i]);
-            acc[i] = _mm512_fmadd_ps(wh, _mm512_loadu_ps(xr[i] + g * kBlock + 16), acc[i]);
+            acc_hi[i] = _mm512_fmadd_ps(wh, _mm512_loadu_ps(xr[i] + g * kBlock + 16), acc_hi[i]);
         }
     }
-    for (int i = 0; i < R; ++i) out[i] = _mm512_reduce_add_ps(acc[i]);
+    for (int i = 0; i < R; ++i) out[i] = _mm512_reduce_add_ps(_mm512_add_ps(acc[i], acc_hi[i]));
 }
 
 __attribute__((target("avx512f"))) inline void row_avx512(const uint8_t* blk, const uint8_t* sc, int64_t groups,
