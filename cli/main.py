@@ -185,6 +185,9 @@ def _quant_options(f):
 @click.option("--tp", default=1, show_default=True, type=int, metavar="N",
               help="CUDA engines: tensor parallelism over N GPUs (1, 2, 4, 8): N rank programs, each with its share "
                    "of the attention heads and MLP columns, joined by an all-reduce.")
+@click.option("--ep", is_flag=True,
+              help="With --tp N: place MoE experts whole on the N ranks (expert parallelism; E/N experts each) "
+                   "instead of splitting every expert's columns.")
 @click.option("--force", is_flag=True, help="Replace the output directory if it exists (only once the build succeeds).")
 @click.option("--cache-dir", type=click.Path(path_type=Path), default=None,
               help="Build cache directory [default: $LLMC_CACHE_DIR, else $XDG_CACHE_HOME/llmc or ~/.cache/llmc].")
@@ -208,7 +211,8 @@ def _quant_options(f):
 def build(checkpoint: Path, output: Path, disabled_passes: tuple[str, ...], verify_passes: bool, target: str,
           gpu: str | None, engine_kind: str, engine_dtype: str, max_batch_size: int | None,
           max_num_tokens: int | None, max_seq_len: int | None,
-          block_size: int, tp: int, force: bool, cache_dir: Path | None, no_cache: bool, max_memory: str | None,
+          block_size: int, tp: int, ep: bool, force: bool, cache_dir: Path | None, no_cache: bool,
+          max_memory: str | None,
           lora_slots: int, max_lora_rank: int, lora_targets: str,
           as_json: bool, quiet: bool, max_ppl_increase: float | None, **quant_args) -> None:
     """Build an engine from a Hugging Face CHECKPOINT directory.
@@ -241,7 +245,7 @@ def build(checkpoint: Path, output: Path, disabled_passes: tuple[str, ...], veri
                            verify_passes=verify_passes, quant=QuantRecipe(**quant), max_ppl_increase=max_ppl_increase,
                            max_batch_size=max_batch_size, max_num_tokens=max_num_tokens, max_seq_len=max_seq_len,
                            engine=engine_kind, dtype=engine_dtype, max_memory=limit, lora_slots=lora_slots,
-                           max_lora_rank=max_lora_rank, tp=tp,
+                           max_lora_rank=max_lora_rank, tp=tp, ep=ep,
                            lora_targets=tuple(t.strip() for t in lora_targets.split(",") if t.strip()))
     try:
         try:

@@ -91,6 +91,8 @@ class BuildOptions:
     lora_targets: tuple[str, ...] = ("q", "k", "v", "o", "gate", "up", "down")
     # CUDA engines: tensor-parallel ranks (--tp; compiler/sharding.py writes one program and weights file per rank).
     tp: int = 1
+    # --ep (with --tp N): MoE experts placed whole on the ranks (expert parallelism) instead of each one split.
+    ep: bool = False
 
 
 # BuildOptions fields that exist only for LoRA engines: left out of the recipe (the cache key) of a build
@@ -165,7 +167,7 @@ def _check_tp(ckpt: Checkpoint, plan: _Plan) -> None:
     if options.tp > 1:
         fmt = options.quant.format
         group = options.quant.group_size if fmt is not None and fmt.family == "int4" else None
-        sharding.check_config(ckpt.config, options.tp, str(ckpt.path / "config.json"), group)
+        sharding.check_config(ckpt.config, options.tp, str(ckpt.path / "config.json"), group, ep=options.ep)
 
 
 def _carry_int4(ckpt: Checkpoint, plan: _Plan) -> None:
@@ -252,6 +254,8 @@ def _validate(options: BuildOptions) -> None:
         raise LlmcError(f"--dtype {options.dtype}: must be bfloat16 (default), float16 or float32")
     if options.tp not in (1, 2, 4, 8):
         raise LlmcError(f"--tp {options.tp}: tensor parallelism takes 1, 2, 4 or 8 ranks (GPUs)")
+    if options.ep and options.tp == 1:
+        raise LlmcError("--ep places MoE experts on tensor-parallel ranks; give --tp N (2, 4 or 8) with it")
     if options.lora_slots:
         from llmc.passes.lora import check_options
 
@@ -374,6 +378,8 @@ def canonical_recipe(options: BuildOptions) -> dict:
             del recipe[k]
     if options.tp == 1:  # the keys of single-rank builds stay what they were before --tp existed
         del recipe["tp"]
+    if not options.ep:
+        del recipe["ep"]
     else:
         recipe["lora_targets"] = list(options.lora_targets)
     recipe.update(quant=quant_recipe.canonical(options.quant), compute_dtype=COMPUTE_DTYPE,
@@ -535,7 +541,7 @@ def _compile_stages(ckpt: Checkpoint, digest: str, plan: _Plan, dest: Path, say:
         cpu_graph = traced.model.clone() if qstage is not None else None
         sm = int(target.sm.replace(".", ""))
         cuda_files = cuda_backend.emit(traced.model, dest, sm=sm, dtype=options.dtype, block_size=options.block_size,
-                                       say=say, aot=options.aot_kernels, tp=options.tp)
+                                       say=say, aot=options.aot_kernels, tp=options.tp, ep=options.ep)
         files = _NoOnnxFiles()
         files.fusions = cuda_files.fusions
     elif gpu:

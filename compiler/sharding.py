@@ -11,10 +11,17 @@ LM head) is replicated.
 - Attention: each rank owns ``num_heads / N`` query heads and ``num_kv_heads / N`` KV heads; with fewer KV
   heads than ranks each KV head is replicated on ``N / num_kv_heads`` ranks (the ranks whose query heads read
   it). Head counts in node attributes and reshape shapes are rewritten per rank.
+- Multi-head latent attention (DeepSeek-V3): found as a block whose openers feed one another (q_b_proj and
+  kv_b_proj read a latent that the fused q_a_proj + kv_a_proj_with_mqa made). The parts that flow into attention
+  directly are split by heads (q_b_proj or q_proj and kv_b_proj columns, o_proj rows); the latent projections,
+  their norms and the rotary key are computed whole on every rank, the key widened over the rank's heads.
+- MoE: the router is replicated; each expert's intermediate columns are split (default), or with ``--ep``
+  whole experts are placed on the ranks (expert parallelism, ids localised, other ranks' pairs zeroed). Shared
+  experts split like a dense MLP, and their partial sum joins the experts' one all-reduce.
 - INT4 linears split along whole groups and FP8 linears carry their per-channel scales with their columns,
   so a quantization group never straddles two ranks.
-- What is not handled is refused before any work is written, naming it: MoE experts (expert parallelism is
-  not lowered yet), norms over a whole sharded width, ops with unknown semantics inside a block.
+- What is not handled is refused before any work is written, naming it: norms over a whole sharded width,
+  ops with unknown semantics inside a block, MoE layers in other forms.
 """
 
 from __future__ import annotations
@@ -137,9 +144,13 @@ def _blocks(g: _Graph) -> list[tuple[list[int], set[int], int]]:
     return out
 
 
-def shard(nodes: list[dict], weights: dict, world: int) -> ShardPlan:
+def shard(nodes: list[dict], weights: dict, world: int, experts: str = "split") -> ShardPlan:
     """Split a lowered CUDA program (``nodes``, ``weights``: name -> object with dtype/shape/produce) into
-    ``world`` rank programs. Raises UnsupportedError, naming the reason, for anything it cannot split."""
+    ``world`` rank programs. ``experts``: ``split`` (each MoE expert's intermediate columns divided over the ranks)
+    or ``whole`` (expert parallelism: each rank holds ``experts / world`` whole experts). Raises UnsupportedError,
+    naming the reason, for anything it cannot split."""
+    if experts not in ("split", "whole"):
+        raise ValueError(experts)
     if world < 1 or world & (world - 1):
         raise UnsupportedError(f"--tp {world}: tensor parallelism takes 1, 2, 4 or 8 ranks")
     g = _Graph(nodes, weights)
@@ -184,13 +195,13 @@ def shard(nodes: list[dict], weights: dict, world: int) -> ShardPlan:
     ranks = []
     reps = max(1, world // kv)
     for r in range(world):
-        ranks.append(_rank(g, blocks, moe, mla, shared, r, world, h, kv))
+        ranks.append(_rank(g, blocks, moe, mla, shared, r, world, h, kv, experts))
     attention = "heads split, KV heads " + (f"replicated on {reps} ranks each" if reps > 1 else "split")
     if mla:
         attention = ("multi-head latent attention: q_b_proj/q_proj and kv_b_proj columns split by heads, the "
                      "compressed latent (q_a_proj, kv_a_proj_with_mqa, their norms, the rotary key) replicated")
     layout = {"attention": attention, "mlp": "intermediate columns split", "embeddings": "replicated",
-              **({"experts": "each expert's intermediate columns split (router replicated)"} if moe else {}),
+              **({"experts": EXPERT_LAYOUT[experts]} if moe else {}),
               **({"shared_experts": "intermediate columns split; summed with the routed experts by one all-reduce"}
                  if shared else {}),
               "lm_head": "replicated", "all_reduce_after": "o_proj and down_proj (row-parallel)"}
@@ -440,7 +451,7 @@ def _in_width(g: _Graph, i: int) -> int:
     return int(w.shape[0])
 
 
-def _rank(g: _Graph, blocks, moe, mla, shared, r: int, world: int, h: int, kv: int) -> RankProgram:
+def _rank(g: _Graph, blocks, moe, mla, shared, r: int, world: int, h: int, kv: int, experts: str) -> RankProgram:
     nodes = [dict(n, inputs=list(n["inputs"]), outputs=list(n["outputs"]), attrs=dict(n["attrs"])) for n in g.nodes]
     weights = dict(g.weights)
     cols: dict[str, np.ndarray] = {}  # value -> its global feature indices on this rank (flattened last dim)
@@ -554,24 +565,80 @@ def _rank(g: _Graph, blocks, moe, mla, shared, r: int, world: int, h: int, kv: i
         _cut_closer(c, cols[x], cut, g, world)
         if closer not in shared:  # a shared expert's partial sum joins the routed experts' all-reduce
             _all_reduce_after(nodes, closer, inserted)
-    for a, b, v in moe:  # every expert keeps 1/N of its intermediate columns; one all-reduce of the weighted sum
-        up = g.weights[nodes[a]["inputs"][0]]
-        i = int(up.shape[1]) // 2
-        if i % world:
-            raise UnsupportedError(f"--tp {world}: {nodes[a]['inputs'][0]}: {i} intermediate columns do not divide "
-                                   f"into {world} ranks")
-        local = np.arange(r * i // world, (r + 1) * i // world, dtype=np.int64)
-        nodes[a]["inputs"][0] = cut(nodes[a]["inputs"][0], 1, np.concatenate([local, local + i]), f"r{r}")
-        nodes[b]["inputs"][0] = cut(nodes[b]["inputs"][0], 2, local, f"r{r}")
-        for n in nodes[a:b]:
-            n["attrs"].pop("kernel", None)  # the fused activation was compiled for the full width
+    for a, b, v in moe:  # one all-reduce of the weighted sum of this rank's share of the experts
+        if experts == "whole":
+            _place_experts(g, nodes, a, b, r, world, cut, new_weight, inserted)
+        else:  # every expert keeps 1/N of its intermediate columns
+            up = g.weights[nodes[a]["inputs"][0]]
+            i = int(up.shape[1]) // 2
+            if i % world:
+                raise UnsupportedError(f"--tp {world}: {nodes[a]['inputs'][0]}: {i} intermediate columns do not "
+                                       f"divide into {world} ranks")
+            local = np.arange(r * i // world, (r + 1) * i // world, dtype=np.int64)
+            nodes[a]["inputs"][0] = cut(nodes[a]["inputs"][0], 1, np.concatenate([local, local + i]), f"r{r}")
+            nodes[b]["inputs"][0] = cut(nodes[b]["inputs"][0], 2, local, f"r{r}")
+            for n in nodes[a:b]:
+                n["attrs"].pop("kernel", None)  # the fused activation was compiled for the full width
         p = g.producer[v]
         nodes[p]["outputs"][nodes[p]["outputs"].index(v)] = f"{v}@partial"
         inserted.append((p, {"op": ALL_REDUCE, "inputs": [f"{v}@partial"], "outputs": [v], "attrs": {}}))
-    for at, node in sorted(inserted, key=lambda t: t[0], reverse=True):
-        nodes.insert(at + 1, node)
+    # after node ``at``, in the order they were added (a list: several nodes in a row)
+    for at, new in sorted(inserted, key=lambda t: t[0], reverse=True):
+        nodes[at + 1:at + 1] = new if isinstance(new, list) else [new]
     used = {v for n in nodes for v in n["inputs"] if v}
     return RankProgram(r, nodes, {k: w for k, w in weights.items() if k in used}, sharded_bytes)
+
+
+EXPERT_LAYOUT = {"split": "each expert's intermediate columns split (router replicated)",
+                 "whole": "whole experts partitioned, rank r holding experts [r E/N, (r+1) E/N) (expert parallelism: "
+                          "router replicated, expert ids localised, other ranks' pairs masked to zero)"}
+
+
+def _place_experts(g: _Graph, nodes: list[dict], a: int, b: int, r: int, world: int, cut, new_weight,
+                   inserted: list) -> None:
+    """Expert parallelism for one MoE layer: this rank keeps experts ``[r E/N, (r+1) E/N)`` whole. Every rank runs
+    the replicated router, so every (token, expert) pair is computed on every rank from a localised id
+    (``clamp(id - r E/N, 0, E/N - 1)``), and the pairs of other ranks' experts are zeroed (their down projection's
+    input times 0): the weighted sum then holds this rank's experts only, and the all-reduce adds the ranks' sums.
+    Exact: a pair's output is computed once, on its rank, and the other ranks add zeros."""
+    up_name, down_name = nodes[a]["inputs"][0], nodes[b]["inputs"][0]
+    e = int(g.weights[up_name].shape[0])
+    ids = nodes[a]["inputs"][1]
+    if e % world:
+        raise UnsupportedError(f"--tp {world} --ep: {up_name}: {e} experts do not partition evenly over {world} "
+                               f"ranks; choose a --tp that divides {e}")
+    down_mm = [u for u in g.users.get(g.nodes[b]["outputs"][0], []) if g.nodes[u]["op"] == "MatMul"]
+    if nodes[b]["inputs"][1] != ids or len(down_mm) != 1:
+        raise UnsupportedError(f"--tp {world} --ep: {down_name}: the experts' down projection is not in the form "
+                               "llmc places whole on ranks; build without --ep")
+    per = e // world
+    local = np.arange(r * per, (r + 1) * per, dtype=np.int64)
+    nodes[a]["inputs"][0] = cut(up_name, 0, local, f"e{r}")
+    nodes[b]["inputs"][0] = cut(down_name, 0, local, f"e{r}")
+    w = g.weights[ids] if ids in g.weights else None
+    if w is not None:
+        raise UnsupportedError(f"--tp {world} --ep: {up_name} gathers constant experts; build without --ep")
+    tag = f"{ids}@ep{r}"
+
+    def const(name: str, values: list[int], shape) -> str:
+        return new_weight(f"{up_name}.{name}", f"{r}", "I64", shape, _consts("I64", values))
+
+    lid, mask = f"{tag}.local", f"{tag}.mask"
+    inserted.append((a - 1, [
+        {"op": "Sub", "inputs": [ids, const("ep_first", [r * per], ())], "outputs": [f"{tag}.d"], "attrs": {}},
+        {"op": "Max", "inputs": [f"{tag}.d", const("ep_zero", [0], ())], "outputs": [f"{tag}.lo"], "attrs": {}},
+        {"op": "Min", "inputs": [f"{tag}.lo", const("ep_last", [per - 1], ())], "outputs": [lid], "attrs": {}},
+        {"op": "Equal", "inputs": [lid, f"{tag}.d"], "outputs": [f"{tag}.mine"], "attrs": {}},
+        {"op": "Cast", "inputs": [f"{tag}.mine"], "outputs": [f"{tag}.m"], "attrs": {"to": "float32"}},
+        {"op": "Reshape", "inputs": [f"{tag}.m", const("ep_shape", [-1, 1, 1], (3,))], "outputs": [mask],
+         "attrs": {}},
+    ]))
+    nodes[a]["inputs"][1] = nodes[b]["inputs"][1] = lid
+    mm = nodes[down_mm[0]]
+    j = 1 if mm["inputs"][0] == g.nodes[b]["outputs"][0] else 0
+    x = mm["inputs"][j]
+    inserted.append((down_mm[0] - 1, [{"op": "Mul", "inputs": [x, mask], "outputs": [f"{x}@ep"], "attrs": {}}]))
+    mm["inputs"][j] = f"{x}@ep"
 
 
 def _all_reduce_after(nodes: list[dict], closer: int, inserted: list) -> None:
@@ -669,11 +736,20 @@ def _reshape(node: dict, g: _Graph, index: np.ndarray, full: int, role: str, h: 
 TP_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "mixtral", "qwen3_moe", "deepseek_v3")
 
 
-def check_config(config: dict, world: int, where: str, int4_group: int | None = None) -> None:
+def check_config(config: dict, world: int, where: str, int4_group: int | None = None, ep: bool = False) -> None:
     """What ``--tp world`` cannot split in this model, from its config alone (before any work). ``int4_group``:
-    the group size of an INT4 recipe, whose groups along a row-parallel linear's inputs must not straddle ranks."""
+    the group size of an INT4 recipe, whose groups along a row-parallel linear's inputs must not straddle ranks;
+    ``ep``: experts placed whole on the ranks (``--ep``), which must partition evenly."""
     cfg = config.get("text_config", config)
     model_type = config.get("model_type")
+    if ep:
+        experts = next((cfg[k] for k in ("n_routed_experts", "num_local_experts", "num_experts") if cfg.get(k)), None)
+        if not experts:
+            raise UnsupportedError(f"{where}: --ep: model_type {model_type!r} has no mixture-of-experts layers to "
+                                   "place on ranks; build without --ep")
+        if experts % world:
+            raise UnsupportedError(f"{where}: --tp {world} --ep: {experts} experts per layer do not partition evenly "
+                                   f"over {world} ranks; choose a --tp that divides {experts}, or build without --ep")
     if world > 1 and model_type not in TP_FAMILIES:
         raise UnsupportedError(f"{where}: --tp {world}: model_type {model_type!r} is not split across ranks yet "
                                f"(tensor parallelism covers {', '.join(TP_FAMILIES)}); build with --tp 1")

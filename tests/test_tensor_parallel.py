@@ -121,14 +121,28 @@ def test_each_rank_holds_one_nth_of_the_split_weights(llama_engines):
             assert sum(full[k] for k in cut) > 0.5 * sum(full.values())  # the split tensors are most of the model
 
 
+@pytest.fixture(scope="module")
+def family_engine(tmp_path_factory, family_checkpoint):
+    """``family_engine(model_type, tp, ep=False) -> engine dir``, each built once per module (the tp=1 engine is
+    shared by the tensor- and expert-parallel tests of a family)."""
+    built: dict = {}
+
+    def get(model_type: str, tp: int, ep: bool = False):
+        key = (model_type, tp, ep)
+        if key not in built:
+            out = tmp_path_factory.mktemp(f"tp-{model_type}-{tp}{'-ep' if ep else ''}")
+            built[key] = _build(family_checkpoint(model_type), out / "engine", tp, ep=ep).out_dir
+        return built[key]
+    return get
+
+
 @pytest.mark.parametrize("model_type", ["qwen3", "gemma3_text", "mixtral", "qwen2"])
-def test_families_tp2_equal_tp1(model_type, family_checkpoint, tmp_path):
+def test_families_tp2_equal_tp1(model_type, family_engine):
     """qwen3 (per-head q/k norms), gemma3 (sliding window, GeGLU, norms after each block), mixtral (MoE: each
     expert's gate/up columns and down rows split, router replicated, one all-reduce of the weighted sum), qwen2
     (Q/K/V biases, cut with their columns): tp=2 = tp=1."""
-    ckpt = family_checkpoint(model_type)
-    one = Engine.load(_build(ckpt, tmp_path / "tp1", 1).out_dir, device="cpu")
-    two = Engine.load(_build(ckpt, tmp_path / "tp2", 2).out_dir, device="cpu")
+    one = Engine.load(family_engine(model_type, 1), device="cpu")
+    two = Engine.load(family_engine(model_type, 2), device="cpu")
     seed = int(np.random.SeedSequence().entropy % 2**31)
     prompts = _prompts(seed)
     assert [o.token_ids for o in two.generate(prompts, PARAMS)] == [o.token_ids for o in
@@ -188,6 +202,34 @@ def test_deepseek_v3_mla_tp2_equals_tp1(deepseek_engines):
     assert 0 <= floats - 2 * sum(weight_bytes(model, 2, "none").values()) < 64
 
 
+@pytest.mark.parametrize("model_type", ["mixtral", "qwen3_moe"])
+def test_expert_parallel_tp2_equals_tp1(model_type, family_engine):
+    """--tp 2 --ep: each rank holds 2 of the 4 experts whole (rows of the [E, ...] expert tensors), the router
+    replicated, ids localised and other ranks' pairs zeroed, the weighted sums all-reduced: greedy tokens identical
+    to tp=1, logits within 1e-5."""
+    from safetensors import safe_open
+
+    one = Engine.load(family_engine(model_type, 1), device="cpu")
+    root = family_engine(model_type, 2, ep=True)
+    two = Engine.load(root, device="cpu")
+    seed = int(np.random.SeedSequence().entropy % 2**31)
+    prompts = _prompts(seed)
+    assert [o.token_ids for o in two.generate(prompts, PARAMS)] == [o.token_ids for o in
+                                                                   one.generate(prompts, PARAMS)], seed
+    np.testing.assert_allclose(_logits(two, prompts[2]), _logits(one, prompts[2]), rtol=0, atol=1e-5)
+    two._session.close()
+    assert two.manifest["parallel"]["expert"] == 2 and "whole experts" in two.manifest["parallel"]["experts"]
+    with safe_open(str(family_engine(model_type, 1) / "weights.safetensors"), "np") as f:
+        full = {k: f.get_tensor(k) for k in f.keys() if "experts" in k}  # noqa: SIM118
+    for r in (0, 1):
+        with safe_open(str(root / f"rank{r}" / "weights.safetensors"), "np") as f:
+            mine = {k.split("@shard")[0]: f.get_tensor(k) for k in f.keys() if "@shard" in k and k.split(  # noqa: SIM118
+                "@shard")[0] in full}
+        assert mine and set(mine) == set(full)
+        for k, w in mine.items():  # experts 2r and 2r + 1, whole
+            np.testing.assert_array_equal(w, full[k][2 * r:2 * r + 2])
+
+
 def test_a_killed_worker_ends_the_requests_with_an_error(llama_engines):
     """SIGKILL a rank mid-generation: the next step raises TensorParallelError naming the rank within seconds
     (never a hang), and every later step says the same."""
@@ -220,6 +262,13 @@ def test_refusals_before_any_work(tmp_path, tiny_llama):
 
     with pytest.raises(UnsupportedError, match=r"intermediate_size \(down_proj's inputs\) 176 gives each rank 88"):
         _build(tiny_llama, tmp_path / "c", 2, quant=QuantRecipe(quant="int4", group_size=32))
+    r = runner.invoke(cli, ["build", str(tiny_llama), "-o", str(tmp_path / "d"), "--gpu", "h100", "--ep"])
+    assert r.exit_code == 2 and "give --tp N" in r.stderr
+    with pytest.raises(UnsupportedError, match="--ep: model_type 'llama' has no mixture-of-experts"):
+        _build(tiny_llama, tmp_path / "d", 2, ep=True)
+    with pytest.raises(UnsupportedError, match="--tp 8 --ep: 4 experts per layer do not partition evenly"):
+        sharding.check_config({"model_type": "mixtral", "num_attention_heads": 8, "num_local_experts": 4}, 8,
+                              "config.json", ep=True)
     with pytest.raises(UnsupportedError, match="model_type 'gpt2' is not split across ranks yet"):
         sharding.check_config({"model_type": "gpt2", "num_attention_heads": 4}, 2, "config.json")
     gated = {"model_type": "qwen2_moe", "num_attention_heads": 4, "shared_expert_intermediate_size": 64}
@@ -231,7 +280,7 @@ def test_refusals_before_any_work(tmp_path, tiny_llama):
     sharding.check_config(mla, 2, "config.json")  # MLA splits; o_proj reads 4 x v_head_dim 24, not x head_dim
     with pytest.raises(UnsupportedError, match=r"num_attention_heads x v_head_dim \(o_proj's inputs\) 96 gives "):
         sharding.check_config(mla, 2, "config.json", int4_group=32)
-    assert not any((tmp_path / n).exists() for n in "abc")
+    assert not any((tmp_path / n).exists() for n in "abcd")
 
 
 def test_cli_inspect_verify_and_run_a_tp_engine(llama_engines):

@@ -512,9 +512,11 @@ def ptxas_cuda_version(sm: int) -> str | None:
 
 
 def emit(model: ir.Model, out_dir: Path, *, sm: int, dtype: str = "bfloat16", block_size: int = 16,
-         say: Callable[[str], None] | None = None, aot: bool = True, tp: int = 1) -> CudaEngineFiles:
+         say: Callable[[str], None] | None = None, aot: bool = True, tp: int = 1,
+         ep: bool = False) -> CudaEngineFiles:
     """Lower ``model`` and write the CUDA engine's files into ``out_dir`` (``tp`` > 1: one program and one
-    weights file per rank, ``rank<r>/``, split by :mod:`llmc.compiler.sharding`)."""
+    weights file per rank, ``rank<r>/``, split by :mod:`llmc.compiler.sharding`; ``ep``: MoE experts placed whole
+    on the ranks instead of split)."""
     if dtype not in ENGINE_DTYPES:
         raise UnsupportedError(f"--dtype {dtype}: the CUDA engine computes in one of {', '.join(ENGINE_DTYPES)}")
     say = say or (lambda msg: None)
@@ -526,7 +528,7 @@ def emit(model: ir.Model, out_dir: Path, *, sm: int, dtype: str = "bfloat16", bl
             "weights_file": torch_program.WEIGHTS_FILE, "nodes": low.nodes}
     parallel = None
     if tp > 1:
-        parallel = _write_ranks(low, spec, out_dir, tp, dtype, say)
+        parallel = _write_ranks(low, spec, out_dir, tp, dtype, say, ep)
         nodes = parallel.pop("_nodes")
     else:
         (out_dir / torch_program.PROGRAM_FILE).write_text(json.dumps(spec, indent=0))
@@ -555,12 +557,12 @@ def emit(model: ir.Model, out_dir: Path, *, sm: int, dtype: str = "bfloat16", bl
                            kv_cache_dtype=kv_dtype, parallel=parallel)
 
 
-def _write_ranks(low: _Lowering, spec: dict, out_dir: Path, tp: int, dtype: str, say) -> dict:
+def _write_ranks(low: _Lowering, spec: dict, out_dir: Path, tp: int, dtype: str, say, ep: bool = False) -> dict:
     """Shard the lowered program into ``tp`` rank programs and write each with its own weights file (each file
     streamed tensor by tensor, each tensor cut to the rank's share as it is written)."""
     from llmc.compiler import sharding
 
-    plan = sharding.shard(low.nodes, low.weights, tp)
+    plan = sharding.shard(low.nodes, low.weights, tp, experts="whole" if ep else "split")
     ranks = []
     for rank in plan.ranks:
         d = out_dir / f"rank{rank.rank}"
@@ -573,6 +575,7 @@ def _write_ranks(low: _Lowering, spec: dict, out_dir: Path, tp: int, dtype: str,
                       "weight_bytes": (d / torch_program.WEIGHTS_FILE).stat().st_size,
                       "sharded_bytes": rank.sharded_bytes})
     low.fusions["tensor-parallel-all-reduce"] = plan.all_reduces
-    return {"tensor": tp, "heads_per_rank": plan.heads_per_rank, "kv_heads_per_rank": plan.kv_heads_per_rank,
+    return {"tensor": tp, **({"expert": tp} if ep else {}), "heads_per_rank": plan.heads_per_rank,
+            "kv_heads_per_rank": plan.kv_heads_per_rank,
             "kv_head_replicas": plan.kv_replicated, "collective": "nccl (gloo with device='cpu')",
             **plan.layout, "ranks": ranks, "_nodes": plan.ranks[0].nodes}
