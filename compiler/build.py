@@ -146,9 +146,15 @@ def _check_hybrid(ckpt: Checkpoint, plan: _Plan) -> None:
         return
     options, target = plan.options, plan.target
     head = f"{ckpt.path}: model_type {ckpt.model_type!r} has {layers}, which keep recurrent state between tokens"
-    if target.sm is not None or target.backend != "onnxruntime":
-        raise UnsupportedError(f"{head}; {target.flag}: llmc's GPU engines have no kernels for them yet (the CPU "
-                               "engine has); build with --target cpu")
+    if not uses_cuda_engine(options, target) and (target.sm is not None or target.backend != "onnxruntime"):
+        raise UnsupportedError(f"{head}; {target.flag} --engine {options.engine}: only llmc's CUDA engine and the CPU "
+                               "engine have kernels for them; build with --engine cuda (the default) or --target cpu")
+    if options.tp > 1:
+        raise UnsupportedError(f"{head}; --tp {options.tp}: their state pool and ops are not split across ranks yet; "
+                               "build without --tp")
+    if target.sm is not None and options.quant.enabled:
+        raise UnsupportedError(f"{head}; {target.flag} --quant: quantized CUDA engines of such models are not built "
+                               "yet; build the GPU engine without --quant (or quantize for --target cpu)")
     if options.quant.enabled:
         raise UnsupportedError(f"{head}; --quant: quantizing such models (and scoring them layer by layer) is not "
                                "done yet; build without --quant")
@@ -487,7 +493,7 @@ def _compile_stages(ckpt: Checkpoint, digest: str, plan: _Plan, dest: Path, say:
             lora = add_lora(traced.model, options.lora_slots, options.max_lora_rank, tuple(options.lora_targets))
             traced.inputs = (*traced.inputs, SLOT_INPUT)
             say(f"      lora: {len(lora.sites)} linears, {lora.slots} slots of rank {lora.max_rank}")
-        if traced.state_layers and (gpu or qstage is not None or options.verify_passes):
+        if traced.state_layers and ((gpu and not cuda) or qstage is not None or options.verify_passes):
             raise UnsupportedError(f"{ckpt.path}: model_type {ckpt.model_type!r} has layers that keep recurrent state "
                                    "between tokens, which llmc builds for the CPU engine only, without --quant and "
                                    "--verify-passes, so far; build with --target cpu and without those options")

@@ -10,6 +10,11 @@ rest of the ``Engine`` API are shared. Imported only when such an engine is load
   batch size (1, 2, 4, ... up to ``max_graph_batch``); prefill and mixed steps run eagerly.
 - ``device="cpu"``: the same program on torch's CPU ops with attention in plain torch: how CI tests
   the lowering and the executor with no GPU.
+
+Hybrid models (manifest ``state_cache``): the session owns the state pool too (:meth:`CudaSession.allocate_state`,
+float32 arrays ``[num_slots, ...]`` on the device; the engine's :class:`~llmc.runtime.state_cache.StatePool` hands out
+the slots), and runs the recurrent ops (``CausalConv1d``, ``GatedDeltaRule``, ``SsdScan``) with their AOT Triton
+kernels, or their torch references (llmc.plugins.recurrent.torch_reference) where no kernel was built.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from llmc.runtime.device_sampler import sample_rows
 from llmc.runtime.kv_cache import distinct_pairs, layer_geometry
 from llmc.runtime.sampler import SampleRow
 from llmc.runtime.torch_ops import DTYPES, OPS, paged_attention_torch
-from llmc.runtime.torch_program import ATTENTION_OP, Program, load_weights, read_spec
+from llmc.runtime.torch_program import ATTENTION_OP, STATE_OPS, Program, load_weights, read_spec
 
 GRAPH_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 _META = ("input_ids", "positions", "slot_mapping", "block_tables", "context_lens", "query_start_loc",
@@ -116,8 +121,11 @@ class CudaSession:
         self._kv_scales = {int(n["attrs"]["layer_idx"]): torch.tensor(
             [n["attrs"].get("k_scale", 1.0), n["attrs"].get("v_scale", 1.0)], dtype=torch.float32, device=self.device)
             for n in spec["nodes"] if n["op"] == ATTENTION_OP}
-        self.program = Program(spec, load_weights(root, spec, self.device), self._attention,
-                               self._fused_overrides() if self.kernels else None)
+        self._state: list[torch.Tensor] | None = None  # a hybrid model's state pool (allocate_state)
+        overrides = self._fused_overrides() if self.kernels else {}
+        if any(n["op"] in STATE_OPS for n in spec["nodes"]):
+            overrides.update(self._state_ops())
+        self.program = Program(spec, load_weights(root, spec, self.device), self._attention, overrides)
         self.cuda_graphs = bool(cuda_graphs and on_gpu and self.kernels)
         self.graph_batches = tuple(b for b in GRAPH_BATCHES if b <= max_graph_batch)
         kv = manifest["kv_cache"]
@@ -151,6 +159,14 @@ class CudaSession:
         self._pool = TorchKVPool.allocate(kv["num_layers"], num_blocks, kv["num_kv_heads"], kv["block_size"],
                                           kv["head_size"], _pool_dtype(kv["dtype"]), self.device, kv.get("layers"))
         return self._pool
+
+    def allocate_state(self, state_cache: dict, num_slots: int) -> list[torch.Tensor]:
+        """The state pool of a hybrid model: per array of the manifest's ``state_cache.arrays``, float32
+        ``[num_slots, *shape]`` zeros on the device (never cleared: a fresh sequence starts from zeros in the op)."""
+        self._graphs.clear()  # graphs hold pointers into the pool they were captured with
+        self._state = [torch.zeros((num_slots, *(int(d) for d in a["shape"])), dtype=torch.float32,
+                                   device=self.device) for a in state_cache["arrays"]]
+        return self._state
 
     def blocks_that_fit(self, kv: dict, gpu_memory_utilization: float, reserve_bytes: int) -> int:
         """KV blocks that fit in ``gpu_memory_utilization`` of the device's memory after the weights."""
@@ -191,6 +207,63 @@ class CudaSession:
                              k_cache, v_cache, scales, *extra, s, block_tables.shape[1], out, k_cache, v_cache],
                       torch.cuda.current_stream(self.device).cuda_stream)
         return out
+
+    # -- recurrent-state ops (hybrid models) ------------------------------------------------------
+
+    def _state_ops(self) -> dict:
+        """``CausalConv1d``, ``GatedDeltaRule``, ``SsdScan`` on the session's state pool: the node's AOT kernel
+        (attribute ``kernel``) where one was loaded and the inputs are in the engine dtype, else the torch reference."""
+        from llmc.plugins.recurrent import torch_reference as ref
+
+        def pool(idx: int) -> torch.Tensor:
+            if self._state is None:
+                raise RuntimeError("a recurrent-state op ran before the state pool was allocated (allocate_state)")
+            return self._state[idx]
+
+        def rows(*ts):  # contiguous rows in the engine dtype: what the kernels read
+            return [t.to(self.dtype).contiguous() for t in ts]
+
+        def conv(x, weight, bias, state_slots, context_lens, query_start_loc, *, state_idx, activation=0,
+                 kernel=None, **_):
+            k, state = self._fused(kernel), pool(state_idx)
+            if k is None or x.dtype != self.dtype:
+                return (ref.causal_conv1d(x, weight, bias, state_slots, context_lens, query_start_loc, state,
+                                          activation),)
+            x, weight = rows(x, weight)
+            b = rows(bias)[0] if bias is not None else weight
+            out = torch.empty_like(x)
+            cfg = k.info.config
+            self._launch(k, (state_slots.shape[0], -(-cfg["C"] // cfg["BLOCK_C"]), 1),
+                         [x, weight, b, state_slots, context_lens, query_start_loc, state, out])
+            return (out,)
+
+        def delta(query, key, value, g, beta, state_slots, context_lens, query_start_loc, *, state_idx, num_k_heads,
+                  num_v_heads, use_qk_l2norm=1, kernel=None, **_):
+            k, state = self._fused(kernel), pool(state_idx)
+            if k is None or value.dtype != self.dtype:
+                return (ref.gated_delta_rule(query, key, value, g, beta, state_slots, context_lens, query_start_loc,
+                                             state, num_k_heads, num_v_heads, bool(use_qk_l2norm)),)
+            q, kk, v, g, beta = rows(query, key, value, g, beta)
+            out = torch.empty_like(v)
+            cfg = k.info.config
+            self._launch(k, (state_slots.shape[0], cfg["HV"], -(-cfg["DV"] // cfg["BLOCK_V"])),
+                         [q, kk, v, g, beta, state_slots, context_lens, query_start_loc, state, out])
+            return (out,)
+
+        def ssd(x, b, c, dt, a_log, d, dt_bias, state_slots, context_lens, query_start_loc, *, state_idx, num_heads,
+                n_groups, dt_min=0.0, dt_max=float("inf"), kernel=None, **_):
+            k, state = self._fused(kernel), pool(state_idx)
+            if k is None or x.dtype != self.dtype:
+                return (ref.ssd_scan(x, b, c, dt, a_log, d, dt_bias, state_slots, context_lens, query_start_loc,
+                                     state, num_heads, n_groups, dt_min, dt_max),)
+            ins = rows(x, b, c, dt, a_log, d, dt_bias)
+            out = torch.empty_like(ins[0])
+            cfg = k.info.config
+            self._launch(k, (state_slots.shape[0], cfg["H"], -(-cfg["P"] // cfg["BLOCK_P"])),
+                         [*ins, state_slots, context_lens, query_start_loc, state, out])
+            return (out,)
+
+        return {"CausalConv1d": conv, "GatedDeltaRule": delta, "SsdScan": ssd}
 
     # -- fused kernels (RMSNorm, rotary, SwiGLU) ---------------------------------------------------
 
@@ -285,12 +358,12 @@ class CudaSession:
 
     # -- steps ------------------------------------------------------------------------------------
 
-    def run(self, feeds: dict[str, np.ndarray], pool: TorchKVPool, state: list[np.ndarray] | None = None) -> np.ndarray:
+    def run(self, feeds: dict[str, np.ndarray], pool: TorchKVPool, state: list | None = None) -> np.ndarray:
         """Run one step; returns logits ``[n_logits, vocab]`` (float32, host). ``state``: the recurrent-state pool
-        the engine passes every session; always None here (the CUDA loader refuses engines with a state cache)."""
-        if state is not None:
-            raise UnsupportedError("the CUDA engine does not run models with recurrent state (state_cache); "
-                                   "build it for the CPU (--target cpu)")
+        the engine passes every session: None, or this session's own (allocate_state), which the ops already use."""
+        if state is not None and state is not self._state:
+            raise UnsupportedError("the CUDA engine runs recurrent layers on the state pool it allocated "
+                                   "(CudaSession.allocate_state), not on another one")
         return self.host_rows(self.run_device(feeds, pool))
 
     def host_rows(self, logits: torch.Tensor, rows: list[int] | None = None) -> np.ndarray:
@@ -317,7 +390,8 @@ class CudaSession:
         n = len(feeds["logits_indices"])
         bucket = next((b for b in self.graph_batches if b >= s), None) if self.cuda_graphs else None
         if (bucket is not None and t == s == n and feeds["block_tables"].shape[1] <= self._max_blocks
-                and set(feeds) == set(_META) | ({"lora_slots"} if self.lora_buffers else set())):
+                and set(feeds) == set(_META) | ({"lora_slots"} if self.lora_buffers else set())
+                | ({"state_slots"} if self._state is not None else set())):
             logits = self._replay(bucket, feeds)[:n]
             self.graph_replays += 1
         else:
@@ -336,7 +410,9 @@ class CudaSession:
                 "context_lens": torch.ones(b, **z), "query_start_loc": torch.arange(b + 1, **z),
                 "logits_indices": torch.arange(b, **z),
                 # A LoRA engine: the tokens' slots, and the slot buffers (written in place: the graph keeps them).
-                **({"lora_slots": torch.zeros(b, **z), **self.lora_buffers} if self.lora_buffers else {})}
+                **({"lora_slots": torch.zeros(b, **z), **self.lora_buffers} if self.lora_buffers else {}),
+                # A hybrid model: each sequence's state slot; padding rows' -1 reads a zero state and stores nothing.
+                **({"state_slots": torch.full((b,), -1, **z)} if self._state is not None else {})}
 
     def _capture(self, b: int):
         static = self._static_feeds(b)  # padding everywhere: slot -1 writes nothing while warming up
@@ -359,7 +435,7 @@ class CudaSession:
             entry = self._graphs[b] = self._capture(b)
         graph, static, out = entry
         s = len(feeds["context_lens"])
-        host = np.zeros((5, b), np.int64)
+        host = np.zeros((6, b), np.int64)
         host[0, :s] = feeds["input_ids"]
         host[1, :s] = feeds["positions"]
         host[2, :] = -1
@@ -368,6 +444,9 @@ class CudaSession:
         host[3, :s] = feeds["context_lens"]
         if "lora_slots" in static:
             host[4, :s] = feeds["lora_slots"]  # padding rows: slot 0, no adapter
+        if "state_slots" in static:
+            host[5, :] = -1
+            host[5, :s] = feeds["state_slots"]
         packed = torch.from_numpy(host).to(self.device, non_blocking=True)
         static["input_ids"].copy_(packed[0])
         static["positions"].copy_(packed[1])
@@ -375,6 +454,8 @@ class CudaSession:
         static["context_lens"].copy_(packed[3])
         if "lora_slots" in static:
             static["lora_slots"].copy_(packed[4])
+        if "state_slots" in static:
+            static["state_slots"].copy_(packed[5])
         bt = feeds["block_tables"]
         static["block_tables"][:s, : bt.shape[1]].copy_(torch.from_numpy(np.ascontiguousarray(bt)))
         graph.replay()

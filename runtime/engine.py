@@ -346,9 +346,9 @@ class Engine:
     def _load_cuda(cls, root: Path, manifest: dict, kv_cache_tokens: int | None, config_args: dict, device: str,
                    gpu_memory_utilization: float, cuda_graphs: bool) -> Engine:
         problem = artifact.cuda_problem(manifest, device)
-        if not problem and manifest.get("state_cache"):
-            problem = ("this CUDA engine has recurrent layers (state_cache), which the CUDA executor does not run yet; "
-                       "build the model with --target cpu")
+        hybrid = manifest.get("state_cache")
+        if not problem and hybrid and int(manifest.get("parallel", {}).get("tensor", 1)) > 1:
+            problem = "a tensor-parallel engine with recurrent layers (state_cache); rebuild it without --tp"
         if problem:
             raise UnsupportedError(f"{root / artifact.MANIFEST}: {problem}")
         if not 0.0 < gpu_memory_utilization <= 1.0:
@@ -365,12 +365,23 @@ class Engine:
         else:
             session = CudaSession(root, manifest, device=device, cuda_graphs=cuda_graphs, max_model_len=max_len)
         block_size = int(kv["block_size"])
+        # Hybrid models: one state slot per running sequence and one for score(), in device memory beside the KV
+        # pool (a slot's size does not depend on the sequence's length, so it is reserved whole, before the blocks).
+        state_slots = config_args["max_num_seqs"] + 1 if hybrid else 0
+        state_bytes = StatePool.bytes_per_slot(hybrid) * state_slots if hybrid else 0
+        no_prefix = ""
+        if hybrid and config_args["enable_prefix_caching"]:
+            no_prefix = NO_PREFIX_CACHING
+            config_args = {**config_args, "enable_prefix_caching": False}
+            import logging
+
+            logging.getLogger("llmc").info("%s: prefix caching is off: %s", root, no_prefix)
         if kv_cache_tokens is not None:
             num_blocks = max(1, -(-kv_cache_tokens // block_size))
         elif session.device.type == "cuda":
             vocab = int(manifest["engine"]["vocab_size"])
             # room for a step's activations and float32 logits besides the pool and the weights
-            reserve = (1 << 30) + config_args["max_num_tokens"] * vocab * 8
+            reserve = (1 << 30) + config_args["max_num_tokens"] * vocab * 8 + state_bytes
             num_blocks = session.blocks_that_fit(kv, gpu_memory_utilization, reserve)
             if num_blocks < 1:
                 raise LlmcError(f"{root}: no GPU memory left for the KV cache at gpu_memory_utilization "
@@ -378,9 +389,14 @@ class Engine:
         else:
             num_blocks = -(-16384 // block_size)
         pool = session.allocate_pool(kv, num_blocks)
+        state = None
+        if hybrid:  # the arrays live on the session's device; the engine's StatePool hands out their slots
+            arrays = session.allocate_state(hybrid, state_slots)
+            state = StatePool(arrays, list(hybrid["arrays"]), list(range(state_slots - 1, -1, -1)))
         tokenizer = Tokenizer(root) if (root / "tokenizer.json").is_file() else None
         blocks = BlockManager(num_blocks, block_size, config_args["enable_prefix_caching"])
-        return cls(root, manifest, session, pool, blocks, tokenizer, _eos_ids(root), SchedulerConfig(**config_args))
+        return cls(root, manifest, session, pool, blocks, tokenizer, _eos_ids(root), SchedulerConfig(**config_args),
+                   state, no_prefix)
 
     # -- requests ---------------------------------------------------------------------------------
 

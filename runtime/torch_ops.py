@@ -118,7 +118,7 @@ def gather(data, indices, *, axis=0, **_):
     axis = axis % data.dim()
     idx = torch.where(indices < 0, indices + data.shape[axis], indices) if indices.dtype.is_signed else indices
     out = data.index_select(axis, idx.reshape(-1))
-    return (out.reshape(*data.shape[:axis], *indices.shape, *data.shape[axis + 1:]),)
+    return (out.reshape([*data.shape[:axis], *indices.shape, *data.shape[axis + 1:]]),)  # a list: 0-D too
 
 
 @op("GatherND")
@@ -249,6 +249,31 @@ def shape(x, *, start=0, end=None, **_):
 def constant_of_shape(shape, *, value=(0.0,), dtype="float32", **_):
     # On the CPU: the consumer that meets a device tensor moves it (ScatterElements below).
     return (torch.full([int(s) for s in shape], value[0], dtype=DTYPES[dtype]),)
+
+
+@op("Range")
+def range_(start, limit, delta, **_):
+    """Host metadata, as Shape: Qwen3.5's interleaved M-RoPE indexes its frequency slots with ``arange`` over a
+    static width (the program passes constant operands as Python lists, computed ones come from Shape)."""
+    def scalar(v):
+        return v[0] if isinstance(v, list) else v.reshape(-1)[0].item()
+
+    return (torch.arange(scalar(start), scalar(limit), scalar(delta), dtype=torch.int64),)
+
+
+@op("ScatterND")
+def scatter_nd(data, indices, updates, *, reduction="none", **_):
+    if reduction != "none":
+        raise NotImplementedError(f"ScatterND with reduction {reduction!r}")
+    out = data.clone()
+    idx = indices.to(data.device)
+    out[tuple(idx[..., i] for i in range(idx.shape[-1]))] = updates.to(data.device, data.dtype)
+    return (out,)
+
+
+@op("Softplus")
+def softplus(x, **_):  # Gated DeltaNet's decay: g = -exp(A_log) * softplus(a + dt_bias)
+    return (F.softplus(x.float()).to(x.dtype),)
 
 
 @op("GatherElements")

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from llmc.plugins.recurrent import CONV_OP_TYPE, DELTA_OP_TYPE, SSD_OP_TYPE
 from llmc.runtime.torch_ops import DTYPES, OPS
 
 FORMAT = "llmc-torch-program"
@@ -33,10 +34,14 @@ VERSION = 1
 PROGRAM_FILE = "program.json"
 WEIGHTS_FILE = "weights.safetensors"
 ATTENTION_OP = "PagedAttention"
+# Ops of recurrent layers (hybrid models): they read and write the session's state pool, so the session binds them
+# (``overrides``), as it binds attention to its KV pool.
+STATE_OPS = frozenset({CONV_OP_TYPE, DELTA_OP_TYPE, SSD_OP_TYPE})
 # Inputs that ops read as Python integers (shapes, axes, sizes): constants become lists at load.
 HOST_INPUTS = {"Reshape": (1,), "Split": (1,), "Unsqueeze": (1,), "Squeeze": (1,), "Slice": (1, 2, 3, 4),
                "TopK": (1,), "ReduceSum": (1,), "ReduceMean": (1,), "Expand": (1,), "Tile": (1,), "Pad": (1, 3),
                "ConstantOfShape": (0,)}
+HOST_INPUTS["Range"] = (0, 1, 2)  # its output is host metadata too (torch_ops.range_)
 # ... and as Python floats (a scalar exponent: no host sync inside a captured CUDA graph).
 HOST_SCALARS = {"Pow": (1,)}
 
@@ -47,7 +52,7 @@ Attention = Callable[..., torch.Tensor]
 
 def supported_ops() -> frozenset[str]:
     """Every op a program may use."""
-    return frozenset(OPS) | {ATTENTION_OP}
+    return frozenset(OPS) | {ATTENTION_OP} | STATE_OPS
 
 
 def read_spec(root: Path) -> dict:
@@ -102,7 +107,8 @@ class Program:
             else:
                 fn = (overrides or {}).get(opname, OPS.get(opname))
             if fn is None:
-                raise ValueError(f"program op {opname!r} is unknown to this runtime")
+                raise ValueError(f"program op {opname!r} " + ("needs a state pool, which this session does not bind"
+                                                             if opname in STATE_OPS else "is unknown to this runtime"))
             args = []
             for j, name in enumerate(node["inputs"]):
                 if not name:

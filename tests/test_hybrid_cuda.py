@@ -10,6 +10,8 @@ built once per module) run with ``device="cpu"`` and must give transformers' gre
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -242,3 +244,107 @@ def test_recurrent_kernels_compile_ahead_of_time_for_every_target_sm():
             visible = [n for n, t in req["signature"].items() if t != "constexpr"]
             assert entry.count(".param") == len(visible), (req["fn"], sm)  # hidden scratch params removed
             assert k["target"].startswith(f"sm_{sm}")
+
+
+# -- engines: --gpu h100 builds run by torch on the CPU -------------------------------------------------------------
+
+NEW = 32
+# The recurrent kernels each engine is built with (LFM2: none, to save the build's AOT compilation: its conv kernel is
+# Qwen3.5's and Nemotron-H's; its recurrent ops run their torch references either way on device="cpu").
+KERNEL_OPS = {"qwen3_5_text": {"causal_conv1d", "gated_delta_rule"}, "nemotron_h": {"causal_conv1d", "ssd_scan"},
+              "lfm2": set()}
+
+
+@pytest.fixture(scope="module", params=sorted(KERNEL_OPS))
+def family(request, tmp_path_factory):
+    """(model_type, engine dir, greedy references of PROMPTS[1:]): the tiny random checkpoints of
+    tests/test_hybrid_*.py (llmc.testing.hybrids) built for an H100 in float32, the kernels compiled ahead of time."""
+    from llmc.compiler.build import BuildOptions, build
+    from llmc.testing.hybrids import PROMPTS, greedy, write_hybrid
+
+    root = tmp_path_factory.mktemp(request.param)
+    hf = write_hybrid(request.param, root / "ckpt")
+    build(root / "ckpt", root / "engine", BuildOptions(target="h100", dtype="float32",
+                                                       aot_kernels=bool(KERNEL_OPS[request.param])))
+    return request.param, root / "engine", greedy(hf, PROMPTS[1:], NEW)
+
+
+def test_manifest_has_the_state_pool_and_the_recurrent_kernels(family):
+    model_type, engine_dir, _ = family
+    manifest = json.loads((engine_dir / "manifest.json").read_text())
+    assert manifest["engine"]["backend"] == "cuda" and manifest["state_cache"]["dtype"] == "float32"
+    assert manifest["engine"]["inputs"][-1] == "state_slots"
+    kernels = {k["key"]: k for k in manifest["engine"]["kernels"]}
+    assert {k["op"] for k in kernels.values() if k["variant"] == "fused"} >= KERNEL_OPS[model_type]
+    spec = json.loads((engine_dir / "program.json").read_text())
+    state_nodes = [n for n in spec["nodes"] if n["op"] in ("CausalConv1d", "GatedDeltaRule", "SsdScan")]
+    assert len(state_nodes) == len(manifest["state_cache"]["arrays"])
+    for n in state_nodes:  # every recurrent node names its kernel (compiled unless AOT was off), its own state array
+        assert n["attrs"]["kernel"].startswith({"CausalConv1d": "causal_conv1d", "GatedDeltaRule": "gated_delta_rule",
+                                                "SsdScan": "ssd_scan"}[n["op"]])
+        if KERNEL_OPS[model_type]:
+            assert kernels[n["attrs"]["kernel"]]["file"].endswith(".sm90.cubin")
+    assert sorted(n["attrs"]["state_idx"] for n in state_nodes) == list(range(len(state_nodes)))
+
+
+def test_engine_matches_transformers(family):
+    """3 prompts (one past the 16-token prefill chunks) x 32 greedy tokens on device="cpu": batched with chunked
+    prefill and through preemption (and, for Qwen3.5, each prompt alone and without chunking); every slot given back,
+    prefix caching off saying why."""
+    from llmc.runtime import Engine, SamplingParams
+    from llmc.testing.hybrids import PROMPTS
+
+    model_type, engine_dir, refs = family
+    prompts = [list(p) for p in PROMPTS[1:]]
+    params = SamplingParams(max_tokens=NEW, ignore_eos=True)
+    engine = Engine.load(engine_dir, device="cpu", kv_cache_tokens=512, max_num_tokens=16)
+    assert [o.token_ids for o in engine.generate(prompts, params)] == refs
+    stats = engine.stats()
+    assert stats.state_slots_used == 0 and stats.state_slots_total == engine.config.max_num_seqs + 1
+    assert "not snapshotted" in stats.prefix_caching_disabled_reason and stats.kv_blocks_cached == 0
+    assert stats.state_bytes == sum(int(np.prod(a["shape"])) * 4 for a in engine.manifest["state_cache"]["arrays"]
+                                    ) * stats.state_slots_total
+    if model_type == "qwen3_5_text":  # batched = alone, and unchunked (once: the step code is the same per family)
+        for prompt, ref in zip(prompts, refs, strict=True):
+            assert engine.generate([prompt], params)[0].token_ids == ref
+        engine = Engine.load(engine_dir, device="cpu", kv_cache_tokens=512, enable_chunked_prefill=False,
+                             max_num_tokens=256)
+        assert [o.token_ids for o in engine.generate(prompts, params)] == refs
+    engine = Engine.load(engine_dir, device="cpu", kv_cache_tokens=128, max_num_tokens=32)
+    assert [o.token_ids for o in engine.generate(prompts, params)] == refs
+    assert engine.stats().num_preemptions > 0 and engine.stats().state_slots_used == 0
+
+
+def test_kernel_launch_path_on_cpu_matches_transformers(family):
+    """The session's recurrent-kernel launches (grids, argument order, the state pool by slot) run by the Triton
+    interpreter from the manifest's entries: the GPU's launch code minus the driver; a chunked long prompt and a
+    short one batched, then decodes."""
+    from llmc.runtime import Engine, SamplingParams
+    from llmc.runtime.cuda_session import CudaSession
+    from llmc.runtime.state_cache import StatePool
+    from llmc.testing.hybrids import PROMPTS
+
+    model_type, engine_dir, refs = family
+    if not KERNEL_OPS[model_type]:
+        pytest.skip(f"{model_type} is built without AOT kernels here (see KERNEL_OPS)")
+    engine = Engine.load(engine_dir, device="cpu", kv_cache_tokens=256, max_num_tokens=32, max_num_seqs=2)
+    session = CudaSession(engine_dir, engine.manifest, device="cpu", interpret_kernels=True)
+    assert {v for _, v in session.kernels} == {"fused"}
+    assert {k.info.key.split("-")[0] for k in session.kernels.values()} >= KERNEL_OPS[model_type]
+    engine._pool = session.allocate_pool(engine.manifest["kv_cache"], engine._blocks.num_blocks)
+    hybrid = engine.manifest["state_cache"]
+    engine._state = StatePool(session.allocate_state(hybrid, 3), list(hybrid["arrays"]), [2, 1, 0])
+    engine._session = session
+    outs = engine.generate([list(PROMPTS[3]), list(PROMPTS[2])], SamplingParams(max_tokens=3, ignore_eos=True))
+    assert [o.token_ids for o in outs] == [refs[2][:3], refs[1][:3]]
+
+
+def test_hybrid_gpu_build_with_tp_is_refused_before_any_work(tmp_path):
+    from llmc.compiler.build import BuildOptions, build
+    from llmc.errors import UnsupportedError
+    from llmc.testing.hybrids import write_hybrid
+
+    write_hybrid("lfm2", tmp_path / "ckpt")
+    with pytest.raises(UnsupportedError, match="--tp 2"):
+        build(tmp_path / "ckpt", tmp_path / "e", BuildOptions(target="h100", dtype="float32", tp=2))
+    assert not (tmp_path / "e").exists()

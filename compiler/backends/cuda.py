@@ -427,10 +427,44 @@ class _Lowering:
             req = fk.rotary_request(heads, last // heads, act)
         elif op == "SwiGLU":
             req = fk.swiglu_request(last, act)
+        elif op in torch_program.STATE_OPS:
+            req = _recurrent_request(node, attrs, act)
+            if req is None:
+                return None
         else:
             return None
         self.kernel_requests[req["key"]] = req
         return req["key"]
+
+
+def _recurrent_request(node: ir.Node, attrs: dict, act: str) -> dict | None:
+    """The AOT request of a recurrent-state op's Triton kernel (llmc.plugins.recurrent.requests), from the widths
+    of its inputs; None where a width is not static (the op then runs its torch reference)."""
+    from llmc.plugins.recurrent import CONV_OP_TYPE, DELTA_OP_TYPE
+    from llmc.plugins.recurrent import requests as rk
+
+    def width(i: int) -> int | None:
+        v = node.inputs[i] if i < len(node.inputs) else None
+        d = v.shape[-1] if v is not None and v.shape is not None and len(v.shape) else None
+        return d if isinstance(d, int) else None
+
+    if node.op_type == CONV_OP_TYPE:
+        w = node.inputs[1]
+        taps = w.shape[-1] if w is not None and w.shape is not None and len(w.shape) == 2 else None
+        if width(0) is None or not isinstance(taps, int):
+            return None
+        bias = len(node.inputs) > 2 and node.inputs[2] is not None
+        return rk.conv_request(width(0), taps, bias, int(attrs.get("activation", 0)) == 1, act)
+    if node.op_type == DELTA_OP_TYPE:
+        hk, hv = int(attrs["num_k_heads"]), int(attrs["num_v_heads"])
+        if width(0) is None or width(2) is None:
+            return None
+        return rk.delta_request(hk, hv, width(0) // hk, width(2) // hv, bool(attrs.get("use_qk_l2norm", 1)), act)
+    h, g = int(attrs["num_heads"]), int(attrs["n_groups"])
+    if width(0) is None or width(1) is None:
+        return None
+    return rk.ssd_request(h, g, width(0) // h, width(1) // g, float(attrs.get("dt_min", 0.0)),
+                          float(attrs.get("dt_max", float("inf"))), act)
 
 
 @dataclass

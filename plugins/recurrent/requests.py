@@ -35,7 +35,7 @@ def delta_request(num_k_heads: int, num_v_heads: int, dk: int, dv: int, l2norm: 
     """The gated delta rule for ``num_v_heads`` value heads of ``dv`` reading ``num_k_heads`` key heads of ``dk``."""
     block_v = min(32, _pow2(dv))
     return {
-        "key": f"gated_delta-hk{num_k_heads}-hv{num_v_heads}-dk{dk}-dv{dv}-n{int(l2norm)}-{act}",
+        "key": f"gated_delta_rule-hk{num_k_heads}-hv{num_v_heads}-dk{dk}-dv{dv}-n{int(l2norm)}-{act}",
         "op": "gated_delta_rule", "module": MODULE, "fn": "gated_delta_kernel",
         "signature": {"q_ptr": f"*{act}", "k_ptr": f"*{act}", "v_ptr": f"*{act}", "g_ptr": f"*{act}",
                       "beta_ptr": f"*{act}", **_META, "out_ptr": f"*{act}", "HK": "constexpr", "HV": "constexpr",
