@@ -31,8 +31,8 @@ def _greedy_matches_transformers(engine, ckpt):
         assert out.token_ids == ref, (prompt, out.token_ids, ref)
 
 
-# bloom's self-check runs in tests/test_mechanisms.py (the same fixture, through the CLI); mpt's here.
-@pytest.mark.parametrize("model_type,self_check", [("bloom", False), ("mpt", True)])
+# Both with the self-check on: tests/test_mechanisms.py leaves bloom's fixture to this test.
+@pytest.mark.parametrize("model_type,self_check", [("bloom", True), ("mpt", True)])
 def test_alibi_family_matches_transformers(model_type, self_check, tmp_path, monkeypatch):
     import onnx
 

@@ -39,9 +39,12 @@ def test_llama4_text_matches_transformers(tmp_path, monkeypatch):
     ckpt = write_tried_family("llama4_text", tmp_path / "ckpt")
     config = json.loads((ckpt / "config.json").read_text())
     assert config["attention_chunk_size"] == 16 and config["layer_types"] == ["chunked_attention", "full_attention"]
-    # The self-check of this fixture runs in tests/test_mechanisms.py (through the CLI); not again here.
+    # The self-check of this fixture runs here (tests/test_mechanisms.py leaves llama4_text to this test).
+    monkeypatch.setenv("LLMC_SELF_CHECK", "1")  # the suite turns it off
     monkeypatch.setenv("LLMC_CACHE_DIR", str(tmp_path / "cache"))
     build(ckpt, tmp_path / "cpu", BuildOptions(target="cpu"))
+    report = json.loads((tmp_path / "cpu" / "report.json").read_text())
+    assert report["self_check"]["result"] == "passed", report["self_check"]
     graph = onnx.load(str(tmp_path / "cpu" / "model.onnx"), load_external_data=False).graph
     chunks = {}
     for node in graph.node:
