@@ -34,6 +34,9 @@ def test_cpu_smoke_runs_and_writes_json(tmp_path):
     kernels = report["aot"]["kernels"]
     assert [k["target"] for k in kernels] == ["sm_90a", "sm_90a"] and all(k["ptx_bytes"] > 10_000 for k in kernels)
     assert "skipped" in report["bandwidth"] and "skipped" in report["tensorrt"]
+    rec = report["recurrent"]  # the hybrid models' kernels: interpreter vs torch reference, chunked, AOT PTX
+    assert rec["ok"] and {r["op"] for r in rec["kernels"]} == {"causal_conv1d", "gated_delta_rule", "ssd_scan"}
+    assert all(r["target"] == "sm_90a" for r in rec["aot"]) and "engines" not in rec
     assert "== correctness" in proc.stdout and "PASS" in proc.stdout
 
 
