@@ -214,6 +214,7 @@ def make_oss_mxfp4(name, tok, out=None):
         print(f"  {fname}: {len(shards[key])} tensors", flush=True)
     cfg.save_pretrained(out)
     c = json.load(open(f"{out}/config.json"))
+    c["architectures"] = ["GptOssForCausalLM"]  # as model.save_pretrained writes it (llama.cpp's converter reads it)
     c["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
         "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
     json.dump(c, open(f"{out}/config.json", "w"), indent=2)
