@@ -28,6 +28,28 @@ from llmc.runtime.tensor_parallel import TensorParallelError, all_reduce_referen
 PARAMS = SamplingParams(max_tokens=16, ignore_eos=True)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _trace_each_checkpoint_once():
+    """Every build here of one checkpoint (tp=1, 2, 4, --ep, each recipe) starts from the same traced graph: trace
+    it once (torch.export is most of a tiny build's time) and give each build its own copy (the passes rewrite the
+    graph in place). The tp=1 and tp=N engines then differ by the sharding pass alone."""
+    import dataclasses
+
+    from llmc.compiler import frontend
+
+    trace, done = frontend.trace, {}
+
+    def once(checkpoint, compute_dtype="float32"):
+        key = (str(checkpoint.path), compute_dtype)
+        if key not in done:
+            done[key] = trace(checkpoint, compute_dtype)
+        return dataclasses.replace(done[key], model=done[key].model.clone())
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(frontend, "trace", once)
+        yield
+
+
 def _build(ckpt, out, tp: int, **kw):
     return build(ckpt, out, BuildOptions(target="h100", dtype="float32", aot_kernels=False, self_check=False,
                                          tp=tp, **kw))
