@@ -662,6 +662,11 @@ def report(path: str | Path, gpu: str, tp: str = "1", quant: str = "none", kv_ca
             continue
         rows += [plan(model, target, n, quant, kv_cache_dtype, max_model_len, gpu_memory_utilization) for n in tps]
     notes = list(model.notes)
+    from llmc.compiler.sharding import TP_FAMILIES
+
+    if any(n > 1 for n in tps) and model.model_type not in TP_FAMILIES:
+        notes.append(f"llmc build --tp does not split model_type {model.model_type!r} yet (it covers "
+                     f"{', '.join(TP_FAMILIES)}); the tp > 1 rows are what it would store when it does")
     if quant == "nvfp4":
         notes.append("nvfp4: the CUDA engine has no NVFP4 kernels yet (llmc build refuses it; --engine tensorrt "
                      "exports it); the figures are what the recipe stores")

@@ -208,6 +208,8 @@ def test_notes_say_what_llmc_stores(configs):
     assert any("multi-token-prediction" in n for n in ds["notes"])
     oss = report(configs["gpt_oss"], "h200", "4", "int4")
     assert any("MXFP4" in n for n in oss["notes"])
+    assert any("does not split model_type 'gpt_oss' yet" in n for n in oss["notes"])
+    assert not any("does not split" in n for n in ds["notes"])  # deepseek_v3 splits (MLA by heads)
     assert any("experts' batched weights stay bfloat16" in n for n in oss["notes"])
     p = oss["plans"][0]
     assert p["weights_bytes_if_experts_quantized"] < p["weights_bytes"]
