@@ -155,9 +155,6 @@ def _check_hybrid(ckpt: Checkpoint, plan: _Plan) -> None:
     if target.sm is not None and options.quant.enabled:
         raise UnsupportedError(f"{head}; {target.flag} --quant: quantized CUDA engines of such models are not built "
                                "yet; build the GPU engine without --quant (or quantize for --target cpu)")
-    if options.quant.enabled:
-        raise UnsupportedError(f"{head}; --quant: quantizing such models (and scoring them layer by layer) is not "
-                               "done yet; build without --quant")
     if options.verify_passes:
         raise UnsupportedError(f"{head}; --verify-passes runs graphs without their state pool; build without it")
     if options.attention != "native":
@@ -493,10 +490,10 @@ def _compile_stages(ckpt: Checkpoint, digest: str, plan: _Plan, dest: Path, say:
             lora = add_lora(traced.model, options.lora_slots, options.max_lora_rank, tuple(options.lora_targets))
             traced.inputs = (*traced.inputs, SLOT_INPUT)
             say(f"      lora: {len(lora.sites)} linears, {lora.slots} slots of rank {lora.max_rank}")
-        if traced.state_layers and ((gpu and not cuda) or qstage is not None or options.verify_passes):
+        if traced.state_layers and ((gpu and not cuda) or options.verify_passes):
             raise UnsupportedError(f"{ckpt.path}: model_type {ckpt.model_type!r} has layers that keep recurrent state "
-                                   "between tokens, which llmc builds for the CPU engine only, without --quant and "
-                                   "--verify-passes, so far; build with --target cpu and without those options")
+                                   "between tokens, which llmc builds for the CPU engine only, without "
+                                   "--verify-passes, so far; build with --target cpu and without --verify-passes")
         timings["trace"] = time.perf_counter() - t
         nodes_traced = sum(1 for _ in traced.model.graph)
         _kill_point("after-trace")
@@ -653,7 +650,7 @@ def _compile_stages(ckpt: Checkpoint, digest: str, plan: _Plan, dest: Path, say:
         # run layer by layer as the CPU backend lowers it.
         kv = cpu_fields["kv_cache"]
         reference_kv = KVShape(kv["num_layers"], kv["num_kv_heads"], kv["head_size"], kv["block_size"],
-                               traced.compute_dtype, kv.get("layers"))
+                               traced.compute_dtype, kv.get("layers"), fields.get("state_cache"))
 
         def lower(model) -> None:
             ort_backend.lower(model, options.attention, fusions)
@@ -669,7 +666,7 @@ def _compile_stages(ckpt: Checkpoint, digest: str, plan: _Plan, dest: Path, say:
         accuracy = qstage.evaluate(
             dest, lower, reference_kv, ort_backend.CUSTOM_OPS[options.attention], quantized_graph=quantized_graph,
             quantized_kv=KVShape(kv["num_layers"], kv["num_kv_heads"], kv["head_size"], kv["block_size"],
-                                 kv["dtype"], kv.get("layers")),
+                                 kv["dtype"], kv.get("layers"), fields.get("state_cache")),
             round_tokens=plan.round_tokens,
             device=scoring_device,
             scored=("the engine's quantized graph (onnxruntime, on the CPU; the GPU engine itself did not run)"

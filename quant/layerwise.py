@@ -206,6 +206,8 @@ class KVShape:
     block_size: int
     dtype: str = "float32"
     layers: list[dict] | None = None  # the manifest's kv_cache.layers (per-layer geometry), if any
+    # A hybrid model's recurrent state: the manifest's ``state_cache`` section (llmc.runtime.state_cache), if any.
+    state: dict | None = None
 
 
 def window_feeds(ids: list[int], block_size: int) -> dict[str, np.ndarray]:
@@ -262,6 +264,16 @@ class LayerwiseScorer:
         pool = KVPool.allocate(kv.num_layers, blocks, kv.num_kv_heads, kv.block_size, kv.head_size, kv.dtype,
                                kv.layers)
         feeds = [{**self.fixed, **window_feeds(w, kv.block_size)} for w in windows]
+        # Recurrent layers (hybrid models): one state slot serves every window. Each window is its sequence's whole
+        # context in one step, so the ops start it from a zero state and carry the state through the window, as a
+        # whole-sequence prefill does; the next window (in this stage or a later one) starts over in the same slot.
+        state = None
+        if kv.state is not None:
+            from llmc.runtime.state_cache import StatePool
+
+            state = StatePool.allocate(kv.state, 1).arrays
+            for f in feeds:
+                f["state_slots"] = np.zeros(1, np.int64)
         carried: list[dict[str, np.ndarray]] = [{} for _ in windows]
         # After which stage each carried value is read for the last time.
         last_use: dict[str, int] = {}
@@ -285,7 +297,7 @@ class LayerwiseScorer:
                 # memory arena and would keep the whole arena (an FP8 stage's dequantized weights: ~2 GB on an 8B
                 # layer) alive after the session, while they are carried.
                 values.update((name, np.array(r)) for name, r in
-                              zip(wanted, session.run(inputs, pool, outputs=wanted), strict=True))
+                              zip(wanted, session.run(inputs, pool, outputs=wanted, state=state), strict=True))
                 for name in [n for n in values if last_use.get(n, -1) <= i and n != self.output]:
                     del values[name]
             self.run_seconds += time.perf_counter() - t

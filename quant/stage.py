@@ -254,7 +254,7 @@ def _engine_graph(engine_dir: Path) -> tuple[ir.Model, layerwise.KVShape, str]:
     manifest = json.loads((engine_dir / "manifest.json").read_text())
     kv = manifest["kv_cache"]
     shape = layerwise.KVShape(kv["num_layers"], kv["num_kv_heads"], kv["head_size"], kv["block_size"], kv["dtype"],
-                              kv.get("layers"))
+                              kv.get("layers"), manifest.get("state_cache"))
     return ir.load(engine_dir / manifest["engine"]["model_file"]), shape, custom_ops_of(manifest)
 
 

@@ -50,23 +50,58 @@ HYBRID_CONFIGS = {
 }
 
 
-def write_hybrid(model_type: str, out: Path, seed: int = 0):
-    """Write a random tiny ``model_type`` checkpoint to ``out``; returns the transformers model (float32, eval)."""
+# Vocabulary of a fixture written with a tokenizer (llmc.testing.corpus's BPE needs at least 260 entries).
+TOKENIZER_VOCAB = 512
+
+
+def write_hybrid(model_type: str, out: Path, seed: int = 0, *, tokenizer: bool = False, std: float = 0.2,
+                 centred_norms: bool = False):
+    """Write a random tiny ``model_type`` checkpoint to ``out``; returns the transformers model (float32, eval).
+
+    ``tokenizer``: also write the pydoc BPE tokenizer (vocabulary :data:`TOKENIZER_VOCAB`, its special ids), which
+    quantized builds need (calibration and the accuracy report run on text). ``std``: the matrices' init spread
+    (0.15 is what ``llmc.testing.checkpoints.write_tiny_model`` draws; wider makes sharper next-token
+    distributions). ``centred_norms``: norms that scale by ``1 + weight`` (Qwen3.5, Qwen3-Next) get weights around 0,
+    as ``write_tiny_model`` draws Gemma's (else around 1: every such norm doubles its input)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    cfg = AutoConfig.for_model(model_type, **HYBRID_CONFIGS[model_type], bos_token_id=1, eos_token_id=2,
-                               pad_token_id=0)
+    fields = dict(HYBRID_CONFIGS[model_type], bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    if tokenizer:
+        from llmc.testing.corpus import save_tokenizer, train_bpe_tokenizer
+
+        tok = train_bpe_tokenizer(vocab_size=TOKENIZER_VOCAB, model_max_length=512)
+        fields.update(vocab_size=TOKENIZER_VOCAB, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                      pad_token_id=tok.pad_token_id)
+    cfg = AutoConfig.for_model(model_type, **fields)
     torch.manual_seed(seed)
     hf = AutoModelForCausalLM.from_config(cfg).eval()
+    centred = {id(m.weight) for m in hf.modules() if centred_norms and _scales_by_one_plus_weight(m)}
     with torch.no_grad():
         for name, p in hf.named_parameters():
             if p.dim() >= 2:
-                p.normal_(0.0, 0.08 if "embed" in name else 0.2)
+                p.normal_(0.0, 0.08 if "embed" in name else std)
+            elif id(p) in centred:
+                p.uniform_(-0.2, 0.2)
             elif not name.endswith(("A_log", "dt_bias")):
                 p.uniform_(0.8, 1.2)
     hf.save_pretrained(out)
+    if tokenizer:
+        save_tokenizer(tok, out)
     return hf
+
+
+def _scales_by_one_plus_weight(module) -> bool:
+    """A norm whose forward multiplies by ``1 + weight`` (read from transformers' own source)."""
+    import inspect
+
+    if list(module.children()) or getattr(module, "weight", None) is None:
+        return False
+    try:
+        source = inspect.getsource(type(module).forward)
+    except (OSError, TypeError):
+        return False
+    return "1.0 + self.weight" in source or "1 + self.weight" in source
 
 
 def greedy(hf, prompts, new_tokens: int) -> list[list[int]]:
