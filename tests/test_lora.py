@@ -8,6 +8,7 @@ Adapters are written by PEFT itself with random A and B (PEFT's own B starts at 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -415,37 +416,72 @@ def test_cuda_engine_on_cpu(tiny_llama, lora_dir, engine):
     assert [o.token_ids for o in cuda.generate([PROMPTS[0]] * 3, params)] == want
 
 
-@pytest.mark.parametrize("tokens, offset, width", [(9, 0, 40), (5, 24, 100), (300, 8, 72)])
-def test_native_lora_apply_op(tokens, offset, width):
+LORA_APPLY_CASES = [  # tokens, parts [(offset, N)], Y's width, activation
+    (9, [(0, 32)], 40, 0), (5, [(24, 32)], 100, 0), (300, [(8, 32)], 72, 0),
+    (7, [(0, 32), (32, 16), (48, 16)], 64, 0),  # a packed q|k|v: three parts in one node
+    (8, [(0, 32), (32, 32)], 64, 1), (260, [(0, 32), (32, 32)], 64, 1),  # gate|up with the SwiGLU
+    (6, [(0, 20), (40, 20)], 80, 1)]  # a ragged SwiGLU width (the vector loop's tail)
+
+
+@pytest.mark.parametrize("tokens, parts, width, activation", LORA_APPLY_CASES)
+def test_native_lora_apply_op(tokens, parts, width, activation):
     """llmc.LoraApply in llmc's ONNX Runtime library against numpy on fresh random inputs: each token's own slot,
-    slots 0 and -1 untouched, the update at a column offset of a wider (packed) output; 300 tokens take the
-    thread pool."""
+    slots 0 and -1 untouched, the updates at column offsets of a wider (packed) output, up to three parts in one
+    node, the SwiGLU of a gate|up projection after them; 260-300 tokens take the thread pool."""
+    _check_lora_apply(tokens, parts, width, activation)
+
+
+def test_native_lora_apply_op_every_isa():
+    """The same cases on the AVX2 and baseline (x86-64-v2) builds of the kernel (LLMC_LORA_ISA caps the instruction
+    set, read once per process: a subprocess each, running only this check)."""
+    import inspect
+    import subprocess
+    import sys
+
+    code = "\n".join(["import numpy as np", inspect.getsource(_check_lora_apply),
+                      f"for case in {LORA_APPLY_CASES!r}: _check_lora_apply(*case)"])
+    runs = [subprocess.Popen([sys.executable, "-c", code], env={**os.environ, "LLMC_LORA_ISA": isa},
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for isa in ("0", "1")]
+    for r in runs:
+        out, _ = r.communicate(timeout=300)
+        assert r.returncode == 0, out[-3000:]
+
+
+def _check_lora_apply(tokens, parts, width, activation):
     import onnx_ir as ir
 
     from llmc.plugins.paged_attention import DOMAIN
     from llmc.testing.ort_sessions import native_session
 
     rng = np.random.default_rng()
-    k, n, slots, rank = 48, 32, 3, 8
+    k, slots, rank = 48, 3, 8
     f32 = ir.TensorType(ir.DataType.FLOAT)
     y = ir.Value(name="y", shape=ir.Shape([1, "t", width]), type=f32)
     x = ir.Value(name="x", shape=ir.Shape([1, "t", k]), type=f32)
-    a = ir.Value(name="a", shape=ir.Shape([k, slots * rank]), type=f32)
-    b = ir.Value(name="b", shape=ir.Shape([slots * rank, n]), type=f32)
     s = ir.Value(name="s", shape=ir.Shape(["t"]), type=ir.TensorType(ir.DataType.INT64))
-    node = ir.node("LoraApply", [y, x, a, b, s], attributes={"rank": rank, "offset": offset}, domain=DOMAIN)
+    ab = [(ir.Value(name=f"a{i}", shape=ir.Shape([k, slots * rank]), type=f32),
+           ir.Value(name=f"b{i}", shape=ir.Shape([slots * rank, n]), type=f32)) for i, (_, n) in enumerate(parts)]
+    inputs = [y, x, *ab[0], s] + [v for pair in ab[1:] for v in pair]
+    attrs = {"rank": rank, "offset": parts[0][0], "activation": activation,
+             **{f"offset{i}": off for i, (off, _) in enumerate(parts) if i}}
+    node = ir.node("LoraApply", inputs, attributes=attrs, domain=DOMAIN)
     node.outputs[0].name, node.outputs[0].type = "out", f32
-    model = ir.Model(ir.Graph([y, x, a, b, s], [node.outputs[0]], nodes=[node],
+    model = ir.Model(ir.Graph([y, x, s, *[v for pair in ab for v in pair]], [node.outputs[0]], nodes=[node],
                               opset_imports={"": 23, DOMAIN: 1}), ir_version=10)
     feeds = {"y": rng.standard_normal((1, tokens, width), np.float32),
              "x": rng.standard_normal((1, tokens, k), np.float32),
-             "a": rng.standard_normal((k, slots * rank), np.float32),
-             "b": rng.standard_normal((slots * rank, n), np.float32),
              "s": rng.integers(-1, slots + 1, tokens).astype(np.int64)}
+    for i, (_, n) in enumerate(parts):
+        feeds[f"a{i}"] = rng.standard_normal((k, slots * rank), np.float32)
+        feeds[f"b{i}"] = rng.standard_normal((slots * rank, n), np.float32)
     (got,) = native_session(ir.serde.serialize_model(model).SerializeToString()).run(None, feeds)
-    want = feeds["y"][0].copy()
+    want = feeds["y"][0].astype(np.float64)
     for t, slot in enumerate(feeds["s"]):
         if slot >= 1:
             cols = slice((slot - 1) * rank, slot * rank)
-            want[t, offset: offset + n] += (feeds["x"][0, t] @ feeds["a"][:, cols]) @ feeds["b"][cols]
-    np.testing.assert_allclose(got[0], want, rtol=1e-4, atol=1e-4)
+            for i, (off, n) in enumerate(parts):
+                want[t, off: off + n] += (feeds["x"][0, t] @ feeds[f"a{i}"][:, cols]) @ feeds[f"b{i}"][cols]
+    if activation:
+        g, u = want[:, : width // 2], want[:, width // 2:]
+        want = g / (1.0 + np.exp(-g)) * u
+    np.testing.assert_allclose(got[0], want, rtol=1e-4, atol=1e-4 * np.abs(want).max())

@@ -85,6 +85,18 @@ def _chains(graph: onnx.GraphProto) -> list[list[onnx.NodeProto]]:
     return chains
 
 
+def _parts(node: onnx.NodeProto) -> list[tuple[str, str, int]]:
+    """A LoraApply node's updates: (A, B, column offset) each (a packed projection's parts in one node)."""
+    attrs = {a.name: a.i for a in node.attribute}
+    slots = [(2, 3, "offset"), (5, 6, "offset1"), (7, 8, "offset2")]
+    return [(node.input[a], node.input[b], attrs.get(off, 0)) for a, b, off in slots
+            if len(node.input) > b and node.input[a]]
+
+
+def _activation(node: onnx.NodeProto) -> int:
+    return next((a.i for a in node.attribute if a.name == "activation"), 0)
+
+
 def _subgraph(model: onnx.ModelProto, chain: list[onnx.NodeProto]) -> bytes:
     """The chain with the base linear that feeds it (every node between its input X and its first Y), as a
     model of inputs X ``[T, K]``, lora_slots and the slot buffers."""
@@ -107,8 +119,8 @@ def _subgraph(model: onnx.ModelProto, chain: list[onnx.NodeProto]) -> bytes:
     inputs = [onnx.helper.make_tensor_value_info(x, f32, ["T", "K"]),
               onnx.helper.make_tensor_value_info("lora_slots", onnx.TensorProto.INT64, ["T"])]
     for n in chain:
-        inputs += [onnx.helper.make_tensor_value_info(n.input[2], f32, None),
-                   onnx.helper.make_tensor_value_info(n.input[3], f32, None)]
+        for a, b, _ in _parts(n):
+            inputs += [onnx.helper.make_tensor_value_info(v, f32, None) for v in (a, b)]
     out = onnx.helper.make_tensor_value_info(chain[-1].output[0], f32, None)
     g = onnx.helper.make_graph(nodes, "chain", inputs, [out], [inits[i] for i in sorted(used) if i in inits])
     return onnx.helper.make_model(g, opset_imports=model.opset_import, ir_version=model.ir_version).SerializeToString()
@@ -129,7 +141,7 @@ def _base_reference(quant: str, graph: onnx.GraphProto, chain: list[onnx.NodePro
     import ml_dtypes
     from onnx import numpy_helper
 
-    w = _checkpoint_weights([n.input[2][: -len(".lora_A")] for n in chain])
+    w = _checkpoint_weights([a[: -len(".lora_A")] for n in chain for a, _, _ in _parts(n)])
     if quant == "int4":
         from llmc.plugins.int4_matmul import reference
         from llmc.quant import int4
@@ -152,43 +164,47 @@ def _base_reference(quant: str, graph: onnx.GraphProto, chain: list[onnx.NodePro
 
 
 def test_quantized_linear_plus_update_equals_numpy(quant_engine):
-    """Every quantized linear with its slot updates, on fresh random inputs: 9 tokens with slots 0, -1 (none), 1
-    and 2, random slot buffers. Bound: 1e-5 x max|reference| (what tests/test_int4_matmul.py holds the INT4 kernel
-    to; the update is float32 on float64's reference, ~1e-7)."""
+    """Every quantized linear with its slot updates (a packed projection's parts in one node; gate|up's SwiGLU in
+    it too), on fresh random inputs: 9 tokens with slots 0, -1 (none), 1 and 2, random slot buffers. Bound:
+    1e-5 x max|reference| (what tests/test_int4_matmul.py holds the INT4 kernel to; the update is float32 against
+    float64's reference, ~1e-7)."""
     from llmc.testing.ort_sessions import native_session
 
     quant, out, _ = quant_engine
     model = onnx.load(out / "model.onnx")
     chains = _chains(model.graph)
     assert len(chains) == 8 * 4  # per layer: q|k|v, o, gate|up, down
-    assert sorted(len(c) for c in chains)[-1] == 3  # the packed q|k|v takes three updates with offsets
+    assert max(sum(len(_parts(n)) for n in c) for c in chains) == 3  # the packed q|k|v's three updates
+    assert sum(_activation(c[-1]) for c in chains) == 8  # every layer's gate|up takes its SwiGLU
+    sites = {m["module"]: m for m in _engine_modules(out)}
     rng = np.random.default_rng()
     slots = np.asarray([0, 1, 2, -1, 2, 1, 1, 0, 2], np.int64)
     for chain in chains:
         feeds = {"lora_slots": slots}
-        a_b = []
+        updates = []
         for n in chain:
-            site = n.input[2][: -len(".lora_A")]
-            d_in = next(m for m in _engine_modules(out) if m["module"] == site)
-            a = rng.standard_normal((d_in["in_features"], SLOTS * RANK)).astype(np.float32) * 0.1
-            b = rng.standard_normal((SLOTS * RANK, d_in["out_features"])).astype(np.float32) * 0.1
-            feeds[n.input[2]], feeds[n.input[3]] = a, b
-            a_b.append((n, a, b))
-        x = rng.standard_normal((len(slots), a_b[0][1].shape[0])).astype(np.float32)
+            for a_name, b_name, offset in _parts(n):
+                site = sites[a_name[: -len(".lora_A")]]
+                a = rng.standard_normal((site["in_features"], SLOTS * RANK)).astype(np.float32) * 0.1
+                b = rng.standard_normal((SLOTS * RANK, site["out_features"])).astype(np.float32) * 0.1
+                feeds[a_name], feeds[b_name] = a, b
+                updates.append((a, b, offset))
+        x = rng.standard_normal((len(slots), updates[0][0].shape[0])).astype(np.float32)
         feeds[chain[0].input[1]] = x
         (got,) = native_session(_subgraph(model, chain)).run(None, feeds)
-        want = _base_reference(quant, model.graph, chain, x)
-        base = want.copy()
-        for n, a, b in a_b:
-            offset = next(att.i for att in n.attribute if att.name == "offset")
+        base = _base_reference(quant, model.graph, chain, x)
+        want = base.copy()
+        for a, b, offset in updates:
             for t, s in enumerate(slots):
                 if s >= 1:
                     cols = slice((s - 1) * RANK, s * RANK)
                     want[t, offset: offset + b.shape[1]] += (x[t].astype(np.float64) @ a[:, cols]) @ b[cols]
-        scale = np.abs(want).max()
-        np.testing.assert_allclose(got.reshape(want.shape), want, rtol=0, atol=1e-5 * scale,
-                                   err_msg=f"{quant} {[n.input[2] for n in chain]}")
-        assert np.abs(want - base)[slots >= 1].max() > 1e-2 * scale  # the updates are not negligible
+        assert np.abs(want - base)[slots >= 1].max() > 1e-2 * np.abs(want).max()  # the updates are not negligible
+        if _activation(chain[-1]):
+            h = want.shape[1] // 2
+            want = want[:, :h] / (1.0 + np.exp(-want[:, :h])) * want[:, h:]
+        np.testing.assert_allclose(got.reshape(want.shape), want, rtol=0, atol=1e-5 * np.abs(want).max(),
+                                   err_msg=f"{quant} {[p[0] for n in chain for p in _parts(n)]}")
 
 
 def _engine_modules(out: Path) -> list[dict]:

@@ -66,8 +66,41 @@ def _parts(delta: ir.Value) -> list[tuple[tuple, int]] | None:
     return parts
 
 
+MAX_PARTS = 3  # LoraApply's optional inputs: a packed Q|K|V's three parts in one node
+
+
+def _swiglu_after(value: ir.Value) -> tuple[ir.Node, ir.Node, ir.Node] | None:
+    """``Split(value) -> QuickGelu(gate, alpha=1) * up`` (llmc.SwiGLU as lowered for ONNX Runtime, on a packed
+    gate|up projection) -> (split, quick_gelu, mul), when nothing else reads those values."""
+    uses = list(value.uses())
+    if len(uses) != 1 or value.is_graph_output():
+        return None
+    split = uses[0].node
+    if split.op_type != "Split" or split.domain not in ("", "ai.onnx") or len(split.outputs) != 2 \
+            or split.attributes.get_int("axis", 0) != -1 or len(split.inputs) < 2:
+        return None
+    sizes = split.inputs[1].const_value if split.inputs[1] is not None else None
+    if sizes is None or len(set(sizes.numpy().tolist())) != 1:  # two equal halves: [gate | up]
+        return None
+    gate, up = split.outputs
+    if len(gate.uses()) != 1 or len(up.uses()) != 1 or gate.is_graph_output() or up.is_graph_output():
+        return None
+    gelu = next(iter(gate.uses())).node
+    if gelu.op_type != "QuickGelu" or gelu.domain != "com.microsoft" or gelu.attributes.get_float("alpha", 1.0) != 1.0:
+        return None
+    silu = gelu.outputs[0]
+    uses = list(silu.uses())
+    if len(uses) != 1 or silu.is_graph_output():
+        return None
+    mul = uses[0].node
+    if mul.op_type != "Mul" or mul.domain not in ("", "ai.onnx") or set(mul.inputs) != {silu, up}:
+        return None
+    return split, gelu, mul
+
+
 def lower_lora(model: ir.Model) -> int:
-    """Replace every LoRA update by ``LoraApply`` nodes; returns how many updates (Adds) were lowered."""
+    """Replace every LoRA update by a ``LoraApply`` node (one per packed projection, with its parts' column offsets;
+    a gate|up projection's SwiGLU taken in too); returns how many updates (Adds) were lowered."""
     graph = model.graph
     count = 0
     for node in list(graph):
@@ -77,13 +110,37 @@ def lower_lora(model: ir.Model) -> int:
         if parts is None:
             continue
         prev, new = node.inputs[0], []
-        for (x, a, b, rank, slots), offset in parts:
-            n = ir.node(OP_TYPE, [prev, x, a, b, slots], attributes={"rank": rank, "offset": offset}, domain=DOMAIN)
-            new.append(n)
-            prev = n.outputs[0]
+        for start in range(0, len(parts), MAX_PARTS):
+            group = parts[start: start + MAX_PARTS]
+            (x, a, b, rank, slots), offset = group[0]
+            inputs = [prev, x, a, b, slots]
+            attrs = {"rank": rank, "offset": offset}
+            for i, ((x_i, a_i, b_i, rank_i, slots_i), offset_i) in enumerate(group[1:], start=1):
+                if x_i is not x or rank_i != rank or slots_i is not slots:
+                    break  # parts of another input or rank: a node of their own
+                inputs += [a_i, b_i]
+                attrs[f"offset{i}"] = offset_i
+            else:
+                n = ir.node(OP_TYPE, inputs, attributes=attrs, domain=DOMAIN)
+                new.append(n)
+                prev = n.outputs[0]
+                continue
+            for (x_i, a_i, b_i, rank_i, slots_i), offset_i in group:
+                n = ir.node(OP_TYPE, [prev, x_i, a_i, b_i, slots_i], attributes={"rank": rank_i, "offset": offset_i},
+                            domain=DOMAIN)
+                new.append(n)
+                prev = n.outputs[0]
         graph.insert_before(node, new)
         replace_value(node.outputs[0], prev)
         graph.remove(node, safe=True)
+        last = new[-1]
+        swiglu = _swiglu_after(last.outputs[0]) if len(new) == 1 else None
+        if swiglu is not None:
+            split, gelu, mul = swiglu
+            last.attributes["activation"] = ir.AttrInt64("activation", 1)
+            replace_value(mul.outputs[0], last.outputs[0])
+            for dead in (mul, gelu, split):
+                graph.remove(dead, safe=True)
         count += 1
     if count:
         RemoveUnusedNodesPass()(model)  # the standard-op updates and the slot masks

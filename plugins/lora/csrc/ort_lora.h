@@ -1,26 +1,36 @@
-// llmc::LoraApply for ONNX Runtime: a LoRA slot update chosen per token (llmc.passes.lora), in one node.
+// llmc::LoraApply for ONNX Runtime: LoRA slot updates chosen per token (llmc.passes.lora), in one node.
 // Included by plugins/paged_attention/csrc/ort_paged_attention.cpp inside its anonymous namespace, after its
 // helpers (input, output, int_attr, with_threads, make_op), so that one library holds every llmc op.
 //
-// LoraApply(Y float [..., W], X float [..., K], A float [K, S*R], B float [S*R, N], slots int64 [T])
-//   -> float [..., W], attributes rank = R, offset (default 0, offset + N <= W):
-// out = Y, then for every token t (T = the rows of X and Y) whose slot s = slots[t] is in 1..S:
-//   out[t, offset : offset + N] += (X[t] @ A[:, (s-1)R : sR]) @ B[(s-1)R : sR]
-// in float32. Only the token's own slot is computed (the graph's standard-op form computes all S and masks
-// the others away), and a packed projection (Q|K|V) takes its parts' updates as a chain of nodes with offsets.
+// LoraApply(Y float [..., W], X float [..., K], A0 float [K, S*R], B0 float [S*R, N0], slots int64 [T],
+//           [A1, B1, [A2, B2]])
+//   -> float [..., W] (activation 0) or [..., W/2] (activation 1), attributes rank = R, offset, offset1, offset2
+//   (default 0; offset_i + N_i <= W), activation (default 0):
+// out = Y, then for every token t (T = the rows of X and Y) whose slot s = slots[t] is in 1..S and every part i:
+//   out[t, offset_i : offset_i + N_i] += (X[t] @ A_i[:, (s-1)R : sR]) @ B_i[(s-1)R : sR]
+// in float32; with activation 1 (SwiGLU, Y = [gate | up]) the output is then silu(out[:, :W/2]) * out[:, W/2:].
+// Only the token's own slot is computed (the graph's standard-op form computes all S and masks the others away).
+// A packed projection (Q|K|V, gate|up) takes its parts' updates in one node, and gate|up its SwiGLU too, so that
+// a LoRA engine runs about as many nodes per layer as the engine without slots.
 
 struct LoraKernel {
-    int64_t rank = 0, offset = 0;
+    int64_t rank = 0, activation = 0;
+    int64_t offsets[3] = {0, 0, 0};
 };
 
 void* create_lora_kernel(const OrtCustomOpV13*, const OrtApi*, const OrtKernelInfo* info) {
     auto* k = new LoraKernel();
     try {
         k->rank = int_attr(info, "rank", true, 0);
-        k->offset = int_attr(info, "offset", false, 0);
-        if (k->rank <= 0 || k->offset < 0) {
-            throw Error("rank must be positive and offset >= 0, got rank=" + std::to_string(k->rank) +
-                        ", offset=" + std::to_string(k->offset));
+        k->offsets[0] = int_attr(info, "offset", false, 0);
+        k->offsets[1] = int_attr(info, "offset1", false, 0);
+        k->offsets[2] = int_attr(info, "offset2", false, 0);
+        k->activation = int_attr(info, "activation", false, 0);
+        if (k->rank <= 0 || k->offsets[0] < 0 || k->offsets[1] < 0 || k->offsets[2] < 0 || k->activation < 0 ||
+            k->activation > 1) {
+            throw Error("rank must be positive, offsets >= 0 and activation 0 or 1, got rank=" +
+                        std::to_string(k->rank) + ", offset=" + std::to_string(k->offsets[0]) +
+                        ", activation=" + std::to_string(k->activation));
         }
     } catch (...) {
         delete k;
@@ -31,78 +41,187 @@ void* create_lora_kernel(const OrtCustomOpV13*, const OrtApi*, const OrtKernelIn
 
 void destroy_lora_kernel(void* kernel) { delete static_cast<LoraKernel*>(kernel); }
 
-struct LoraProblem {
-    const float *y, *x, *a, *b;
-    const int64_t* slots;
-    float* out;
-    int64_t K, W, N, R, S, offset, width;
+struct LoraPart {
+    const float *a, *b;
+    int64_t N, offset;
 };
 
-void lora_copy_row(const LoraProblem& p, int64_t t) {
-    float* __restrict o = p.out + t * p.width;
-    const float* __restrict yr = p.y + t * p.width;
-    if (o != yr) {
-        for (int64_t i = 0; i < p.width; ++i) o[i] = yr[i];
-    }
-}
+struct LoraProblem {
+    const float *y, *x;
+    const int64_t* slots;
+    float* acc;  // [T, width]: Y plus the updates (the output itself when there is no activation)
+    float* out;  // the output: acc, or [T, width / 2] after the SwiGLU
+    LoraPart parts[3];
+    int64_t n_parts, K, W, R, S, width, activation;
+};
 
-// The tokens `rows[0..m)` of slot s together: each row of the slot's A and B is read once for all of them
-// (a decode step's update is bound by reading A and B, not by the multiply-adds). u: m * R floats.
-void lora_group(const LoraProblem& p, int64_t s, const int64_t* rows, int64_t m, float* __restrict u) {
-    const int64_t R = p.R, c0 = (s - 1) * R;
+// The update of one part for the tokens `rows[0..m)` of slot s together: each row of the slot's A and B is read
+// once for all of them (a decode step's update is bound by reading A and B, not by the multiply-adds).
+// u: m * R floats. Inlined into one copy per instruction set (below), which the compiler vectorises for it.
+__attribute__((always_inline)) inline void lora_group_body(const LoraProblem& p, const LoraPart& part, int64_t s,
+                                                           const int64_t* rows, int64_t m, float* __restrict u) {
+    const int64_t R = p.R, c0 = (s - 1) * R, K = p.K, W = p.W, N = part.N;
     for (int64_t i = 0; i < m * R; ++i) u[i] = 0.0f;
-    for (int64_t k = 0; k < p.K; ++k) {
-        const float* __restrict ar = p.a + k * p.W + c0;
+    for (int64_t k = 0; k < K; ++k) {
+        const float* __restrict ar = part.a + k * W + c0;
         for (int64_t i = 0; i < m; ++i) {
-            const float xv = p.x[rows[i] * p.K + k];
+            const float xv = p.x[rows[i] * K + k];
             float* __restrict ui = u + i * R;
-            for (int64_t r = 0; r < R; ++r) ui[r] += xv * ar[r];
+            for (int64_t r = 0; r < R; ++r) ui[r] = __builtin_fmaf(xv, ar[r], ui[r]);
         }
     }
     // Expand in column blocks: a block of B's slot rows (R x 64 floats) stays in L1 across the tokens, and each
     // token's block of sums in registers across the R rows.
     constexpr int64_t kBlock = 64;
-    for (int64_t n0 = 0; n0 < p.N; n0 += kBlock) {
-        const int64_t nb = std::min(kBlock, p.N - n0);
+    for (int64_t n0 = 0; n0 < N; n0 += kBlock) {
+        const int64_t nb = std::min(kBlock, N - n0);
         for (int64_t i = 0; i < m; ++i) {
             float acc[kBlock];
-            for (int64_t n = 0; n < nb; ++n) acc[n] = 0.0f;
+            for (int64_t n = 0; n < kBlock; ++n) acc[n] = 0.0f;
             const float* ui = u + i * R;
             for (int64_t r = 0; r < R; ++r) {
                 const float uv = ui[r];
-                const float* __restrict br = p.b + (c0 + r) * p.N + n0;
-                for (int64_t n = 0; n < nb; ++n) acc[n] += uv * br[n];
+                const float* __restrict br = part.b + (c0 + r) * N + n0;
+                if (nb == kBlock) {
+                    for (int64_t n = 0; n < kBlock; ++n) acc[n] = __builtin_fmaf(uv, br[n], acc[n]);
+                } else {
+                    for (int64_t n = 0; n < nb; ++n) acc[n] = __builtin_fmaf(uv, br[n], acc[n]);
+                }
             }
-            float* __restrict od = p.out + rows[i] * p.width + p.offset + n0;
+            float* __restrict od = p.acc + rows[i] * p.width + part.offset + n0;
             for (int64_t n = 0; n < nb; ++n) od[n] += acc[n];
         }
     }
 }
 
+// SwiGLU of rows t0..t1: out = silu(gate) * up, the sigmoid from exp(-|g|) (never overflows) as the INT4 kernel's
+// fused epilogue computes it (llmc_i4::swiglu_rows_impl); in 8-float vectors: GCC leaves the plain loop scalar.
+__attribute__((always_inline)) inline void lora_swiglu_body(const LoraProblem& p, int64_t t0, int64_t t1) {
+    using llmc_i4::sv8f;
+    using llmc_i4::sv8fu;
+    using llmc_i4::sv8i;
+    const int64_t h = p.width / 2;
+    for (int64_t t = t0; t < t1; ++t) {
+        const float* g = p.acc + t * p.width;
+        const float* up = g + h;
+        float* o = p.out + t * h;
+        int64_t j = 0;
+        for (; j + 8 <= h; j += 8) {
+            const sv8f gv = *reinterpret_cast<const sv8fu*>(g + j);
+            const sv8f uv = *reinterpret_cast<const sv8fu*>(up + j);
+            const sv8f e = llmc::exp_nonpos_t<sv8f, sv8i>(gv < 0.0f ? gv : -gv);
+            const sv8f num = gv >= 0.0f ? sv8f{} + 1.0f : e;
+            *reinterpret_cast<sv8fu*>(o + j) = gv * (num / (1.0f + e)) * uv;
+        }
+        for (; j < h; ++j) {
+            const float e = std::exp(-std::fabs(g[j]));
+            o[j] = g[j] * ((g[j] >= 0.0f ? 1.0f : e) / (1.0f + e)) * up[j];
+        }
+    }
+}
+
+__attribute__((target("avx512f,avx512vl,avx512bw,avx512dq,avx2,fma"))) void lora_group_avx512(
+    const LoraProblem& p, const LoraPart& part, int64_t s, const int64_t* rows, int64_t m, float* u) {
+    lora_group_body(p, part, s, rows, m, u);
+}
+__attribute__((target("avx2,fma"))) void lora_group_avx2(const LoraProblem& p, const LoraPart& part, int64_t s,
+                                                         const int64_t* rows, int64_t m, float* u) {
+    lora_group_body(p, part, s, rows, m, u);
+}
+void lora_group_base(const LoraProblem& p, const LoraPart& part, int64_t s, const int64_t* rows, int64_t m,
+                     float* u) {
+    lora_group_body(p, part, s, rows, m, u);
+}
+__attribute__((target("avx512f,avx512vl,avx512bw,avx512dq,avx2,fma"))) void lora_swiglu_avx512(
+    const LoraProblem& p, int64_t t0, int64_t t1) {
+    lora_swiglu_body(p, t0, t1);
+}
+__attribute__((target("avx2,fma"))) void lora_swiglu_avx2(const LoraProblem& p, int64_t t0, int64_t t1) {
+    lora_swiglu_body(p, t0, t1);
+}
+void lora_swiglu_base(const LoraProblem& p, int64_t t0, int64_t t1) { lora_swiglu_body(p, t0, t1); }
+
+// 2: AVX-512, 1: AVX2 + FMA, 0: the build's baseline (x86-64-v2). LLMC_LORA_ISA=0/1/2 caps it (tests).
+int lora_isa() {
+    static const int isa = [] {
+        int best = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
+                           __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq")
+                       ? 2
+                   : __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") ? 1
+                                                                                     : 0;
+        if (const char* cap = std::getenv("LLMC_LORA_ISA")) best = std::min(best, std::atoi(cap));
+        return best;
+    }();
+    return isa;
+}
+
+void lora_group(const LoraProblem& p, const LoraPart& part, int64_t s, const int64_t* rows, int64_t m, float* u) {
+    switch (lora_isa()) {
+        case 2: lora_group_avx512(p, part, s, rows, m, u); break;
+        case 1: lora_group_avx2(p, part, s, rows, m, u); break;
+        default: lora_group_base(p, part, s, rows, m, u);
+    }
+}
+
+void lora_swiglu(const LoraProblem& p, int64_t t0, int64_t t1) {
+    switch (lora_isa()) {
+        case 2: lora_swiglu_avx512(p, t0, t1); break;
+        case 1: lora_swiglu_avx2(p, t0, t1); break;
+        default: lora_swiglu_base(p, t0, t1);
+    }
+}
+
+void lora_copy_rows(const LoraProblem& p, int64_t t0, int64_t t1) {
+    if (p.acc != p.y) std::memcpy(p.acc + t0 * p.width, p.y + t0 * p.width, sizeof(float) * (t1 - t0) * p.width);
+}
+
+// One token on its own (long prefills, spread over the pool).
 void lora_row(const LoraProblem& p, int64_t t) {
-    lora_copy_row(p, t);
+    lora_copy_rows(p, t, t + 1);
     const int64_t s = p.slots[t];
-    if (s < 1 || s > p.S) return;
-    float u[256];  // R <= 256 (llmc.passes.lora.MAX_RANK)
-    lora_group(p, s, &t, 1, u);
+    if (s >= 1 && s <= p.S) {
+        float u[256];  // R <= 256 (llmc.passes.lora.MAX_RANK)
+        for (int64_t i = 0; i < p.n_parts; ++i) lora_group(p, p.parts[i], s, &t, 1, u);
+    }
+    if (p.activation == 1) lora_swiglu(p, t, t + 1);
 }
 
 void compute_lora(void* kernel, OrtKernelContext* ctx) {
     const LoraKernel& k = *static_cast<const LoraKernel*>(kernel);
-    const Tensor y = input(ctx, 0, "Y"), x = input(ctx, 1, "X"), a = input(ctx, 2, "A"), b = input(ctx, 3, "B"),
-                 s = input(ctx, 4, "slots");
-    require_rank(a, 2, "A");
-    require_rank(b, 2, "B");
+    const Tensor y = input(ctx, 0, "Y"), x = input(ctx, 1, "X"), s = input(ctx, 4, "slots");
+    Tensor a[3], b[3];
+    a[0] = input(ctx, 2, "A");
+    b[0] = input(ctx, 3, "B");
+    a[1] = input(ctx, 5, "A1", true);
+    b[1] = input(ctx, 6, "B1", true);
+    a[2] = input(ctx, 7, "A2", true);
+    b[2] = input(ctx, 8, "B2", true);
     require_rank(s, 1, "slots");
-    const int64_t K = a.dims[0], W = a.dims[1], N = b.dims[1];
-    if (k.rank > 256 || W % k.rank || b.dims[0] != W) {
-        throw Error("A " + dims_str(a.dims) + " and B " + dims_str(b.dims) + " must stack whole slots of rank " +
-                    std::to_string(k.rank) + " (at most 256)");
+    if (x.dims.empty() || y.dims.empty()) throw Error("X and Y must have a last dimension");
+    const int64_t K = x.dims.back(), width = y.dims.back();
+    int64_t n_parts = 0, W = 0;
+    LoraPart parts[3];
+    for (int i = 0; i < 3; ++i) {
+        if (a[i].data == nullptr || b[i].data == nullptr) break;
+        require_rank(a[i], 2, "A");
+        require_rank(b[i], 2, "B");
+        if (i == 0) W = a[i].dims[1];
+        const int64_t N = b[i].dims[1];
+        if (k.rank > 256 || a[i].dims[1] != W || W % k.rank || b[i].dims[0] != W || a[i].dims[0] != K) {
+            throw Error("A " + dims_str(a[i].dims) + " and B " + dims_str(b[i].dims) + " must stack whole slots of "
+                        "rank " + std::to_string(k.rank) + " (at most 256) over K = " + std::to_string(K) +
+                        ", the same slots for every part");
+        }
+        if (k.offsets[i] + N > width) {
+            throw Error("part " + std::to_string(i) + ": offset " + std::to_string(k.offsets[i]) + " + N " +
+                        std::to_string(N) + " exceeds Y's width " + std::to_string(width));
+        }
+        parts[i] = LoraPart{static_cast<const float*>(a[i].data), static_cast<const float*>(b[i].data), N,
+                            k.offsets[i]};
+        ++n_parts;
     }
-    if (x.dims.empty() || x.dims.back() != K || y.dims.empty() || y.dims.back() < k.offset + N) {
-        throw Error("X " + dims_str(x.dims) + " must end in K = " + std::to_string(K) + " and Y " + dims_str(y.dims) +
-                    " in at least offset + N = " + std::to_string(k.offset + N));
-    }
+    if (k.activation == 1 && width % 2) throw Error("activation 1 (SwiGLU) needs an even width, got " +
+                                                    std::to_string(width));
     int64_t T = 1, TY = 1;
     for (size_t i = 0; i + 1 < x.dims.size(); ++i) T *= x.dims[i];
     for (size_t i = 0; i + 1 < y.dims.size(); ++i) TY *= y.dims[i];
@@ -110,25 +229,52 @@ void compute_lora(void* kernel, OrtKernelContext* ctx) {
         throw Error("X, Y and slots must have the same number of tokens, got X " + dims_str(x.dims) + ", Y " +
                     dims_str(y.dims) + ", slots " + dims_str(s.dims));
     }
+    std::vector<int64_t> out_dims = y.dims;
+    if (k.activation == 1) out_dims.back() = width / 2;
+    float* out = output(ctx, out_dims.data(), out_dims.size());
+    // With the SwiGLU the sums go to a scratch buffer first (kept per thread: no allocation per step).
+    thread_local std::vector<float> scratch;
+    float* acc = out;
+    if (k.activation == 1) {
+        scratch.resize(static_cast<size_t>(T * width));
+        acc = scratch.data();
+    }
     LoraProblem p{static_cast<const float*>(y.data), static_cast<const float*>(x.data),
-                  static_cast<const float*>(a.data), static_cast<const float*>(b.data),
-                  static_cast<const int64_t*>(s.data), output(ctx, y.dims.data(), y.dims.size()),
-                  K, W, N, k.rank, W / k.rank, k.offset, y.dims.back()};
+                  static_cast<const int64_t*>(s.data), acc, out, {parts[0], parts[1], parts[2]}, n_parts, K, W,
+                  k.rank, W / k.rank, width, k.activation};
+    int64_t cols = 0;
+    for (int64_t i = 0; i < n_parts; ++i) cols += parts[i].N;
     // A decode step's few rows are cheaper on one thread than the pool's hand-off; long prefills spread.
-    if (T * k.rank * (K + N) < (int64_t{1} << 20)) {
-        // Few rows (decode): tokens grouped by slot, on this thread.
-        std::vector<int64_t> rows;
-        std::vector<float> u;
-        for (int64_t t = 0; t < T; ++t) lora_copy_row(p, t);
-        for (int64_t s = 1; s <= p.S; ++s) {
+    if (T * k.rank * (K + cols) < (int64_t{1} << 20)) {
+        lora_copy_rows(p, 0, T);
+        thread_local std::vector<int64_t> rows;
+        thread_local std::vector<float> u;
+        for (int64_t slot = 1; slot <= p.S; ++slot) {
             rows.clear();
             for (int64_t t = 0; t < T; ++t) {
-                if (p.slots[t] == s) rows.push_back(t);
+                if (p.slots[t] == slot) rows.push_back(t);
             }
             if (rows.empty()) continue;
             u.resize(rows.size() * static_cast<size_t>(k.rank));
-            lora_group(p, s, rows.data(), static_cast<int64_t>(rows.size()), u.data());
+            for (int64_t i = 0; i < n_parts; ++i) {
+                lora_group(p, parts[i], slot, rows.data(), static_cast<int64_t>(rows.size()), u.data());
+            }
         }
+        if (p.activation == 1) lora_swiglu(p, 0, T);
+        return;
+    }
+    if (k.activation == 1) {
+        // the pool's threads each write their own rows of one buffer (not this thread's scratch)
+        std::vector<float> shared(static_cast<size_t>(T * width));
+        p.acc = shared.data();
+        with_threads(ctx, [&](int threads, const llmc::ParallelFor* pf) {
+            if (pf != nullptr && threads > 1) {
+                pf->fn(pf->self, T, [](void* arg, int64_t t) { lora_row(*static_cast<const LoraProblem*>(arg), t); },
+                       &p);
+            } else {
+                for (int64_t t = 0; t < T; ++t) lora_row(p, t);
+            }
+        });
         return;
     }
     with_threads(ctx, [&](int threads, const llmc::ParallelFor* pf) {
@@ -143,7 +289,9 @@ void compute_lora(void* kernel, OrtKernelContext* ctx) {
 
 const char* lora_name(const OrtCustomOpV13*) { return "LoraApply"; }
 int32_t lora_input_type(const OrtCustomOpV13*, size_t i) { return i == 4 ? kOrtInt64 : kOrtFloat; }
-size_t lora_input_count(const OrtCustomOpV13*) { return 5; }
+size_t lora_input_count(const OrtCustomOpV13*) { return 9; }
+// Inputs 0-4 required (one part), 5-8 optional (the second and third parts of a packed projection).
+int32_t lora_input_characteristic(const OrtCustomOpV13*, size_t i) { return i >= 5 ? 1 : 0; }
 
 const OrtCustomOpV13 g_lora_op = make_op(lora_name, lora_input_type, lora_input_count, create_lora_kernel,
-                                         compute_lora, destroy_lora_kernel);
+                                         compute_lora, destroy_lora_kernel, lora_input_characteristic);
