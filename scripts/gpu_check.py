@@ -5,7 +5,8 @@ Sections (each records its results; a failure in one does not stop the others):
 
 1. ``correctness``: the Triton PagedAttention kernel against the numpy reference on random
    decode and mixed prefill+decode batches (GQA 1/4/8, head sizes 64/128, blocks 16/32,
-   float16/bfloat16/float32, FP8 KV with bit-exact codes, sliding window + softcap, split-KV),
+   float16/bfloat16/float32, FP8 KV with bit-exact codes, sliding window + softcap, split-KV, attention
+   sinks, ALiBi, chunked local attention),
    and the kernel's FP8 codec against the project's E4M3 codec over every code.
 2. ``aot``: the ahead-of-time PTX for this GPU's SM (what a TensorRT engine embeds), assembled with
    ptxas and launched through the CUDA driver exactly as TensorRT's AOT plugin launches it
@@ -25,9 +26,12 @@ Sections (each records its results; a failure in one does not stop the others):
    launched through the driver = the JIT kernels bit for bit, decode/prefill timings, and tiny
    Qwen3.5 / Nemotron-H / LFM2 CUDA engines vs transformers (graphs = eager = alone); see
    ``scripts/gpu_recurrent_check.py``.
+7. ``lora``: the multi-LoRA shrink/expand kernels at Llama-3-8B shapes (four rank-16 slots mixed with rows
+   without an adapter) against the torch reference, their AOT cubins launched through the driver = the JIT
+   kernels bit for bit, and their time per step beside the torch reference's; see ``scripts/gpu_lora_check.py``.
 
 Prints a table per section and writes everything to ``--out`` (JSON). Exit status 0 when every
-check that ran passed, 1 otherwise. ``--cpu-smoke`` runs sections 1-2 and 6's kernel checks on tiny
+check that ran passed, 1 otherwise. ``--cpu-smoke`` runs sections 1-2 and 6-7's kernel checks on tiny
 shapes under the Triton interpreter (PTX compiled, not launched) and skips the rest: what CI can run
 without a GPU.
 """
@@ -49,11 +53,22 @@ CASES = [
     ("mixed gqa8 d128 bs16", 64, 8, 128, 16, [(800, 1), (257, 257), (1200, 100)], {}),
     ("decode gqa8 d64 split-kv", 16, 2, 64, 32, [(3000, 1), (900, 1)], {"num_splits": 8}),
     ("mixed window+softcap", 16, 4, 64, 16, [(1000, 1), (400, 130)], {"window": 256, "softcap": 30.0}),
+    # The attention variants added since the last GPU run (never yet run on a GPU): gpt-oss's sinks with its
+    # 128-token window, bloom/mpt's ALiBi (a head count that is not a power of two: the slopes' second series),
+    # llama4's chunked local attention, and sinks through the split-KV combine.
+    ("mixed sinks+window gqa8", 64, 8, 64, 16, [(900, 1), (300, 140), (40, 1)], {"sinks": True, "window": 128}),
+    ("decode sinks split-kv", 16, 2, 64, 32, [(3000, 1), (700, 1)], {"sinks": True, "num_splits": 8}),
+    ("mixed alibi 12 heads", 12, 12, 64, 16, [(700, 1), (260, 260), (90, 9)], {"alibi": 8.0}),
+    ("decode alibi split-kv", 16, 16, 128, 16, [(2500, 1), (600, 1)], {"alibi": 8.0, "num_splits": 4}),
+    ("mixed chunked 256", 40, 8, 128, 16, [(1100, 1), (600, 300), (255, 2)], {"chunk": 256}),
 ]
 DTYPES = [("fp16", "fp16"), ("bf16", "bf16"), ("fp32", "fp32"), ("fp16", "fp8"), ("bf16", "fp8")]
 SMOKE_CASES = [
     ("smoke decode gqa4", 8, 2, 64, 16, [(70, 1), (20, 1)], {}),
     ("smoke mixed gqa1", 4, 4, 64, 16, [(40, 1), (24, 24), (50, 7)], {"window": 30}),
+    ("smoke sinks", 4, 2, 64, 16, [(50, 1), (20, 20)], {"sinks": True, "window": 16}),
+    ("smoke alibi 6 heads", 6, 6, 64, 16, [(45, 1), (18, 18)], {"alibi": 8.0}),
+    ("smoke chunked", 4, 2, 64, 16, [(60, 1), (30, 12)], {"chunk": 16}),
 ]
 # GPU tolerances: scores are exact-product float32 sums; the softmax weights are rounded to the
 # activation dtype before P @ V (tensor cores), adding ~2^-11 (fp16) / 2^-8 (bf16) relative error.
@@ -72,7 +87,8 @@ def parse_args(argv):
     p.add_argument("--quick", action="store_true",
                    help="the bf16 CUDA engine alone (build, graphs vs eager, decode b1/8/64, prefill): a short lease")
     p.add_argument("--skip", action="append", default=[],
-                   choices=["engine", "correctness", "aot", "bandwidth", "tensorrt", "calibration", "recurrent"])
+                   choices=["engine", "correctness", "aot", "bandwidth", "tensorrt", "calibration", "recurrent",
+                            "lora"])
     return p.parse_args(argv)
 
 
@@ -115,7 +131,10 @@ def run_correctness(smoke: bool, device: str):
             rng = np.random.default_rng(seed)
             inputs, caches, attrs = make_case(rng, hq=hq, hkv=hkv, d=d, bs=bs, seqs=seqs,
                                               q_scale=4.0 if extra.get("softcap") else 1.0)
-            attrs.update(sliding_window=extra.get("window", 0), softcap=extra.get("softcap", 0.0))
+            attrs.update(sliding_window=extra.get("window", 0), softcap=extra.get("softcap", 0.0),
+                         alibi_max_bias=extra.get("alibi", 0.0), attention_chunk=extra.get("chunk", 0))
+            if extra.get("sinks"):  # per-head sink logits around the scores' scale, so they move the softmax
+                attrs["sinks"] = rng.standard_normal(hq).astype(np.float32) * 2.0
             kw = {"num_splits": extra["num_splits"]} if "num_splits" in extra else {}
             row = {"case": name, "act": act, "cache": cache, "seed": seed}
             try:
@@ -444,7 +463,7 @@ def main(argv=None) -> int:
 
             if args.quick:
                 section("engine", report, lambda: run_quick(report))
-                args.skip += ["bandwidth", "correctness", "aot", "tensorrt", "recurrent"]
+                args.skip += ["bandwidth", "correctness", "aot", "tensorrt", "recurrent", "lora"]
             else:  # the kernel sections after it need about 90 s
                 section("engine", report, lambda: run_engine(args.budget_s - 90, t_start, report))
             print_engine(report["engine"])
@@ -464,13 +483,20 @@ def main(argv=None) -> int:
 
         section("recurrent", report, lambda: run_recurrent(args.cpu_smoke, device, _time_cuda))
         save()
-    for name in ("engine", "correctness", "aot", "bandwidth", "tensorrt", "calibration", "recurrent"):
+    if "lora" not in args.skip:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from gpu_lora_check import run_lora
+
+        copy_bw = report.get("bandwidth", {}).get("copy_bandwidth_gbs")
+        section("lora", report, lambda: run_lora(args.cpu_smoke, device, _time_cuda, copy_bw))
+        save()
+    for name in ("engine", "correctness", "aot", "bandwidth", "tensorrt", "calibration", "recurrent", "lora"):
         r = report.get(name)
         if r is not None and ("error" in r or "skipped" in r):
             print(f"\n{name}: " + (f"ERROR {r['error']}\n{r.get('traceback', '')}" if "error" in r
                                    else f"skipped: {r['skipped']}"))
     report["ok"] = all(report[k]["ok"] for k in ("engine", "correctness", "aot", "bandwidth", "tensorrt", "calibration",
-                                                 "recurrent") if k in report)
+                                                 "recurrent", "lora") if k in report)
     report["seconds"] = round(time.time() - t_start, 1)
     with open(args.out, "w") as f:
         json.dump(report, f, indent=1)

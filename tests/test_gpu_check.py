@@ -37,6 +37,11 @@ def test_cpu_smoke_runs_and_writes_json(tmp_path):
     rec = report["recurrent"]  # the hybrid models' kernels: interpreter vs torch reference, chunked, AOT PTX
     assert rec["ok"] and {r["op"] for r in rec["kernels"]} == {"causal_conv1d", "gated_delta_rule", "ssd_scan"}
     assert all(r["target"] == "sm_90a" for r in rec["aot"]) and "engines" not in rec
+    # The attention variants (sinks, ALiBi, chunked local attention) are among the kernel's cases.
+    assert {"smoke sinks", "smoke alibi 6 heads", "smoke chunked"} <= {c["case"] for c in cases}
+    lora = report["lora"]  # the multi-LoRA shrink/expand kernels: interpreter vs torch reference, AOT PTX
+    assert lora["ok"] and len(lora["kernels"]) == 8 and all(r["untouched"] for r in lora["kernels"])
+    assert all(t == "sm_90a" for r in lora["aot"] for t in r["targets"]) and "speed" not in lora
     assert "== correctness" in proc.stdout and "PASS" in proc.stdout
 
 
