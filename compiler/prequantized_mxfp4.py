@@ -33,7 +33,6 @@ from llmc.errors import LlmcError, UnsupportedError
 
 BLOCK = 32  # MXFP4: one E8M0 scale per 32 E2M1 codes
 FAMILIES = ("gpt_oss",)
-PROJECTIONS = ("gate_up_proj", "down_proj")
 INSTEAD = "leave --quant out (the experts run as stored, the other weights in float32)"
 
 
@@ -113,8 +112,12 @@ def plan(config: dict, qc: dict, tensors: dict, cfg_path: Path) -> tuple[dict, d
                             nbytes=4 * weight.experts * weight.k * weight.n, derived=weight)
         del out[name], out[f"{base}_scales"]
         experts[base] = weight
-    stray = sorted(n for n in out if n.endswith("_scales") and n[: -len("_scales")] + "_blocks" in tensors)
-    if not experts or stray:
+    stray = sorted(n for n in out if n.endswith("_scales") and n[: -len("_scales")] + "_blocks" not in tensors)
+    if stray:
+        base = stray[0][: -len("_scales")]
+        raise LlmcError(f"{out[stray[0]].file}: MXFP4 tensor {stray[0]!r} has no {base}_blocks beside it; the "
+                        "checkpoint is incomplete (re-download it)")
+    if not experts:
         raise LlmcError(f"{cfg_path}: quantization_config says mxfp4, but no tensor ends in _blocks with its _scales; "
                         "config.json does not describe these weights")
     weights = sum(w.experts * w.n * w.k for w in experts.values())

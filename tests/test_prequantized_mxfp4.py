@@ -244,7 +244,8 @@ def test_malformed_blocks_and_scales_are_refused(fixture_dir, tmp_path):
     name = "model.layers.0.mlp.experts.down_proj"
     for edit, phrase in ((lambda t: t.update({f"{name}_scales": t[f"{name}_scales"][:, :, :2]}), "do not fit"),
                          (lambda t: t.update({f"{name}_blocks": t[f"{name}_blocks"][..., :8]}), "do not fit"),
-                         (lambda t: t.pop(f"{name}_scales"), "no model.layers.0.mlp.experts.down_proj_scales")):
+                         (lambda t: t.pop(f"{name}_scales"), "no model.layers.0.mlp.experts.down_proj_scales"),
+                         (lambda t: t.pop(f"{name}_blocks"), "no model.layers.0.mlp.experts.down_proj_blocks")):
         tensors = load_file(fixture_dir / "model.safetensors")
         edit(tensors)
         save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, bad / "model.safetensors")
