@@ -287,6 +287,10 @@ def scatter_elements(data, indices, updates, *, axis=0, reduction="none", **_):
     if reduction != "none":
         raise NotImplementedError(f"ScatterElements with reduction {reduction!r}")
     idx = torch.where(indices < 0, indices + data.shape[axis], indices).to(data.device)
+    if updates.device.type == "cpu" and updates.numel() and bool((updates == updates.reshape(-1)[0]).all()):
+        # a host fill (ConstantOfShape: scatter_(dim, idx, 1)): scattered as a scalar, no host-to-device copy
+        # (which a CUDA graph being captured would refuse)
+        return (torch.scatter(data, axis, idx, updates.reshape(-1)[0].item()),)
     return (torch.scatter(data, axis, idx, updates.to(data.device, data.dtype)),)
 
 

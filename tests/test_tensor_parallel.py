@@ -93,6 +93,49 @@ def test_all_reduce_reference_matches_gloo():
     torch.testing.assert_close(all_reduce_reference(many), torch.stack(many).sum(0), rtol=1e-6, atol=1e-6)
 
 
+def test_ops_deepseek_programs_use_match_onnx_reference():
+    """The ops the CUDA engine runs DeepSeek-V3 with (its grouped router: Shape, ConstantOfShape, ScatterElements,
+    GatherElements; the frontend's V padding: Pad) against ONNX's reference evaluator on fresh random inputs."""
+    import onnx
+    from onnx import TensorProto, helper
+    from onnx.reference import ReferenceEvaluator
+
+    from llmc.runtime.torch_ops import OPS
+
+    rng = np.random.default_rng()
+    x = rng.standard_normal((5, 8)).astype(np.float32)
+    idx = rng.integers(-8, 8, (5, 3)).astype(np.int64)
+
+    def ref(op, inputs, attrs=None, n_out=1, **consts):
+        names = [f"i{k}" for k in range(len(inputs))]
+        nodes = [helper.make_node("Constant", [], [k], value=helper.make_tensor(k, TensorProto.INT64, v.shape, v))
+                 for k, v in consts.items()]
+        nodes.append(helper.make_node(op, names + list(consts), [f"o{k}" for k in range(n_out)], **(attrs or {})))
+        graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info(n, helper.np_dtype_to_tensor_dtype(
+            v.dtype), v.shape) for n, v in zip(names, inputs, strict=True)],
+            [helper.make_tensor_value_info(f"o{k}", TensorProto.UNDEFINED, None) for k in range(n_out)])
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+        return ReferenceEvaluator(onnx.shape_inference.infer_shapes(model)).run(None, dict(zip(names, inputs,
+                                                                                              strict=True)))
+
+    t = torch.from_numpy
+    np.testing.assert_array_equal(OPS["Shape"](t(x), start=1)[0].numpy(), ref("Shape", [x], {"start": 1})[0])
+    shape = np.asarray([3, 2], np.int64)
+    np.testing.assert_array_equal(OPS["ConstantOfShape"](t(shape), value=[1.5], dtype="float32")[0].numpy(),
+                                  ref("ConstantOfShape", [shape], {"value": helper.make_tensor("v", TensorProto.FLOAT,
+                                                                                               [1], [1.5])})[0])
+    np.testing.assert_array_equal(OPS["GatherElements"](t(x), t(idx), axis=1)[0].numpy(),
+                                  ref("GatherElements", [x, idx], {"axis": 1})[0])
+    updates = rng.standard_normal((5, 3)).astype(np.float32)
+    unique = np.stack([rng.permutation(8)[:3] for _ in range(5)]).astype(np.int64)  # no duplicate targets
+    for u in (updates, np.ones((5, 3), np.float32)):  # a fill from the host is scattered as a scalar
+        got = OPS["ScatterElements"](t(x), t(unique), t(u), axis=1)[0].numpy()
+        np.testing.assert_array_equal(got, ref("ScatterElements", [x, unique, u], {"axis": 1})[0])
+    y = rng.standard_normal((1, 4, 3, 16)).astype(np.float32)
+    pads = np.asarray([0, 0, 0, 0, 0, 0, 0, 8], np.int64)
+    np.testing.assert_array_equal(OPS["Pad"](t(y), pads.tolist())[0].numpy(), ref("Pad", [y], pads=pads)[0])
+
+
 def test_llama_tp2_and_tp4_equal_tp1(llama_engines):
     """llama (4 heads, 2 KV heads): tp=2 splits the KV heads, tp=4 replicates each on two ranks; greedy tokens
     identical to tp=1 (batched and alone), logits within 1e-5."""
