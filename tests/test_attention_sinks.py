@@ -23,14 +23,11 @@ import pytest
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported (tests/conftest.py does it too)
 
-from onnx import TensorProto, helper, numpy_helper  # noqa: E402
-
-from llmc.plugins.paged_attention import INPUT_NAMES, SINKS_INPUT, ort_native, reference  # noqa: E402
-from llmc.plugins.paged_attention.cpu import load_kernel, paged_attention_cpu  # noqa: E402
-from llmc.testing.ort_sessions import native_session  # noqa: E402
+from llmc.plugins.paged_attention.cpu import load_kernel  # noqa: E402
+from llmc.testing import attention_variants as av  # noqa: E402
+from llmc.testing.attention_variants import ATOL, RTOL, run_reference  # noqa: E402
 from llmc.testing.paged_attention import make_case  # noqa: E402
 
-RTOL, ATOL = 1e-4, 2e-5
 MIXED = [(150, 1), (37, 37), (260, 7), (1, 1), (64, 1), (90, 12)]  # decode / whole prefill / chunks
 
 kernel = load_kernel()
@@ -49,10 +46,6 @@ def case(seed, *, hq=8, hkv=2, d=64, bs=16, seqs=MIXED, window=0, **kw):
     attrs = {**attrs, "sliding_window": window, "sinks": sinks_for(rng, hq)}
     return inputs, caches, attrs
 
-
-def run_reference(inputs, caches, attrs):
-    k, v = (c.copy() for c in caches)
-    return reference.paged_attention(**inputs, k_cache=k, v_cache=v, **attrs), (k, v)
 
 
 # -------------------------------------------------------------------------------------------
@@ -95,7 +88,7 @@ def test_reference_is_transformers_gpt_oss_attention(window):
 # The C++ CPU kernel
 
 
-@pytest.fixture(params=["avx512", "avx2", "baseline"])
+@pytest.fixture(params=av.ISAS)
 def isa(request):
     try:
         kernel._set_isa(request.param)
@@ -120,95 +113,41 @@ CPU_CASES = {
 @pytest.mark.parametrize("name", list(CPU_CASES))
 def test_cpu_kernel(isa, name):
     inputs, caches, attrs = case(abs(hash(name)) % 2**32, **CPU_CASES[name])
-    expected, (k_ref, v_ref) = run_reference(inputs, caches, attrs)
-    k, v = (c.copy() for c in caches)
-    got = paged_attention_cpu(**inputs, k_cache=k, v_cache=v, **attrs)
-    np.testing.assert_array_equal(k, k_ref)
-    np.testing.assert_array_equal(v, v_ref)
-    np.testing.assert_allclose(got, expected, rtol=RTOL, atol=1e-4 if "split" in name else ATOL)
+    av.check_cpu_kernel(inputs, caches, attrs, atol=1e-4 if "split" in name else ATOL)
 
 
 def test_cpu_kernel_refuses_bad_sinks():
+    from llmc.plugins.paged_attention.cpu import paged_attention_cpu
+
     inputs, caches, attrs = case(1)
     with pytest.raises(ValueError, match="sinks must have shape"):
         paged_attention_cpu(**inputs, k_cache=caches[0], v_cache=caches[1], **{**attrs, "sinks": attrs["sinks"][:3]})
 
 
 # -------------------------------------------------------------------------------------------
-# ONNX Runtime: the native ops and the Python op
-
-
-def _graph(op: str, hq: int, hkv: int, d: int, attrs: dict, sinks: np.ndarray, domain: str = "llmc") -> bytes:
-    f = TensorProto.FLOAT
-    if op == "RotaryPagedAttention":
-        heads = ["qkv", "cos", "sin"]
-        inputs = [helper.make_tensor_value_info("qkv", f, ["T", (hq + 2 * hkv) * d]),
-                  helper.make_tensor_value_info("cos", f, ["T", d // 2]),
-                  helper.make_tensor_value_info("sin", f, ["T", d // 2])]
-    else:
-        heads = list(INPUT_NAMES[:3])
-        inputs = [helper.make_tensor_value_info("query", f, ["T", hq * d]),
-                  helper.make_tensor_value_info("key", f, ["T", hkv * d]),
-                  helper.make_tensor_value_info("value", f, ["T", hkv * d])]
-    inputs += [helper.make_tensor_value_info(n, TensorProto.INT64, None) for n in INPUT_NAMES[3:]]
-    node = helper.make_node(op, [*heads, *INPUT_NAMES[3:], SINKS_INPUT], ["out"], domain=domain, layer_idx=0,
-                            num_heads=hq, num_kv_heads=hkv, head_size=d, **attrs)
-    g = helper.make_graph([node], "sinks", inputs, [helper.make_tensor_value_info("out", f, ["T", hq * d])],
-                          initializer=[numpy_helper.from_array(sinks, SINKS_INPUT)])
-    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid(domain, 1)])
-    return m.SerializeToString()
+# ONNX Runtime: the native ops (sinks as their optional 8th input) and the Python op
 
 
 @pytest.mark.parametrize("window", [0, 16])
 def test_native_ort_op(window):
     hq, hkv, d = 8, 2, 32
     inputs, caches, attrs = case(30 + window, hq=hq, hkv=hkv, d=d, bs=8, window=window, pad_rows=1)
-    expected, (k_ref, v_ref) = run_reference(inputs, caches, attrs)
-    session = native_session(_graph("PagedAttention", hq, hkv, d, {"scale": attrs["scale"], "sliding_window": window},
-                                    attrs["sinks"]))
-    pool = [tuple(c.copy() for c in caches)]
-    with ort_native.bound_pool(pool):
-        (got,) = session.run(None, inputs)
-    np.testing.assert_array_equal(pool[0][0], k_ref)
-    np.testing.assert_allclose(got, expected, rtol=RTOL, atol=ATOL)
+    av.check_native_op(inputs, caches, attrs, {"scale": attrs["scale"], "sliding_window": window}, hq, hkv, d)
 
 
 def test_native_rotary_ort_op():
     hq, hkv, d = 8, 2, 32
     inputs, caches, attrs = case(41, hq=hq, hkv=hkv, d=d, bs=8, window=16, seqs=[(40, 40), (75, 1), (19, 7)])
-    rng = np.random.default_rng(5)
-    t = inputs["query"].shape[0]
-    qkv = rng.standard_normal((t, (hq + 2 * hkv) * d)).astype(np.float32)
-    ang = rng.uniform(0, 6.3, (t, d // 2)).astype(np.float32)
-    cos, sin = np.cos(ang), np.sin(ang)
-    meta = {n: inputs[n] for n in INPUT_NAMES[3:]}
-    k_ref, v_ref = (c.copy() for c in caches)
-    expected = reference.rotary_paged_attention(qkv, cos, sin, *meta.values(), k_ref, v_ref, **attrs)
-    session = native_session(_graph("RotaryPagedAttention", hq, hkv, d,
-                                    {"scale": attrs["scale"], "sliding_window": 16}, attrs["sinks"]))
-    pool = [tuple(c.copy() for c in caches)]
-    with ort_native.bound_pool(pool):
-        (got,) = session.run(None, {"qkv": qkv, "cos": cos, "sin": sin, **meta})
-    np.testing.assert_allclose(pool[0][0], k_ref, rtol=1e-6, atol=1e-6)
-    np.testing.assert_allclose(got, expected, rtol=RTOL, atol=ATOL)
+    av.check_native_rotary_op(inputs, caches, attrs, {"scale": attrs["scale"], "sliding_window": 16}, hq, hkv, d)
 
 
 def test_python_ort_op():
-    import onnxruntime as ort
-
-    from llmc.plugins.paged_attention import kv_binding, ort_op
+    from llmc.plugins.paged_attention import ort_op
 
     hq, hkv, d = 4, 2, 16
     inputs, caches, attrs = case(51, hq=hq, hkv=hkv, d=d, bs=8, window=16)
-    expected, _ = run_reference(inputs, caches, attrs)
-    opts = ort.SessionOptions()
-    opts.register_custom_ops_library(ort_op.library_path())
-    model = _graph(ort_op.SINKS_OP_TYPE, hq, hkv, d, {"scale": attrs["scale"], "sliding_window": 16, "softcap": 0.0},
-                   attrs["sinks"], domain=ort_op.ORT_DOMAIN)
-    session = ort.InferenceSession(model, opts, providers=["CPUExecutionProvider"])
-    with kv_binding.bound_pool([tuple(c.copy() for c in caches)]):
-        (got,) = session.run(None, inputs)
-    np.testing.assert_allclose(got, expected, rtol=RTOL, atol=ATOL)
+    av.check_python_op(ort_op.SINKS_OP_TYPE, inputs, caches, attrs,
+                       {"scale": attrs["scale"], "sliding_window": 16, "softcap": 0.0}, hq, hkv, d)
 
 
 # -------------------------------------------------------------------------------------------
@@ -218,24 +157,11 @@ def test_python_ort_op():
 def test_torch_custom_op_and_cuda_engine_attention():
     import torch
 
-    import llmc.plugins.paged_attention.torch_op  # noqa: F401  (registers torch.ops.llmc)
-    from llmc.plugins.paged_attention import kv_binding
-    from llmc.runtime.torch_ops import paged_attention_torch
-
     hq, hkv, d = 8, 2, 32
     inputs, caches, attrs = case(61, hq=hq, hkv=hkv, d=d, bs=8, window=16, pad_rows=1)
-    expected, (k_ref, v_ref) = run_reference(inputs, caches, attrs)
-    t = {k: torch.from_numpy(v) for k, v in inputs.items()}
     sinks = torch.from_numpy(attrs["sinks"])
-    with kv_binding.bound_pool([tuple(c.copy() for c in caches)]):
-        got = torch.ops.llmc.paged_attention(*t.values(), 0, hq, hkv, d, attrs["scale"], 16, 0.0, sinks)
-    np.testing.assert_allclose(got.numpy(), expected, rtol=RTOL, atol=ATOL)
-
-    k, v = (torch.from_numpy(c.copy()) for c in caches)
-    got = paged_attention_torch(*t.values(), k, v, num_heads=hq, num_kv_heads=hkv, scale=attrs["scale"],
-                                sliding_window=16, sinks=sinks)
-    assert torch.equal(k, torch.from_numpy(k_ref)) and torch.equal(v, torch.from_numpy(v_ref))
-    np.testing.assert_allclose(got.numpy(), expected, rtol=RTOL, atol=ATOL)
+    av.check_torch_ops(inputs, caches, attrs, hq, hkv, d, custom_op_tail=(16, 0.0, sinks),
+                       torch_kwargs=dict(sliding_window=16, sinks=sinks))
 
 
 # -------------------------------------------------------------------------------------------
@@ -246,10 +172,9 @@ def test_torch_custom_op_and_cuda_engine_attention():
 def test_triton_kernel(num_splits, window):
     pytest.importorskip("triton")
     from llmc.plugins.paged_attention import triton_kernel as tk
-    from llmc.testing.paged_attention import check_case
 
     if not tk.interpreted():
         pytest.skip("triton was imported before TRITON_INTERPRET=1 was set in this process")
     seqs = [(150, 1), (37, 37), (90, 12), (1, 1)] if num_splits == 1 else [(300, 1), (129, 1), (64, 2)]
     inputs, caches, attrs = case(71 + num_splits + window, hq=8, hkv=2, d=32, bs=16, seqs=seqs, window=window)
-    check_case(inputs, caches, attrs, atol={"fp32": ATOL}, num_splits=num_splits)
+    av.check_triton(inputs, caches, attrs, num_splits)
