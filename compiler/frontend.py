@@ -19,6 +19,7 @@ import numpy as np
 import onnx_ir as ir
 
 from llmc.compiler import alibi_attention, llama4_text, mla_trace
+from llmc.compiler import positions as position_tables
 from llmc.compiler.binding import account, bind
 from llmc.compiler.checkpoint import Checkpoint, TensorEntry, changed_during_build, read_tensor
 from llmc.errors import LlmcError, UnsupportedError
@@ -303,6 +304,7 @@ def _build_module(checkpoint: Checkpoint, compute_dtype: str):
     alibi_attention.install(hf)  # bloom, mpt: attention computed inline, with ALiBi
     llama4_text.install(hf)  # llama4: chunked local attention, NoPE temperature tuning, complex rotary
     mla_trace.install(hf)  # DeepSeek-V3's latent attention: per-head keys by cat, not new_empty + copy_
+    position_tables.install(hf)  # position tables that ignore position_ids (mbart, ...) or offset them (RoBERTa)
     rope = _select_longrope(hf, config)
 
     class PackedCausalLM(torch.nn.Module):
@@ -324,6 +326,7 @@ def _build_module(checkpoint: Checkpoint, compute_dtype: str):
                           query_start_loc=query_start_loc)
             _STEP.update(paging)
             _STEP[STATE_SLOTS] = state_slots
+            position_tables.STEP["positions"] = positions
             try:
                 out = self.inner(
                     input_ids=input_ids[None],
@@ -334,6 +337,7 @@ def _build_module(checkpoint: Checkpoint, compute_dtype: str):
                 )
             finally:
                 _STEP.clear()
+                position_tables.STEP.clear()
             return out.logits[0].float()
 
     return config, hf, PackedCausalLM(hf).eval(), rope
@@ -584,6 +588,7 @@ def _trace(checkpoint: Checkpoint, compute_dtype: str, torch, torch_op) -> Trace
                 f"{checkpoint.path}: the model needs tensor {name!r} but no safetensors file holds it; "
                 "the checkpoint is incomplete or for another architecture"
             )
+    attention_module = _first_attention_module(hf)
     del hf, module, program, binding
     KV_OWNERS.clear()
     num_layers = config.num_hidden_layers
@@ -599,6 +604,8 @@ def _trace(checkpoint: Checkpoint, compute_dtype: str, torch, torch_op) -> Trace
         if not slots.uses():
             model.graph.inputs.remove(slots)
             inputs = tuple(n for n in inputs if n != STATE_SLOTS)
+    if not ATTENTION_SHAPES and not state_layers:
+        _refuse_inline_attention(checkpoint, attention_module)
     if state_layers and ATTENTION_SHAPES:
         # Hybrid: only the attention layers have KV caches; the graph's PagedAttention nodes index a pool of those.
         num_layers = _compact_attention_layers(model, checkpoint)
@@ -627,6 +634,30 @@ def _trace(checkpoint: Checkpoint, compute_dtype: str, torch, torch_op) -> Trace
         kv_layers=kv_layers,
         state_layers=state_layers,
     )
+
+
+def _first_attention_module(hf) -> str | None:
+    """``"layer 0's attention (MegatronBertAttention)"``: the model's first attention module, for a refusal."""
+    for name, module in hf.named_modules():
+        last = name.rsplit(".", 1)[-1].lower()
+        cls = type(module).__name__
+        if "attention" in cls.lower() or last in ("attn", "self_attn", "attention", "attentions"):
+            found = re.search(r"(?:^|\.)(?:layers|h|layer|blocks|attentions)\.(\d+)(?:\.(.+))?$", name)
+            if found and found.group(2):
+                return f"layer {found.group(1)}'s {found.group(2)} ({cls})"
+            return f"{name} ({cls})"
+    return None
+
+
+def _refuse_inline_attention(checkpoint: Checkpoint, where: str | None) -> None:
+    """Refuse (exit 3) a model whose attention never reached llmc's paged attention: its attention modules compute
+    attention themselves instead of calling transformers' AttentionInterface (megatron-bert, openai-gpt, xglm, ...),
+    so the traced step would attend over its own tokens only, with no KV cache of earlier steps."""
+    seen = f"seen in {where}: " if where else ""
+    raise UnsupportedError(
+        f"{checkpoint.path}: model_type {checkpoint.model_type!r}: llmc does not lower attention computed inside the "
+        f"family's own attention modules ({seen}they never call transformers' AttentionInterface, where llmc swaps in "
+        "its paged attention over the KV cache), so the engine's steps could not see earlier tokens")
 
 
 def _compact_attention_layers(model: ir.Model, checkpoint: Checkpoint) -> int:

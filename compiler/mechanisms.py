@@ -78,6 +78,10 @@ _FIELDS: tuple[tuple[tuple[str, ...], str], ...] = (
     (("position_bias_num_buckets", "relative_attention_num_buckets", "relative_max_distance"),
      "relative position buckets (a learned bias on attention scores)"),
     (("encoder_hash_byte_group_vocab", "patcher_config"), "byte patching with local encoder and decoder models"),
+    (("cca_time0", "cca_time1"), "compressed convolutional attention (queries and keys convolved over tokens, values "
+                                 "mixed with the previous token's, state kept beside the KV cache)"),
+    (("keep_window_size",), "dynamic mask attention (a bias on the attention scores computed from the values, "
+                            "passed as the attention mask)"),
 )
 # (substring of a module class name, mechanism), lower case.
 _CLASSES: tuple[tuple[str, str], ...] = (
@@ -92,6 +96,7 @@ _CLASSES: tuple[tuple[str, str], ...] = (
     ("relpartiallearnable", "relative position attention with memory"),
     ("mamba", "state-space (Mamba) layers"), ("linearattention", "linear attention"),
     ("gateddeltanet", "gated delta-rule linear attention"), ("shortconv", "short convolutions over tokens"),
+    ("ccaprojection", _FIELDS[16][1]), ("dogeattention", _FIELDS[17][1]),
 )
 
 

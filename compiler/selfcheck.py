@@ -344,9 +344,10 @@ def diagnose(twin: dict, ckpt: Path, tmp: Path, build_twin, cuda: bool) -> tuple
         return "", None
 
 
-def layer_modules(twin_dir: Path, layer: int) -> tuple[str | None, list[str]]:
-    """Decoder layer ``layer`` of the twin's transformers model: its class and its submodules' classes
-    (``"self_attn: DiffLlamaAttention"``, ...), read from a model built on the meta device (no weights)."""
+def layer_modules(twin_dir: Path, layer: int) -> tuple[str | None, list[str], list[str]]:
+    """Decoder layer ``layer`` of the twin's transformers model: its class, its children's classes
+    (``"self_attn: DiffLlamaAttention"``, ...) and the classes of every module deeper inside it (a mechanism can sit
+    below the attention module: Zaya's ZayaCCAProjection), read from a model built on the meta device (no weights)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -354,12 +355,14 @@ def layer_modules(twin_dir: Path, layer: int) -> tuple[str | None, list[str]]:
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(twin_dir))
     except Exception:  # noqa: BLE001 - naming is best effort; the check's verdict stands without it
-        return None, []
+        return None, [], []
     found = re.compile(rf"(?:^|\.)(?:layers|h|layer|blocks)\.{layer}$")
     for name, module in model.named_modules():
         if found.search(name):
-            return type(module).__name__, [f"{child}: {type(m).__name__}" for child, m in module.named_children()]
-    return None, []
+            children = [f"{child}: {type(m).__name__}" for child, m in module.named_children()]
+            below = [type(m).__name__ for child, m in module.named_modules() if child.count(".") >= 1]
+            return type(module).__name__, children, below
+    return None, [], []
 
 
 def mismatch_cause(twin: dict, twin_dir: Path, layer: int | None) -> str | None:
@@ -368,8 +371,8 @@ def mismatch_cause(twin: dict, twin_dir: Path, layer: int | None) -> str | None:
     the config's fields); None otherwise."""
     from llmc.compiler.mechanisms import name_mechanism
 
-    layer_class, children = (None, []) if layer is None else layer_modules(twin_dir, layer)
-    classes = [c.split(": ", 1)[1] for c in children] + ([layer_class] if layer_class else [])
+    layer_class, children, below = (None, [], []) if layer is None else layer_modules(twin_dir, layer)
+    classes = [c.split(": ", 1)[1] for c in children] + ([layer_class] if layer_class else []) + below
     mechanism = name_mechanism(twin, classes)
     if layer is None:
         return f"llmc does not lower {mechanism}" if mechanism else None

@@ -296,19 +296,28 @@ def _llmc_build(ckpt: Path, engine: Path, cache: Path) -> tuple[int, str]:
     return result.exit_code, stderr
 
 
+def _positions_from_ids(hf) -> bool:
+    """RoBERTa-style embeddings: without ``position_ids`` (the model as defined, after fairseq) token n reads
+    position row ``padding_idx + 1 + n``; transformers' ``generate`` passes them 0-based ids (its generic default), so
+    its tokens are not the model's. The reference for these is the model's own forward."""
+    return any(callable(getattr(m, "create_position_ids_from_input_ids", None)) for m in hf.modules())
+
+
 def _greedy_reference(hf, prompt: list[int], n: int) -> list[int]:
     import torch
 
     with torch.no_grad():
-        try:
-            out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                              eos_token_id=None, pad_token_id=0)
-            return out[0, len(prompt):].tolist()
-        except Exception:  # noqa: BLE001 - a family whose generate() needs more: the plain forward, no cache
-            ids = list(prompt)
-            for _ in range(n):
-                ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
-            return ids[len(prompt):]
+        if not _positions_from_ids(hf):
+            try:
+                out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                                  eos_token_id=None, pad_token_id=0)
+                return out[0, len(prompt):].tolist()
+            except Exception:  # noqa: BLE001 - a family whose generate() needs more: the plain forward, no cache
+                pass
+        ids = list(prompt)
+        for _ in range(n):
+            ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
+        return ids[len(prompt):]
 
 
 def run_one(model_type: str, work: Path) -> dict:

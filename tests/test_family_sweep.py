@@ -79,3 +79,65 @@ def test_mechanisms_are_named_from_config_fields_and_module_classes():
     assert "complex-valued" in name_mechanism({}, [], "No decompositions registered for the complex-valued input")
     # a field that is present but off names nothing
     assert name_mechanism({"num_kv_shared_layers": 0, "hidden_size_per_layer_input": 0}) is None
+    # the self-check's diagnosis passes the classes of every module inside the first differing layer
+    assert "compressed convolutional attention" in name_mechanism(defaults("zaya"))
+    assert "compressed convolutional attention" in name_mechanism({}, ["ZayaAttention", "ZayaCCAProjection"])
+    assert "dynamic mask attention" in name_mechanism(defaults("doge"))
+
+
+# Small enough for every family below (each reads the fields it has).
+SMALL = dict(vocab_size=64, d_model=32, hidden_size=32, decoder_layers=1, num_hidden_layers=1,
+             decoder_attention_heads=2, num_attention_heads=2, decoder_ffn_dim=32, intermediate_size=32, ffn_dim=32,
+             max_position_embeddings=64, max_target_positions=64, word_embed_proj_dim=32, pad_token_id=1,
+             bos_token_id=0, eos_token_id=2, decoder_start_token_id=2, is_decoder=True)
+
+
+@pytest.mark.parametrize("model_type", ["mbart", "pegasus", "whisper", "opt", "roberta"])
+def test_position_tables_read_the_steps_positions(model_type):
+    """A step's tokens at positions 6..8, run alone (as in llmc's trace: no cache), get the position rows transformers
+    gives them in the whole sequence: cache-length tables (mbart's offset 2, pegasus' [T, D] sinusoids, whisper, opt)
+    and RoBERTa's padding_idx + 1 offset (compiler/positions.py)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from llmc.compiler import positions
+
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **SMALL), dtype=torch.float32).eval()
+    for p in hf.parameters():
+        torch.nn.init.normal_(p, 0.0, 0.5)  # fresh rows, sinusoid tables too, so a wrong row shows
+    table_name = next(n for n, m in hf.named_modules() if n.endswith(("embed_positions", "embeddings")))
+    table = hf.get_submodule(table_name)
+    seen = []
+    table.register_forward_hook(lambda m, a, out: seen.append(out))
+    ids = torch.randint(3, 64, (1, 9))
+    with torch.no_grad():
+        hf(ids)
+        want = seen.pop()[..., 6:, :]
+        assert positions.install(hf) == [table_name]
+        positions.STEP["positions"] = torch.arange(6, 9)
+        try:
+            hf(ids[:, 6:], position_ids=torch.arange(6, 9)[None])
+        finally:
+            positions.STEP.clear()
+    got = seen.pop()
+    assert got.shape == want.shape
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
+
+
+def test_attention_outside_attention_interface_is_refused_naming_it(tmp_path):
+    """openai-gpt (like megatron-bert, xglm, ...) computes attention in its own module, never calling transformers'
+    AttentionInterface: the trace would have no KV cache, so the build stops, naming the module."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from llmc.compiler.checkpoint import load_checkpoint
+    from llmc.compiler.frontend import trace
+    from llmc.errors import UnsupportedError
+
+    cfg = AutoConfig.for_model("openai-gpt", vocab_size=64, n_embd=32, n_layer=1, n_head=2, n_positions=32)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path)
+    with pytest.raises(UnsupportedError) as exc:
+        trace(load_checkpoint(tmp_path))
+    msg = str(exc.value)
+    assert "llmc does not lower attention computed inside the family's own attention modules" in msg, msg
+    assert "seen in layer 0's attn (Attention)" in msg and "\n" not in msg
