@@ -211,8 +211,8 @@ def _carry_int4(ckpt: Checkpoint, plan: _Plan) -> None:
 
 def _carry_mxfp4(ckpt: Checkpoint, plan: _Plan) -> None:
     """A gpt-oss checkpoint with MXFP4 experts (compiler/prequantized_mxfp4.py) keeps them as stored: the CPU engine
-    runs them from their codes. What would re-quantize them, expand them, or has no MXFP4 kernel yet is refused
-    before any work (exit 3)."""
+    and the CUDA engine run them from their codes. What would re-quantize them, expand them, or has no MXFP4 matmul
+    yet is refused before any work (exit 3)."""
     from llmc.compiler import prequantized_mxfp4
 
     if not prequantized_mxfp4.carried(ckpt.tensors):
@@ -222,10 +222,10 @@ def _carry_mxfp4(ckpt: Checkpoint, plan: _Plan) -> None:
     if options.quant.quant != "none":
         raise UnsupportedError(f"{head}; --quant {options.quant.quant} would re-quantize them; "
                                f"{prequantized_mxfp4.INSTEAD}, or build from the unquantized original")
-    if target.sm is not None or target.backend != "onnxruntime":
-        raise UnsupportedError(f"{head}; {target.flag}: llmc's GPU engines have no MXFP4 expert kernel yet (the CPU "
-                               "engine has), and expanding the experts to bfloat16 would quadruple their memory; "
-                               "build with --target cpu")
+    if (target.sm is not None or target.backend != "onnxruntime") and not uses_cuda_engine(options, target):
+        raise UnsupportedError(f"{head}; {target.flag} --engine {options.engine}: TensorRT has no MXFP4 expert "
+                               "matmul, and expanding the experts to bfloat16 would quadruple their memory; build "
+                               "llmc's CUDA engine (leave --engine out) or --target cpu")
     if options.tp > 1:
         raise UnsupportedError(f"{head}; --tp {options.tp}: MXFP4 experts are not split across ranks yet; build "
                                "without --tp")
@@ -235,7 +235,8 @@ def _carry_mxfp4(ckpt: Checkpoint, plan: _Plan) -> None:
 
 
 def _lower_mxfp4(ckpt: Checkpoint, model) -> int:
-    """The CPU engine's routed expert matmuls over MXFP4 weights -> llmc.Mxfp4MoEMatMul on the checkpoint's codes."""
+    """The routed expert matmuls over MXFP4 weights -> llmc.Mxfp4MoEMatMul on the checkpoint's codes (the CPU engine
+    runs it in llmc's ONNX Runtime library, the CUDA engine as a torch op)."""
     from llmc.compiler import prequantized_mxfp4
 
     carried = prequantized_mxfp4.carried(ckpt.tensors)
@@ -517,7 +518,7 @@ def _compile_stages(ckpt: Checkpoint, digest: str, plan: _Plan, dest: Path, say:
             fold_into_packed(traced.model)
             if verifier is not None:
                 verifier("fold-lora-updates", traced.model)
-        mxfp4 = _lower_mxfp4(ckpt, traced.model) if not gpu else 0
+        mxfp4 = _lower_mxfp4(ckpt, traced.model) if cuda or not gpu else 0
         if verifier is not None:
             for entry in pass_stats:
                 entry["verified_rel_error"] = verifier.errors.get(entry["pass"])

@@ -337,9 +337,9 @@ def model_from_config(cfg: dict, where: Path) -> Model:
     qm = (cfg.get("quantization_config") or {}).get("quant_method") if isinstance(
         cfg.get("quantization_config"), dict) else None
     if qm == "mxfp4":
-        notes.append("the checkpoint ships MXFP4 experts: llmc's CPU engine keeps them as codes "
-                     "(compiler/prequantized_mxfp4.py), but its GPU builds refuse them (no MXFP4 kernel in the CUDA "
-                     "engine yet); planned here: the weights as the --quant recipe stores them, from the original")
+        notes.append("the checkpoint ships MXFP4 experts: llmc's engines keep them as codes, 4.25 bits per weight "
+                     "(compiler/prequantized_mxfp4.py; the CUDA engine decodes routed rows in torch, no Triton kernel "
+                     "yet); planned here: the weights as the --quant recipe stores them, from the original")
     elif qm == "fp8":
         notes.append("the checkpoint's FP8 weights are dequantized on read; planned: as the --quant recipe stores "
                      "them")

@@ -450,6 +450,26 @@ def int4_linear(x, codes, scales, zeros=None, *, group_size: int, k: int, **_):
     return (torch.matmul(a, w),)
 
 
+_FP4 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)  # E2M1 by code
+
+
+@op("Mxfp4MoEMatMul")
+def mxfp4_moe_matmul(x, expert_ids, blocks, scales, **_):
+    """Row ``m`` of ``x [..., K]`` times expert ``expert_ids[m]``'s MXFP4 weight (gpt-oss's layout, kept as stored:
+    ``blocks [E, N, K/32, 16]`` E2M1 pairs, low nibble first; ``scales [E, N, K/32]`` E8M0, bias 127), ``[..., N]``.
+    Each row's codes are gathered and decoded in ``x``'s dtype (a 3-bit significand times a power of two: exact in
+    float32 and bfloat16 over the exponents a checkpoint uses), then one batched matmul (W4A16): the shapes depend
+    on the row count only, as the float experts' gather-then-matmul they replace."""
+    k = x.shape[-1]
+    rows = x.reshape(-1, k)
+    b = blocks[expert_ids.reshape(-1)]  # [M, N, G, 16]
+    codes = torch.stack((b & 0x0F, b >> 4), dim=-1).reshape(*b.shape[:2], -1).long()  # [M, N, K]
+    lut = torch.tensor(_FP4, dtype=torch.float32, device=x.device)
+    exps = scales[expert_ids.reshape(-1)].to(torch.int32) - 127  # [M, N, G]
+    w = torch.ldexp(lut[codes], exps.repeat_interleave(32, dim=-1)).to(x.dtype)
+    return (torch.bmm(w, rows.unsqueeze(-1)).squeeze(-1).reshape(*x.shape[:-1], w.shape[1]),)
+
+
 # -- attention ------------------------------------------------------------------------------------
 
 

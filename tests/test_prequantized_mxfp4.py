@@ -8,7 +8,8 @@ uint8 ``[E, N, K/32, 16]`` (random E2M1 codes, two per byte, low nibble first) a
 its triton kernels) is the reference: llmc's reading of the codes must equal it bit for bit, the engine must keep
 the experts as those codes (about 4.25 bits per weight, counted from the artifact's weight bytes) and its greedy
 tokens (float32, 32 tokens x 3 prompts, one longer than the sliding window) must equal transformers running the
-dequantized model. The native op is held to the numpy reference on random inputs; each refusal is one line.
+dequantized model, for the CPU engine and for the CUDA engine (--gpu h100, its program run by torch on the CPU).
+The native op is held to the numpy reference on random inputs; each refusal is one line.
 """
 
 from __future__ import annotations
@@ -104,6 +105,29 @@ def test_op_matches_reference(isa, e, n, k, rows, mxfp4_isa):
         np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5 * np.abs(want).max())
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_torch_op_matches_reference(dtype):
+    """The CUDA engine's Mxfp4MoEMatMul (runtime/torch_ops.py, run here on the CPU): float32 to rounding; bfloat16
+    (its weights decode exactly, the activations and sums are bfloat16) to bfloat16's precision."""
+    import torch
+
+    from llmc.runtime.torch_ops import OPS
+
+    rng = np.random.default_rng(11)
+    e, n, k, rows = 5, 48, 96, 9
+    blocks = rng.integers(0, 256, (e, n, k // 32, 16), dtype=np.uint8)
+    scales = rng.integers(115, 130, (e, n, k // 32)).astype(np.uint8)
+    x = rng.standard_normal((rows, 1, k)).astype(np.float32)
+    ids = rng.integers(0, e, rows).astype(np.int64)
+    want = reference.mxfp4_moe_matmul(x, ids, blocks, scales)
+    t = getattr(torch, dtype)
+    (got,) = OPS["Mxfp4MoEMatMul"](torch.from_numpy(x).to(t), torch.from_numpy(ids), torch.from_numpy(blocks),
+                                   torch.from_numpy(scales))
+    assert got.dtype == t and tuple(got.shape) == want.shape
+    tol = 2e-5 if dtype == "float32" else 2e-2
+    np.testing.assert_allclose(got.float().numpy(), want, rtol=tol, atol=tol * np.abs(want).max())
+
+
 def test_op_refuses_bad_inputs():
     from onnxruntime.capi.onnxruntime_pybind11_state import RuntimeException
 
@@ -179,11 +203,24 @@ def engine_dir(fixture_dir, tmp_path_factory):
     return out, result
 
 
-def test_engine_keeps_the_codes_and_matches_transformers(engine_dir, transformers_model):
+@pytest.fixture(scope="module")
+def reference_tokens(transformers_model) -> list[list[int]]:
+    """transformers' greedy tokens on the dequantized checkpoint: 32 per prompt, float32."""
+    import torch
+
+    out = []
+    for prompt in PROMPTS:
+        with torch.no_grad():
+            ids = transformers_model.generate(torch.tensor([prompt]), max_new_tokens=32, min_new_tokens=32,
+                                              do_sample=False, eos_token_id=None, pad_token_id=0)
+        out.append(ids[0, len(prompt):].tolist())
+    return out
+
+
+def test_engine_keeps_the_codes_and_matches_transformers(engine_dir, reference_tokens):
     """The experts reach the engine as the checkpoint's blocks and scales (4.25 bits per weight, counted from the
     weights file's bytes), report.json says so, and the greedy tokens equal transformers'."""
     import onnx
-    import torch
     from onnx import external_data_helper
 
     from llmc.runtime import Engine, SamplingParams
@@ -210,11 +247,29 @@ def test_engine_keeps_the_codes_and_matches_transformers(engine_dir, transformer
 
     engine = Engine.load(out)
     outs = engine.generate([list(p) for p in PROMPTS], SamplingParams(max_tokens=32, ignore_eos=True))
-    for prompt, got in zip(PROMPTS, outs, strict=True):
-        with torch.no_grad():
-            want = transformers_model.generate(torch.tensor([prompt]), max_new_tokens=32, min_new_tokens=32,
-                                               do_sample=False, eos_token_id=None,
-                                               pad_token_id=0)[0, len(prompt):].tolist()
+    for prompt, got, want in zip(PROMPTS, outs, reference_tokens, strict=True):
+        assert got.token_ids == want, (prompt, got.token_ids, want)
+
+
+def test_cuda_engine_keeps_the_codes_and_matches_transformers(fixture_dir, reference_tokens, tmp_path, monkeypatch):
+    """--gpu h100 (float32, built with no GPU, its program run by torch on the CPU): the experts stay uint8 blocks
+    and scales in weights.safetensors (the Mxfp4MoEMatMul torch op decodes each routed row's codes, W4A16), no float
+    copy of them, and the greedy tokens equal transformers'."""
+    from safetensors import safe_open
+
+    from llmc.compiler.build import BuildOptions, build
+    from llmc.runtime import Engine, SamplingParams
+
+    monkeypatch.setenv("LLMC_CACHE_DIR", str(tmp_path / "cache"))
+    result = build(fixture_dir, tmp_path / "cuda", BuildOptions(target="h100", dtype="float32", aot_kernels=False))
+    assert result.report["mxfp4"]["matmuls"] == 4
+    with safe_open(tmp_path / "cuda" / "weights.safetensors", "np") as f:
+        kinds = {name: (f.get_slice(name).get_dtype(), len(f.get_slice(name).get_shape())) for name in f.keys()}
+    assert sum(1 for n, (dt, _) in kinds.items() if "experts" in n and dt == "U8") == 8  # 4 blocks + 4 scales
+    assert not any("experts" in n and dt != "U8" and rank >= 3 for n, (dt, rank) in kinds.items())
+    engine = Engine.load(tmp_path / "cuda", device="cpu")
+    outs = engine.generate([list(p) for p in PROMPTS], SamplingParams(max_tokens=32, ignore_eos=True))
+    for prompt, got, want in zip(PROMPTS, outs, reference_tokens, strict=True):
         assert got.token_ids == want, (prompt, got.token_ids, want)
 
 
@@ -254,15 +309,11 @@ def test_malformed_blocks_and_scales_are_refused(fixture_dir, tmp_path):
         assert "\n" not in str(info.value) and info.value.exit_code == 2 and "model.safetensors" in str(info.value)
 
 
-@pytest.mark.parametrize("options,phrase", [
-    (dict(quant="int4"), "--quant int4 would re-quantize"),
-    (dict(target="h100"), "--gpu h100"),
-])
-def test_requests_that_would_not_keep_the_codes_are_refused(fixture_dir, tmp_path, options, phrase):
+@pytest.mark.parametrize("quant", ["int4", "fp8"])
+def test_requantizing_is_refused(fixture_dir, tmp_path, quant):
     from llmc.compiler.build import BuildOptions, build
     from llmc.quant.recipe import QuantRecipe
 
-    opts = BuildOptions(quant=QuantRecipe(quant=options["quant"])) if "quant" in options else BuildOptions(**options)
-    with pytest.raises(UnsupportedError, match=phrase) as info:
-        build(fixture_dir, tmp_path / "e", opts)
-    assert "\n" not in str(info.value) and not (tmp_path / "e").exists()
+    with pytest.raises(UnsupportedError, match=f"--quant {quant} would re-quantize them") as info:
+        build(fixture_dir, tmp_path / "e", BuildOptions(quant=QuantRecipe(quant=quant)))
+    assert "\n" not in str(info.value) and info.value.exit_code == 3 and not (tmp_path / "e").exists()
