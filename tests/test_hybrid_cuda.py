@@ -285,6 +285,14 @@ def test_manifest_has_the_state_pool_and_the_recurrent_kernels(family):
         if KERNEL_OPS[model_type]:
             assert kernels[n["attrs"]["kernel"]]["file"].endswith(".sm90.cubin")
     assert sorted(n["attrs"]["state_idx"] for n in state_nodes) == list(range(len(state_nodes)))
+    # Shape arithmetic was folded (compiler/backends/cuda_fold.py): host metadata (Shape's CPU tensors) reaches only
+    # inputs the program reads as Python ints, never a device op (Qwen3.5's M-RoPE had Range -> ScatterND indices).
+    from llmc.runtime.torch_program import HOST_INPUTS
+
+    producer = {o: n["op"] for n in spec["nodes"] for o in n["outputs"]}
+    assert not [n for n in spec["nodes"] if n["op"] == "Range"]
+    assert not [(n["op"], j) for n in spec["nodes"] for j, name in enumerate(n["inputs"])
+                if producer.get(name) == "Shape" and j not in HOST_INPUTS.get(n["op"], ())]
 
 
 def test_engine_matches_transformers(family):

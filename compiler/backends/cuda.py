@@ -264,8 +264,20 @@ class _Lowering:
                                    f"({len(self.kv_fp8)} of {layers} have one)")
         dead = self._dead_after_fusion()
         lora = self._lora_sites(dead)
+        # Hybrid models: their shape arithmetic becomes constants (llmc.compiler.backends.cuda_fold says why; kept to
+        # them for now: a --tp build's sharding rewrites shapes that must stay computed).
+        folder = None
+        if any(n.op_type in torch_program.STATE_OPS for n in self.graph):
+            from llmc.compiler.backends.cuda_fold import ShapeFolder
+
+            folder = ShapeFolder()
         for node in self.graph:
             if id(node) in dead:
+                continue
+            if folder is not None and (folded := folder.fold(node)) is not None:
+                for name, value in folded.items():
+                    self.derived(name, "int64", value.shape, lambda v=value: v)
+                self.fusions["folded-shape-ops"] = self.fusions.get("folded-shape-ops", 0) + 1
                 continue
             if id(node) in lora:
                 self._emit_lora(node, lora[id(node)])
