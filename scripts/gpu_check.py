@@ -86,6 +86,9 @@ def parse_args(argv):
     p.add_argument("--iters", type=int, default=20, help="timed iterations per bandwidth measurement")
     p.add_argument("--quick", action="store_true",
                    help="the bf16 CUDA engine alone (build, graphs vs eager, decode b1/8/64, prefill): a short lease")
+    p.add_argument("--profile", action="store_true",
+                   help="after the engine section: torch.profiler over decode steps of its bf16 engine at batch 1 "
+                        "and 64, per kernel and per kind of work (where the step's time goes)")
     p.add_argument("--skip", action="append", default=[],
                    choices=["engine", "correctness", "aot", "bandwidth", "tensorrt", "calibration", "recurrent",
                             "lora"])
@@ -419,6 +422,13 @@ def print_engine(r: dict) -> None:
         print(f"  build rc {b['rc']} {b.get('s')} s: {b['cmd']}" + ("" if b["rc"] == 0 else f"\n{b['tail']}"))
 
 
+def _run_profile(report: dict) -> dict:
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from gpu_engine_check import run_profile
+
+    return run_profile(report)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     t_start = time.time()
@@ -468,6 +478,8 @@ def main(argv=None) -> int:
                 section("engine", report, lambda: run_engine(args.budget_s - 90, t_start, report))
             print_engine(report["engine"])
         save()
+        if args.profile:
+            gpu_only("profile", lambda: _run_profile(report))
     gpu_only("bandwidth", lambda: run_bandwidth(args, time.time() - args.budget_s + 40))
     if "correctness" not in args.skip:
         section("correctness", report, lambda: run_correctness(args.cpu_smoke, device))
@@ -490,13 +502,14 @@ def main(argv=None) -> int:
         copy_bw = report.get("bandwidth", {}).get("copy_bandwidth_gbs")
         section("lora", report, lambda: run_lora(args.cpu_smoke, device, _time_cuda, copy_bw))
         save()
-    for name in ("engine", "correctness", "aot", "bandwidth", "tensorrt", "calibration", "recurrent", "lora"):
+    for name in ("engine", "profile", "correctness", "aot", "bandwidth", "tensorrt", "calibration", "recurrent",
+                 "lora"):
         r = report.get(name)
         if r is not None and ("error" in r or "skipped" in r):
             print(f"\n{name}: " + (f"ERROR {r['error']}\n{r.get('traceback', '')}" if "error" in r
                                    else f"skipped: {r['skipped']}"))
-    report["ok"] = all(report[k]["ok"] for k in ("engine", "correctness", "aot", "bandwidth", "tensorrt", "calibration",
-                                                 "recurrent", "lora") if k in report)
+    report["ok"] = all(report[k]["ok"] for k in ("engine", "profile", "correctness", "aot", "bandwidth", "tensorrt",
+                                                 "calibration", "recurrent", "lora") if k in report)
     report["seconds"] = round(time.time() - t_start, 1)
     with open(args.out, "w") as f:
         json.dump(report, f, indent=1)

@@ -144,6 +144,7 @@ def run_quick(report: dict) -> dict:
     if rc:
         res["error"] = "bf16 build failed: " + log[-2000:]
         return res
+    res["engine_dir"] = str(out)  # the bf16 engine, for the profile section
     manifest = json.loads((out / "manifest.json").read_text())
     res["kernels"] = {v: sum(1 for k in manifest["engine"]["kernels"] if k["variant"] == v)
                       for v in ("decode", "prefill", "fused")}
@@ -205,6 +206,7 @@ def run_engine(budget_s: float, t_start: float, report: dict) -> dict:
         if rc:
             res["error"] = "bf16 build failed: " + out[-2000:]
             return res
+    res["engine_dir"] = str(eng["bf16"])  # for the profile section
     # The quantized builds calibrate and score on the CPU: run them while the GPU checks parity.
     # A short calibration and accuracy report: this measures speed, and the last H200 run lost the fp8 build to
     # the time budget. int4-awq is the format issue 17's figure names (>= 2x the bf16 engine).
@@ -359,4 +361,27 @@ def run_engine(budget_s: float, t_start: float, report: dict) -> dict:
         rows.append({"who": "transformers torch.compile reduce-overhead", "batch": 1, "tok_s": None,
                      "error": "skipped: time budget"})
     res["ok"] = all(r["identical"] or r.get("tie_within_bf16") for r in parity) and res["graphs_equal_eager"]
+    return res
+
+
+def run_profile(report: dict, batches: tuple[int, ...] = (1, 64), steps: int = 10) -> dict:
+    """Where a decode step's time goes on the bf16 engine the engine section built: per-kernel device times of
+    ``steps`` decode steps (llmc.runtime.step_profile) at each batch, grouped by kind of work."""
+    import numpy as np
+
+    from llmc.runtime import Engine
+    from llmc.runtime.step_profile import format_profile, profile_decode
+
+    path = report.get("engine", {}).get("engine_dir")
+    if not path:
+        return {"ok": False, "error": "no bf16 engine: the engine section did not build one"}
+    cfg = json.loads((Path(path) / "hf_config.json").read_text())
+    engine = Engine.load(path, kv_cache_tokens=max(batches) * (PROMPT_LEN + 2 * steps + 8), verify=False)
+    rng = np.random.default_rng(0)
+    res: dict = {"ok": True, "engine_dir": path, "profiles": []}
+    for b in batches:
+        prompts = [rng.integers(3, cfg["vocab_size"], PROMPT_LEN).tolist() for _ in range(b)]
+        prof = profile_decode(engine, prompts, steps=steps)
+        print(format_profile(prof), flush=True)
+        res["profiles"].append(prof.as_dict())
     return res

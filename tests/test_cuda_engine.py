@@ -145,6 +145,30 @@ def test_the_engine_samples_on_the_device_with_the_host_samplers_tokens(engines)
     assert spec._session.rows_sampled_on_device > 0 and spec.stats().spec_num_verify_steps > 0
 
 
+def test_decode_step_profile_names_where_the_time_goes_and_leaves_the_engine_as_it_was(engines):
+    """llmc.runtime.step_profile (gpu_check --profile): torch.profiler over decode steps of the CUDA engine (here
+    its torch program on the CPU: op self times), per kernel and per kind of work; the requests it ran are
+    cancelled, so the engine then generates as before. A CPU (ONNX Runtime) engine is refused in one line."""
+    from llmc.runtime.step_profile import format_profile, profile_decode
+
+    cuda_path, cpu_path, _ = engines
+    eng = Engine.load(cuda_path, device="cpu")
+    rng = np.random.default_rng()
+    prompt = _fresh_ids(12, eng.vocab_size)
+    want = eng.generate([prompt], SamplingParams(max_tokens=6, ignore_eos=True))[0].token_ids
+    prof = profile_decode(eng, [_fresh_ids(int(n), eng.vocab_size) for n in rng.integers(3, 20, 3)], steps=2)
+    assert prof.batch == 3 and prof.steps == 2 and prof.wall_ms_per_step > 0
+    assert abs(sum(prof.kinds.values()) - prof.kernel_ms_per_step) < 1e-6 * max(1.0, prof.kernel_ms_per_step)
+    assert prof.kinds.get("matmul", 0) > 0 and 0 < sum(k.share for k in prof.top) <= 1 + 1e-9
+    assert all(a.us_per_step >= b.us_per_step for a, b in zip(prof.top, prof.top[1:], strict=False))
+    table = format_profile(prof)
+    assert "batch 3" in table and "matmul" in table and prof.top[0].name[:20] in table
+    assert not eng.has_unfinished()
+    assert eng.generate([prompt], SamplingParams(max_tokens=6, ignore_eos=True))[0].token_ids == want
+    with pytest.raises(ValueError, match="CUDA engine"):
+        profile_decode(Engine.load(cpu_path), [prompt])
+
+
 def test_default_model_cuda_engine_matches_transformers(tmp_path):
     import torch
     from transformers import AutoModelForCausalLM
