@@ -450,9 +450,6 @@ def int4_linear(x, codes, scales, zeros=None, *, group_size: int, k: int, **_):
     return (torch.matmul(a, w),)
 
 
-_FP4 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)  # E2M1 by code
-
-
 @op("Mxfp4MoEMatMul")
 def mxfp4_moe_matmul(x, expert_ids, blocks, scales, **_):
     """Row ``m`` of ``x [..., K]`` times expert ``expert_ids[m]``'s MXFP4 weight (gpt-oss's layout, kept as stored:
