@@ -456,14 +456,18 @@ def mxfp4_moe_matmul(x, expert_ids, blocks, scales, **_):
     ``blocks [E, N, K/32, 16]`` E2M1 pairs, low nibble first; ``scales [E, N, K/32]`` E8M0, bias 127), ``[..., N]``.
     Each row's codes are gathered and decoded in ``x``'s dtype (a 3-bit significand times a power of two: exact in
     float32 and bfloat16 over the exponents a checkpoint uses), then one batched matmul (W4A16): the shapes depend
-    on the row count only, as the float experts' gather-then-matmul they replace."""
+    on the row count only, as the float experts' gather-then-matmul they replace. The E2M1 values are computed from
+    the code bits (no table copied to the device: nothing here breaks a CUDA graph's capture)."""
     k = x.shape[-1]
     rows = x.reshape(-1, k)
-    b = blocks[expert_ids.reshape(-1)]  # [M, N, G, 16]
-    codes = torch.stack((b & 0x0F, b >> 4), dim=-1).reshape(*b.shape[:2], -1).long()  # [M, N, K]
-    lut = torch.tensor(_FP4, dtype=torch.float32, device=x.device)
-    exps = scales[expert_ids.reshape(-1)].to(torch.int32) - 127  # [M, N, G]
-    w = torch.ldexp(lut[codes], exps.repeat_interleave(32, dim=-1)).to(x.dtype)
+    ids = expert_ids.reshape(-1)
+    b = blocks[ids]  # [M, N, G, 16]
+    c = torch.stack((b & 0x0F, b >> 4), dim=-1).reshape(*b.shape[:2], -1).to(torch.int32)  # [M, N, K] codes
+    e = (c >> 1) & 3  # E2M1: e == 0 -> m / 2; else (1 + m / 2) * 2^(e - 1); bit 3 the sign
+    sig = (e > 0).to(torch.float32) + 0.5 * (c & 1).to(torch.float32)
+    sig = torch.where((c & 8) != 0, -sig, sig)
+    exps = (scales[ids].to(torch.int32) - 127).repeat_interleave(32, dim=-1) + e.clamp(min=1) - 1
+    w = torch.ldexp(sig, exps).to(x.dtype)
     return (torch.bmm(w, rows.unsqueeze(-1)).squeeze(-1).reshape(*x.shape[:-1], w.shape[1]),)
 
 
