@@ -10,6 +10,7 @@ time when it writes the engine.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import re
 import warnings
@@ -328,18 +329,22 @@ def _build_module(checkpoint: Checkpoint, compute_dtype: str):
             _STEP[STATE_SLOTS] = state_slots
             position_tables.STEP["positions"] = positions
             try:
+                keep = dict(logits_to_keep=logits_indices) if takes_logits_to_keep else {}
                 out = self.inner(
                     input_ids=input_ids[None],
                     position_ids=positions[None],
                     use_cache=False,
-                    logits_to_keep=logits_indices,
+                    **keep,
                     **paging,
                 )
             finally:
                 _STEP.clear()
                 position_tables.STEP.clear()
-            return out.logits[0].float()
+            # A head without logits_to_keep (whisper's) returns every token's row: select the sampled ones here.
+            logits = out.logits[0] if takes_logits_to_keep else out.logits[0][logits_indices]
+            return logits.float()
 
+    takes_logits_to_keep = "logits_to_keep" in inspect.signature(hf.forward).parameters
     return config, hf, PackedCausalLM(hf).eval(), rope
 
 
