@@ -143,7 +143,7 @@ def test_gated_delta_kernel_chunked_equals_token_by_token_and_transformers():
 
     whole = run(0, 70)
     after = state[1].clone()
-    parts = torch.cat([run(0, 30), run(30, 55)] + [run(i, i + 1) for i in range(55, 70)])
+    parts = torch.cat([run(0, 30), run(30, 65)] + [run(i, i + 1) for i in range(65, 70)])
     torch.testing.assert_close(parts, whole, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(state[1], after, rtol=1e-4, atol=1e-5)
     q, k, v, g, beta = (torch.from_numpy(a)[None] for a in inputs)
@@ -217,7 +217,7 @@ def test_ssd_kernel_chunked_equals_token_by_token_and_transformers():
 
     whole = run(0, 37)
     after = state[1].clone()
-    parts = torch.cat([run(0, 20)] + [run(i, i + 1) for i in range(20, 37)])
+    parts = torch.cat([run(0, 20), run(20, 33)] + [run(i, i + 1) for i in range(33, 37)])
     torch.testing.assert_close(parts, whole, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(state[1], after, rtol=1e-4, atol=1e-5)
     x, b, c, dt = (torch.from_numpy(a) for a in inputs)
@@ -297,8 +297,8 @@ def test_manifest_has_the_state_pool_and_the_recurrent_kernels(family):
 
 def test_engine_matches_transformers(family):
     """3 prompts (one past the 16-token prefill chunks) x 32 greedy tokens on device="cpu": batched with chunked
-    prefill and through preemption (and, for Qwen3.5, each prompt alone and without chunking); every slot given back,
-    prefix caching off saying why."""
+    prefill and through preemption (and, for Qwen3.5, each prompt alone); every slot given back, prefix caching off
+    saying why."""
     from llmc.runtime import Engine, SamplingParams
     from llmc.testing.hybrids import PROMPTS
 
@@ -312,12 +312,10 @@ def test_engine_matches_transformers(family):
     assert "not snapshotted" in stats.prefix_caching_disabled_reason and stats.kv_blocks_cached == 0
     assert stats.state_bytes == sum(int(np.prod(a["shape"])) * 4 for a in engine.manifest["state_cache"]["arrays"]
                                     ) * stats.state_slots_total
-    if model_type == "qwen3_5_text":  # batched = alone, and unchunked (once: the step code is the same per family)
+    if model_type == "qwen3_5_text":  # batched = alone (once: the step code is the same for every family; chunked
+        # prefill off is the CPU engine's tests' (tests/test_hybrid_*.py): the scheduler and state slots are shared)
         for prompt, ref in zip(prompts, refs, strict=True):
             assert engine.generate([prompt], params)[0].token_ids == ref
-        engine = Engine.load(engine_dir, device="cpu", kv_cache_tokens=512, enable_chunked_prefill=False,
-                             max_num_tokens=256)
-        assert [o.token_ids for o in engine.generate(prompts, params)] == refs
     engine = Engine.load(engine_dir, device="cpu", kv_cache_tokens=128, max_num_tokens=32)
     assert [o.token_ids for o in engine.generate(prompts, params)] == refs
     assert engine.stats().num_preemptions > 0 and engine.stats().state_slots_used == 0
@@ -343,8 +341,9 @@ def test_kernel_launch_path_on_cpu_matches_transformers(family):
     hybrid = engine.manifest["state_cache"]
     engine._state = StatePool(session.allocate_state(hybrid, 3), list(hybrid["arrays"]), [2, 1, 0])
     engine._session = session
-    outs = engine.generate([list(PROMPTS[3]), list(PROMPTS[2])], SamplingParams(max_tokens=3, ignore_eos=True))
-    assert [o.token_ids for o in outs] == [refs[2][:3], refs[1][:3]]
+    # the interpreter walks every token of every program: a 37-token prompt in 32-token chunks beside a short one
+    outs = engine.generate([list(PROMPTS[1]), list(PROMPTS[2])], SamplingParams(max_tokens=3, ignore_eos=True))
+    assert [o.token_ids for o in outs] == [refs[0][:3], refs[1][:3]]
 
 
 def test_hybrid_gpu_build_with_tp_is_refused_before_any_work(tmp_path):
