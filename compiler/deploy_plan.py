@@ -6,8 +6,8 @@ tensor-parallel degree, :func:`plan` gives per GPU:
 - the weight bytes llmc's CUDA engine would store, by tensor class (attention, MLP, experts, router, embeddings,
   LM head, norms and other vectors), sharded as ``llmc build --tp N`` shards them (:mod:`llmc.compiler.sharding`:
   column-parallel openers and row-parallel closers, query heads divided by N, KV heads split or replicated, MoE
-  experts' weights divided by N, everything else -- embeddings and the LM head included -- replicated on every
-  GPU, as the manifest's ``parallel`` section states);
+  experts' weights divided by N, embeddings and LM head vocab-parallel (rows / N; replicated when the vocabulary
+  does not divide), everything else replicated on every GPU, as the manifest's ``parallel`` section states);
 - the KV bytes per token, layer by layer as the KV pool stores them (:func:`kv_layers`);
 - how many tokens of KV fit at ``gpu_memory_utilization`` after the weights and the runtime's activation reserve,
   and the largest batch of ``max_model_len``-token sequences;
@@ -65,8 +65,8 @@ class Tensor:
     ``split``: how tensor parallelism shards it: ``n`` (column-parallel, outputs / N), ``k`` (row-parallel,
     inputs / N), ``kv`` (KV-head rows: split when kv_heads >= N, one head per rank when replicated), ``e``
     (experts' bytes / N: each expert's intermediate columns split, the same bytes as whole experts partitioned),
-    or ``None`` (replicated: embeddings and the LM head too, as the sharding pass leaves them). ``copies``:
-    identical layers holding one each."""
+    ``vocab`` (rows / N; whole when the vocabulary does not divide into N, as the sharding pass leaves them), or
+    ``None`` (replicated). ``copies``: identical layers holding one each."""
 
     cls: str
     name: str
@@ -141,6 +141,7 @@ class Plan:
     allreduce_bytes_per_token: int = 0
     allreduce_ring_bytes_per_gpu: int = 0
     allreduce_s_per_token: float | None = None
+    allgather_bytes_per_token: int = 0  # the vocab-parallel LM head's logits of a sampled token
     weights_bytes_if_experts_quantized: int | None = None
 
 
@@ -317,7 +318,7 @@ def model_from_config(cfg: dict, where: Path) -> Model:
                         Tensor("mlp", "down_bias", "vector", 1, hidden, 1, None)]
 
     tensors.append(Tensor("other", "final_norm", "vector", 1, hidden, 1, None))
-    tensors.append(Tensor("embeddings", "embed_tokens", "embedding", 1, vocab, hidden, None))
+    tensors.append(Tensor("embeddings", "embed_tokens", "embedding", 1, vocab, hidden, "vocab"))
     if mt.startswith("gemma4") and cfg.get("hidden_size_per_layer_input"):
         # Gemma 4's per-layer inputs: one packed table, its projection from the residual, per-layer gates
         ple, ple_vocab = int(cfg["hidden_size_per_layer_input"]), int(cfg.get("vocab_size_per_layer_input", vocab))
@@ -330,7 +331,7 @@ def model_from_config(cfg: dict, where: Path) -> Model:
         notes.append("Gemma 4: per-layer-input table, projection and gates counted; vision/audio towers not")
     tied = cfg.get("tie_word_embeddings", mt.startswith("gemma"))
     if not tied:
-        tensors.append(Tensor("lm_head", "lm_head", "head", 1, vocab, hidden, None))
+        tensors.append(Tensor("lm_head", "lm_head", "head", 1, vocab, hidden, "vocab"))
     if cfg.get("num_nextn_predict_layers"):
         notes.append(f"{cfg['num_nextn_predict_layers']} multi-token-prediction layer(s) in the checkpoint are not "
                      "counted: transformers' model (which llmc traces) does not use them")
@@ -351,7 +352,7 @@ def model_from_config(cfg: dict, where: Path) -> Model:
                      f"({cfg['kv_lora_rank']} + {cfg['qk_rope_head_dim']} per layer, {latent} B/token in bf16)")
     if tied:
         notes.append("tied embeddings: one table unquantized; a quantized recipe adds a quantized LM head copy")
-        tensors.append(Tensor("lm_head", "lm_head (tied, quantized copy)", "tied_head", 1, vocab, hidden, None))
+        tensors.append(Tensor("lm_head", "lm_head (tied, quantized copy)", "tied_head", 1, vocab, hidden, "vocab"))
     return Model(mt, layers, hidden, heads, kv_heads, vocab, max_pos, tuple(tensors), tuple(kv), n_exp, top_k,
                  tuple(notes))
 
@@ -442,6 +443,8 @@ def shard(t: Tensor, tp: int) -> tuple[int, int, int]:
         return t.e, t.n, t.k // tp
     if t.split == "e":
         return t.e // tp, t.n, t.k
+    if t.split == "vocab":
+        return (t.e, t.n // tp, t.k) if t.n % tp == 0 else (t.e, t.n, t.k)
     if t.split == "kv":
         return t.e, (t.n // tp if t.heads >= tp else t.n // t.heads), t.k
     return t.e, t.n, t.k
@@ -560,7 +563,9 @@ def plan(model: Model, target, tp: int, quant: str = "none", kv_cache_dtype: str
         p.decode_bmax_bytes = step_weight_read(model, tp, quant, b) + b * kv_read_bytes(model, tp, kv_b, max_model_len)
         p.decode_bmax_s = p.decode_bmax_bytes / bw
     if tp > 1:
-        p.allreduce_bytes_per_token = 2 * model.num_layers * model.hidden_size * ENGINE_DTYPE_BYTES
+        vocab_split = model.vocab_size % tp == 0  # the embedding lookup's all-reduce, the logits' all-gather
+        p.allreduce_bytes_per_token = (2 * model.num_layers + vocab_split) * model.hidden_size * ENGINE_DTYPE_BYTES
+        p.allgather_bytes_per_token = model.vocab_size * ENGINE_DTYPE_BYTES if vocab_split else 0
         p.allreduce_ring_bytes_per_gpu = 2 * (tp - 1) * p.allreduce_bytes_per_token // tp
         if target.interconnect_gbps:
             p.allreduce_s_per_token = p.allreduce_ring_bytes_per_gpu / (target.interconnect_gbps / 2 * 1e9)
@@ -704,9 +709,11 @@ def report(path: str | Path, gpu: str, tp: str = "1", quant: str = "none", kv_ca
             "decode_roofline": "(weights read + KV read at max_model_len context per sequence; batch 1: the KV "
                                "tokens that fit, when fewer) / memory bandwidth; "
                                "MoE: a rank reads 1 - (1 - k/E)^batch of its experts (expected)",
-            "allreduce": "2 all-reduces per layer of hidden_size bf16 activations per token: 2 x layers x hidden x 2 "
-                         "B; a ring sends 2 (tp - 1) / tp of it per GPU, timed at half the interconnect's "
-                         "two-way bandwidth, latency not counted",
+            "allreduce": "2 all-reduces per layer of hidden_size bf16 activations per token, and one after the "
+                         "vocab-parallel embedding lookup: (2 x layers + 1) x hidden x 2 B; a ring sends "
+                         "2 (tp - 1) / tp of it per GPU, timed at half the interconnect's two-way bandwidth, latency "
+                         "not counted; allgather_bytes_per_token: the vocab-parallel LM head's bf16 logits of a "
+                         "sampled token (vocab x 2 B), not in the time",
         },
         "plans": [to_json(p) for p in rows],
         "notes": notes,
@@ -746,7 +753,7 @@ def render(rep: dict) -> str:
     lines.append("")
     lines.append("weights/GPU includes norms and other vectors; KV room = utilization x memory - weights - reserve "
                  "(1 GiB + 2048 x vocab x 8 B); decode = HBM roofline, bytes read per step / bandwidth; "
-                 "allreduce = 2 x layers x hidden x 2 B per token, then its ring time at NVLink speed (--json: every "
-                 "assumption and figure)")
+                 "allreduce = (2 x layers + 1) x hidden x 2 B per token, then its ring time at NVLink speed "
+                 "(--json: every assumption and figure)")
     lines += [f"note: {n}" for n in rep["notes"]]
     return "\n".join(lines)

@@ -5,8 +5,9 @@ as the CUDA backend lowers it (a flat node list whose weights are still lazy): e
 layer runs between *column-parallel openers* (Q/K/V, gate/up; fused openers split by their fused output
 sizes) and one *row-parallel closer* (o_proj, down_proj) whose output meets the residual stream. Each rank
 keeps its share of the openers' output columns and the matching rows of the closer, and an ``AllReduce``
-node after the closer sums the ranks' partial outputs. Everything outside a block (embeddings, norms, the
-LM head) is replicated.
+node after the closer sums the ranks' partial outputs. The embedding table and the LM head are vocab-parallel
+when the vocabulary divides (a token's row looked up on its rank, zeros elsewhere, all-reduced; the logits
+all-gathered); everything else outside a block (norms, the router) is replicated.
 
 - Attention: each rank owns ``num_heads / N`` query heads and ``num_kv_heads / N`` KV heads; with fewer KV
   heads than ranks each KV head is replicated on ``N / num_kv_heads`` ranks (the ranks whose query heads read
@@ -192,21 +193,100 @@ def shard(nodes: list[dict], weights: dict, world: int, experts: str = "split") 
         raise UnsupportedError(f"--tp {world}: found {len(blocks) - len(shared) + len(moe)} column/row-parallel "
                                f"blocks for {len(attn)} attention layers (expected one attention and one MLP block per "
                                "layer); this architecture's layers are not split yet; build with --tp 1")
+    vocab = _vocab_parallel(g, blocks, world)
     ranks = []
     reps = max(1, world // kv)
     for r in range(world):
-        ranks.append(_rank(g, blocks, moe, mla, shared, r, world, h, kv, experts))
+        ranks.append(_rank(g, blocks, moe, mla, shared, r, world, h, kv, experts, vocab))
     attention = "heads split, KV heads " + (f"replicated on {reps} ranks each" if reps > 1 else "split")
     if mla:
         attention = ("multi-head latent attention: q_b_proj/q_proj and kv_b_proj columns split by heads, the "
                      "compressed latent (q_a_proj, kv_a_proj_with_mqa, their norms, the rotary key) replicated")
-    layout = {"attention": attention, "mlp": "intermediate columns split", "embeddings": "replicated",
+    split_vocab = "vocab-parallel: rank r holds rows [r V/N, (r+1) V/N)"
+    layout = {"attention": attention, "mlp": "intermediate columns split",
+              "embeddings": (f"{split_vocab}; a token's row is looked up on its rank, zeros elsewhere, then "
+                             "all-reduced" if vocab.embeddings else "replicated"),
               **({"experts": EXPERT_LAYOUT[experts]} if moe else {}),
               **({"shared_experts": "intermediate columns split; summed with the routed experts by one all-reduce"}
                  if shared else {}),
-              "lm_head": "replicated", "all_reduce_after": "o_proj and down_proj (row-parallel)"}
+              "lm_head": (f"{split_vocab} of its output columns; the logits all-gathered" if vocab.head is not None
+                          else "replicated"),
+              "all_reduce_after": "o_proj and down_proj (row-parallel)"}
     return ShardPlan(world, ranks, h // world, max(1, kv // world), reps, len(blocks) - len(shared) + len(moe),
                      layout)
+
+
+@dataclass
+class _Vocab:
+    """The vocabulary-sized tables split by rows over the ranks (vocab-parallel), when the vocabulary divides."""
+
+    size: int = 0
+    embeddings: list[int] = field(default_factory=list)  # Gather nodes of the token-embedding table
+    head: int | None = None  # the LM head's linear
+
+
+def _vocab_parallel(g: _Graph, blocks, world: int) -> _Vocab:
+    """The token-embedding lookups (``Gather(table [V, H], ids)`` of the token ids) and the LM head (the linear
+    outside every block whose output has V columns), split by vocabulary rows when V divides into the ranks; a
+    table anything else reads (a tied embedding read as a weight elsewhere) stays replicated."""
+    in_blocks = {i for openers, _, closer in blocks for i in (*openers, closer)}
+    ids = {"input_ids"}
+    for n in g.nodes:  # the token ids and their reshapes, not values computed from the embeddings
+        if n["op"] in ("Unsqueeze", "Reshape", "Squeeze", "Cast") and n["inputs"][0] in ids:
+            ids.update(n["outputs"])
+    emb = [i for i, n in enumerate(g.nodes) if n["op"] == "Gather" and n["inputs"][0] in g.weights
+           and n["inputs"][1] in ids and int(n["attrs"].get("axis", 0)) == 0
+           and len(g.weights[n["inputs"][0]].shape) == 2]
+    if len(emb) != 1:
+        return _Vocab()
+    table = g.nodes[emb[0]]["inputs"][0]
+    v = int(g.weights[table].shape[0])
+    if v % world or len(g.users.get(table, [])) != 1:
+        return _Vocab()
+    heads = [i for i, n in enumerate(g.nodes) if g.is_linear(i) and i not in in_blocks and _out_width(g, i) == v]
+    return _Vocab(v, emb, heads[0] if len(heads) == 1 else None)
+
+
+def _vocab_rank(g: _Graph, nodes: list[dict], vocab: _Vocab, r: int, world: int, cut, new_weight,
+                inserted: list) -> None:
+    """This rank's rows of the vocabulary: the embedding lookup of the tokens it holds (a localised id, the row
+    masked to zero for other ranks' tokens, then the all-reduce that sums the one nonzero row of each token:
+    exact) and the LM head's columns of them (the logits all-gathered in rank order)."""
+    per = vocab.size // world
+    rows = np.arange(r * per, (r + 1) * per, dtype=np.int64)
+    for i in vocab.embeddings:
+        n = nodes[i]
+        table, ids = n["inputs"]
+        out = n["outputs"][0]
+        tag = f"{out}@vocab{r}"
+
+        def const(name: str, values: list[int], shape, table=table) -> str:
+            return new_weight(f"{table}.{name}", f"{r}", "I64", shape, _consts("I64", values))
+
+        inserted.append((i - 1, [
+            {"op": "Sub", "inputs": [ids, const("vocab_first", [r * per], ())], "outputs": [f"{tag}.d"], "attrs": {}},
+            {"op": "Max", "inputs": [f"{tag}.d", const("vocab_zero", [0], ())], "outputs": [f"{tag}.lo"],
+             "attrs": {}},
+            {"op": "Min", "inputs": [f"{tag}.lo", const("vocab_last", [per - 1], ())], "outputs": [f"{tag}.id"],
+             "attrs": {}},
+            {"op": "Equal", "inputs": [f"{tag}.id", f"{tag}.d"], "outputs": [f"{tag}.mine"], "attrs": {}},
+            {"op": "Cast", "inputs": [f"{tag}.mine"], "outputs": [f"{tag}.m"], "attrs": {"to": "float32"}},
+            {"op": "Unsqueeze", "inputs": [f"{tag}.m", const("vocab_axis", [-1], (1,))], "outputs": [f"{tag}.mask"],
+             "attrs": {}},
+        ]))
+        n["inputs"] = [cut(table, 0, rows, f"v{r}"), f"{tag}.id"]
+        n["outputs"] = [f"{tag}.rows"]
+        inserted.append((i, [
+            {"op": "Mul", "inputs": [f"{tag}.rows", f"{tag}.mask"], "outputs": [f"{out}@partial"], "attrs": {}},
+            {"op": ALL_REDUCE, "inputs": [f"{out}@partial"], "outputs": [out], "attrs": {}},
+        ]))
+    if vocab.head is not None:
+        n = nodes[vocab.head]
+        _cut_opener(n, rows, cut, g, world)
+        out = n["outputs"][0]
+        n["outputs"][0] = f"{out}@vocab"
+        inserted.append((vocab.head, [{"op": "AllGather", "inputs": [f"{out}@vocab"], "outputs": [out],
+                                       "attrs": {"axis": -1}}]))
 
 
 def _head_cols(heads: list[int], d: int) -> np.ndarray:
@@ -451,7 +531,8 @@ def _in_width(g: _Graph, i: int) -> int:
     return int(w.shape[0])
 
 
-def _rank(g: _Graph, blocks, moe, mla, shared, r: int, world: int, h: int, kv: int, experts: str) -> RankProgram:
+def _rank(g: _Graph, blocks, moe, mla, shared, r: int, world: int, h: int, kv: int, experts: str,
+          vocab: _Vocab) -> RankProgram:
     nodes = [dict(n, inputs=list(n["inputs"]), outputs=list(n["outputs"]), attrs=dict(n["attrs"])) for n in g.nodes]
     weights = dict(g.weights)
     cols: dict[str, np.ndarray] = {}  # value -> its global feature indices on this rank (flattened last dim)
@@ -582,6 +663,7 @@ def _rank(g: _Graph, blocks, moe, mla, shared, r: int, world: int, h: int, kv: i
         p = g.producer[v]
         nodes[p]["outputs"][nodes[p]["outputs"].index(v)] = f"{v}@partial"
         inserted.append((p, {"op": ALL_REDUCE, "inputs": [f"{v}@partial"], "outputs": [v], "attrs": {}}))
+    _vocab_rank(g, nodes, vocab, r, world, cut, new_weight, inserted)
     # after node ``at``, in the order they were added (a list: several nodes in a row)
     for at, new in sorted(inserted, key=lambda t: t[0], reverse=True):
         nodes[at + 1:at + 1] = new if isinstance(new, list) else [new]

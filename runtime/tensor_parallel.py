@@ -66,8 +66,26 @@ def _all_reduce(x: torch.Tensor, **_attrs) -> tuple[torch.Tensor]:
     return (x,)
 
 
-# The op exists only where ranks do: registered with the torch executor's ops when this module is imported.
+def all_gather_reference(parts: list[torch.Tensor], axis: int = -1) -> torch.Tensor:
+    """What ``AllGather`` computes: every rank's tensor, concatenated along ``axis`` in rank order."""
+    return torch.cat(parts, dim=axis)
+
+
+def _all_gather(x: torch.Tensor, *, axis: int = -1, **_attrs) -> tuple[torch.Tensor]:
+    """The program op: this step's ``x`` of every rank, concatenated along ``axis`` (the vocab-parallel LM head's
+    logits)."""
+    group = _ACTIVE.get()
+    if group is None:
+        return (x,)
+    x = x.contiguous()
+    parts = [torch.empty_like(x) for _ in range(group.size())]
+    group.allgather([parts], [x]).wait()
+    return (torch.cat(parts, dim=axis),)
+
+
+# The ops exist only where ranks do: registered with the torch executor's ops when this module is imported.
 torch_ops.OPS.setdefault("AllReduce", _all_reduce)
+torch_ops.OPS.setdefault("AllGather", _all_gather)
 
 
 _START_TIMEOUT = 120.0  # seconds a worker may take to start (import, load its weights), at least

@@ -65,7 +65,7 @@ DEEPSEEK_V3 = {
 # float32 activation scale; int4 linear: n*k/2 code bytes + per group of 128 inputs a bf16 scale and a uint8 zero
 # point. Embeddings, routers, experts, norms and biases stay bf16 under every recipe; attention sinks float32.
 # Sharded as llmc build --tp N shards (compiler/sharding.py): heads, MLP columns/rows and experts / N, KV heads split
-# or one per GPU, everything else (embeddings and LM head included) on every GPU.
+# or one per GPU, embeddings and LM head vocab-parallel (each vocabulary here divides by 8), the rest on every GPU.
 
 def linear(n, k, quant):
     if quant == "fp8":
@@ -80,8 +80,8 @@ def llama_weights(tp, quant):
     per_layer = (linear(q * d // tp, h, quant) + 2 * linear(kv * d // tp, h, quant) + linear(h, q * d // tp, quant)
                  + linear(2 * ffn // tp, h, quant)
                  + linear(h, ffn // tp, quant) + 2 * 2 * h)
-    table = vocab * h  # embeddings and LM head replicated on every GPU (compiler/sharding.py)
-    return L * per_layer + 2 * h + 2 * table + linear(vocab, h, quant)
+    table = vocab // tp * h
+    return L * per_layer + 2 * h + 2 * table + linear(vocab // tp, h, quant)
 
 
 def qwen3_weights(tp, quant):
@@ -91,7 +91,7 @@ def qwen3_weights(tp, quant):
             + 2 * 2 * d)  # q_norm, k_norm
     moe = 2 * experts * h + 2 * (experts // tp) * (2 * ffn * h + h * ffn)  # router + experts, bf16
     per_layer = attn + moe + 2 * 2 * h
-    return L * per_layer + 2 * h + 2 * vocab * h + linear(vocab, h, quant)
+    return L * per_layer + 2 * h + 2 * vocab // tp * h + linear(vocab // tp, h, quant)
 
 
 def gpt_oss_weights(tp, quant):
@@ -102,7 +102,7 @@ def gpt_oss_weights(tp, quant):
     router = 2 * (experts * h + experts)
     expert = 2 * (2 * ffn * h + 2 * ffn + h * ffn + h)  # gate_up, its bias, down, its bias
     per_layer = attn + router + (experts // tp) * expert + 2 * 2 * h
-    return L * per_layer + 2 * h + 2 * vocab * h + linear(vocab, h, quant)
+    return L * per_layer + 2 * h + 2 * vocab // tp * h + linear(vocab // tp, h, quant)
 
 
 def deepseek_weights(tp, quant):
@@ -117,7 +117,7 @@ def deepseek_weights(tp, quant):
            + linear(2 * moe_ffn // tp, h, quant) + linear(h, moe_ffn // tp, quant))  # shared expert
     norms = 2 * 2 * h
     return (L * (attn + norms) + dense * dense_mlp + (L - dense) * moe + 2 * h
-            + 2 * vocab * h + linear(vocab, h, quant))
+            + 2 * vocab // tp * h + linear(vocab // tp, h, quant))
 
 
 def kv_per_token(name, tp, kv_bytes):
@@ -189,14 +189,16 @@ def test_llama_fp8_h100_roofline_and_allreduce(configs):
     rows = {p["tp"]: p for p in rep["plans"]}
     w8 = llama_weights(8, "fp8")
     # tp 8, batch 1: every weight read once except the embedding table (one row), plus 8192 tokens of KV
-    base = w8 - 128256 * 8192 * 2
+    base = w8 - 128256 // 8 * 8192 * 2
     per_sequence = 8192 * 2 + 8192 * kv_per_token("llama", 8, 2)  # its embedding row, its 8192 tokens of KV
     read = base + per_sequence
     assert rows[8]["decode_b1_bytes"] == read
     assert rows[8]["decode_b1_s"] == pytest.approx(read / 3350e9)
     assert rows[1]["allreduce_bytes_per_token"] == 0
-    assert rows[8]["allreduce_bytes_per_token"] == 2 * 80 * 8192 * 2
-    assert rows[8]["allreduce_ring_bytes_per_gpu"] == 2 * 7 * (2 * 80 * 8192 * 2) // 8
+    # per layer 2, and one after the vocab-parallel embedding lookup; the logits all-gathered (bf16)
+    assert rows[8]["allreduce_bytes_per_token"] == (2 * 80 + 1) * 8192 * 2
+    assert rows[8]["allreduce_ring_bytes_per_gpu"] == 2 * 7 * ((2 * 80 + 1) * 8192 * 2) // 8
+    assert rows[8]["allgather_bytes_per_token"] == 128256 * 2
     b = rows[8]["max_batch"]
     assert b > 1 and rows[8]["decode_bmax_bytes"] == base + b * per_sequence
     assert rows[8]["decode_bmax_s"] == pytest.approx((base + b * per_sequence) / 3350e9)
@@ -352,3 +354,17 @@ def test_kv_layers_are_the_ones_llmcs_frontend_records():
            "attention_k_eq_v": True, "num_global_key_value_heads": 1, "global_head_dim": 32,
            "enable_moe_block": True, "num_experts": 4, "top_k_experts": 2, "moe_intermediate_size": 32}
     assert [(e.num_kv_heads, e.head_size) for e in model_from_config(moe, "gemma4").kv_layers] == [(2, 16), (1, 32)] * 2
+
+
+def test_a_vocabulary_that_does_not_divide_stays_whole(tmp_path):
+    # 32001 rows do not split over 2 GPUs: llmc build --tp 2 keeps the embedding and the LM head whole on each
+    cfg = {"model_type": "llama", "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 32001, "max_position_embeddings": 4096}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    rows = {p["tp"]: p for p in report(tmp_path, "h100", "1,2")["plans"]}
+    for cls in ("embeddings", "lm_head"):
+        assert rows[2]["weights_by_class"][cls] == rows[1]["weights_by_class"][cls] == 2 * 32001 * 256
+    cfg["vocab_size"] = 32000
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    rows = {p["tp"]: p for p in report(tmp_path, "h100", "1,2")["plans"]}
+    assert rows[2]["weights_by_class"]["embeddings"] == 32000 // 2 * 256 * 2

@@ -23,7 +23,7 @@ from llmc.cli.main import cli
 from llmc.compiler.build import BuildOptions, build
 from llmc.errors import UnsupportedError
 from llmc.runtime import Engine, SamplingParams
-from llmc.runtime.tensor_parallel import TensorParallelError, all_reduce_reference
+from llmc.runtime.tensor_parallel import TensorParallelError, all_gather_reference, all_reduce_reference
 
 PARAMS = SamplingParams(max_tokens=16, ignore_eos=True)
 
@@ -91,6 +91,11 @@ def test_all_reduce_reference_matches_gloo():
     torch.testing.assert_close(x, all_reduce_reference(parts), rtol=0, atol=0)
     many = [torch.randn(3, 4) for _ in range(4)]
     torch.testing.assert_close(all_reduce_reference(many), torch.stack(many).sum(0), rtol=1e-6, atol=1e-6)
+    # AllGather (the vocab-parallel LM head's logits): gloo's all-gather of one rank, and the reference's order
+    outs = [torch.empty(5, 7)]
+    group.allgather([outs], [parts[0]]).wait()
+    torch.testing.assert_close(outs[0], all_gather_reference(parts), rtol=0, atol=0)
+    torch.testing.assert_close(all_gather_reference(many), torch.cat(many, dim=-1), rtol=0, atol=0)
 
 
 def test_ops_deepseek_programs_use_match_onnx_reference():
@@ -176,7 +181,8 @@ def test_each_rank_holds_one_nth_of_the_split_weights(llama_engines):
             assert sum(cut.values()) == r["sharded_bytes"] and set(cut) <= set(full)
             assert all(whole[k] == full[k] for k in whole)  # replicated: as in the one-rank engine
             qkv = {k for k in cut if "k_proj" in k}
-            assert len(qkv) == 2 and len(cut) == 8  # 2 layers x (Q/K/V, o_proj, gate/up, down_proj)
+            # 2 layers x (Q/K/V, o_proj, gate/up, down_proj), the embedding table and the LM head (vocab-parallel)
+            assert len(qkv) == 2 and len(cut) == 10 and {"model.embed_tokens.weight", "lm_head.weight.T"} <= set(cut)
             if tp == 4:
                 for k in qkv:
                     assert cut[k] / full[k] == pytest.approx(48 / 128, rel=0.02)
@@ -245,7 +251,9 @@ def test_deepseek_v3_mla_tp2_equals_tp1(deepseek_engines):
     par = two.manifest["parallel"]
     assert par["heads_per_rank"] == 2 and "latent" in par["attention"] and "shared_experts" in par
     spec = json.loads((deepseek_engines[2] / "rank1" / "program.json").read_text())
-    assert sum(n["op"] == "AllReduce" for n in spec["nodes"]) == 4  # per layer: attention, then MLP or experts
+    ops = [n["op"] for n in spec["nodes"]]
+    # per layer: attention, then MLP or experts; one after the vocab-parallel embedding lookup; the logits gathered
+    assert ops.count("AllReduce") == 5 and ops.count("AllGather") == 1
     with safe_open(str(deepseek_engines[1] / "weights.safetensors"), "np") as f:
         full = {k: f.get_tensor(k).nbytes for k in f.keys()}  # noqa: SIM118
     with safe_open(str(deepseek_engines[2] / "rank1" / "weights.safetensors"), "np") as f:
