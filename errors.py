@@ -16,6 +16,7 @@ EXIT_BAD_INPUT = 2
 EXIT_UNSUPPORTED = 3
 EXIT_ACCURACY_GATE = 4
 EXIT_OUT_OF_MEMORY = 5
+EXIT_INSTALL = 6
 EXIT_INTERNAL = 70
 
 
@@ -34,6 +35,13 @@ class UnsupportedError(LlmcError):
     """The request is well formed but this version of llmc or this target cannot do it."""
 
     exit_code = EXIT_UNSUPPORTED
+
+
+class InstallError(LlmcError, ImportError):
+    """A compiled part of llmc is missing or cannot be loaded (an incomplete install, not a bug): the message says
+    how to rebuild it. Also an ``ImportError``, so code that falls back when an optional part is absent still can."""
+
+    exit_code = EXIT_INSTALL
 
 
 # What the machine, not the request, can make a read or write fail with, and each errno's fix ({elsewhere}: where

@@ -2,8 +2,8 @@
 
 Exit codes: 0 success; 1 verification found problems; 2 bad input, or a path llmc cannot read or write (disk
 full, read-only, permission denied, an input deleted mid-build); 3 unsupported request;
-4 accuracy gate failed; 5 out of memory (--max-memory or the machine's);
-70 internal error (a bug: please report it with LLMC_DEBUG=1 output).
+4 accuracy gate failed; 5 out of memory (--max-memory or the machine's); 6 incomplete install (a compiled part of
+llmc missing); 70 internal error (a bug: please report it with LLMC_DEBUG=1 output).
 """
 
 from __future__ import annotations

@@ -12,14 +12,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from llmc.errors import LlmcError
+from llmc.errors import InstallError, LlmcError
 
 
 def _load_core():
     try:
         return importlib.import_module("llmc.runtime._block_manager")
     except ImportError as exc:
-        raise ImportError(
+        raise InstallError(
             f"the KV block manager (llmc.runtime._block_manager) is not built or cannot be loaded: {exc}. It is "
             "compiled when llmc is installed: reinstall with `pip install .` (or `pip install -e . "
             "--no-build-isolation` for a development checkout; needs a C++17 compiler and pybind11)."

@@ -126,6 +126,28 @@ def test_run_on_missing_engine(tmp_path):
     assert code == 2 and "nothing" in err and "llmc build" in err
 
 
+def test_a_missing_compiled_part_is_an_install_error_not_a_bug(tiny_engine, monkeypatch):
+    """llmc's ONNX Runtime op library absent (an install that skipped the C++ build): `llmc run` ends in one line
+    naming the library and how to rebuild it, exit 6, and the error is still an ImportError for code that falls
+    back on it."""
+    import importlib.util
+
+    from llmc.errors import EXIT_INSTALL, InstallError
+    from llmc.plugins.paged_attention import ort_native
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(ort_native, "_path", None)
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == ort_native.LIBRARY_MODULE else real(name, *a))
+    with pytest.raises(ImportError) as info:
+        ort_native.library_path()
+    assert isinstance(info.value, InstallError) and info.value.exit_code == EXIT_INSTALL == 6
+    code, err = _llmc("run", str(tiny_engine), "--prompt", "hello", "-n", "2")
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 6 and len(lines) == 1 and lines[0].startswith("error: "), err
+    assert ort_native.LIBRARY_MODULE in err and "pip install" in err and "internal error" not in err
+
+
 def test_console_script_end_to_end(tmp_path, tiny_llama):
     """The installed `llmc` command: build with --json, run with --json (real subprocesses)."""
     llmc = shutil.which("llmc") or str(Path(sys.executable).parent / "llmc")

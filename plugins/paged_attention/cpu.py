@@ -17,6 +17,8 @@ from types import ModuleType
 
 import numpy as np
 
+from llmc.errors import InstallError
+
 _EXTENSION = "llmc.plugins.paged_attention._cpu"
 _kernel: ModuleType | None = None
 
@@ -34,7 +36,7 @@ def load_kernel() -> ModuleType:
         try:
             _kernel = importlib.import_module(_EXTENSION)
         except ImportError as exc:
-            raise ImportError(
+            raise InstallError(
                 f"the PagedAttention CPU kernel ({_EXTENSION}) is not built or cannot be loaded: {exc}. "
                 "It is compiled when llmc is installed: reinstall with `pip install .` "
                 "(or `pip install -e . --no-build-isolation` for a development checkout; "

@@ -24,6 +24,7 @@ from contextlib import contextmanager
 
 import numpy as np
 
+from llmc.errors import InstallError
 from llmc.plugins.paged_attention import DOMAIN
 
 LIBRARY_MODULE = "llmc.plugins.paged_attention._ort_ops"
@@ -44,7 +45,7 @@ def library_path() -> str:
     if _path is None:
         spec = importlib.util.find_spec(LIBRARY_MODULE)
         if spec is None or not spec.origin or not os.path.isfile(spec.origin):
-            raise ImportError(
+            raise InstallError(
                 f"llmc's ONNX Runtime custom-op library ({LIBRARY_MODULE}) is not built. It is compiled when "
                 "llmc is installed: reinstall with `pip install .` (or `pip install -e . --no-build-isolation` "
                 "for a development checkout; needs a C++17 compiler with OpenMP)."
