@@ -435,6 +435,9 @@ def inspect(engine: Path, as_json: bool) -> None:
         click.echo(f"parallel    tensor {par['tensor']}: {par['heads_per_rank']} heads and "
                    f"{par['kv_heads_per_rank']} kv heads per rank; embeddings {par['embeddings']}, "
                    f"lm_head {par['lm_head']}")
+        if par.get("experts"):
+            click.echo(f"            experts {par['experts']}" + (f" (expert parallel over {par['expert']})"
+                                                                    if par.get("expert") else ""))
         for r in par["ranks"]:
             click.echo(f"  rank {r['rank']}    {r['weights_file']}: {r['weight_bytes']:,} bytes "
                        f"({r['sharded_bytes']:,} of them its share of split weights)")

@@ -292,6 +292,8 @@ def test_expert_parallel_tp2_equals_tp1(model_type, family_engine):
     np.testing.assert_allclose(_logits(two, prompts[2]), _logits(one, prompts[2]), rtol=0, atol=1e-5)
     two._session.close()
     assert two.manifest["parallel"]["expert"] == 2 and "whole experts" in two.manifest["parallel"]["experts"]
+    r = CliRunner().invoke(cli, ["inspect", str(root)])
+    assert r.exit_code == 0 and "experts whole experts partitioned" in r.output and "expert parallel over 2" in r.output
     with safe_open(str(family_engine(model_type, 1) / "weights.safetensors"), "np") as f:
         full = {k: f.get_tensor(k) for k in f.keys() if "experts" in k}  # noqa: SIM118
     for r in (0, 1):
