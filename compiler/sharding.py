@@ -212,8 +212,8 @@ def shard(nodes: list[dict], weights: dict, world: int, experts: str = "split") 
               "lm_head": (f"{split_vocab} of its output columns; the logits all-gathered" if vocab.head is not None
                           else "replicated"),
               "all_reduce_after": "o_proj and down_proj (row-parallel)"}
-    return ShardPlan(world, ranks, h // world, max(1, kv // world), reps, len(blocks) - len(shared) + len(moe),
-                     layout)
+    return ShardPlan(world, ranks, h // world, max(1, kv // world), reps,
+                     len(blocks) - len(shared) + len(moe) + len(vocab.embeddings), layout)
 
 
 @dataclass
