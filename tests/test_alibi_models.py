@@ -13,22 +13,8 @@ import json
 
 import pytest
 
-PROMPTS = (list(range(3, 40)), [7, 7, 7, 101, 250, 2] * 6 + [9, 11], [(i * 37) % 500 + 3 for i in range(57)])
-
-
-def _greedy_matches_transformers(engine, ckpt):
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from llmc.runtime import SamplingParams
-
-    hf = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
-    outs = engine.generate([list(p) for p in PROMPTS], SamplingParams(max_tokens=32, ignore_eos=True))
-    for prompt, out in zip(PROMPTS, outs, strict=True):
-        with torch.no_grad():
-            ref = hf.generate(torch.tensor([prompt]), max_new_tokens=32, min_new_tokens=32, do_sample=False,
-                              eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
-        assert out.token_ids == ref, (prompt, out.token_ids, ref)
+from llmc.testing.greedy import LONG_PROMPTS as PROMPTS  # past the fixtures' 16-token windows and chunks
+from llmc.testing.greedy import assert_greedy_matches_transformers
 
 
 # Both with the self-check on: tests/test_mechanisms.py leaves bloom's fixture to this test.
@@ -52,11 +38,11 @@ def test_alibi_family_matches_transformers(model_type, self_check, tmp_path, mon
     attention = [n for n in graph.node if n.op_type.endswith("PagedAttention")]
     assert attention and all(
         any(a.name == "alibi_max_bias" and a.f == 8.0 for a in n.attribute) for n in attention)
-    _greedy_matches_transformers(Engine.load(tmp_path / "cpu"), ckpt)
+    assert_greedy_matches_transformers(Engine.load(tmp_path / "cpu"), ckpt, PROMPTS)
 
     # The CUDA engine's program (the self-check above already held this architecture to transformers).
     build(ckpt, tmp_path / "cuda", BuildOptions(target="h100", dtype="float32", aot_kernels=False, self_check=False))
-    _greedy_matches_transformers(Engine.load(tmp_path / "cuda", device="cpu"), ckpt)
+    assert_greedy_matches_transformers(Engine.load(tmp_path / "cuda", device="cpu"), ckpt, PROMPTS)
 
 
 def test_other_alibi_attention_is_refused_from_config(tmp_path):

@@ -11,22 +11,8 @@ from __future__ import annotations
 
 import json
 
-PROMPTS = (list(range(3, 40)), [7, 7, 7, 101, 250, 2] * 6 + [9, 11], [(i * 37) % 500 + 3 for i in range(57)])
-
-
-def _greedy_matches_transformers(engine, ckpt):
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from llmc.runtime import SamplingParams
-
-    hf = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
-    outs = engine.generate([list(p) for p in PROMPTS], SamplingParams(max_tokens=32, ignore_eos=True))
-    for prompt, out in zip(PROMPTS, outs, strict=True):
-        with torch.no_grad():
-            ref = hf.generate(torch.tensor([prompt]), max_new_tokens=32, min_new_tokens=32, do_sample=False,
-                              eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
-        assert out.token_ids == ref, (prompt, out.token_ids, ref)
+from llmc.testing.greedy import LONG_PROMPTS as PROMPTS  # past the fixtures' 16-token windows and chunks
+from llmc.testing.greedy import assert_greedy_matches_transformers
 
 
 def test_llama4_text_matches_transformers(tmp_path, monkeypatch):
@@ -52,7 +38,7 @@ def test_llama4_text_matches_transformers(tmp_path, monkeypatch):
             attrs = {a.name: a for a in node.attribute}
             chunks[attrs["layer_idx"].i] = attrs["attention_chunk"].i if "attention_chunk" in attrs else 0
     assert chunks == {0: 16, 1: 0}  # the NoPE layer attends globally
-    _greedy_matches_transformers(Engine.load(tmp_path / "cpu"), ckpt)
+    assert_greedy_matches_transformers(Engine.load(tmp_path / "cpu"), ckpt, PROMPTS)
 
     build(ckpt, tmp_path / "cuda", BuildOptions(target="h100", dtype="float32", aot_kernels=False, self_check=False))
-    _greedy_matches_transformers(Engine.load(tmp_path / "cuda", device="cpu"), ckpt)
+    assert_greedy_matches_transformers(Engine.load(tmp_path / "cuda", device="cpu"), ckpt, PROMPTS)

@@ -10,10 +10,10 @@ import sys
 
 import pytest
 
+from llmc.testing.greedy import assert_greedy_matches_transformers
 from llmc.testing.tried_families import TRIED_FAMILIES as CASES
 from llmc.testing.tried_families import write_tried_family
 
-PROMPTS = ([5, 17, 33, 90], list(range(3, 40)), [7, 7, 7, 101, 250, 2])
 # Families whose own test file builds this same fixture with the self-check on and holds it to transformers
 # (tests/test_alibi_models.py, tests/test_llama4_text.py): a second build here would check nothing new.
 CHECKED_ELSEWHERE = {"bloom", "llama4_text"}
@@ -30,25 +30,11 @@ def test_family_builds_correctly_or_is_refused(model_type, tmp_path):
     assert "Traceback" not in proc.stderr and "internal error" not in proc.stderr, proc.stderr[-3000:]
     if expected == "builds":
         assert proc.returncode == 0, f"{model_type} ({mechanism}): {last}"
-        _assert_greedy_matches_transformers(tmp_path / "e", ckpt)
+        from llmc.runtime import Engine
+
+        assert_greedy_matches_transformers(Engine.load(tmp_path / "e"), ckpt)
     else:
         assert proc.returncode == 3 and expected in last and model_type in last, f"{model_type}: {last}"
         assert last.startswith("error: ") and str(tmp_path / "cache") not in last
         assert not (tmp_path / "e").exists()
 
-
-def _assert_greedy_matches_transformers(engine_dir, ckpt):
-    """32 greedy tokens for each of 3 prompts, the engine against transformers in float32."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from llmc.runtime import Engine, SamplingParams
-
-    engine = Engine.load(engine_dir)
-    hf = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
-    outs = engine.generate([list(p) for p in PROMPTS], SamplingParams(max_tokens=32, ignore_eos=True))
-    for prompt, out in zip(PROMPTS, outs, strict=True):
-        with torch.no_grad():
-            ref = hf.generate(torch.tensor([prompt]), max_new_tokens=32, min_new_tokens=32, do_sample=False,
-                              eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
-        assert out.token_ids == ref, (prompt, out.token_ids, ref)

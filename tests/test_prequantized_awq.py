@@ -19,10 +19,10 @@ import numpy as np
 import pytest
 
 from llmc.errors import LlmcError, UnsupportedError
+from llmc.testing.greedy import PROMPTS, assert_greedy_matches_transformers
 
 ORDER = [0, 2, 4, 6, 1, 3, 5, 7]  # AutoAWQ's pack order (awq/utils/packing_utils.py)
 GROUP = 32
-PROMPTS = ([5, 17, 33, 90], list(range(3, 40)), [7, 7, 7, 101, 250, 2])
 
 
 def pack_awq(intweight: np.ndarray) -> np.ndarray:
@@ -178,13 +178,11 @@ def test_awq_checkpoint_builds_exactly_and_matches_transformers(tmp_path, monkey
     """The default build (llmc's Int4MatMul, int8 activations) holds the checkpoint's weights bit for bit; the
     float32-compute build (MatMulNBits at accuracy level 1) holds them too and gives transformers' greedy tokens on
     the dequantized checkpoint (int8 activations would perturb random weights' flat logits)."""
-    import torch
     from safetensors.numpy import load_file
-    from transformers import AutoModelForCausalLM
 
     from llmc.compiler.build import BuildOptions, build
     from llmc.quant.recipe import QuantRecipe
-    from llmc.runtime import Engine, SamplingParams
+    from llmc.runtime import Engine
 
     awq, deq = write_awq_fixture(tmp_path)
     reference = load_file(deq / "model.safetensors")
@@ -200,25 +198,16 @@ def test_awq_checkpoint_builds_exactly_and_matches_transformers(tmp_path, monkey
     exact = QuantRecipe(quant="int4", int4_kernel="mlas", int4_accuracy_level=1)
     build(awq, tmp_path / "fp32", BuildOptions(quant=exact))
     _assert_weights_exact(_matmulnbits_weights(tmp_path / "fp32" / "model.onnx"), reference)
-    engine = Engine.load(tmp_path / "fp32")
-    hf = AutoModelForCausalLM.from_pretrained(deq, dtype=torch.float32).eval()
-    outs = engine.generate([list(p) for p in PROMPTS], SamplingParams(max_tokens=32, ignore_eos=True))
-    for prompt, out in zip(PROMPTS, outs, strict=True):
-        with torch.no_grad():
-            ref = hf.generate(torch.tensor([prompt]), max_new_tokens=32, min_new_tokens=32, do_sample=False,
-                              eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
-        assert out.token_ids == ref, (prompt, out.token_ids, ref)
+    assert_greedy_matches_transformers(Engine.load(tmp_path / "fp32"), deq, PROMPTS)
 
 
 def test_awq_checkpoint_cuda_program_matches_transformers(tmp_path, monkeypatch):
     """The CUDA engine (h100, float32, built with no GPU and run by torch on the CPU) keeps the checkpoint's codes,
     zero points and scales (block-wise DequantizeLinear + MatMul, lowered to its Int4Linear) and gives transformers'
     greedy tokens on the dequantized checkpoint."""
-    import torch
-    from transformers import AutoModelForCausalLM
 
     from llmc.compiler.build import BuildOptions, build
-    from llmc.runtime import Engine, SamplingParams
+    from llmc.runtime import Engine
 
     awq, deq = write_awq_fixture(tmp_path)
     monkeypatch.setenv("LLMC_CACHE_DIR", str(tmp_path / "cache"))
@@ -226,14 +215,7 @@ def test_awq_checkpoint_cuda_program_matches_transformers(tmp_path, monkeypatch)
     assert result.report["source_quantization"]["method"] == "awq"
     quantization = result.report["quantization"]
     assert quantization["graph"]["calibrated"] == 8 and "calibration" not in quantization  # the checkpoint's weights
-    engine = Engine.load(tmp_path / "cuda", device="cpu")
-    hf = AutoModelForCausalLM.from_pretrained(deq, dtype=torch.float32).eval()
-    outs = engine.generate([list(p) for p in PROMPTS], SamplingParams(max_tokens=32, ignore_eos=True))
-    for prompt, out in zip(PROMPTS, outs, strict=True):
-        with torch.no_grad():
-            ref = hf.generate(torch.tensor([prompt]), max_new_tokens=32, min_new_tokens=32, do_sample=False,
-                              eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
-        assert out.token_ids == ref, (prompt, out.token_ids, ref)
+    assert_greedy_matches_transformers(Engine.load(tmp_path / "cuda", device="cpu"), deq, PROMPTS)
 
 
 @pytest.mark.parametrize("overrides,phrase", [

@@ -20,9 +20,10 @@ import numpy as np
 import pytest
 
 from llmc.errors import UnsupportedError
+from llmc.testing.greedy import PROMPTS, assert_greedy_matches_transformers
+from llmc.testing.int4_checks import assert_int4_weights_dequantize_to
 
 GROUP = 32
-PROMPTS = ([5, 17, 33, 90], list(range(3, 40)), [7, 7, 7, 101, 250, 2])
 
 
 def pack_rows(codes: np.ndarray) -> np.ndarray:
@@ -109,13 +110,11 @@ def test_unpack_is_gptq_layout():
 
 @pytest.mark.parametrize("v1", [True, False])
 def test_gptq_checkpoint_builds_exactly_and_matches_transformers(v1, tmp_path, monkeypatch):
-    import torch
     from safetensors.numpy import load_file
-    from transformers import AutoModelForCausalLM
 
     from llmc.compiler.build import BuildOptions, build
     from llmc.quant.recipe import QuantRecipe
-    from llmc.runtime import Engine, SamplingParams
+    from llmc.runtime import Engine
 
     ckpt, deq = write_gptq_fixture(tmp_path, v1=v1)
     monkeypatch.setenv("LLMC_CACHE_DIR", str(tmp_path / "cache"))
@@ -125,39 +124,12 @@ def test_gptq_checkpoint_builds_exactly_and_matches_transformers(v1, tmp_path, m
     assert (record["method"], record["version"], record["linears"]) == ("gptq", "v1" if v1 else "v2", 14)
     assert result.report["quantization"]["graph"]["calibrated"] == 8  # every linear site took the checkpoint's
 
-    import onnx
-    from onnx import numpy_helper
 
-    from llmc.quant.graph import members_of
 
     reference = load_file(deq / "model.safetensors")
-    m = onnx.load(str(tmp_path / "engine" / "model.onnx"))
-    inits = {t.name: numpy_helper.to_array(t) for t in m.graph.initializer}
-    seen = 0
-    for node in m.graph.node:
-        if node.op_type != "MatMulNBits":
-            continue
-        b, scales, zp = (inits[i] for i in node.input[1:4])
-        nn, ng, half = b.shape
-        q = np.stack([b & 15, b >> 4], -1).reshape(nn, ng, 2 * half).astype(np.float32)
-        z = np.stack([zp & 15, zp >> 4], -1).reshape(nn, -1)[:, :ng].astype(np.float32)
-        got = ((q - z[:, :, None]) * scales[:, :, None]).reshape(nn, -1).view(np.uint32)
-        members = members_of(node.input[1].removesuffix(".int4"))
-        want = np.concatenate([reference[x] for x in members], axis=0).view(np.uint32)
-        if len(members) == 2:  # gate/up interleaved for the fused SwiGLU: compare the rows as sets
-            got, want = got[np.lexsort(got.T[::-1])], want[np.lexsort(want.T[::-1])]
-        assert np.array_equal(got, want), members
-        seen += len(members)
-    assert seen == 14
+    assert_int4_weights_dequantize_to(tmp_path / "engine", reference, linears=14)
 
-    engine = Engine.load(tmp_path / "engine")
-    hf = AutoModelForCausalLM.from_pretrained(deq, dtype=torch.float32).eval()
-    outs = engine.generate([list(p) for p in PROMPTS], SamplingParams(max_tokens=32, ignore_eos=True))
-    for prompt, out in zip(PROMPTS, outs, strict=True):
-        with torch.no_grad():
-            ref = hf.generate(torch.tensor([prompt]), max_new_tokens=32, min_new_tokens=32, do_sample=False,
-                              eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
-        assert out.token_ids == ref, (prompt, out.token_ids, ref)
+    assert_greedy_matches_transformers(Engine.load(tmp_path / "engine"), deq, PROMPTS)
 
 
 def _act_order(k: int) -> np.ndarray:
@@ -197,21 +169,12 @@ def test_v1_zero_point_that_does_not_fit_is_refused(tmp_path):
 
 def test_gptq_v1_cuda_program_matches_transformers(tmp_path, monkeypatch):
     """The CUDA engine (h100, float32, built here with no GPU, run by torch on the CPU) keeps the weights too."""
-    import torch
-    from transformers import AutoModelForCausalLM
 
     from llmc.compiler.build import BuildOptions, build
-    from llmc.runtime import Engine, SamplingParams
+    from llmc.runtime import Engine
 
     ckpt, deq = write_gptq_fixture(tmp_path, v1=True)
     monkeypatch.setenv("LLMC_CACHE_DIR", str(tmp_path / "cache"))
     result = build(ckpt, tmp_path / "cuda", BuildOptions(target="h100", dtype="float32", aot_kernels=False))
     assert result.report["quantization"]["graph"]["calibrated"] == 8
-    engine = Engine.load(tmp_path / "cuda", device="cpu")
-    hf = AutoModelForCausalLM.from_pretrained(deq, dtype=torch.float32).eval()
-    outs = engine.generate([list(p) for p in PROMPTS], SamplingParams(max_tokens=32, ignore_eos=True))
-    for prompt, out in zip(PROMPTS, outs, strict=True):
-        with torch.no_grad():
-            ref = hf.generate(torch.tensor([prompt]), max_new_tokens=32, min_new_tokens=32, do_sample=False,
-                              eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
-        assert out.token_ids == ref, (prompt, out.token_ids, ref)
+    assert_greedy_matches_transformers(Engine.load(tmp_path / "cuda", device="cpu"), deq, PROMPTS)
