@@ -44,6 +44,7 @@ AGREEMENT_TOKENS = 128
 PROMPT_SEED = 0
 FIXTURE_SEED = 3  # tests/conftest.py family_build
 QUANT_FORMATS = ("int4", "fp8")
+HYBRID_STD = 0.15
 COMMAND = "python scripts/coverage_matrix.py"
 
 
@@ -72,6 +73,20 @@ def _tried_fixture(family: str, work: Path) -> Path:
     path = work / "checkpoints" / f"{family}-tried-{hashlib.sha256(spec.encode()).hexdigest()[:12]}"
     if not (path / ".done").exists():
         write_tried_family(family, path)
+        (path / ".done").touch()
+    return path
+
+
+def _hybrid_fixture(family: str, work: Path) -> Path:
+    """A hybrid family's tiny checkpoint (``llmc.testing.hybrids``: recurrent layers beside attention), written as
+    tests/test_hybrid_quant.py writes it: with a tokenizer (quantized builds calibrate on text), matrices at std 0.15
+    as ``write_tiny_model`` draws them, ``1 + weight`` norms around 0."""
+    from llmc.testing.hybrids import HYBRID_CONFIGS, write_hybrid
+
+    spec = json.dumps({"config": HYBRID_CONFIGS[family], "seed": FIXTURE_SEED, "std": HYBRID_STD}, sort_keys=True)
+    path = work / "checkpoints" / f"{family}-hybrid-{hashlib.sha256(spec.encode()).hexdigest()[:12]}"
+    if not (path / ".done").exists():
+        write_hybrid(family, path, seed=FIXTURE_SEED, tokenizer=True, std=HYBRID_STD, centred_norms=True)
         (path / ".done").touch()
     return path
 
@@ -124,6 +139,7 @@ def run_family(family: str, work: Path, cache_dir: str | None) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
+    from llmc.compiler.checkpoint import HYBRID_MODEL_TYPES
     from llmc.errors import UnsupportedError
     from llmc.runtime import Engine, SamplingParams
     from llmc.testing.tried_families import MATRIX_ONLY_FAMILIES, TRIED_FAMILIES
@@ -134,8 +150,11 @@ def run_family(family: str, work: Path, cache_dir: str | None) -> dict:
     row: dict = {"model_type": family, "tried": family in tried}
     if row["tried"]:
         row["mechanism"] = tried[family][1]
+    if family in HYBRID_MODEL_TYPES:  # rows of the third table
+        row["hybrid"] = HYBRID_MODEL_TYPES[family]
     try:
-        ckpt = _tried_fixture(family, work) if row["tried"] else _fixture(family, work)
+        ckpt = (_hybrid_fixture(family, work) if "hybrid" in row else
+                _tried_fixture(family, work) if row["tried"] else _fixture(family, work))
         fp32_dir, row["fp32_build"] = _build(ckpt, work / "engines" / f"{family}-fp32", None, cache_dir)
     except UnsupportedError as exc:  # a refusal with its reason: a result, not a failure
         row["refused"] = str(exc).replace(str(ckpt), "<checkpoint>").split(": ", 1)[-1]
@@ -280,12 +299,25 @@ def render_markdown(data: dict) -> str:
         "|---|---|---|---|---|---|---|",
     ]
     tried = [r for r in data["rows"] if r.get("tried")]
-    for row in [r for r in data["rows"] if not r.get("tried")]:
+    hybrid = [r for r in data["rows"] if r.get("hybrid") and not r.get("tried")]
+    for row in [r for r in data["rows"] if not r.get("tried") and not r.get("hybrid")]:
         lines.append(_row_markdown(row))
     if tried:
         lines += ["", "| model_type (mechanism) | fp32 = transformers | batch = single | self-check | int4 top-1 | "
                   "fp8 (emulated) top-1 | fusions fired |", "|---|---|---|---|---|---|---|"]
         lines += [_row_markdown(r) for r in tried]
+    if hybrid:
+        lines += ["", "The third table lists the hybrid families: recurrent layers (short convolutions, Gated "
+                  "DeltaNet, Mamba2) beside attention, with a per-sequence state slot beside the paged KV cache "
+                  "(`llmc.runtime.state_cache`). Their fixtures are `llmc.testing.hybrids.write_hybrid` "
+                  f"(seed {FIXTURE_SEED}, with a tokenizer, matrices at std {HYBRID_STD}, `1 + weight` norms around "
+                  "0), the same columns.", "",
+                  "| model_type (recurrent layers) | fp32 = transformers | batch = single | self-check | int4 top-1 | "
+                  "fp8 (emulated) top-1 | fusions fired |", "|---|---|---|---|---|---|---|"]
+        lines += [_row_markdown(r) for r in hybrid]
+    for splice in data["meta"].get("spliced", []):
+        lines += ["", f"Rows of {', '.join(splice['families'])} regenerated on {splice['generated_at']} "
+                  f"(`{COMMAND} --splice --families ...`, {splice['seconds']} s) and spliced into the last full run."]
     lines.append("")
     return "\n".join(lines)
 
@@ -300,7 +332,8 @@ def _self_check_cell(row: dict) -> str:
 
 
 def _row_markdown(row: dict) -> str:
-    family = row["model_type"] + (f" ({row['mechanism']})" if row.get("tried") else "")
+    family = row["model_type"] + (f" ({row['mechanism']})" if row.get("tried") else
+                                  f" ({row['hybrid']})" if row.get("hybrid") else "")
     if "refused" in row:
         return f"| {family} | refused: {row['refused']} | | | | | |"
     if "fp32_error" in row:
@@ -327,11 +360,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out-md", type=Path, default=REPO_ROOT / "docs" / "coverage.md")
     parser.add_argument("--out-json", type=Path, default=REPO_ROOT / "docs" / "coverage.json")
     parser.add_argument("--jobs", type=int, default=1, help="families measured in parallel processes")
+    parser.add_argument("--splice", action="store_true",
+                        help="replace (or add) only the measured families' rows in --out-json's last run, and "
+                             "re-render --out-md from it")
     args = parser.parse_args(argv)
 
+    from llmc.compiler.checkpoint import HYBRID_MODEL_TYPES
     from llmc.testing.tried_families import MATRIX_ONLY_FAMILIES, TRIED_FAMILIES
 
-    known = [*SUPPORTED_MODEL_TYPES, *sorted({**TRIED_FAMILIES, **MATRIX_ONLY_FAMILIES})]
+    known = [*SUPPORTED_MODEL_TYPES, *sorted({**TRIED_FAMILIES, **MATRIX_ONLY_FAMILIES}),
+             *(f for f in HYBRID_MODEL_TYPES if f not in SUPPORTED_MODEL_TYPES)]
     families = args.families.split(",") if args.families else known
     unknown = [f for f in families if f not in known]
     if unknown:
@@ -339,40 +377,63 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["LLMC_SELF_CHECK"] = "1"  # the matrix reports the self-check: never skip it
     args.work_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
+    # With --splice: the run whose rows this one replaces, read once (before this run writes over it).
+    last = json.loads(args.out_json.read_text()) if args.splice else None
+    rows: list[dict] = []
+
+    def save() -> dict:
+        """Write both files with the rows measured so far (after every family: a run cut short keeps its rows)."""
+        import llmc
+
+        data = {
+            "meta": {
+                "generated_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                "command": COMMAND,
+                "llmc": llmc.__version__,
+                **{pkg: version(pkg) for pkg in ("torch", "transformers", "onnxruntime")},
+                "prompt_lengths": list(PROMPT_LENGTHS),
+                "greedy_tokens": GREEDY_TOKENS,
+                "agreement_tokens": AGREEMENT_TOKENS,
+                "seconds": round(time.perf_counter() - t0, 1),
+            },
+            "rows": rows,
+        }
+        if last is not None:
+            data = _splice(last, data, [r["model_type"] for r in rows])
+        args.out_json.parent.mkdir(parents=True, exist_ok=True)
+        args.out_json.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+        args.out_md.parent.mkdir(parents=True, exist_ok=True)
+        args.out_md.write_text(render_markdown(data))
+        return data
+
     with ProcessPoolExecutor(max_workers=max(1, args.jobs)) as pool:
         futures = {f: pool.submit(run_family, f, args.work_dir, args.cache_dir) for f in families}
-        rows = []
         for family, fut in futures.items():
             try:
                 rows.append(fut.result())
             except Exception as exc:  # noqa: BLE001 - a crash in one family is a row, not the end of the run
                 rows.append({"model_type": family, "fp32_error": _error(exc)})
+            save()
             print(f"{family}: done ({rows[-1].get('seconds', '?')} s)", file=sys.stderr, flush=True)
-
-    import llmc
-
-    data = {
-        "meta": {
-            "generated_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-            "command": COMMAND,
-            "llmc": llmc.__version__,
-            **{pkg: version(pkg) for pkg in ("torch", "transformers", "onnxruntime")},
-            "prompt_lengths": list(PROMPT_LENGTHS),
-            "greedy_tokens": GREEDY_TOKENS,
-            "agreement_tokens": AGREEMENT_TOKENS,
-            "seconds": round(time.perf_counter() - t0, 1),
-        },
-        "rows": rows,
-    }
-    args.out_json.parent.mkdir(parents=True, exist_ok=True)
-    args.out_json.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
-    args.out_md.parent.mkdir(parents=True, exist_ok=True)
-    args.out_md.write_text(render_markdown(data))
+    data = save()
     failed = [r["model_type"] for r in rows if "refused" not in r and (
               "fp32_error" in r or not r["fp32_vs_transformers"]["match"] or not r["batch_equals_single"])]
     print(f"wrote {args.out_md} and {args.out_json} in {data['meta']['seconds']} s"
           + (f"; fp32 mismatches: {', '.join(failed)}" if failed else ""), file=sys.stderr)
     return 1 if failed else 0
+
+
+def _splice(last: dict, new: dict, families: list[str]) -> dict:
+    """``last`` (a full run) with the rows of ``families`` replaced by (or added from) ``new``'s, its meta kept and
+    the splice recorded in ``meta.spliced``."""
+    by_family = {r["model_type"]: r for r in new["rows"]}
+    rows = [by_family.pop(r["model_type"], r) for r in last["rows"]]
+    meta = dict(last["meta"])
+    meta["spliced"] = [s for s in meta.get("spliced", []) if not set(s["families"]) <= set(families)]
+    meta["spliced"].append({"families": families, "generated_at": new["meta"]["generated_at"],
+                            "seconds": new["meta"]["seconds"],
+                            **{k: new["meta"][k] for k in ("llmc", "torch", "transformers", "onnxruntime")}})
+    return {"meta": meta, "rows": rows + list(by_family.values())}
 
 
 if __name__ == "__main__":
