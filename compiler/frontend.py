@@ -643,13 +643,17 @@ def _trace(checkpoint: Checkpoint, compute_dtype: str, torch, torch_op) -> Trace
 
 def _first_attention_module(hf) -> str | None:
     """``"layer 0's attention (MegatronBertAttention)"``: the model's first attention module, for a refusal."""
+    import torch
+
     for name, module in hf.named_modules():
+        if isinstance(module, torch.nn.ModuleList | torch.nn.ModuleDict):  # xlm's ``attentions`` list, not one module
+            continue
         last = name.rsplit(".", 1)[-1].lower()
         cls = type(module).__name__
         if "attention" in cls.lower() or last in ("attn", "self_attn", "attention", "attentions"):
-            found = re.search(r"(?:^|\.)(?:layers|h|layer|blocks|attentions)\.(\d+)(?:\.(.+))?$", name)
-            if found and found.group(2):
-                return f"layer {found.group(1)}'s {found.group(2)} ({cls})"
+            found = re.search(r"(?:^|\.)(layers|h|layer|blocks|attentions)\.(\d+)(?:\.(.+))?$", name)
+            if found:  # xlm keeps its attention modules in a list of their own, beside the layers
+                return f"layer {found.group(2)}'s {found.group(3) or found.group(1)} ({cls})"
             return f"{name} ({cls})"
     return None
 
