@@ -416,19 +416,20 @@ def test_cuda_engine_on_cpu(tiny_llama, lora_dir, engine):
     assert [o.token_ids for o in cuda.generate([PROMPTS[0]] * 3, params)] == want
 
 
-LORA_APPLY_CASES = [  # tokens, parts [(offset, N)], Y's width, activation
-    (9, [(0, 32)], 40, 0), (5, [(24, 32)], 100, 0), (300, [(8, 32)], 72, 0),
-    (7, [(0, 32), (32, 16), (48, 16)], 64, 0),  # a packed q|k|v: three parts in one node
-    (8, [(0, 32), (32, 32)], 64, 1), (260, [(0, 32), (32, 32)], 64, 1),  # gate|up with the SwiGLU
-    (6, [(0, 20), (40, 20)], 80, 1)]  # a ragged SwiGLU width (the vector loop's tail)
+LORA_APPLY_CASES = [  # tokens, parts [(offset, N)], Y's width, activation, rank
+    (9, [(0, 32)], 40, 0, 8), (5, [(24, 32)], 100, 0, 16), (300, [(8, 32)], 72, 0, 8),
+    (7, [(0, 64), (64, 16), (80, 16)], 96, 0, 16),  # a packed q|k|v: three parts in one node
+    (8, [(0, 72), (72, 72)], 144, 1, 8), (260, [(0, 64), (64, 64)], 128, 1, 16),  # gate|up with the SwiGLU
+    (6, [(0, 20), (40, 20)], 80, 1, 6), (11, [(0, 40)], 40, 0, 24)]  # ragged widths, ranks not multiples of 16/8
 
 
-@pytest.mark.parametrize("tokens, parts, width, activation", LORA_APPLY_CASES)
-def test_native_lora_apply_op(tokens, parts, width, activation):
+@pytest.mark.parametrize("tokens, parts, width, activation, rank", LORA_APPLY_CASES)
+def test_native_lora_apply_op(tokens, parts, width, activation, rank):
     """llmc.LoraApply in llmc's ONNX Runtime library against numpy on fresh random inputs: each token's own slot,
     slots 0 and -1 untouched, the updates at column offsets of a wider (packed) output, up to three parts in one
-    node, the SwiGLU of a gate|up projection after them; 260-300 tokens take the thread pool."""
-    _check_lora_apply(tokens, parts, width, activation)
+    node, the SwiGLU of a gate|up projection after them; ranks that take 16- and 8-float vectors and plain loops;
+    260-300 tokens take the thread pool."""
+    _check_lora_apply(tokens, parts, width, activation, rank)
 
 
 def test_native_lora_apply_op_every_isa():
@@ -447,14 +448,14 @@ def test_native_lora_apply_op_every_isa():
         assert r.returncode == 0, out[-3000:]
 
 
-def _check_lora_apply(tokens, parts, width, activation):
+def _check_lora_apply(tokens, parts, width, activation, rank):
     import onnx_ir as ir
 
     from llmc.plugins.paged_attention import DOMAIN
     from llmc.testing.ort_sessions import native_session
 
     rng = np.random.default_rng()
-    k, slots, rank = 48, 3, 8
+    k, slots = 48, 3
     f32 = ir.TensorType(ir.DataType.FLOAT)
     y = ir.Value(name="y", shape=ir.Shape([1, "t", width]), type=f32)
     x = ir.Value(name="x", shape=ir.Shape([1, "t", k]), type=f32)

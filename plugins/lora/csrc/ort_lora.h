@@ -55,42 +55,104 @@ struct LoraProblem {
     int64_t n_parts, K, W, R, S, width, activation;
 };
 
-// The update of one part for the tokens `rows[0..m)` of slot s together: each row of the slot's A and B is read
-// once for all of them (a decode step's update is bound by reading A and B, not by the multiply-adds).
-// u: m * R floats. Inlined into one copy per instruction set (below), which the compiler vectorises for it.
-__attribute__((always_inline)) inline void lora_group_body(const LoraProblem& p, const LoraPart& part, int64_t s,
-                                                           const int64_t* rows, int64_t m, float* __restrict u) {
-    const int64_t R = p.R, c0 = (s - 1) * R, K = p.K, W = p.W, N = part.N;
+// The update of one part for the tokens `rows[0..m)` of slot s together (u: m * R floats of scratch). Each
+// row of the slot's A and B is read once per block of 4 tokens, whose sums stay in registers: the shrink keeps
+// 4 tokens' R-column chunk across all of K, the expand 4 tokens' 4 vectors of outputs across the R rows.
+// Written with GCC vectors of L floats (R % L == 0); inlined into one copy per instruction set (below).
+// Loads and stores go through memcpy (unaligned moves): an under-aligned typedef would lose its alignment as a
+// template argument.
+typedef float lora_v16 __attribute__((vector_size(64)));
+typedef float lora_v8 __attribute__((vector_size(32)));
+constexpr int64_t kLoraTokens = 4;
+
+template <typename V>
+__attribute__((always_inline)) inline V lora_load(const float* p) {
+    V v;
+    __builtin_memcpy(&v, p, sizeof(V));
+    return v;
+}
+template <typename V>
+__attribute__((always_inline)) inline void lora_store(float* p, const V& v) {
+    __builtin_memcpy(p, &v, sizeof(V));
+}
+
+template <typename V, int64_t L>
+__attribute__((always_inline)) inline void lora_group_vec(const LoraProblem& p, const LoraPart& part, int64_t c0,
+                                                          const int64_t* rows, int64_t m, float* __restrict u) {
+    const int64_t R = p.R, K = p.K, W = p.W, N = part.N;
+    for (int64_t i0 = 0; i0 < m; i0 += kLoraTokens) {
+        const int64_t mb = std::min(kLoraTokens, m - i0);
+        const float* xr[kLoraTokens];
+        for (int64_t j = 0; j < kLoraTokens; ++j) xr[j] = p.x + rows[i0 + std::min(j, mb - 1)] * K;
+        float* ub = u + i0 * R;
+        for (int64_t c = 0; c < R; c += L) {  // shrink: ub[j, c : c + L] = x_j @ A[:, c0 + c : c0 + c + L]
+            V acc[kLoraTokens] = {};
+            const float* a = part.a + c0 + c;
+            for (int64_t k = 0; k < K; ++k) {
+                const V av = lora_load<V>(a + k * W);
+                for (int64_t j = 0; j < kLoraTokens; ++j) acc[j] += xr[j][k] * av;
+            }
+            for (int64_t j = 0; j < mb; ++j) lora_store(ub + j * R + c, acc[j]);
+        }
+        int64_t n0 = 0;
+        for (; n0 + 4 * L <= N; n0 += 4 * L) {  // expand: 4 * L columns of 4 tokens at a time
+            V acc[kLoraTokens][4] = {};
+            for (int64_t r = 0; r < R; ++r) {
+                const float* br = part.b + (c0 + r) * N + n0;
+                V bv[4];
+                for (int64_t q = 0; q < 4; ++q) bv[q] = lora_load<V>(br + q * L);
+                for (int64_t j = 0; j < kLoraTokens; ++j) {
+                    const float uv = ub[std::min(j, mb - 1) * R + r];
+                    for (int64_t q = 0; q < 4; ++q) acc[j][q] += uv * bv[q];
+                }
+            }
+            for (int64_t j = 0; j < mb; ++j) {
+                float* od = p.acc + rows[i0 + j] * p.width + part.offset + n0;
+                for (int64_t q = 0; q < 4; ++q) lora_store(od + q * L, lora_load<V>(od + q * L) + acc[j][q]);
+            }
+        }
+        for (; n0 < N; ++n0) {  // the last columns
+            for (int64_t j = 0; j < mb; ++j) {
+                float sum = 0.0f;
+                for (int64_t r = 0; r < R; ++r) sum += ub[j * R + r] * part.b[(c0 + r) * N + n0];
+                p.acc[rows[i0 + j] * p.width + part.offset + n0] += sum;
+            }
+        }
+    }
+}
+
+// Any rank (R not a multiple of 8): plain loops.
+__attribute__((always_inline)) inline void lora_group_scalar(const LoraProblem& p, const LoraPart& part, int64_t c0,
+                                                             const int64_t* rows, int64_t m, float* __restrict u) {
+    const int64_t R = p.R, K = p.K, W = p.W, N = part.N;
     for (int64_t i = 0; i < m * R; ++i) u[i] = 0.0f;
     for (int64_t k = 0; k < K; ++k) {
         const float* __restrict ar = part.a + k * W + c0;
         for (int64_t i = 0; i < m; ++i) {
             const float xv = p.x[rows[i] * K + k];
-            float* __restrict ui = u + i * R;
-            for (int64_t r = 0; r < R; ++r) ui[r] = __builtin_fmaf(xv, ar[r], ui[r]);
+            for (int64_t r = 0; r < R; ++r) u[i * R + r] += xv * ar[r];
         }
     }
-    // Expand in column blocks: a block of B's slot rows (R x 64 floats) stays in L1 across the tokens, and each
-    // token's block of sums in registers across the R rows.
-    constexpr int64_t kBlock = 64;
-    for (int64_t n0 = 0; n0 < N; n0 += kBlock) {
-        const int64_t nb = std::min(kBlock, N - n0);
-        for (int64_t i = 0; i < m; ++i) {
-            float acc[kBlock];
-            for (int64_t n = 0; n < kBlock; ++n) acc[n] = 0.0f;
-            const float* ui = u + i * R;
-            for (int64_t r = 0; r < R; ++r) {
-                const float uv = ui[r];
-                const float* __restrict br = part.b + (c0 + r) * N + n0;
-                if (nb == kBlock) {
-                    for (int64_t n = 0; n < kBlock; ++n) acc[n] = __builtin_fmaf(uv, br[n], acc[n]);
-                } else {
-                    for (int64_t n = 0; n < nb; ++n) acc[n] = __builtin_fmaf(uv, br[n], acc[n]);
-                }
-            }
-            float* __restrict od = p.acc + rows[i] * p.width + part.offset + n0;
-            for (int64_t n = 0; n < nb; ++n) od[n] += acc[n];
+    for (int64_t i = 0; i < m; ++i) {
+        float* __restrict od = p.acc + rows[i] * p.width + part.offset;
+        for (int64_t r = 0; r < R; ++r) {
+            const float uv = u[i * R + r];
+            const float* __restrict br = part.b + (c0 + r) * N;
+            for (int64_t n = 0; n < N; ++n) od[n] += uv * br[n];
         }
+    }
+}
+
+// wide: 16-float vectors (AVX-512's 32 registers hold the expand's 16 sums); else 8 (AVX2's 16 would spill them).
+__attribute__((always_inline)) inline void lora_group_body(const LoraProblem& p, const LoraPart& part, int64_t s,
+                                                           const int64_t* rows, int64_t m, float* u, bool wide) {
+    const int64_t c0 = (s - 1) * p.R;
+    if (wide && p.R % 16 == 0) {
+        lora_group_vec<lora_v16, 16>(p, part, c0, rows, m, u);
+    } else if (p.R % 8 == 0) {
+        lora_group_vec<lora_v8, 8>(p, part, c0, rows, m, u);
+    } else {
+        lora_group_scalar(p, part, c0, rows, m, u);
     }
 }
 
@@ -122,15 +184,15 @@ __attribute__((always_inline)) inline void lora_swiglu_body(const LoraProblem& p
 
 __attribute__((target("avx512f,avx512vl,avx512bw,avx512dq,avx2,fma"))) void lora_group_avx512(
     const LoraProblem& p, const LoraPart& part, int64_t s, const int64_t* rows, int64_t m, float* u) {
-    lora_group_body(p, part, s, rows, m, u);
+    lora_group_body(p, part, s, rows, m, u, true);
 }
 __attribute__((target("avx2,fma"))) void lora_group_avx2(const LoraProblem& p, const LoraPart& part, int64_t s,
                                                          const int64_t* rows, int64_t m, float* u) {
-    lora_group_body(p, part, s, rows, m, u);
+    lora_group_body(p, part, s, rows, m, u, false);
 }
 void lora_group_base(const LoraProblem& p, const LoraPart& part, int64_t s, const int64_t* rows, int64_t m,
                      float* u) {
-    lora_group_body(p, part, s, rows, m, u);
+    lora_group_body(p, part, s, rows, m, u, false);
 }
 __attribute__((target("avx512f,avx512vl,avx512bw,avx512dq,avx2,fma"))) void lora_swiglu_avx512(
     const LoraProblem& p, int64_t t0, int64_t t1) {
