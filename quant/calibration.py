@@ -22,6 +22,7 @@ model's own final norm (``norm``, ``ln_f``, ``final_layer_norm``) feeds the head
 from __future__ import annotations
 
 import json
+import re
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -427,7 +428,9 @@ class LayerwiseCalibration:
         self._before = [p for p in self._outside if id(p) not in head_only]
         # [batch][layer]: (hidden states passed positionally?, the other positional arguments, keyword arguments)
         self._layer_calls: list[list[tuple[bool, tuple, dict]]] = []
-        self._tuple_output = False
+        # What a decoder layer returns, as the model's forward unpacks it: 0 = the hidden states alone, n = a tuple of
+        # n (Bamba's forward unpacks (hidden_states, attn_weights) even on its Mamba layers).
+        self._tuple_len = 0
         self._release(self.model)  # nothing is resident until its layer is loaded
 
     # -- weights
@@ -490,18 +493,30 @@ class LayerwiseCalibration:
                 hidden.append(h)
             if index == last:
                 raise _Stop
-            return (h,) if self._tuple_output else h
+            return self._as_output(h)
 
         self._load_params(self._before)
         for sl in self._batches():
             calls: list[tuple[bool, tuple, dict]] = []
-            self._model_pass(self.samples[sl], record)
+            try:
+                self._model_pass(self.samples[sl], record)
+            except ValueError as exc:  # the forward unpacks a tuple from each layer: return one of that length
+                m = re.match(r"(?:too many|not enough) values to unpack \(expected (\d+)", str(exc))
+                if m is None or self._tuple_len == int(m.group(1)):
+                    raise
+                self._tuple_len = int(m.group(1))
+                calls, hidden[len(self._layer_calls):] = [], []
+                self._model_pass(self.samples[sl], record)
             if len(calls) != len(self.blocks) or len(hidden) != len(self._layer_calls) + 1:
                 raise UnsupportedError(f"calibration: {type(self.model).__name__}'s forward called {len(calls)} of "
                                        f"its {len(self.blocks)} decoder layers; build without calibration")
             self._layer_calls.append(calls)
         self._release_params(self._before)
         return torch.cat(hidden)
+
+    def _as_output(self, h):
+        """``h`` as a decoder layer returns it (a tuple with ``h`` first where the layers return tuples)."""
+        return (h, *[None] * (self._tuple_len - 1)) if self._tuple_len else h
 
     def _run(self, fn, hidden, collector: _Collector | None):
         import torch
@@ -559,7 +574,7 @@ class LayerwiseCalibration:
                 with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.compute == torch.bfloat16):
                     out = layer(h, *rest, **kw) if positional else layer(*rest, **kw, hidden_states=h)
                 if isinstance(out, tuple):
-                    self._tuple_output = True
+                    self._tuple_len = len(out)
                     out = out[0]
                 return out.float()
 
@@ -582,7 +597,7 @@ class LayerwiseCalibration:
 
         def inject(index, *args, **kwargs):
             h = hidden[batch["slice"]] if index == last else _hidden_of(args, kwargs)
-            return (h,) if self._tuple_output else h
+            return self._as_output(h)
 
         def fn(_h, _b, sl):
             batch["slice"] = sl
