@@ -10,6 +10,7 @@ import dataclasses
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -30,8 +31,11 @@ DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "assets" / "default-mod
 
 def llmc(*args: str | Path, env: dict | None = None, check: bool = True) -> subprocess.CompletedProcess:
     """Run the installed `llmc` command in a real subprocess."""
+    # SIGINT at its default, as in a terminal: a job a non-interactive shell puts in the background (`cmd &`, as
+    # a CI script or nohup does) starts with SIGINT ignored, and a child would inherit that and never see Ctrl-C.
     proc = subprocess.run([LLMC, *map(str, args)], capture_output=True, text=True,
-                          env={**os.environ, **(env or {})})
+                          env={**os.environ, **(env or {})},
+                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     if check and proc.returncode != 0:
         raise AssertionError(f"llmc {' '.join(map(str, args))} exited {proc.returncode}:\n{proc.stderr}")
     return proc
