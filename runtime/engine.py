@@ -193,7 +193,7 @@ class Engine:
              verify: bool = True, device: str | None = None, gpu_memory_utilization: float = 0.9,
              cuda_graphs: bool = True, speculative: SpeculativeConfig | None = None,
              structured_config: StructuredConfig | None = None,
-             lora_adapters: dict[str, str | Path] | None = None) -> Engine:
+             lora_adapters: dict[str, str | Path] | None = None, state_cache_bytes: int | None = None) -> Engine:
         """Load the artifact at ``path``.
 
         ``kv_cache_tokens`` sizes the KV pool (tokens across all sequences, rounded up to whole
@@ -221,12 +221,14 @@ class Engine:
         how their masks are computed: see :class:`~llmc.runtime.structured.StructuredConfig` (None: its defaults).
         ``lora_adapters`` (``{name: directory}``, PEFT's format) are registered with :meth:`add_lora`, each checked
         in full here (engines built with ``--lora-slots``); requests pick one with ``SamplingParams.lora``.
+        ``state_cache_bytes`` bounds a hybrid CPU engine's recurrent-state pool (default: the KV pool's size, at
+        least 256 MB); fewer sequences run at once where one slot per sequence would not fit.
         """
         if structured_config is not None and not isinstance(structured_config, StructuredConfig):
             raise LlmcError(f"structured_config: must be a StructuredConfig (got {type(structured_config).__name__})")
         engine = cls._load(path, kv_cache_tokens, max_num_tokens, max_num_seqs, max_waiting, enable_chunked_prefill,
                            max_prefill_tokens_with_decodes, enable_prefix_caching, num_threads, attention_threads,
-                           verify, device, gpu_memory_utilization, cuda_graphs)
+                           verify, device, gpu_memory_utilization, cuda_graphs, state_cache_bytes)
         engine._structured_config = structured_config
         for name, adapter_path in (lora_adapters or {}).items():
             engine.add_lora(name, adapter_path)
@@ -273,7 +275,7 @@ class Engine:
     @classmethod
     def _load(cls, path, kv_cache_tokens, max_num_tokens, max_num_seqs, max_waiting, enable_chunked_prefill,
               max_prefill_tokens_with_decodes, enable_prefix_caching, num_threads, attention_threads, verify, device,
-              gpu_memory_utilization, cuda_graphs) -> Engine:
+              gpu_memory_utilization, cuda_graphs, state_cache_bytes=None) -> Engine:
         root = Path(path)
         manifest = artifact.require_valid(root) if verify else artifact.read_manifest(root)
         engine_info, kv = manifest["engine"], manifest["kv_cache"]
@@ -327,9 +329,11 @@ class Engine:
             # One state slot per running sequence, and one for score(); at most as much state as the KV pool holds
             # (and at least STATE_MIN_BYTES' worth), fewer running sequences if need be.
             per_slot = StatePool.bytes_per_slot(hybrid)
-            budget = max(STATE_MIN_BYTES, KVPool.bytes_per_block(
-                kv["num_layers"], kv["num_kv_heads"], block_size, kv["head_size"], kv["dtype"], kv.get("layers"))
-                * num_blocks)
+            budget = state_cache_bytes
+            if budget is None:
+                budget = max(STATE_MIN_BYTES, KVPool.bytes_per_block(
+                    kv["num_layers"], kv["num_kv_heads"], block_size, kv["head_size"], kv["dtype"], kv.get("layers"))
+                    * num_blocks)
             slots = min(max_num_seqs + 1, max(2, budget // per_slot))
             if slots < max_num_seqs + 1:
                 import logging

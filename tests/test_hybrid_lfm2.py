@@ -274,20 +274,19 @@ def test_other_hybrids_refused_naming_the_mechanism(tmp_path, model_type, fields
     assert exc.value.exit_code == 3
 
 
-def test_state_pool_is_held_to_the_kv_pools_size(lfm2, monkeypatch):
-    """With a state slot larger than the budget allows for max_num_seqs sequences, fewer run at once (never more than
-    there are slots), and the output is the same."""
+def test_state_pool_is_held_to_its_budget(lfm2):
+    """With a state budget of three slots' real size (``state_cache_bytes``), fewer sequences run at once (never more
+    than there are slots, one kept for score()), and the output is the same."""
     from llmc.runtime import Engine, SamplingParams
-    from llmc.runtime import engine as engine_mod
-    from llmc.runtime.kv_cache import KVPool
+    from llmc.runtime.state_cache import StatePool
 
     _, engine_dir, _, refs = lfm2
-    kv_bytes = KVPool.bytes_per_block(1, 2, 16, 16, "float32") * 32  # 512 tokens of the one attention layer
-    monkeypatch.setattr(engine_mod, "STATE_MIN_BYTES", 0)
-    # pretend each sequence's state took a third of the KV pool's bytes: 3 slots, so 2 running sequences
-    monkeypatch.setattr(engine_mod.StatePool, "bytes_per_slot", staticmethod(lambda spec: kv_bytes // 3))
-    engine = Engine.load(engine_dir, kv_cache_tokens=512, max_num_seqs=8)
+    import json
+
+    per_slot = StatePool.bytes_per_slot(json.loads((engine_dir / "manifest.json").read_text())["state_cache"])
+    engine = Engine.load(engine_dir, kv_cache_tokens=512, max_num_seqs=8, state_cache_bytes=3 * per_slot)
     assert engine.config.max_num_seqs == 2 and engine.stats().state_slots_total == 3
+    assert engine.stats().state_bytes == 3 * per_slot
     outs = engine.generate([list(p) for p in PROMPTS], SamplingParams(max_tokens=4, ignore_eos=True))
     assert [o.token_ids for o in outs] == [r[:4] for r in refs]
 
