@@ -8,7 +8,9 @@ converter would refuse it.  We tell it that the pre-tokenizer is "gpt-2" (llama.
 name for the GPT-2 regex), which is what tokenizers.pre_tokenizers.ByteLevel(use_regex=True)
 implements.  Nothing else is changed.
 
-usage: convert_gguf.py <hf_dir> <out.gguf> <outtype: f32|f16|bf16|q8_0>
+usage: convert_gguf.py <hf_dir> <out.gguf> <outtype: f32|f16|bf16|q8_0> [converter options...]
+  e.g. --no-mtp for a Qwen3.5 / Qwen3-Next checkpoint without multi-token-prediction layers (the converter asserts
+  they exist unless told)
 """
 import os
 import runpy
@@ -27,5 +29,5 @@ import conversion.base as base  # noqa: E402
 base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "gpt-2"
 
 hf_dir, out, outtype = sys.argv[1:4]
-sys.argv = [f"{LLAMA_DIR}/convert_hf_to_gguf.py", hf_dir, "--outfile", out, "--outtype", outtype]
+sys.argv = [f"{LLAMA_DIR}/convert_hf_to_gguf.py", hf_dir, "--outfile", out, "--outtype", outtype, *sys.argv[4:]]
 runpy.run_path(f"{LLAMA_DIR}/convert_hf_to_gguf.py", run_name="__main__")

@@ -6,7 +6,7 @@
 2. Create a randomly initialised LlamaForCausalLM (torch.manual_seed(0)) and
    save it (safetensors, float32) together with the tokenizer.
 
-usage: make_model.py [small|1b|3b|8b|oss20b|all] [--dtype float32|bfloat16] [--out DIR]
+usage: make_model.py [small|1b|3b|8b|oss20b|qwen35|all] [--dtype float32|bfloat16] [--out DIR]
   small -> $PEERS_ROOT/model     (hidden 576, inter 1536, 30 layers, 9 heads, 3 kv)
   1b    -> $PEERS_ROOT/model-1b  (Llama-3.2-1B shape with vocab 8192)
   3b    -> $PEERS_ROOT/model-3b  (Llama-3.2-3B shape with vocab 8192: hidden 3072, 28 layers, 24/8 heads)
@@ -16,6 +16,8 @@ usage: make_model.py [small|1b|3b|8b|oss20b|all] [--dtype float32|bfloat16] [--o
                                   64/8 heads of 64, 32 experts of 2880, top 4, sinks, 128-token windows on
                                   alternate layers; the experts in OpenAI's MXFP4 layout as the hub ships them,
                                   random E2M1 codes with E8M0 scales 2^-8..2^-7, every other tensor bfloat16)
+  qwen35 -> $PEERS_ROOT/model-qwen35  (Qwen3.5's layer shape, Qwen3_5TextConfig's defaults, with vocab 8192 and
+                                  4 layers: three Gated DeltaNet layers and one full-attention layer; float32)
 
 ``--dtype bfloat16`` (the default for 3b and 8b) writes the checkpoint tensor by tensor into 2 GB safetensors
 shards with an index, as the hub's checkpoints are: an 8B model is never whole in memory (the build-scale
@@ -49,6 +51,12 @@ OSS_SHAPES = {
                    num_attention_heads=64, num_key_value_heads=8, head_dim=64, num_local_experts=32,
                    num_experts_per_tok=4, sliding_window=128,
                    layer_types=["sliding_attention", "full_attention"] * 2),
+}
+# Qwen3.5's layer shape (Qwen3_5TextConfig's defaults: hidden 4096, 16/4 heads of 256, Gated DeltaNet with 16 key
+# and 32 value heads of 128, MLP 12288) with vocab 8192 and one 3:1 cycle: three linear-attention layers, one full.
+HYBRID_SHAPES = {
+    "qwen35": dict(out=f"{ROOT}/model-qwen35", num_hidden_layers=4,
+                   layer_types=["linear_attention"] * 3 + ["full_attention"]),
 }
 # Shapes written streamed in bfloat16 unless --dtype says otherwise (they do not fit this machine in float32).
 STREAMED = ("3b", "8b")
@@ -225,6 +233,24 @@ def make_oss_mxfp4(name, tok, out=None):
     return out
 
 
+def make_hybrid(name, tok, out=None):
+    """A random Qwen3_5ForCausalLM (text only) in float32, seeded like ``make``."""
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    s = dict(HYBRID_SHAPES[name])
+    out = out or s.pop("out")
+    s.pop("out", None)
+    cfg = Qwen3_5TextConfig(vocab_size=8192, max_position_embeddings=2048, bos_token_id=tok.bos_token_id,
+                            eos_token_id=tok.eos_token_id, pad_token_id=None, **s)
+    torch.manual_seed(0)
+    model = Qwen3_5ForCausalLM(cfg).to(torch.float32).eval()
+    n = sum(p.numel() for p in model.parameters())
+    print(f"{name}: {n/1e6:.2f} M params -> {out}")
+    model.save_pretrained(out, safe_serialization=True)
+    _finish(out, TOK_DIR, "float32")
+    return out
+
+
 def make(name, tok):
     cfg, out = _config(name, tok, "float32")
     torch.manual_seed(0)
@@ -239,7 +265,7 @@ if __name__ == "__main__":
     import argparse
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("which", nargs="?", default="all", choices=[*SHAPES, *OSS_SHAPES, "all"])
+    ap.add_argument("which", nargs="?", default="all", choices=[*SHAPES, *OSS_SHAPES, *HYBRID_SHAPES, "all"])
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                     help="checkpoint dtype (default: float32 for small/1b, bfloat16 for 3b/8b)")
     ap.add_argument("--out", default=None, help="output directory (default: under $PEERS_ROOT)")
@@ -247,6 +273,9 @@ if __name__ == "__main__":
     tok = train_tokenizer()
     if args.which in OSS_SHAPES:
         make_oss_mxfp4(args.which, tok, args.out)
+        raise SystemExit(0)
+    if args.which in HYBRID_SHAPES:
+        make_hybrid(args.which, tok, args.out)
         raise SystemExit(0)
     for name in (["small", "1b"] if args.which == "all" else [args.which]):
         dtype = args.dtype or ("bfloat16" if name in STREAMED else "float32")
