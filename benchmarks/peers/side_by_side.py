@@ -36,7 +36,7 @@ def run_llmc(engine: str, batches: str, threads: int, out: Path) -> dict:
            "--repeats", "2", "--warmup", "1", "--json", "-o", str(out), "-q"]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
     rows = {r["workload"]: r for r in json.loads(out.read_text())["rows"]}
-    res = {"prefill": rows["prefill"]["tok_s"]}
+    res = {"prefill": rows["prefill_512"]["tok_s"]}
     for b in batches.split(","):
         res[f"decode_b{b}"] = rows[f"decode_b{b}"]["tok_s"]
     return res
