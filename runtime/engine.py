@@ -357,12 +357,12 @@ class Engine:
             raise UnsupportedError(f"{root / artifact.MANIFEST}: {problem}")
         if not 0.0 < gpu_memory_utilization <= 1.0:
             raise LlmcError(f"gpu_memory_utilization {gpu_memory_utilization}: must be in (0, 1]")
-        from llmc.runtime.cuda_session import CudaSession
+        from llmc.runtime.cuda.session import CudaSession
 
         kv = manifest["kv_cache"]
         max_len = _max_model_len(root, manifest)
         if int(manifest.get("parallel", {}).get("tensor", 1)) > 1:  # N ranks: this process is rank 0
-            from llmc.runtime.tensor_parallel import TensorParallelSession
+            from llmc.runtime.cuda.tensor_parallel import TensorParallelSession
 
             session = TensorParallelSession(root, manifest, device=device, cuda_graphs=cuda_graphs,
                                             max_model_len=max_len)

@@ -89,7 +89,7 @@ class SamplingParams:
 
 @dataclass
 class SampleRow:
-    """One logits row for a sampler that runs where the logits are (:mod:`llmc.runtime.device_sampler`):
+    """One logits row for a sampler that runs where the logits are (:mod:`llmc.runtime.cuda.sampler`):
     its index in the step's logits, its parameters, its history and, when sampled, its uniform in [0, 1)
     (drawn from the request's generator as :func:`sample` draws it)."""
 

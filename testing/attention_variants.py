@@ -129,13 +129,13 @@ def check_torch_ops(inputs: dict, caches: tuple, attrs: dict, hq: int, hkv: int,
                     custom_op_tail: tuple, torch_kwargs: dict) -> None:
     """The torch custom op the frontend traces (``torch.ops.llmc.paged_attention``; its positional arguments after
     the step's tensors: ``layer_idx, hq, hkv, d, scale`` then ``custom_op_tail``), and the CUDA engine's torch
-    attention (``runtime.torch_ops.paged_attention_torch`` with ``torch_kwargs``) on CPU tensors, which must also
+    attention (``runtime.cuda.ops.paged_attention_torch`` with ``torch_kwargs``) on CPU tensors, which must also
     write the reference's cache rows."""
     import torch
 
     import llmc.plugins.paged_attention.torch_op  # noqa: F401  (registers torch.ops.llmc)
     from llmc.plugins.paged_attention import kv_binding
-    from llmc.runtime.torch_ops import paged_attention_torch
+    from llmc.runtime.cuda.ops import paged_attention_torch
 
     expected, (k_ref, v_ref) = run_reference(inputs, caches, attrs)
     t = {k: torch.from_numpy(v) for k, v in inputs.items()}

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from llmc.runtime.device_sampler import sample_rows
+from llmc.runtime.cuda.sampler import sample_rows
 from llmc.runtime.sampler import SampleRow, SamplingParams, sample, token_logprobs
 
 

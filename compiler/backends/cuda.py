@@ -3,7 +3,7 @@
 ``emit`` writes into the artifact:
 
 - ``program.json``: the graph after the passes (and quantization) as a flat node list
-  (:mod:`llmc.runtime.torch_program` defines the format and executes it);
+  (:mod:`llmc.runtime.cuda.program` defines the format and executes it);
 - ``weights.safetensors``: every weight in the layout its op reads, streamed one tensor at a time:
   float weights in the engine dtype (``bfloat16`` by default; ``float32`` for exact parity tests),
   FP8 linears as E4M3 ``[N, K]`` + per-channel scales (``torch._scaled_mm``'s operand), INT4 linears
@@ -33,8 +33,8 @@ import numpy as np
 import onnx_ir as ir
 
 from llmc.errors import UnsupportedError
-from llmc.runtime import torch_program
-from llmc.runtime.cuda_session import attention_key
+from llmc.runtime.cuda import program as torch_program
+from llmc.runtime.cuda.session import attention_key
 
 ENGINE_DTYPES = ("bfloat16", "float16", "float32")
 KERNEL_DIR = "kernels"

@@ -27,12 +27,12 @@ import numpy as np
 import torch
 
 from llmc.errors import UnsupportedError
-from llmc.runtime import cuda_kernels
-from llmc.runtime.device_sampler import sample_rows
+from llmc.runtime.cuda import kernels as cuda_kernels
+from llmc.runtime.cuda.ops import DTYPES, OPS, paged_attention_torch
+from llmc.runtime.cuda.program import ATTENTION_OP, STATE_OPS, Program, load_weights, read_spec
+from llmc.runtime.cuda.sampler import sample_rows
 from llmc.runtime.kv_cache import distinct_pairs, layer_geometry
 from llmc.runtime.sampler import SampleRow
-from llmc.runtime.torch_ops import DTYPES, OPS, paged_attention_torch
-from llmc.runtime.torch_program import ATTENTION_OP, STATE_OPS, Program, load_weights, read_spec
 
 GRAPH_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 _META = ("input_ids", "positions", "slot_mapping", "block_tables", "context_lens", "query_start_loc",
