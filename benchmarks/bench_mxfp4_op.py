@@ -21,26 +21,13 @@ import time
 from pathlib import Path
 
 import numpy as np
-from onnx import TensorProto, helper, numpy_helper
 
+from llmc.plugins.mxfp4 import single_op_model
 from llmc.testing.ort_sessions import native_session
 
 E, K = 32, 2880
 SHAPES = {"gate_up": 5760, "down": 2880}
 ROWS = {"b1": 4, "b8": 32, "prefill128": 512}
-
-
-def op_model(blocks: np.ndarray, scales: np.ndarray) -> bytes:
-    e, n, g, _ = blocks.shape
-    node = helper.make_node("Mxfp4MoEMatMul", ["X", "ids", "blocks", "scales"], ["Y"], domain="llmc")
-    graph = helper.make_graph(
-        [node], "mxfp4",
-        [helper.make_tensor_value_info("X", TensorProto.FLOAT, ["S", 1, 32 * g]),
-         helper.make_tensor_value_info("ids", TensorProto.INT64, ["S"])],
-        [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["S", 1, n])],
-        [numpy_helper.from_array(blocks, "blocks"), numpy_helper.from_array(scales, "scales")])
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18),
-                                                   helper.make_opsetid("llmc", 1)]).SerializeToString()
 
 
 def main() -> None:
@@ -54,7 +41,7 @@ def main() -> None:
     for name, n in SHAPES.items():
         blocks = rng.integers(0, 256, (E, n, K // 32, 16), dtype=np.uint8)
         scales = rng.integers(119, 121, (E, n, K // 32)).astype(np.uint8)
-        sess = native_session(op_model(blocks, scales), threads=args.threads)
+        sess = native_session(single_op_model(blocks, scales), threads=args.threads)
         for tag, m in ROWS.items():
             x = rng.standard_normal((m, 1, K)).astype(np.float32)
             ids = rng.integers(0, E, m).astype(np.int64)

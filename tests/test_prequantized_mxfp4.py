@@ -20,10 +20,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from onnx import TensorProto, helper, numpy_helper
+from onnx import TensorProto
 
 from llmc.errors import LlmcError, UnsupportedError
-from llmc.plugins.mxfp4 import reference
+from llmc.plugins.mxfp4 import reference, single_op_model
 from llmc.plugins.paged_attention import ort_native
 from llmc.testing.ort_sessions import native_session
 
@@ -64,19 +64,6 @@ def write_mxfp4_fixture(root: Path) -> Path:
 # -- the native op against the reference ---------------------------------------------------------------------
 
 
-def _op_model(blocks: np.ndarray, scales: np.ndarray) -> bytes:
-    e, n, g, _ = blocks.shape
-    node = helper.make_node("Mxfp4MoEMatMul", ["X", "ids", "blocks", "scales"], ["Y"], domain="llmc")
-    graph = helper.make_graph(
-        [node], "mxfp4",
-        [helper.make_tensor_value_info("X", TensorProto.FLOAT, ["S", 1, 32 * g]),
-         helper.make_tensor_value_info("ids", TensorProto.INT64, ["S"])],
-        [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["S", 1, n])],
-        [numpy_helper.from_array(blocks, "blocks"), numpy_helper.from_array(scales, "scales")])
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18),
-                                                   helper.make_opsetid("llmc", 1)]).SerializeToString()
-
-
 @pytest.fixture
 def mxfp4_isa():
     lib = ort_native.load()
@@ -100,7 +87,7 @@ def test_op_matches_reference(isa, e, n, k, rows, mxfp4_isa):
     ids = rng.integers(0, e, rows).astype(np.int64)
     want = reference.mxfp4_moe_matmul(x, ids, blocks, scales)
     for threads in (1, 2):
-        got = native_session(_op_model(blocks, scales), threads=threads).run(None, {"X": x, "ids": ids})[0]
+        got = native_session(single_op_model(blocks, scales), threads=threads).run(None, {"X": x, "ids": ids})[0]
         assert got.shape == want.shape
         np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5 * np.abs(want).max())
 
@@ -132,7 +119,7 @@ def test_op_refuses_bad_inputs():
     from onnxruntime.capi.onnxruntime_pybind11_state import RuntimeException
 
     blocks = np.zeros((2, 8, 2, 16), np.uint8)
-    session = native_session(_op_model(blocks, np.full((2, 8, 2), 127, np.uint8)))
+    session = native_session(single_op_model(blocks, np.full((2, 8, 2), 127, np.uint8)))
     x = np.ones((3, 1, 64), np.float32)
     with pytest.raises(RuntimeException, match=r"expert_ids\[1\] = 2 is outside"):
         session.run(None, {"X": x, "ids": np.array([0, 2, 1], np.int64)})

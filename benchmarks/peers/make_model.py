@@ -233,6 +233,17 @@ def make_oss_mxfp4(name, tok, out=None):
     return out
 
 
+def _save_random(model_cls, cfg, name, out):
+    """A float32 model of ``cfg`` with torch's seed 0, saved with the tokenizer."""
+    torch.manual_seed(0)
+    model = model_cls(cfg).to(torch.float32).eval()
+    n = sum(p.numel() for p in model.parameters())
+    print(f"{name}: {n/1e6:.2f} M params -> {out}")
+    model.save_pretrained(out, safe_serialization=True)
+    _finish(out, TOK_DIR, "float32")
+    return out
+
+
 def make_hybrid(name, tok, out=None):
     """A random Qwen3_5ForCausalLM (text only) in float32, seeded like ``make``."""
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
@@ -242,23 +253,12 @@ def make_hybrid(name, tok, out=None):
     s.pop("out", None)
     cfg = Qwen3_5TextConfig(vocab_size=8192, max_position_embeddings=2048, bos_token_id=tok.bos_token_id,
                             eos_token_id=tok.eos_token_id, pad_token_id=None, **s)
-    torch.manual_seed(0)
-    model = Qwen3_5ForCausalLM(cfg).to(torch.float32).eval()
-    n = sum(p.numel() for p in model.parameters())
-    print(f"{name}: {n/1e6:.2f} M params -> {out}")
-    model.save_pretrained(out, safe_serialization=True)
-    _finish(out, TOK_DIR, "float32")
-    return out
+    return _save_random(Qwen3_5ForCausalLM, cfg, name, out)
 
 
 def make(name, tok):
     cfg, out = _config(name, tok, "float32")
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg).to(torch.float32).eval()
-    n = sum(p.numel() for p in model.parameters())
-    print(f"{name}: {n/1e6:.2f} M params -> {out}")
-    model.save_pretrained(out, safe_serialization=True)
-    _finish(out, TOK_DIR, "float32")
+    _save_random(LlamaForCausalLM, cfg, name, out)
 
 
 if __name__ == "__main__":

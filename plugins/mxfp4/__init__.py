@@ -6,3 +6,21 @@ input dimension per block, one E8M0 exponent per block); the op multiplies each 
 straight from those codes, so the engine keeps the experts at 4.25 bits per weight."""
 
 OP_TYPE = "Mxfp4MoEMatMul"
+
+
+def single_op_model(blocks, scales) -> bytes:
+    """An ONNX model of the op alone, ``Y[S, 1, N] = Mxfp4MoEMatMul(X[S, 1, K], ids[S])`` with ``blocks``
+    (uint8 [E, N, K/32, 16]) and ``scales`` (uint8 [E, N, K/32]) as initializers: for the op's tests and benchmark.
+    onnx is imported here, not with the package (the runtime does not need it)."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    e, n, g, _ = blocks.shape
+    node = helper.make_node(OP_TYPE, ["X", "ids", "blocks", "scales"], ["Y"], domain="llmc")
+    graph = helper.make_graph(
+        [node], "mxfp4",
+        [helper.make_tensor_value_info("X", TensorProto.FLOAT, ["S", 1, 32 * g]),
+         helper.make_tensor_value_info("ids", TensorProto.INT64, ["S"])],
+        [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["S", 1, n])],
+        [numpy_helper.from_array(blocks, "blocks"), numpy_helper.from_array(scales, "scales")])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18),
+                                                   helper.make_opsetid("llmc", 1)]).SerializeToString()
