@@ -747,7 +747,10 @@ class _PendingSelfCheck:
             return cls(result=_self_check(ckpt, plan, say))
         say(f"      self-check: a random twin of this {ckpt.model_type} config through the same pipeline, "
             "against transformers (in a second process, beside the build)")
-        work = Path(tempfile.mkdtemp(prefix="llmc-selfcheck-job-"))
+        from llmc.compiler.selfcheck import SCRATCH_PREFIX, mark_scratch
+
+        work = Path(tempfile.mkdtemp(prefix=SCRATCH_PREFIX + "job-"))
+        mark_scratch(work)
         (work / "in.pkl").write_bytes(blob)
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))  # the caller's modules
         with open(work / "stderr.txt", "wb") as err:

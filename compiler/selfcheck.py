@@ -24,6 +24,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -432,9 +433,50 @@ def _scratch_fault(exc: Exception) -> LlmcError | None:
                     elsewhere="set TMPDIR to a writable directory with a few MiB free")
 
 
+SCRATCH_PREFIX = "llmc-selfcheck-"
+OWNER_FILE = "owner.pid"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: alive
+        return True
+    return True
+
+
+def remove_orphaned_scratch(root: Path) -> list[Path]:
+    """Remove the self-check scratch directories under ``root`` whose owner process has died (a build or worker
+    killed with SIGKILL cannot clean up: 66 of them, 8-44 MB each, had gathered in one machine's /tmp).
+    Directories without an owner file (older llmc, or one being made) and those of live processes stay."""
+    removed = []
+    for d in root.glob(SCRATCH_PREFIX + "*"):
+        try:
+            pid = int((d / OWNER_FILE).read_text())
+        except (OSError, ValueError):
+            continue
+        if pid != os.getpid() and not _alive(pid):
+            shutil.rmtree(d, ignore_errors=True)
+            removed.append(d)
+    return removed
+
+
+def mark_scratch(d: Path) -> None:
+    """Name this process as ``d``'s owner (after sweeping the orphans beside it); best effort: a full disk leaves the
+    directory unmarked, and the work that follows reports the fault."""
+    try:
+        remove_orphaned_scratch(d.parent)
+        (d / OWNER_FILE).write_text(str(os.getpid()))
+    except OSError:
+        pass
+
+
 def _run_twin(twin: dict, model_type: str, key: str, record: Path | None, build_twin, cuda: bool, cacheable: bool,
               t0: float) -> SelfCheckResult:
-    with tempfile.TemporaryDirectory(prefix="llmc-selfcheck-") as tmp:
+    with tempfile.TemporaryDirectory(prefix=SCRATCH_PREFIX) as tmp:
+        mark_scratch(Path(tmp))
         try:
             ckpt = write_twin(twin, Path(tmp) / "twin")
         except Exception as exc:

@@ -137,3 +137,35 @@ def test_shrunk_hunyuan_twin_has_as_many_experts_as_its_moe_topk():
     config = AutoConfig.for_model("hunyuan_v1_moe", num_experts=64, moe_topk=8, head_dim=128).to_dict()
     twin = selfcheck.shrink_config({k: v for k, v in config.items() if not k.startswith("_")})
     assert twin["moe_topk"] == 8 <= twin["num_experts"] < 64
+
+
+def test_scratch_of_a_dead_owner_is_removed_and_live_or_unmarked_scratch_stays(tmp_path):
+    """A build or worker killed with SIGKILL leaves its scratch directory; the next self-check removes those whose
+    owner process is gone, and nothing else."""
+    import os
+    import subprocess
+    import sys
+
+    from llmc.compiler.selfcheck import OWNER_FILE, SCRATCH_PREFIX, mark_scratch
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+
+    def scratch(name: str, owner: int | None):
+        d = tmp_path / name
+        (d / "twin").mkdir(parents=True)
+        if owner is not None:
+            (d / OWNER_FILE).write_text(str(owner))
+        return d
+
+    orphan = scratch(SCRATCH_PREFIX + "orphan", dead.pid)
+    orphan_job = scratch(SCRATCH_PREFIX + "job-orphan", dead.pid)
+    live = scratch(SCRATCH_PREFIX + "live", os.getppid())
+    unmarked = scratch(SCRATCH_PREFIX + "unmarked", None)
+    other = scratch("someone-else", dead.pid)
+    new = tmp_path / (SCRATCH_PREFIX + "new")
+    new.mkdir()
+    mark_scratch(new)
+    assert not orphan.exists() and not orphan_job.exists()
+    assert live.exists() and unmarked.exists() and other.exists()
+    assert (new / OWNER_FILE).read_text() == str(os.getpid())
