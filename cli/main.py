@@ -462,6 +462,12 @@ def inspect(engine: Path, as_json: bool) -> None:
         layers = twin.get("num_hidden_layers") or twin.get("n_layer")
         click.echo(f"self-check  {check.get('result')}" + (f" (a {layers}-layer random twin of this config "
                                                           "against transformers)" if layers else ""))
+    sq = report.get("source_quantization")
+    if sq:  # the checkpoint arrived quantized: what llmc kept of it (compiler/prequantized*.py)
+        count = next((f", {sq[k]} {k.replace('_', ' ')}" for k in ("linears", "tensors", "tensors_dequantized")
+                      if k in sq), "")
+        click.echo(f"checkpoint  quantized as {sq.get('method')}{count}: "
+                   f"{sq.get('kept') or 'dequantized to ' + str(sq.get('dequantized_to'))}")
     q, acc = report.get("quantization"), report.get("accuracy")
     if q:
         emulated = " (emulated on the CPU)" if q.get("emulated_on_cpu") else ""

@@ -236,6 +236,13 @@ def test_engine_keeps_the_codes_and_matches_transformers(engine_dir, reference_t
     outs = engine.generate([list(p) for p in PROMPTS], SamplingParams(max_tokens=32, ignore_eos=True))
     for prompt, got, want in zip(PROMPTS, outs, reference_tokens, strict=True):
         assert got.token_ids == want, (prompt, got.token_ids, want)
+    from click.testing import CliRunner
+
+    from llmc.cli.main import cli
+
+    shown = CliRunner().invoke(cli, ["inspect", str(out)])
+    assert shown.exit_code == 0, shown.output
+    assert f"checkpoint  quantized as mxfp4, {record['tensors']} tensors: expert weights as E2M1 codes" in shown.output
 
 
 def test_cuda_engine_keeps_the_codes_and_matches_transformers(fixture_dir, reference_tokens, tmp_path, monkeypatch):
