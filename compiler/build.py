@@ -493,8 +493,9 @@ def _compile_stages(ckpt: Checkpoint, digest: str, plan: _Plan, dest: Path, say:
             say(f"      lora: {len(lora.sites)} linears, {lora.slots} slots of rank {lora.max_rank}")
         if traced.state_layers and ((gpu and not cuda) or options.verify_passes):
             raise UnsupportedError(f"{ckpt.path}: model_type {ckpt.model_type!r} has layers that keep recurrent state "
-                                   "between tokens, which llmc builds for the CPU engine only, without "
-                                   "--verify-passes, so far; build with --target cpu and without --verify-passes")
+                                   "between tokens, which llmc builds for its CPU engine and its CUDA engine "
+                                   "only, without --verify-passes, so far; build with --target cpu or --engine cuda, "
+                                   "without --verify-passes")
         timings["trace"] = time.perf_counter() - t
         nodes_traced = sum(1 for _ in traced.model.graph)
         _kill_point("after-trace")

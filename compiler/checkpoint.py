@@ -31,7 +31,7 @@ RECURRENT_MODEL_TYPES = (
     "mamba", "mamba2", "falcon_mamba", "jamba", "zamba", "zamba2", "rwkv", "recurrent_gemma", "minimax", "xlstm",
 )
 # Hybrid architectures whose recurrent layers llmc lowers (llmc.plugins.recurrent; the runtime's state pool,
-# llmc.runtime.state_cache), CPU engine only: model_type -> what those layers are (tests/test_hybrid_*.py).
+# llmc.runtime.state_cache), CPU and CUDA engines: model_type -> what those layers are (tests/test_hybrid_*.py).
 HYBRID_MODEL_TYPES = {"lfm2": "short-convolution layers", "qwen3_next": "Gated DeltaNet layers",
                       "qwen3_5_text": "Gated DeltaNet layers", "nemotron_h": "Mamba2 layers",
                       "falcon_h1": "Mamba2 layers", "granitemoehybrid": "Mamba2 layers", "bamba": "Mamba2 layers",
