@@ -36,6 +36,9 @@ HYBRID_MODEL_TYPES = {"lfm2": "short-convolution layers", "qwen3_next": "Gated D
                       "qwen3_5_text": "Gated DeltaNet layers", "nemotron_h": "Mamba2 layers",
                       "falcon_h1": "Mamba2 layers", "granitemoehybrid": "Mamba2 layers", "bamba": "Mamba2 layers",
                       "qwen3_5_moe_text": "Gated DeltaNet layers", "lfm2_moe": "short-convolution layers"}
+# What a build does not warn about as untested: the supported types and the hybrids, each held to transformers by
+# its own tests (tests/test_architectures.py, tests/test_hybrid_*.py).
+TESTED_MODEL_TYPES = (*SUPPORTED_MODEL_TYPES, *HYBRID_MODEL_TYPES)
 # The recurrent mechanism llmc still lacks, per refused family (named in the refusal); a family recognised by its
 # fields only is named by _RECURRENT_BY_FIELD.
 _SSM = "Mamba/Mamba2 selective state-space layers (SSD scan with a per-sequence SSM state, and their causal conv1d)"
@@ -242,12 +245,11 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
             f"{', '.join(SUPPORTED_MODEL_TYPES)}"
         )
 
-    # hybrid families are tested by their own suites (tests/test_hybrid_*.py) against transformers
-    if model_type not in SUPPORTED_MODEL_TYPES and model_type not in HYBRID_MODEL_TYPES:
+    if model_type not in TESTED_MODEL_TYPES:
         logging.getLogger("llmc").warning(
             "%s: model_type %r is untested in llmc; building it through the generic path (the build's "
             "self-check holds a random twin of this config to transformers and stops if they differ). Tested: %s",
-            cfg_path, model_type, ", ".join([*SUPPORTED_MODEL_TYPES, *HYBRID_MODEL_TYPES]),
+            cfg_path, model_type, ", ".join(TESTED_MODEL_TYPES),
         )
 
     index_path = root / "model.safetensors.index.json"
