@@ -92,6 +92,23 @@ def test_op_matches_reference(isa, e, n, k, rows, mxfp4_isa):
         np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5 * np.abs(want).max())
 
 
+@pytest.mark.parametrize("isa", list(ISAS))
+def test_op_matches_reference_for_every_rows_per_expert(isa, mxfp4_isa):
+    """Expert e gets e + 1 rows (1..9, shuffled): every count of rows the kernel takes in one pass (1, 2, 3, 4) and
+    the remainders after passes of four, each against the reference."""
+    if not mxfp4_isa(isa):
+        pytest.skip(f"this CPU has no {ISAS[isa]}")
+    rng = np.random.default_rng([9, isa])
+    e, n, k = 9, 48, 320
+    blocks = rng.integers(0, 256, (e, n, k // 32, 16), dtype=np.uint8)
+    scales = rng.integers(110, 135, (e, n, k // 32)).astype(np.uint8)
+    ids = rng.permutation(np.repeat(np.arange(e), np.arange(1, e + 1))).astype(np.int64)
+    x = rng.standard_normal((len(ids), 1, k)).astype(np.float32)
+    want = reference.mxfp4_moe_matmul(x, ids, blocks, scales)
+    got = native_session(single_op_model(blocks, scales), threads=2).run(None, {"X": x, "ids": ids})[0]
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5 * np.abs(want).max())
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_torch_op_matches_reference(dtype):
     """The CUDA engine's Mxfp4MoEMatMul (runtime/cuda/ops.py, run here on the CPU): float32 to rounding; bfloat16

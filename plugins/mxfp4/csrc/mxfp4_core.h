@@ -34,6 +34,10 @@ inline Isa best_isa() {
 
 constexpr int64_t kBlock = 32;
 constexpr int64_t kTile = 32;  // output rows per work item
+// Codes are read this many bytes ahead (software prefetch): the hardware prefetcher stops at each 4 KB page (~3
+// weight rows), and at decode batch 8 the kernel waited on memory there. Measured on gpt-oss-20b's expert shapes,
+// 2 threads: 17.3 -> 11.0 ms a gate_up call at 32 rows (1024 to 16384 bytes all within noise of each other).
+constexpr int64_t kPrefetchBytes = 4096;
 // Twice the E2M1 values, as int8 (so that a byte shuffle decodes 16 codes at once); the block scale is halved.
 constexpr int8_t kFp4x2[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
 
@@ -175,6 +179,7 @@ __attribute__((target("avx512f"))) inline void dots_avx512(const uint8_t* blk, c
     constexpr int kOdd = R < 4 ? 1 : 0;
     int64_t g = 0;
     for (; g + 2 <= groups; g += 2) {
+        if ((g & 3) == 0) _mm_prefetch(reinterpret_cast<const char*>(blk + g * 16 + kPrefetchBytes), _MM_HINT_T0);
         block_avx512<R>(blk, sc, st, lut, g, 0, xr, acc);
         block_avx512<R>(blk, sc, st, lut, g + 1, kOdd, xr, acc);
     }
@@ -194,9 +199,14 @@ __attribute__((target("avx512f"))) inline void row_avx512(const uint8_t* blk, co
         for (int j = 0; j < 4; ++j) xr[j] = xd + rows[i + j] * K;
         dots_avx512<4>(blk, sc, groups, xr, out + i);
     }
-    for (; i < m; ++i) {
-        xr[0] = xd + rows[i] * K;
-        dots_avx512<1>(blk, sc, groups, xr, out + i);
+    // The rest in one pass (a block decoded once for every row): two or three rows per expert are the common case
+    // at decode batch 8, where one pass per row decoded each block again and halved the rate per byte.
+    for (int j = 0; j < m - i; ++j) xr[j] = xd + rows[i + j] * K;
+    switch (m - i) {
+        case 3: dots_avx512<3>(blk, sc, groups, xr, out + i); break;
+        case 2: dots_avx512<2>(blk, sc, groups, xr, out + i); break;
+        case 1: dots_avx512<1>(blk, sc, groups, xr, out + i); break;
+        default: break;
     }
 }
 
