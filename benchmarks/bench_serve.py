@@ -197,7 +197,7 @@ def start_llmc(args) -> tuple[subprocess.Popen, str, str]:
         cmd += ["--threads", str(args.threads)]
     if args.replicas > 1:
         cmd += ["--replicas", str(args.replicas), "--routing", args.routing]
-    if args.target_itl_ms:
+    if args.target_itl_ms is not None:  # 0: off (the server's default is on)
         cmd += ["--target-itl-ms", str(args.target_itl_ms)]
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
     line = proc.stderr.readline()
@@ -261,7 +261,8 @@ def main() -> None:
     p.add_argument("--replicas", type=int, default=1, help="llmc serve --replicas (Ray Serve)")
     p.add_argument("--routing", default="prefix", choices=["prefix", "round_robin", "pow2"],
                    help="llmc serve --routing, with --replicas")
-    p.add_argument("--target-itl-ms", type=float, default=None, help="llmc serve --target-itl-ms")
+    p.add_argument("--target-itl-ms", type=float, default=None,
+                   help="llmc serve --target-itl-ms (0: off; default: the server's)")
     p.add_argument("--docs", type=int, default=0, help="shared-prefix workload: this many documents ...")
     p.add_argument("--questions", type=int, default=8, help="... each asked this many questions, interleaved")
     p.add_argument("--out", type=Path, default=None)
@@ -293,7 +294,7 @@ def main() -> None:
             proc.terminate()
             proc.wait(60)
     setup = f", {args.replicas} replicas ({args.routing} routing)" if args.replicas > 1 else ""
-    if args.target_itl_ms:
+    if args.target_itl_ms is not None:
         setup += f", --target-itl-ms {args.target_itl_ms:g}"
     if args.docs:
         setup += f", {args.docs} documents x {args.questions} questions interleaved"

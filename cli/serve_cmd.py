@@ -93,9 +93,10 @@ def _bind(host: str, port: int) -> socket.socket:
                    "--lora-slots).")
 @click.option("--allow-runtime-lora", is_flag=True,
               help="Enable POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's runtime LoRA routes).")
-@click.option("--target-itl-ms", default=None, type=float, metavar="MS",
+@click.option("--target-itl-ms", default=100.0, show_default=True, type=float, metavar="MS",
               help="Cap the prompt tokens of a step that also decodes, from measured step costs, so that running "
-                   "requests keep this inter-token latency (long prompts then take several steps). Default: off.")
+                   "requests keep this inter-token latency (a long prompt then takes several steps: its TTFT "
+                   "grows). Lifted at saturation and where decodes alone take longer. 0 turns it off.")
 @click.option("--kv-events", default=None, metavar="tcp://HOST:PORT",
               help="Publish the prefix cache's changes as vLLM's KV-event stream (ZeroMQ PUB; replay socket on PORT+1; "
                    "behind --replicas replica r uses PORT+2r and PORT+2r+1), for llm-d / Dynamo routers.")
@@ -128,8 +129,10 @@ def serve(engine: Path, host: str, port: int, served_model_name: str | None, api
     from llmc.serve import ServeConfig
     from llmc.serve import serve as run_server
 
-    for name, value in (("--target-itl-ms", target_itl_ms),
-                        ("--max-queue", max_queue), ("--max-n", max_n), ("--drain-timeout", drain_timeout),
+    if target_itl_ms is not None and target_itl_ms < 0:
+        raise LlmcError(f"--target-itl-ms {target_itl_ms}: must be positive (or 0 for off)")
+    target_itl_ms = target_itl_ms or None  # 0: off
+    for name, value in (("--max-queue", max_queue), ("--max-n", max_n), ("--drain-timeout", drain_timeout),
                         ("--stall-timeout", stall_timeout), ("--kv-cache-tokens", kv_cache_tokens),
                         ("--max-num-seqs", max_num_seqs), ("--max-num-tokens", max_num_tokens)):
         if value is not None:

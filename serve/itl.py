@@ -3,40 +3,79 @@
 A step that computes a whole long prompt stalls every decode in it: on 2 cores the 1B int4 engine's
 inter-token latency p99 reached 5.6 s at 1 req/s with prompts of 45-700 tokens. The scheduler can cap
 the prompt tokens of a step that also decodes (``SchedulerConfig.max_prefill_tokens_with_decodes``);
-this sets that cap before every step from the measured cost of steps, ``seconds = a + b * tokens``
-(the speculative decoder's :class:`~llmc.runtime.speculative.StepCost` fit over recent steps), so that
-a step of ``D`` decodes and ``P`` prompt tokens takes at most the target:
+this sets that cap before every step from two costs measured on the running server:
 
-    P = (target - a) / b - D,   at least ``min_prefill`` tokens
+- ``base``: what a step of decodes alone takes (the 90th percentile of the last 64 such steps);
+- ``per_token``: what each prompt token adds to a step (the 90th percentile of the last 32 steps that
+  computed at least ``min_prefill`` prompt tokens, each ``(seconds - median base) / prompt tokens``),
 
-The fit goes through each step size's median, and what a decode waits for is more than the step: the
-loop's work between steps (delivering tokens, the hooks) and steps slower than their median. So the
-governor also watches what it promises: the period from one decoding step's end to the next's (the
-inter-token latency those decodes got). Over the (up to 32) periods since the scale last changed, at least
-8 of them, a 90th percentile above the target shrinks the time the fit is given (``scale``, in proportion),
-one below 0.8x the target lets it grow back by 20% (up to the target itself). Measured on the 1B int4 engine
-(2 cores, prompts 45-700 tokens, 0.2 and 0.35 req/s, a 100 ms target): ITL p99 0.13 and 0.27 s with the fit
-alone, 0.13 and 0.25 s with this feedback; the periods' p90 stayed under the target, so the rarer long gaps
-come from something the step cost does not see (README, Serving).
+so that a step of decodes and ``P`` prompt tokens takes at most the target:
 
-Until steps of two sizes were measured (no slope yet) the cap is four blocks. ``min_prefill`` (one KV
-block by default) keeps prompts moving when the decodes alone already take the
-target; then the target cannot be met at that load, and TTFT grows instead of ITL. Steps without decodes
-keep the whole ``--max-num-tokens`` budget. The trade: a long prompt arriving among running decodes is
-computed in chunks over several steps, so its TTFT grows by about one step time per chunk, while the
-decodes around it keep their pace.
+    P = (target * scale - base) / per_token,   at least ``min_prefill`` tokens
+
+High percentiles rather than a fit through medians, and the prompt tokens' own cost rather than a line over
+every step: a line through each step size's median (what the speculative decoder's ``StepCost`` fits) is
+dominated by the many small decode steps, whose slope per token is a third of a prompt chunk's on the 1B int4
+engine (24 ms at 1 token, 72 ms at 16-24, 98 ms at 32-40), and half the steps at the cap it gives run over the
+target; measured with it, ITL p99 was 0.13-0.25 s at a 100 ms target (README, Serving).
+
+``scale`` is feedback on what the cap promises: the period from one decoding step's end to the next's, over
+the steps that computed prompt tokens beside decodes (the only ones the cap governs). Over at least 8 of them
+since the scale last changed, a 90th percentile above the target shrinks the time the costs are given (in
+proportion), one below 0.8x the target lets it grow back by 20% (up to the target itself).
+
+Saturation: when the prompt tokens waiting (queued, or admitted and not yet computed) would take more than
+``BACKLOG_STEPS`` (100) capped steps to compute, the rate is not one the server sustains, no cap can hold the
+target for long, and each capped step pays the decodes' fixed cost for a few prompt tokens: the cap is lifted
+until the backlog falls under that, so that output throughput at saturation stays what it is without the
+governor (measured: 16% lower with the cap held throughout).
+
+A target the decodes alone miss (the decode-only steps' p90 at or over it: a large model on few cores) is not
+enforced: no cap would meet it, and holding one would only lengthen TTFT.
+
+Until both costs were measured the cap is ``min_prefill`` (one KV block by default), which also keeps prompts
+moving when the decodes alone already take the target; then the target cannot be met at that load, and TTFT
+grows instead of ITL. Steps without decodes keep the whole ``--max-num-tokens`` budget. The trade: a long
+prompt arriving among running decodes is computed in chunks over several steps, so its TTFT grows by about one
+step time per chunk, while the decodes around it keep their pace.
 """
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
-from llmc.runtime.speculative import StepCost
+PERIODS = 32  # mixed steps' periods kept
+ADJUST_EVERY = 8  # mixed steps between changes of the scale
+BASE_STEPS = 64  # decode-only steps kept
+TOKEN_STEPS = 32  # steps with prompt tokens kept
+QUANTILE = 0.9
+# The mixed steps' periods held under the target at this quantile: they are a fifth of the decoding steps at
+# moderate load, so the decodes' p99 is about their p95. (0.97 measured no better: what is left over the target
+# is steps that ran twice their usual time at the same size, another process taking one of the two cores.)
+FEEDBACK_QUANTILE = 0.95
+BACKLOG_STEPS = 100  # prompt tokens waiting beyond this many capped steps: the load is not sustainable
 
-PERIODS = 32  # decoding steps' periods kept
-ADJUST_EVERY = 8  # steps between changes of the scale
+
+def quantile(values: Sequence[float], q: float) -> float:
+    """The ``q`` quantile (nearest rank below) of a non-empty sequence."""
+    s = sorted(values)
+    return s[int(q * (len(s) - 1))]
+
+
+def split_chunks(chunks) -> tuple[int, int]:
+    """(decodes, prompt tokens) of a step's chunks: a chunk that computes one known token (and any drafts) is a
+    decode (a prompt's last token alone counts as one too), any other computes that many prompt tokens."""
+    decodes = prompt = 0
+    for c in chunks:
+        n = c.num_tokens - len(c.draft)
+        if n == 1:
+            decodes += 1
+        else:
+            prompt += n
+    return decodes, prompt
 
 
 class ItlGovernor:
@@ -47,48 +86,64 @@ class ItlGovernor:
         self.engine = engine
         self.target_s = target_s
         self.min_prefill = min_prefill or engine.block_size
-        self.cost = StepCost()
-        self.cap: int | None = None  # the cap set for the next step (None: not yet measured)
-        self.scale = 1.0  # the share of the target the fitted step cost is given (see the module docstring)
-        self.periods: deque[float] = deque(maxlen=PERIODS)  # seconds between decoding steps' ends
+        self.base: deque[float] = deque(maxlen=BASE_STEPS)  # seconds of steps that only decoded
+        self.per_token: deque[float] = deque(maxlen=TOKEN_STEPS)  # seconds a prompt token added to a step
+        self.cap: int | None = None  # the cap set for the next step (None: nothing measured yet)
+        self.saturated = False  # prompts waiting beyond BACKLOG_STEPS capped steps: the cap is lifted
+        self.unattainable = False  # decode-only steps (p90) take the target or longer: the cap is lifted
+        self.scale = 1.0  # the share of the target the costs are given (see the module docstring)
+        self.periods: deque[float] = deque(maxlen=PERIODS)  # seconds decodes waited across mixed steps
         self._clock = clock
         self._last_end: float | None = None
-        self._decodes = 0  # decodes the step now ending was scheduled with
+        self._decodes = 0  # decodes running when the step now ending was scheduled
         self._since_adjust = 0
+
+    def costs(self) -> tuple[float, float] | None:
+        """(base, per_token) seconds at the governor's percentile, or None until both were measured."""
+        if not self.base or not self.per_token:
+            return None
+        return quantile(self.base, QUANTILE), quantile(self.per_token, QUANTILE)
 
     def __call__(self, seconds: float) -> None:
         sched = self.engine.scheduler
         last = self.engine.last_schedule
         now = self._clock()
-        if self._decodes and self._last_end is not None:  # the loop went straight on: decodes were waiting
+        decodes, prompt = split_chunks(last.chunks) if last is not None else (0, 0)
+        if self._decodes and prompt and self._last_end is not None:  # decodes waited on a step with a prompt
             self.periods.append(max(seconds, now - self._last_end))
             self._adjust()
         self._last_end = now
         self._decodes = sum(1 for r in sched.running if r.num_remaining <= 1)
-        if last is not None and last.chunks:
-            self.cost.observe(sum(c.num_tokens + len(c.draft) for c in last.chunks), seconds)
-        if not self.cost.trusted():
-            return
+        if decodes and not prompt:
+            self.base.append(seconds)
+        elif prompt >= self.min_prefill:
+            fixed = statistics.median(self.base) if self.base else 0.0
+            self.per_token.append(max(seconds - fixed, 0.0) / prompt)
+        costs = self.costs()
         budget = self.engine.config.max_num_tokens
-        if self.cost.slope() is None:
-            # Steps of one size only so far: the cost per token is unknown. A few blocks per step, whose other
-            # sizes give the fit its slope, rather than a whole long prompt at a guessed cost.
-            self.cap = min(budget, 4 * self.min_prefill)
+        if costs is None:
+            self.cap = min(budget, self.min_prefill)
         else:
-            a, b = self.cost.fit()
-            room = (self.target_s * self.scale - a) / b - self._decodes if b > 0 else budget
+            base, per_token = costs
+            room = (self.target_s * self.scale - base) / per_token if per_token > 0 else budget
             self.cap = int(max(self.min_prefill, min(budget, room)))
-        sched.config.max_prefill_tokens_with_decodes = self.cap
+        backlog = sum(r.num_remaining for r in sched.waiting) + sum(
+            r.num_remaining for r in sched.running if r.num_remaining > 1)
+        self.saturated = backlog > BACKLOG_STEPS * self.cap
+        # Decodes alone already over the target: no cap meets it, and one would only lengthen TTFT.
+        self.unattainable = costs is not None and costs[0] >= self.target_s
+        lifted = self.saturated or self.unattainable
+        sched.config.max_prefill_tokens_with_decodes = None if lifted else self.cap
 
     def _adjust(self) -> None:
         self._since_adjust += 1
-        if len(self.periods) < ADJUST_EVERY or self._since_adjust < ADJUST_EVERY:
+        if len(self.periods) < 2 * ADJUST_EVERY or self._since_adjust < ADJUST_EVERY:
             return
         self._since_adjust = 0
-        p90 = sorted(self.periods)[int(0.9 * (len(self.periods) - 1))]
-        if p90 > self.target_s:
-            self.scale = max(0.05, self.scale * self.target_s / p90)
-        elif p90 < 0.8 * self.target_s:
+        high = quantile(self.periods, FEEDBACK_QUANTILE)
+        if high > self.target_s:
+            self.scale = max(0.05, self.scale * self.target_s / high)
+        elif high < 0.8 * self.target_s:
             self.scale = min(1.0, self.scale * 1.2)
         else:
             return

@@ -29,7 +29,8 @@ class ServeConfig:
     reasoning_parser: str | None = None  # None: reasoning stays in the content (serve/reasoning.py)
     responses_store_size: int = 1024  # /v1/responses kept for previous_response_id (oldest evicted first)
     allow_runtime_lora: bool = False  # POST /v1/load_lora_adapter and /v1/unload_lora_adapter (--allow-runtime-lora)
-    target_itl_ms: float | None = None  # size mixed steps' prompt share for this inter-token latency (serve/itl.py)
+    # Size mixed steps' prompt share for this inter-token latency (serve/itl.py); None: off.
+    target_itl_ms: float | None = 100.0
 
 
 @dataclass

@@ -247,3 +247,5 @@ def test_cli_flags_that_cannot_work_exit_2_with_one_line(tiny_engine, tmp_path):
     assert p.returncode == 2 and "--max-body-size 'lots'" in p.stderr
     p = run(str(tiny_engine), "--max-queue", "0")
     assert p.returncode == 2 and "--max-queue 0: must be positive" in p.stderr
+    p = run(str(tiny_engine), "--target-itl-ms", "-5")
+    assert p.returncode == 2 and "--target-itl-ms -5.0: must be positive (or 0 for off)" in p.stderr, p.stderr

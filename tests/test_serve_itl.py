@@ -1,7 +1,7 @@
 """``--target-itl-ms``: the prompt share of steps that also decode follows the measured step cost.
 
 Four requests decode while a 600-token prompt arrives. With the governor, every step that decodes computes
-at most the cap it set, and that cap is what the fitted step cost says fits the target; the outputs are the
+at most the cap it set, and that cap is what the measured step costs say fits the target; the outputs are the
 same tokens as without it (chunking a prompt changes when it is computed, not what comes out). Step times
 themselves are not asserted: the test machine's 2 cores are shared.
 """
@@ -13,7 +13,7 @@ import time
 import pytest
 
 from llmc.runtime import Engine, SamplingParams
-from llmc.serve.itl import ItlGovernor
+from llmc.serve.itl import BACKLOG_STEPS, ItlGovernor, split_chunks
 
 
 def test_governor_caps_prompt_tokens_in_steps_that_decode(default_engine):
@@ -51,43 +51,114 @@ def test_governor_caps_prompt_tokens_in_steps_that_decode(default_engine):
     assert [done[i] for i in ids] == want
     assert len(mixed) >= 3, mixed  # the long prompt went in chunks beside the decodes
     assert all(cap is not None and prompt <= cap for _, prompt, cap in mixed), mixed
-    # The last cap is the fit's room for prompt tokens beside the decodes then running (at least one block).
-    a, b = gov.cost.fit()
-    assert gov.cost.slope() is not None
+    # The last cap is the measured costs' room for prompt tokens (at least one block).
+    costs = gov.costs()
+    assert costs is not None and costs[1] > 0
+    base, per_token = costs
+    assert base == sorted(gov.base)[int(0.9 * (len(gov.base) - 1))]
     assert 0.05 <= gov.scale <= 1.0
-    assert gov.cap == max(engine.block_size, min(engine.config.max_num_tokens, int((target * gov.scale - a) / b)))
+    want_cap = int(max(engine.block_size, min(engine.config.max_num_tokens, (target * gov.scale - base) / per_token)))
+    assert gov.cap == want_cap
 
 
-def test_governor_shrinks_the_fits_time_when_decodes_wait_longer_than_the_target_and_recovers(default_engine):
-    """The periods between decoding steps are what the decodes get: a p90 over the target scales the fit's time
-    down in proportion (so the cap shrinks), and periods well under it let it grow back, up to the target."""
+def test_governor_shrinks_the_costs_time_when_mixed_steps_run_over_the_target_and_recovers(default_engine):
+    """The periods decodes wait across steps that also compute prompt tokens are what the cap promises: a p90
+    over the target scales the time given to the costs down in proportion (so the cap shrinks), and periods well
+    under it let it grow back, up to the target. Decode-only steps, however slow, are not the cap's doing."""
     engine = Engine.load(default_engine, num_threads=1)
-    params = SamplingParams(max_tokens=200, ignore_eos=True)
+    tok = engine.tokenizer
+    text = open(__file__, encoding="utf-8").read() * 8
+    params = SamplingParams(max_tokens=400, ignore_eos=True)
     for p in ("The for statement", "def f(x):", "A class"):
-        engine.submit(engine.tokenizer.encode(p), params)
+        engine.submit(tok.encode(p), params)
     now = [0.0]
-    gov = ItlGovernor(engine, 0.05, clock=lambda: now[0])
+    target = 0.05
+    gov = ItlGovernor(engine, target, clock=lambda: now[0])
+    mixed_steps = [0]
 
     def step(period: float) -> None:
         engine.step()
         now[0] += period
-        gov(0.01)  # the step itself took 10 ms: the rest of the period is the loop's own work
+        _, prompt = split_chunks(engine.last_schedule.chunks)
+        if prompt and any(c.num_tokens == 1 for c in engine.last_schedule.chunks):
+            mixed_steps[0] += 1
+        gov(0.03 if prompt else 0.01)  # what the step itself took; the rest of the period is the loop's
 
-    for _ in range(3):  # prefill, then decodes
+    for _ in range(4):  # prefill, then decodes (the base cost)
         step(0.01)
-    for _ in range(3):  # and steps of a second size (40 tokens) give the fit its slope
-        gov.cost.observe(40, 0.03)
-    for _ in range(16):
-        step(0.2)  # decodes wait 4x the target
-    # 8 periods (two fast, six slow): p90 0.2 s, scale 0.05 / 0.2; the next 8 (slow): again x 0.25
+    for _ in range(6):  # decode-only steps over the target: not the cap's doing, the scale stays
+        step(0.2)
+    assert gov.scale == 1.0 and gov.cap == engine.block_size  # no prompt cost measured yet: one block
+    ids = tok.encode(text)
+    prompts = [ids[i * 500:(i + 1) * 500] for i in range(6)]
+
+    def feed() -> None:  # one long prompt at a time: a backlog the capped steps clear (no saturation)
+        sched = engine.scheduler
+        if not sched.waiting and not any(r.num_remaining > 1 for r in sched.running):
+            engine.submit(prompts.pop(), params)
+
+    while mixed_steps[0] < 32:
+        feed()
+        step(0.2)  # decodes wait 4x the target across each mixed step
+    # 16 mixed periods at 0.2 s (p95 0.2 s): scale 0.05 / 0.2; 16 more: again x 0.25
+    assert not gov.saturated
     assert gov.scale == pytest.approx(0.0625)
-    assert gov.cost.slope() is not None
-    a, b = gov.cost.fit()
-    want = int((0.05 * gov.scale - a) / b - 3)  # three decodes running
-    assert gov.cap == max(engine.block_size, min(engine.config.max_num_tokens, want))
-    for _ in range(40):
+    base, per_token = gov.costs()
+    assert gov.cap == int(max(engine.block_size, min(engine.config.max_num_tokens,
+                                                     (target * gov.scale - base) / per_token)))
+    while mixed_steps[0] < 64:
+        feed()
         step(0.005)  # well under the target
-    # the two slow periods left in the window pull it down once more (to the floor, 0.05), then four windows of
-    # fast periods grow it by 20% each
-    assert gov.scale == pytest.approx(0.05 * 1.2**4)
+    assert gov.scale == pytest.approx(0.0625 * 1.2**2)  # two windows of fast periods: +20% each
     assert len(gov.periods) <= 32
+
+
+def test_governor_lifts_the_cap_while_the_prompt_backlog_is_beyond_what_capped_steps_clear(default_engine):
+    """Saturation: prompts waiting beyond BACKLOG_STEPS capped steps get the whole budget (throughput as without
+    the governor); once the backlog is back under that, the cap holds again."""
+    engine = Engine.load(default_engine, num_threads=1)
+    tok = engine.tokenizer
+    ids = tok.encode(open(__file__, encoding="utf-8").read() * 12)
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    for p in ("The for statement", "def f(x):"):
+        engine.submit(tok.encode(p), SamplingParams(max_tokens=300, ignore_eos=True))
+    gov = ItlGovernor(engine, 0.05)
+    for _ in range(3):
+        engine.step()
+        gov(0.01)
+    long = [ids[i * 500:(i + 1) * 500] for i in range(5)]
+    assert sum(map(len, long)) > BACKLOG_STEPS * engine.block_size
+    for p in long:
+        engine.submit(p, params)
+    seen: list[tuple[bool, int | None, int]] = []  # (saturated, cap then in force, prompt tokens of a mixed step)
+    while any(r.num_remaining > 1 for r in [*engine.scheduler.waiting, *engine.scheduler.running]):
+        in_force = engine.scheduler.config.max_prefill_tokens_with_decodes
+        engine.step()
+        decodes, prompt = split_chunks(engine.last_schedule.chunks)
+        gov(0.01 + 0.002 * prompt)  # 2 ms a prompt token: a cap of 20 at the 50 ms target
+        if decodes and prompt:
+            seen.append((in_force is None, in_force, prompt))
+    assert any(lifted and prompt > gov.cap for lifted, _, prompt in seen), seen  # whole budget while saturated
+    assert any(not lifted for lifted, _, _ in seen), seen  # and capped again once the backlog fell
+    assert all(lifted or prompt <= cap for lifted, cap, prompt in seen), seen
+
+
+def test_governor_does_not_enforce_a_target_the_decodes_alone_miss(default_engine):
+    """Decode-only steps at or over the target: no cap meets it, so none is held (it would only delay prompts)."""
+    engine = Engine.load(default_engine, num_threads=1)
+    tok = engine.tokenizer
+    for p in ("The for statement", "def f(x):"):
+        engine.submit(tok.encode(p), SamplingParams(max_tokens=80, ignore_eos=True))
+    gov = ItlGovernor(engine, 0.05)
+    engine.step()
+    gov(0.01)
+    engine.submit(tok.encode(open(__file__, encoding="utf-8").read())[:20], SamplingParams(max_tokens=40))
+    for seconds in (0.04, 0.02, 0.3, 0.3, 0.3):  # a 16-token prompt chunk, its last 4, then decodes at 6x the target
+        engine.step()
+        gov(seconds)
+    assert gov.costs()[0] >= 0.05 and gov.unattainable and not gov.saturated
+    assert engine.scheduler.config.max_prefill_tokens_with_decodes is None
+    for _ in range(32):  # decodes back under the target (their p90 too): the cap holds again
+        engine.step()
+        gov(0.001)
+    assert not gov.unattainable and engine.scheduler.config.max_prefill_tokens_with_decodes == gov.cap
