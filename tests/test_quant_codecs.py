@@ -82,6 +82,25 @@ def test_fp8_scaled_quantization(axis):
     assert np.all(err <= np.maximum(np.abs(x) * 2.0**-4, scale * 2.0**-10) + 1e-12)
 
 
+@pytest.mark.parametrize("shape, axis", [((48, 40), None), ((48, 40), 0), ((48, 40), 1), ((6, 8, 10), 0),
+                                         ((6, 8, 10), 1), ((6, 8, 10), None), ((300,), None)])
+def test_fp8_quantize_in_chunks_of_rows_equals_one_pass(shape, axis, monkeypatch):
+    """quantize() divides, clips and casts a chunk of rows at a time: the codes and scales of one whole-array pass
+    (max |x| taken as max(max x, -min x)), infinities and signed zeros included."""
+    rng = np.random.default_rng(11)
+    x = (rng.standard_normal(shape) * np.exp(rng.uniform(-6, 3, shape))).astype(np.float32)
+    x.reshape(-1)[[3, 17, 29]] = [np.inf, -0.0, -3e38]
+    red = None if axis is None else tuple(d for d in range(x.ndim) if d != axis)
+    with np.errstate(invalid="ignore"):
+        want_scale = fp8.scale_for(np.abs(x).max(axis=red))
+        want = E4M3.encode(x / fp8._broadcast(want_scale, axis, x.ndim))
+    monkeypatch.setattr(fp8, "QUANTIZE_CHUNK", 7)  # rows of 40, 80 or 1 element: every row its own chunk
+    with np.errstate(invalid="ignore"):
+        q = fp8.quantize(x, axis=axis)
+    np.testing.assert_array_equal(q.scale, want_scale)
+    np.testing.assert_array_equal(q.codes, want)
+
+
 # -- FP4 E2M1 and NVFP4 --------------------------------------------------------------------------
 
 def test_e2m1_table_encode_and_ties_match_ml_dtypes():
