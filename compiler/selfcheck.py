@@ -24,12 +24,12 @@ import json
 import logging
 import os
 import re
-import shutil
 import tempfile
 import time
 from pathlib import Path
 
 import llmc
+from llmc import scratch
 from llmc.errors import LlmcError, UnsupportedError, os_fault, os_fault_errno
 
 LOGPROB_ATOL = 2e-3  # nats; float32 engines agree with transformers to ~1e-5
@@ -434,43 +434,17 @@ def _scratch_fault(exc: Exception) -> LlmcError | None:
 
 
 SCRATCH_PREFIX = "llmc-selfcheck-"
-OWNER_FILE = "owner.pid"
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process: alive
-        return True
-    return True
+OWNER_FILE = scratch.OWNER_FILE
 
 
 def remove_orphaned_scratch(root: Path) -> list[Path]:
-    """Remove the self-check scratch directories under ``root`` whose owner process has died (a build or worker
-    killed with SIGKILL cannot clean up: 66 of them, 8-44 MB each, had gathered in one machine's /tmp).
-    Directories without an owner file (older llmc, or one being made) and those of live processes stay."""
-    removed = []
-    for d in root.glob(SCRATCH_PREFIX + "*"):
-        try:
-            pid = int((d / OWNER_FILE).read_text())
-        except (OSError, ValueError):
-            continue
-        if pid != os.getpid() and not _alive(pid):
-            shutil.rmtree(d, ignore_errors=True)
-            removed.append(d)
-    return removed
+    """Remove the self-check scratch directories under ``root`` whose owner process has died (llmc/scratch.py)."""
+    return scratch.remove_orphaned(root, SCRATCH_PREFIX)
 
 
 def mark_scratch(d: Path) -> None:
-    """Name this process as ``d``'s owner (after sweeping the orphans beside it); best effort: a full disk leaves the
-    directory unmarked, and the work that follows reports the fault."""
-    try:
-        remove_orphaned_scratch(d.parent)
-        (d / OWNER_FILE).write_text(str(os.getpid()))
-    except OSError:
-        pass
+    """Name this process as the self-check scratch directory ``d``'s owner (llmc/scratch.py)."""
+    scratch.mark(d, SCRATCH_PREFIX)
 
 
 def _run_twin(twin: dict, model_type: str, key: str, record: Path | None, build_twin, cuda: bool, cacheable: bool,

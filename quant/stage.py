@@ -26,12 +26,14 @@ from pathlib import Path
 import numpy as np
 import onnx_ir as ir
 
+from llmc import scratch
 from llmc.errors import LlmcError
 from llmc.passes.base import GraphPass
 from llmc.quant import evaluate, layerwise
 from llmc.quant.recipe import QuantRecipe, resolve_calib_device
 
 PASS_NAME = "quantize"
+SPILL_PREFIX = "llmc-calibration-"  # INT4 weights waiting on disk for the graph pass
 EVAL_WINDOW = 256
 EVAL_TOKENS = 65536  # held-out windows read; how many are scored: QuantRecipe.eval_tokens / evaluate.Precision
 
@@ -110,7 +112,8 @@ class QuantStage:
         # --lm-head int4: its AWQ search (a 1B model's: ~30 s) would be thrown away.
         head = not (r.format is not None and r.format.family == "int4" and self.form == "cpu" and r.lm_head != "int4")
         # INT4 weights wait on disk for the graph pass, a layer at a time (removed with the stage).
-        self._spill = tempfile.mkdtemp(prefix="llmc-calibration-")
+        self._spill = tempfile.mkdtemp(prefix=SPILL_PREFIX)
+        scratch.mark(Path(self._spill), SPILL_PREFIX)  # a killed build's spill is removed by the next one
         weakref.finalize(self, shutil.rmtree, self._spill, True)
         return collect(config, self.params, samples, r, progress=self.say, head=head, device=device,
                        spill_dir=self._spill)
