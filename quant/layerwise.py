@@ -18,10 +18,7 @@ initializers (``SessionOptions.add_external_initializers``: its kernels use the 
 dtypes numpy cannot hold natively (bfloat16, FP8, INT4), which travel in the model bytes.
 
 The session options are the engine's own (:class:`llmc.runtime.session.OrtSession`), so each stage computes what
-the whole engine computes: the figures equal whole-model scoring's (tested to 1e-5 relative). One difference: a
-stage's constant DequantizeLinear nodes are folded when its session is made (``fold_dequantize``), since a stage
-runs once per window: the same values, decoded once instead of per window (and held in float32 for the stage's
-life, within the bound of twice a layer in float32).
+the whole engine computes: the figures equal whole-model scoring's (tested to 1e-5 relative).
 """
 
 from __future__ import annotations
@@ -288,8 +285,7 @@ class LayerwiseScorer:
         for i, stage in enumerate(self.stages):
             t = time.perf_counter()
             blob, external = stage_model(self.model, stage, carried[0])
-            session = OrtSession(blob, custom_ops=self.custom_ops, spin=False, initializers=external,
-                                 fold_dequantize=True)
+            session = OrtSession(blob, custom_ops=self.custom_ops, spin=False, initializers=external)
             del blob
             self.session_seconds += time.perf_counter() - t
             t = time.perf_counter()

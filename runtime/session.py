@@ -35,14 +35,13 @@ class OrtSession:
     load for 0.1 s, so one-off sessions (pass verification) pass False. ``initializers``: arrays for the
     graph's initializers that it declares without data (ONNX Runtime reads them in place; the session keeps
     them alive): how the accuracy report runs a model one layer at a time (llmc.quant.layerwise).
-    ``fold_dequantize``: dequantize constant weights once at session creation (float32 copies in memory).
     """
 
     samples_on_device = False  # returns host logits; the engine samples them with numpy
 
     def __init__(self, model: Path | bytes, num_threads: int | None = None, custom_ops: str = NATIVE,
                  optimize: bool = True, spin: bool | None = None,
-                 initializers: dict[str, np.ndarray] | None = None, fold_dequantize: bool = False) -> None:
+                 initializers: dict[str, np.ndarray] | None = None) -> None:
         import onnxruntime as ort
 
         if custom_ops == NATIVE:
@@ -80,12 +79,6 @@ class OrtSession:
         # ORT's optimizer into MatMulNBits at accuracy level 4 by default: int8 activations, not the W4A16
         # arithmetic of the engine being scored (4% of the logits' range on a tiny Llama). Level 1: float32.
         so.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", "1")
-        if fold_dequantize:
-            # DequantizeLinear of a constant weight computed once, when the session is made (ORT's constant folding
-            # skips it while Q/DQ fusions are on), rather than on every run: the same kernel and values. For
-            # sessions run many times over the same weights that the engine would not keep (the layer-by-layer
-            # scorer: an FP8 8B layer's weights were decoded again for each held-out window).
-            so.add_session_config_entry("session.disable_quant_qdq", "1")
         if self._native is not None:  # process-wide, like the attention threads: the last session loaded decides
             self._native.set_int4_parallel_min(self._native.INT4_PARALLEL_MIN[bool(self.spinning)])
         so.log_severity_level = 3

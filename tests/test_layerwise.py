@@ -122,59 +122,8 @@ def test_streamed_report_equals_whole_engine_scoring(tmp_path, default_engine):
 def test_initializers_of_numpy_dtypes_reach_ort_without_the_model_bytes(default_engine):
     model, _, _ = _engine_graph(default_engine)
     stage = layerwise.partition(model)[1]
-    carried = {v.name: np.zeros(1, np.float32) for v in stage.inputs if v.type is None}  # the residual stream
-    blob, external = layerwise.stage_model(model, stage, carried)
+    blob, external = layerwise.stage_model(model, stage, {})
     big = [v for v in stage.weights if v.const_value.dtype == ir.DataType.FLOAT
            and layerwise._nbytes(v.const_value) >= layerwise.EMBED_BELOW]
     assert big and all(v.name in external for v in big)
     assert len(blob) < sum(layerwise._nbytes(v.const_value) for v in big)
-
-
-def test_fp8_stages_fold_their_dequantize_once_and_equal_the_whole_engine(tmp_path, tiny_llama):
-    """An FP8 engine (E4M3 weights behind DequantizeLinear): the scorer's sessions dequantize each weight once, when
-    made (``fold_dequantize``), not per window; the logits are still the whole engine's (whose session decodes
-    them on every run), within 1e-5 of their range, and its optimized stage graph holds no weight DequantizeLinear."""
-    import subprocess
-    import sys
-
-    import onnx
-
-    from llmc.runtime.session import OrtSession
-
-    out = tmp_path / "fp8"
-    p = subprocess.run([sys.executable, "-m", "llmc.cli.main", "build", str(tiny_llama), "-o", str(out),
-                        "--cache-dir", str(tmp_path / "cache"), "--quant", "fp8", "--calib-samples", "4",
-                        "--calib-seq-len", "32", "-q"], capture_output=True, text=True, timeout=600)
-    assert p.returncode == 0, p.stderr
-    engine = Engine.load(out, kv_cache_tokens=1024)
-    model, kv, custom_ops = _engine_graph(out)
-    scorer = layerwise.LayerwiseScorer(model, custom_ops, kv)
-    windows = _windows(engine, seed=8, sizes=[40, 7, 90])
-    for ids, logits in zip(windows, scorer.run(windows), strict=True):
-        want = engine.score(ids)
-        assert float(np.abs(logits - want).max()) <= 1e-5 * float(np.abs(want).max())
-    # What ORT runs for one layer's stage, with and without folding: the weights' DequantizeLinear nodes go.
-    stage = scorer.stages[1]
-    carried = {v.name: np.zeros(1, np.float32) for v in stage.inputs if v.type is None}  # the residual stream
-    blob, external = layerwise.stage_model(model, stage, carried)
-
-    def dq_count(fold: bool) -> int:
-        path = tmp_path / f"opt_{fold}.onnx"
-        import onnxruntime as ort
-
-        real = ort.SessionOptions
-
-        class Recording(real):  # the options OrtSession makes, with the optimized graph written out
-            def __init__(self):
-                super().__init__()
-                self.optimized_model_filepath = str(path)
-
-        ort.SessionOptions = Recording
-        try:
-            OrtSession(blob, custom_ops=custom_ops, spin=False, initializers=external, fold_dequantize=fold)
-        finally:
-            ort.SessionOptions = real
-        return sum(n.op_type == "DequantizeLinear" for n in onnx.load(str(path), load_external_data=False).graph.node)
-
-    folded, unfolded = dq_count(True), dq_count(False)
-    assert unfolded > folded, (unfolded, folded)
