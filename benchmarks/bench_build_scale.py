@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -122,7 +123,16 @@ def main() -> None:
     results.update(machine={"cpus": os.cpu_count(), "memory_gb": round(os.sysconf("SC_PHYS_PAGES")
                                                                         * os.sysconf("SC_PAGE_SIZE") / GB, 1)},
                    command=" ".join(sys.argv))
+    # The builds' cache (the artifacts of --no-cache builds: 6.8 GB after one 8B fp8 build), removed at the end.
     cache = Path(tempfile.mkdtemp(prefix="llmc-scale-cache-"))
+    try:
+        _sweep(args, results, cache)
+    finally:
+        shutil.rmtree(cache, ignore_errors=True)
+    print("\n" + table(results["builds"]))
+
+
+def _sweep(args: argparse.Namespace, results: dict, cache: Path) -> None:
     for shape in args.shapes.split(","):
         ckpt = checkpoint(shape, args.root)
         layer, size = largest_layer_fp32(ckpt)
@@ -137,7 +147,6 @@ def main() -> None:
             args.out.parent.mkdir(parents=True, exist_ok=True)
             args.out.write_text(json.dumps(results, indent=2) + "\n")
             print(_row(row), flush=True)
-    print("\n" + table(results["builds"]))
 
 
 def _row(b: dict) -> str:
