@@ -347,11 +347,13 @@ def run_calibration():
     ckpt = load_checkpoint(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "assets", "default-model"))
     rows = []
     for quant in ("int4-awq", "int4-gptq"):
-        got, secs = {}, {}
+        got, secs, stages = {}, {}, {}
         for device in ("cpu", "cuda"):
             t0 = time.time()
-            stage = QuantStage(ckpt, QuantRecipe(quant=quant, calib_device=device), params=param_reader(ckpt))
-            got[device] = stage._calibrate()
+            # Each stage is kept until its codes are compared: its INT4 weights wait in its spill directory, which
+            # goes with the stage (the first GPU run lost the CPU stage's files when the CUDA one replaced it).
+            stages[device] = QuantStage(ckpt, QuantRecipe(quant=quant, calib_device=device), params=param_reader(ckpt))
+            got[device] = stages[device]._calibrate()
             secs[device] = round(time.time() - t0, 2)
         diff = max(float(np.mean(lq.weights.dequantize() != got["cuda"].linears[name].weights.dequantize()))
                    for name, lq in got["cpu"].linears.items())
