@@ -437,11 +437,6 @@ SCRATCH_PREFIX = "llmc-selfcheck-"
 OWNER_FILE = scratch.OWNER_FILE
 
 
-def remove_orphaned_scratch(root: Path) -> list[Path]:
-    """Remove the self-check scratch directories under ``root`` whose owner process has died (llmc/scratch.py)."""
-    return scratch.remove_orphaned(root, SCRATCH_PREFIX)
-
-
 def mark_scratch(d: Path) -> None:
     """Name this process as the self-check scratch directory ``d``'s owner (llmc/scratch.py)."""
     scratch.mark(d, SCRATCH_PREFIX)

@@ -20,9 +20,9 @@ engine (24 ms at 1 token, 72 ms at 16-24, 98 ms at 32-40), and half the steps at
 target; measured with it, ITL p99 was 0.13-0.25 s at a 100 ms target (README, Serving).
 
 ``scale`` is feedback on what the cap promises: the period from one decoding step's end to the next's, over
-the steps that computed prompt tokens beside decodes (the only ones the cap governs). Over at least 8 of them
-since the scale last changed, a 90th percentile above the target shrinks the time the costs are given (in
-proportion), one below 0.8x the target lets it grow back by 20% (up to the target itself).
+the steps that computed prompt tokens beside decodes (the only ones the cap governs). Every 8 of them, over the
+(at least 16, up to 32) since the scale last changed, a 95th percentile above the target shrinks the time the
+costs are given (in proportion), one below 0.8x the target lets it grow back by 20% (up to the target itself).
 
 Saturation: when the prompt tokens waiting (queued, or admitted and not yet computed) would take more than
 ``BACKLOG_STEPS`` (100) capped steps to compute, the rate is not one the server sustains, no cap can hold the
@@ -54,7 +54,7 @@ TOKEN_STEPS = 32  # steps with prompt tokens kept
 QUANTILE = 0.9
 # The mixed steps' periods held under the target at this quantile: they are a fifth of the decoding steps at
 # moderate load, so the decodes' p99 is about their p95. (0.97 measured no better: what is left over the target
-# is steps that ran twice their usual time at the same size, another process taking one of the two cores.)
+# is steps that ran twice their usual time at the same size, most likely another process taking a core.)
 FEEDBACK_QUANTILE = 0.95
 BACKLOG_STEPS = 100  # prompt tokens waiting beyond this many capped steps: the load is not sustainable
 
@@ -113,7 +113,13 @@ class ItlGovernor:
             self.periods.append(max(seconds, now - self._last_end))
             self._adjust()
         self._last_end = now
-        self._decodes = sum(1 for r in sched.running if r.num_remaining <= 1)
+        # One pass over the running requests: the decodes the next step waits on, and the prompt tokens left.
+        self._decodes = prefilling = 0
+        for r in sched.running:
+            if r.num_remaining <= 1:
+                self._decodes += 1
+            else:
+                prefilling += r.num_remaining
         if decodes and not prompt:
             self.base.append(seconds)
         elif prompt >= self.min_prefill:
@@ -127,8 +133,7 @@ class ItlGovernor:
             base, per_token = costs
             room = (self.target_s * self.scale - base) / per_token if per_token > 0 else budget
             self.cap = int(max(self.min_prefill, min(budget, room)))
-        backlog = sum(r.num_remaining for r in sched.waiting) + sum(
-            r.num_remaining for r in sched.running if r.num_remaining > 1)
+        backlog = prefilling + sum(r.num_remaining for r in sched.waiting)
         self.saturated = backlog > BACKLOG_STEPS * self.cap
         # Decodes alone already over the target: no cap meets it, and one would only lengthen TTFT.
         self.unattainable = costs is not None and costs[0] >= self.target_s
