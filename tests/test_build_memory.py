@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import mmap
 import subprocess
 import sys
 from pathlib import Path
@@ -101,14 +102,15 @@ def test_stage_peaks_are_the_high_water_mark_of_each_stage():
     peaks = memory.StagePeaks()
     if not peaks.exact:
         pytest.skip("the kernel does not let the high-water mark be reset here")
-    peaks.start("big")
-    big = np.ones(400 << 20, np.uint8)
-    del big
-    peaks.stop()
-    peaks.start("small")
-    small = np.ones(10 << 20, np.uint8)
-    del small
-    peaks.stop()
+    # Fresh anonymous mappings, touched: malloc could serve the arrays from heap pages an earlier test in this
+    # worker freed but kept resident, and then neither stage would raise the resident size at all.
+    for name, size in (("big", 400 << 20), ("small", 10 << 20)):
+        peaks.start(name)
+        with mmap.mmap(-1, size) as region:
+            view = np.frombuffer(region, np.uint8)
+            view[:] = 1
+            del view
+        peaks.stop()
     assert peaks.figures["big"] - peaks.figures["small"] > 0.3
 
 
