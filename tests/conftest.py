@@ -15,6 +15,10 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 # xdist workers share the cores: ORT threads that spin would steal them from each other (see
 # runtime/spin_policy.py, tested on its own in test_spin_policy.py).
 os.environ.setdefault("LLMC_ORT_SPIN", "0")
+# The same for torch's (and the C++ kernels') OpenMP pools, in the workers and every process they start: with
+# two workers on two cores, a tiny model's transformers.generate ran 40x slower with two OpenMP threads than
+# with one (3.5 vs 0.09 s for the usual 3 prompts x 32 tokens), its threads waiting on each other's barriers.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 # Builds skip the architecture self-check (compiler/selfcheck.py) unless a test turns it on: each distinct
 # configuration and option set would build a twin; tests/test_selfcheck.py tests the check itself.
 os.environ.setdefault("LLMC_SELF_CHECK", "0")
