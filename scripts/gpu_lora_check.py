@@ -101,8 +101,13 @@ def _aot(torch, shapes, device, sm: int, smoke: bool) -> list[dict]:
             kernels[1].launch((t, -(-n // reqs[1]["constexprs"]["BLOCK_N"]), 1), [u, b, s, y, out, t, y.stride(0)],
                               stream)
             torch.cuda.synchronize()
+            # Not required bit-exact: the JIT kernel is specialised on the launch's alignments, the AOT one is
+            # not (see gpu_recurrent_check._aot); the same result to the outputs' rounding is.
+            from gpu_recurrent_check import _rel_diff
+
             row["bit_exact"] = bool(torch.equal(u, u_j) and torch.equal(out, want))
-            row["ok"] = row["ok"] and row["bit_exact"]
+            row["u_rel_diff"], row["out_rel_diff"] = _rel_diff(u, u_j), _rel_diff(out, want)
+            row["ok"] = row["ok"] and (row["bit_exact"] or (row["u_rel_diff"] <= 1e-5 and row["out_rel_diff"] <= 1e-2))
         rows.append(row)
         print(f"  lora aot {name:22s} {row}", flush=True)
     return rows

@@ -130,6 +130,11 @@ def _chunked(torch, shapes, device) -> list[dict]:
     return out
 
 
+def _rel_diff(a, b) -> float:
+    """max |a - b| over max(1, max |b|): 1e-2 is ~2.5 bfloat16 ulps, 1e-5 ~100 float32 ulps."""
+    return float((a.float() - b.float()).abs().max()) / max(1.0, float(b.float().abs().max()))
+
+
 def _aot(torch, shapes, device, sm: int, smoke: bool) -> list[dict]:
     """Compile each kernel for ``sm``; on a GPU, launch the cubin as the engine does and compare with the JIT kernel."""
     from llmc.plugins import triton_aot
@@ -156,8 +161,14 @@ def _aot(torch, shapes, device, sm: int, smoke: bool) -> list[dict]:
             kernel.launch(grid, [*args, *meta, st_a, y_a], torch.cuda.current_stream().cuda_stream)
             fn[grid](*args, *meta, st_j, y_j, **req["constexprs"])
             torch.cuda.synchronize()
+            # Bit-exact is not required: the JIT kernel is specialised on the launch's alignments (16-divisible
+            # pointers and ints), the AOT one is not (the engine's views may not be aligned), so Triton may pick
+            # another layout and sum in another order. What must hold: the same result to the output's rounding.
             row["bit_exact"] = bool(torch.equal(y_a, y_j) and torch.equal(st_a, st_j))
-            row["ok"] = row["ok"] and row["bit_exact"]
+            row["y_rel_diff"] = _rel_diff(y_a, y_j)
+            row["state_rel_diff"] = _rel_diff(st_a, st_j)
+            close = row["y_rel_diff"] <= 1e-2 and row["state_rel_diff"] <= 1e-5
+            row["ok"] = row["ok"] and (row["bit_exact"] or close)
         rows.append(row)
         print(f"  aot {op:18s} {k['target']}: {row}", flush=True)
     return rows
