@@ -7,11 +7,11 @@ this sets that cap before every step from two costs measured on the running serv
 
 - ``base``: what a step of decodes alone takes (the 90th percentile of the last 64 such steps);
 - ``per_token``: what each prompt token adds to a step (the 90th percentile of the last 32 steps that
-  computed at least ``min_prefill`` prompt tokens, each ``(seconds - median base) / prompt tokens``),
+  computed at least ``MEASURE_TOKENS`` (4) prompt tokens, each ``(seconds - median base) / prompt tokens``),
 
 so that a step of decodes and ``P`` prompt tokens takes at most the target:
 
-    P = (target * scale - base) / per_token,   at least ``min_prefill`` tokens
+    P = (target * scale - base) / per_token,   at least MEASURE_TOKENS
 
 High percentiles rather than a fit through medians, and the prompt tokens' own cost rather than a line over
 every step: a line through each step size's median (what the speculative decoder's ``StepCost`` fits) is
@@ -33,9 +33,11 @@ governor (measured: 16% lower with the cap held throughout).
 A target the decodes alone miss (the decode-only steps' p90 at or over it: a large model on few cores) is not
 enforced: no cap would meet it, and holding one would only lengthen TTFT.
 
-Until both costs were measured the cap is ``min_prefill`` (one KV block by default), which also keeps prompts
-moving when the decodes alone already take the target; then the target cannot be met at that load, and TTFT
-grows instead of ITL. Steps without decodes keep the whole ``--max-num-tokens`` budget. The trade: a long
+Until both costs were measured the cap is ``min_prefill`` (one KV block by default). Once they are, it may go
+below a block (down to ``MEASURE_TOKENS``): on one thread the 1B int4 engine's decode-only steps took 52 ms and
+each prompt token added ~4 ms, so at a 100 ms target a block of 16 prompt tokens (121 ms a step) was already
+over it, and a floor of one block had left ITL p99 at 0.15-0.16 s; the prompt then moves in smaller chunks,
+and TTFT grows instead of ITL. Steps without decodes keep the whole ``--max-num-tokens`` budget. The trade: a long
 prompt arriving among running decodes is computed in chunks over several steps, so its TTFT grows by about one
 step time per chunk, while the decodes around it keep their pace.
 """
@@ -57,6 +59,9 @@ QUANTILE = 0.9
 # is steps that ran twice their usual time at the same size, most likely another process taking a core.)
 FEEDBACK_QUANTILE = 0.95
 BACKLOG_STEPS = 100  # prompt tokens waiting beyond this many capped steps: the load is not sustainable
+# The smallest prompt share: steps with fewer prompt tokens do not measure their cost (the base's noise would
+# dominate), and a one-token chunk cannot be told from a decode.
+MEASURE_TOKENS = 4
 
 
 def quantile(values: Sequence[float], q: float) -> float:
@@ -122,7 +127,7 @@ class ItlGovernor:
                 prefilling += r.num_remaining
         if decodes and not prompt:
             self.base.append(seconds)
-        elif prompt >= self.min_prefill:
+        elif prompt >= MEASURE_TOKENS:
             fixed = statistics.median(self.base) if self.base else 0.0
             self.per_token.append(max(seconds - fixed, 0.0) / prompt)
         costs = self.costs()
@@ -132,7 +137,7 @@ class ItlGovernor:
         else:
             base, per_token = costs
             room = (self.target_s * self.scale - base) / per_token if per_token > 0 else budget
-            self.cap = int(max(self.min_prefill, min(budget, room)))
+            self.cap = int(max(MEASURE_TOKENS, min(budget, room)))
         backlog = prefilling + sum(r.num_remaining for r in sched.waiting)
         self.saturated = backlog > BACKLOG_STEPS * self.cap
         # Decodes alone already over the target: no cap meets it, and one would only lengthen TTFT.

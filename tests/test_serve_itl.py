@@ -13,7 +13,7 @@ import time
 import pytest
 
 from llmc.runtime import Engine, SamplingParams
-from llmc.serve.itl import BACKLOG_STEPS, ItlGovernor, split_chunks
+from llmc.serve.itl import BACKLOG_STEPS, MEASURE_TOKENS, ItlGovernor, split_chunks
 
 
 def test_governor_caps_prompt_tokens_in_steps_that_decode(default_engine):
@@ -51,13 +51,13 @@ def test_governor_caps_prompt_tokens_in_steps_that_decode(default_engine):
     assert [done[i] for i in ids] == want
     assert len(mixed) >= 3, mixed  # the long prompt went in chunks beside the decodes
     assert all(cap is not None and prompt <= cap for _, prompt, cap in mixed), mixed
-    # The last cap is the measured costs' room for prompt tokens (at least one block).
+    # The last cap is the measured costs' room for prompt tokens (at least MEASURE_TOKENS).
     costs = gov.costs()
     assert costs is not None and costs[1] > 0
     base, per_token = costs
     assert base == sorted(gov.base)[int(0.9 * (len(gov.base) - 1))]
     assert 0.05 <= gov.scale <= 1.0
-    want_cap = int(max(engine.block_size, min(engine.config.max_num_tokens, (target * gov.scale - base) / per_token)))
+    want_cap = int(max(MEASURE_TOKENS, min(engine.config.max_num_tokens, (target * gov.scale - base) / per_token)))
     assert gov.cap == want_cap
 
 
@@ -88,9 +88,10 @@ def test_governor_shrinks_the_costs_time_when_mixed_steps_run_over_the_target_an
         step(0.01)
     for _ in range(6):  # decode-only steps over the target: not the cap's doing, the scale stays
         step(0.2)
-    assert gov.scale == 1.0 and gov.cap == engine.block_size  # no prompt cost measured yet: one block
+    assert gov.scale == 1.0
     ids = tok.encode(text)
-    prompts = [ids[i * 500:(i + 1) * 500] for i in range(6)]
+    n = BACKLOG_STEPS * MEASURE_TOKENS - 100  # under the backlog of the smallest cap: never saturated
+    prompts = [ids[i * n:(i + 1) * n] for i in range(6)]
 
     def feed() -> None:  # one long prompt at a time: a backlog the capped steps clear (no saturation)
         sched = engine.scheduler
@@ -104,8 +105,8 @@ def test_governor_shrinks_the_costs_time_when_mixed_steps_run_over_the_target_an
     assert not gov.saturated
     assert gov.scale == pytest.approx(0.0625)
     base, per_token = gov.costs()
-    assert gov.cap == int(max(engine.block_size, min(engine.config.max_num_tokens,
-                                                     (target * gov.scale - base) / per_token)))
+    room = (target * gov.scale - base) / per_token
+    assert gov.cap == int(max(MEASURE_TOKENS, min(engine.config.max_num_tokens, room)))
     while mixed_steps[0] < 64:
         feed()
         step(0.005)  # well under the target
