@@ -90,8 +90,8 @@ def test_governor_shrinks_the_costs_time_when_mixed_steps_run_over_the_target_an
         step(0.2)
     assert gov.scale == 1.0
     ids = tok.encode(text)
-    n = BACKLOG_STEPS * MEASURE_TOKENS - 100  # under the backlog of the smallest cap: never saturated
-    prompts = [ids[i * n:(i + 1) * n] for i in range(6)]
+    # 500 tokens: over 100 steps of the smallest cap, not of a block (saturation counts capped steps in blocks)
+    prompts = [ids[i * 500:(i + 1) * 500] for i in range(6)]
 
     def feed() -> None:  # one long prompt at a time: a backlog the capped steps clear (no saturation)
         sched = engine.scheduler
@@ -101,16 +101,16 @@ def test_governor_shrinks_the_costs_time_when_mixed_steps_run_over_the_target_an
     while mixed_steps[0] < 32:
         feed()
         step(0.2)  # decodes wait 4x the target across each mixed step
-    # 16 mixed periods at 0.2 s (p95 0.2 s): scale 0.05 / 0.2; 16 more: again x 0.25
+    # 16 mixed periods at 0.2 s (p95 0.2 s): scale 0.9 x 0.05 / 0.2; 16 more: again x 0.225
     assert not gov.saturated
-    assert gov.scale == pytest.approx(0.0625)
+    assert gov.scale == pytest.approx(0.225**2)
     base, per_token = gov.costs()
     room = (target * gov.scale - base) / per_token
     assert gov.cap == int(max(MEASURE_TOKENS, min(engine.config.max_num_tokens, room)))
     while mixed_steps[0] < 64:
         feed()
         step(0.005)  # well under the target
-    assert gov.scale == pytest.approx(0.0625 * 1.2**2)  # two windows of fast periods: +20% each
+    assert gov.scale == pytest.approx(0.225**2 * 1.2**2)  # two windows of fast periods: +20% each
     assert len(gov.periods) <= 32
 
 
@@ -136,12 +136,15 @@ def test_governor_lifts_the_cap_while_the_prompt_backlog_is_beyond_what_capped_s
         in_force = engine.scheduler.config.max_prefill_tokens_with_decodes
         engine.step()
         decodes, prompt = split_chunks(engine.last_schedule.chunks)
-        gov(0.01 + 0.002 * prompt)  # 2 ms a prompt token: a cap of 20 at the 50 ms target
+        # 2 ms a prompt token under the cap (a cap of 20 at the 50 ms target), 20 ms in a lifted step
+        gov(0.01 + (0.02 if in_force is None else 0.002) * prompt)
         if decodes and prompt:
             seen.append((in_force is None, in_force, prompt))
     assert any(lifted and prompt > gov.cap for lifted, _, prompt in seen), seen  # whole budget while saturated
     assert any(not lifted for lifted, _, _ in seen), seen  # and capped again once the backlog fell
     assert all(lifted or prompt <= cap for lifted, cap, prompt in seen), seen
+    # The lifted steps promised nothing: their cost per prompt token is not the capped steps'.
+    assert max(gov.per_token) < 0.005, gov.per_token
 
 
 def test_governor_does_not_enforce_a_target_the_decodes_alone_miss(default_engine):
