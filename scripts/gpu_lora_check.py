@@ -103,10 +103,10 @@ def _aot(torch, shapes, device, sm: int, smoke: bool) -> list[dict]:
             torch.cuda.synchronize()
             # Not required bit-exact: the JIT kernel is specialised on the launch's alignments, the AOT one is
             # not (see gpu_recurrent_check._aot); the same result to the outputs' rounding is.
-            from gpu_recurrent_check import _rel_diff
+            from gpu_recurrent_check import rel_diff
 
             row["bit_exact"] = bool(torch.equal(u, u_j) and torch.equal(out, want))
-            row["u_rel_diff"], row["out_rel_diff"] = _rel_diff(u, u_j), _rel_diff(out, want)
+            row["u_rel_diff"], row["out_rel_diff"] = rel_diff(u, u_j), rel_diff(out, want)
             row["ok"] = row["ok"] and (row["bit_exact"] or (row["u_rel_diff"] <= 1e-5 and row["out_rel_diff"] <= 1e-2))
         rows.append(row)
         print(f"  lora aot {name:22s} {row}", flush=True)

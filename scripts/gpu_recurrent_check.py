@@ -130,7 +130,7 @@ def _chunked(torch, shapes, device) -> list[dict]:
     return out
 
 
-def _rel_diff(a, b) -> float:
+def rel_diff(a, b) -> float:
     """max |a - b| over max(1, max |b|): 1e-2 is ~2.5 bfloat16 ulps, 1e-5 ~100 float32 ulps."""
     return float((a.float() - b.float()).abs().max()) / max(1.0, float(b.float().abs().max()))
 
@@ -165,8 +165,8 @@ def _aot(torch, shapes, device, sm: int, smoke: bool) -> list[dict]:
             # pointers and ints), the AOT one is not (the engine's views may not be aligned), so Triton may pick
             # another layout and sum in another order. What must hold: the same result to the output's rounding.
             row["bit_exact"] = bool(torch.equal(y_a, y_j) and torch.equal(st_a, st_j))
-            row["y_rel_diff"] = _rel_diff(y_a, y_j)
-            row["state_rel_diff"] = _rel_diff(st_a, st_j)
+            row["y_rel_diff"] = rel_diff(y_a, y_j)
+            row["state_rel_diff"] = rel_diff(st_a, st_j)
             close = row["y_rel_diff"] <= 1e-2 and row["state_rel_diff"] <= 1e-5
             row["ok"] = row["ok"] and (row["bit_exact"] or close)
         rows.append(row)
