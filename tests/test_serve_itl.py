@@ -13,7 +13,7 @@ import time
 import pytest
 
 from llmc.runtime import Engine, SamplingParams
-from llmc.serve.itl import BACKLOG_STEPS, MEASURE_TOKENS, ItlGovernor, split_chunks
+from llmc.serve.itl import BACKLOG_STEPS, MEASURE_TOKENS, RESUME_STEPS, ItlGovernor, split_chunks
 
 
 def test_governor_caps_prompt_tokens_in_steps_that_decode(default_engine):
@@ -62,9 +62,10 @@ def test_governor_caps_prompt_tokens_in_steps_that_decode(default_engine):
 
 
 def test_governor_shrinks_the_costs_time_when_mixed_steps_run_over_the_target_and_recovers(default_engine):
-    """The periods decodes wait across steps that also compute prompt tokens are what the cap promises: a p90
-    over the target scales the time given to the costs down in proportion (so the cap shrinks), and periods well
-    under it let it grow back, up to the target. Decode-only steps, however slow, are not the cap's doing."""
+    """The periods decodes wait across steps that also compute prompt tokens are what the cap promises: a p95
+    over 90% of the target scales the time given to the costs down in proportion (so the cap shrinks), and
+    periods well under it let it grow back, up to the target. Decode-only steps, however slow, are not the cap's
+    doing."""
     engine = Engine.load(default_engine, num_threads=1)
     tok = engine.tokenizer
     text = open(__file__, encoding="utf-8").read() * 8
@@ -116,8 +117,9 @@ def test_governor_shrinks_the_costs_time_when_mixed_steps_run_over_the_target_an
 
 def test_governor_lifts_the_cap_while_the_prompt_backlog_is_beyond_what_capped_steps_clear(default_engine):
     """Saturation: prompts waiting beyond BACKLOG_STEPS capped steps get the whole budget (throughput as without
-    the governor); once the backlog is back under that, the cap holds again."""
-    engine = Engine.load(default_engine, num_threads=1)
+    the governor); the cap holds again once the backlog is down to RESUME_STEPS capped steps (hysteresis). A
+    budget of 128 tokens a step, so that the lifted steps take the backlog down in several steps."""
+    engine = Engine.load(default_engine, num_threads=1, max_num_tokens=128)
     tok = engine.tokenizer
     ids = tok.encode(open(__file__, encoding="utf-8").read() * 12)
     params = SamplingParams(max_tokens=8, ignore_eos=True)
@@ -132,8 +134,18 @@ def test_governor_lifts_the_cap_while_the_prompt_backlog_is_beyond_what_capped_s
     for p in long:
         engine.submit(p, params)
     seen: list[tuple[bool, int | None, int]] = []  # (saturated, cap then in force, prompt tokens of a mixed step)
+    lifted_backlogs: list[int] = []  # prompt tokens left before each lifted step
+    resumed_at: list[int] = []  # ... before the first capped step after lifted ones
+    was_lifted = False
     while any(r.num_remaining > 1 for r in [*engine.scheduler.waiting, *engine.scheduler.running]):
         in_force = engine.scheduler.config.max_prefill_tokens_with_decodes
+        backlog = sum(r.num_remaining for r in [*engine.scheduler.waiting, *engine.scheduler.running]
+                      if r.num_remaining > 1)
+        if in_force is None:
+            lifted_backlogs.append(backlog)
+        elif was_lifted:
+            resumed_at.append(backlog)
+        was_lifted = in_force is None
         engine.step()
         decodes, prompt = split_chunks(engine.last_schedule.chunks)
         # 2 ms a prompt token under the cap (a cap of 20 at the 50 ms target), 20 ms in a lifted step
@@ -143,6 +155,10 @@ def test_governor_lifts_the_cap_while_the_prompt_backlog_is_beyond_what_capped_s
     assert any(lifted and prompt > gov.cap for lifted, _, prompt in seen), seen  # whole budget while saturated
     assert any(not lifted for lifted, _, _ in seen), seen  # and capped again once the backlog fell
     assert all(lifted or prompt <= cap for lifted, cap, prompt in seen), seen
+    # Hysteresis: lifted on through backlogs under BACKLOG_STEPS blocks, capped again only near RESUME_STEPS.
+    unit = max(gov.cap, engine.block_size)
+    assert any(b < BACKLOG_STEPS * unit for b in lifted_backlogs), (lifted_backlogs, unit)
+    assert resumed_at and all(b <= RESUME_STEPS * unit for b in resumed_at), (resumed_at, unit)
     # The lifted steps promised nothing: their cost per prompt token is not the capped steps'.
     assert max(gov.per_token) < 0.005, gov.per_token
 
