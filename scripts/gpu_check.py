@@ -341,6 +341,7 @@ def run_calibration(devices=("cpu", "cuda")):
 
     from llmc.compiler.binding import param_reader
     from llmc.compiler.checkpoint import load_checkpoint
+    from llmc.quant import int4
     from llmc.quant.recipe import QuantRecipe
     from llmc.quant.stage import QuantStage
 
@@ -359,8 +360,7 @@ def run_calibration(devices=("cpu", "cuda")):
         # makes its whole group "differ" (88% / 77% then), which says nothing about the codes.
         code_diffs, scale_diffs = [], []
         for name, lq in got[0].linears.items():
-            a, b = lq.weights, got[1].linears[name].weights
-            a, b = (w.load() if hasattr(w, "load") else w for w in (a, b))
+            a, b = int4.materialize(lq.weights), int4.materialize(got[1].linears[name].weights)
             code_diffs.append(float(np.mean(a.q != b.q)))
             scale_diffs.append(float(np.max(np.abs(a.scales - b.scales) / np.maximum(np.abs(a.scales), 1e-30))))
         mean_codes = float(np.mean(code_diffs))
