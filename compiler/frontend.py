@@ -754,4 +754,7 @@ def _lazy_tensor(entry: TensorEntry, dtype: str, name: str) -> ir.LazyTensor:
             array = array.astype(dtype)
         return ir.tensor(array, name=name)
 
-    return ir.LazyTensor(load, dtype=ir_dtype, shape=ir.Shape(entry.shape), name=name)
+    tensor = ir.LazyTensor(load, dtype=ir_dtype, shape=ir.Shape(entry.shape), name=name)
+    # What the checkpoint stores (the ONNX Runtime backend keeps bfloat16 weights as such: ort_bf16_weights).
+    tensor.meta["llmc.source_dtype"] = entry.dtype
+    return tensor

@@ -40,4 +40,7 @@ BACKEND_FUSIONS: dict[str, str] = {
                         "-> llmc.RotaryPagedAttention (ONNX Runtime backend lowering)",
     "int4-swiglu": "CPU, native route: llmc.Int4MatMul (packed gate/up) + Split + SwiGLU -> llmc.Int4MatMul with the "
                    "SwiGLU epilogue (ONNX Runtime backend lowering)",
+    "bf16-weights": "CPU, native route: MatMul over a weight the checkpoint stores in bfloat16 -> llmc.Bf16MatMul with "
+                    "the weight kept in bfloat16 (exact: half the bytes a decode step reads; ONNX Runtime backend "
+                    "lowering)",
 }

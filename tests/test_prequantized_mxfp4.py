@@ -233,6 +233,8 @@ def test_engine_keeps_the_codes_and_matches_transformers(engine_dir, reference_t
     record = result.report["source_quantization"]
     assert record["method"] == "mxfp4" and "never re-quantized" in record["kept"]
     assert result.report["mxfp4"]["matmuls"] == 4
+    # attention (qkv, o) of both layers and the LM head, stored bfloat16, stay bfloat16 (the routers are Gemms)
+    assert result.report["backend_fusions"]["bf16-weights"] == 5
     model = onnx.load(str(out / "model.onnx"), load_external_data=False)
     nodes = [n for n in model.graph.node if n.op_type == "Mxfp4MoEMatMul"]
     assert len(nodes) == 4

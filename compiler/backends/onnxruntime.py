@@ -21,6 +21,7 @@ from pathlib import Path
 
 import onnx_ir as ir
 
+from llmc.compiler.backends.ort_bf16_weights import lower_bf16_weights
 from llmc.compiler.backends.ort_int4_swiglu import fuse_int4_swiglu
 from llmc.compiler.backends.ort_lora import lower_lora
 from llmc.compiler.backends.ort_rotary_attention import fuse_rotary_attention
@@ -38,6 +39,8 @@ ATTENTION_ROUTES = ("native", "pyop")
 CUSTOM_OPS = {"native": "llmc_ort_ops", "pyop": "onnxruntime_extensions"}
 # The backend fusions of the native route (names as in llmc.passes.registry.BACKEND_FUSIONS).
 FUSIONS = {"rotary-attention": fuse_rotary_attention, "int4-swiglu": fuse_int4_swiglu}
+# Native-route lowerings that run last, after the LoRA lowering has matched its base MatMuls (same names).
+LATE_FUSIONS = {"bf16-weights": lower_bf16_weights}
 
 
 @dataclass
@@ -120,11 +123,12 @@ def lower(model: ir.Model, attention: str = "native", fusions: frozenset[str] | 
     become ORT contrib ops. On the native route the backend fusions named in ``fusions`` (default: all
     of :data:`FUSIONS`) run first: each layer's Split + rotary + reshapes + PagedAttention becomes one
     ``llmc.RotaryPagedAttention`` (ort_rotary_attention), an INT4 gate/up matmul + Split + SwiGLU one
-    ``llmc.Int4MatMul`` with the SwiGLU epilogue (ort_int4_swiglu).
+    ``llmc.Int4MatMul`` with the SwiGLU epilogue (ort_int4_swiglu). Last, each float32 MatMul whose weight holds
+    bfloat16 values becomes ``llmc.Bf16MatMul`` over the weight kept in bfloat16 (ort_bf16_weights; exact).
     """
     _check_route(attention)
     graph = model.graph
-    stats = {name: 0 for name in FUSIONS}
+    stats = {name: 0 for name in (*FUSIONS, *LATE_FUSIONS)}
     if attention == "native":
         for name, fuse in FUSIONS.items():
             if fusions is None or name in fusions:
@@ -175,6 +179,10 @@ def lower(model: ir.Model, attention: str = "native", fusions: frozenset[str] | 
     # LoRA slot updates (llmc.passes.lora): one llmc.LoraApply each on the native route (ort_lora); the Python-op
     # route keeps their standard-op form.
     lora = lower_lora(model) if attention == "native" else 0
+    if attention == "native":
+        for name, fuse in LATE_FUSIONS.items():
+            if fusions is None or name in fusions:
+                stats[name] = fuse(model)
     if attention == "pyop":
         model.opset_imports.pop(DOMAIN, None)
         model.opset_imports[ORT_CONTRIB_DOMAIN] = 1
@@ -197,4 +205,4 @@ def emit(model: ir.Model, out_dir: Path, attention: str = "native",
     stats = lower(model, attention, fusions)
     ir.save(model, out_dir / MODEL_FILE, external_data=WEIGHTS_FILE, callback=_progress(say))
     return EngineFiles(model=MODEL_FILE, weights=WEIGHTS_FILE, custom_ops=CUSTOM_OPS[attention],
-                       fusions={name: stats[name] for name in FUSIONS})
+                       fusions={name: stats[name] for name in (*FUSIONS, *LATE_FUSIONS)})

@@ -38,6 +38,7 @@ struct OrtApi;  // used only through OrtApiTable
 enum OrtElementType : int32_t {
     kOrtFloat = 1,
     kOrtUint8 = 2,
+    kOrtUint16 = 4,
     kOrtInt64 = 7,
     kOrtFloat16 = 10,
 };

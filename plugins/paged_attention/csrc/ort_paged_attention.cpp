@@ -517,6 +517,8 @@ const OrtCustomOpV13 g_int4_op = make_op(int4_name, int4_input_type, int4_input_
 #include "../../lora/csrc/ort_lora.h"
 // llmc::Mxfp4MoEMatMul: MoE experts straight from their MXFP4 codes (plugins/mxfp4/csrc).
 #include "../../mxfp4/csrc/ort_mxfp4.h"
+// llmc::Bf16MatMul: float32 rows times bfloat16 weights, exactly (plugins/bf16_matmul/csrc).
+#include "../../bf16_matmul/csrc/ort_bf16_matmul.h"
 
 std::mutex g_domain_mutex;
 OrtCustomOpDomain* g_domain = nullptr;  // one domain object for every session; lives as long as the process
@@ -549,6 +551,8 @@ LLMC_EXPORT OrtStatus* RegisterCustomOps(OrtSessionOptions* options, const OrtAp
             check(api_fn<OrtStatus* (*)(OrtCustomOpDomain*, const void*)>(kCustomOpDomain_Add)(domain, &g_lora_op),
                   "CustomOpDomain_Add");
             check(api_fn<OrtStatus* (*)(OrtCustomOpDomain*, const void*)>(kCustomOpDomain_Add)(domain, &g_mxfp4_op),
+                  "CustomOpDomain_Add");
+            check(api_fn<OrtStatus* (*)(OrtCustomOpDomain*, const void*)>(kCustomOpDomain_Add)(domain, &g_bf16_op),
                   "CustomOpDomain_Add");
             g_domain = domain;
         }
@@ -655,5 +659,16 @@ LLMC_EXPORT int llmc_mxfp4_get_isa() { return g_mxfp4_isa.load(); }
 
 // Mxfp4MoEMatMul kernel calls completed since the library was loaded.
 LLMC_EXPORT int64_t llmc_mxfp4_calls() { return g_mxfp4_calls.load(); }
+
+// Bf16MatMul's instruction set: 0 scalar, 2 AVX-512 (default: the best this CPU has); -1 if absent.
+LLMC_EXPORT int llmc_bf16_set_isa(int isa) {
+    if (isa != 0 && isa != 2) return -1;
+    if (isa > static_cast<int>(llmc_bf::best_isa())) return -1;
+    g_bf16_isa = isa;
+    return 0;
+}
+
+// Bf16MatMul kernel calls completed since the library was loaded.
+LLMC_EXPORT int64_t llmc_bf16_calls() { return g_bf16_calls.load(); }
 
 #include "../../recurrent/csrc/ort_recurrent_exports.h"
