@@ -31,6 +31,7 @@ ext_modules = [
                  "plugins/recurrent/csrc/recurrent_core.h", "plugins/recurrent/csrc/ort_recurrent.h",
                  "plugins/recurrent/csrc/ort_recurrent_exports.h", "plugins/lora/csrc/ort_lora.h",
                  "plugins/mxfp4/csrc/ort_mxfp4.h", "plugins/mxfp4/csrc/mxfp4_core.h",
+                 "plugins/mxfp4/csrc/mxfp4_q8_core.h",
                  "plugins/bf16_matmul/csrc/ort_bf16_matmul.h", "plugins/bf16_matmul/csrc/bf16_matmul_core.h"],
         language="c++",
         extra_compile_args=["-std=c++17", "-O3", "-fopenmp", "-march=x86-64-v2", "-fvisibility=hidden", "-Wno-psabi"],

@@ -188,6 +188,10 @@ def _quant_options(f):
 @click.option("--ep", is_flag=True,
               help="With --tp N: place MoE experts whole on the N ranks (expert parallelism; E/N experts each) "
                    "instead of splitting every expert's columns.")
+@click.option("--mxfp4-activations", type=click.Choice(["float32", "int8"]), default="float32", show_default=True,
+              help="MXFP4 checkpoints (gpt-oss), CPU engine: multiply the experts' codes with the activations as "
+                   "they are (float32, exact) or quantized to 8 bits per 32 values (int8: llama.cpp's MXFP4 x Q8_0 "
+                   "trade, 2-3x faster expert matmuls, not exact; needs AVX-512 VNNI to be fast).")
 @click.option("--force", is_flag=True, help="Replace the output directory if it exists (only once the build succeeds).")
 @click.option("--cache-dir", type=click.Path(path_type=Path), default=None,
               help="Build cache directory [default: $LLMC_CACHE_DIR, else $XDG_CACHE_HOME/llmc or ~/.cache/llmc].")
@@ -211,7 +215,8 @@ def _quant_options(f):
 def build(checkpoint: Path, output: Path, disabled_passes: tuple[str, ...], verify_passes: bool, target: str,
           gpu: str | None, engine_kind: str, engine_dtype: str, max_batch_size: int | None,
           max_num_tokens: int | None, max_seq_len: int | None,
-          block_size: int, tp: int, ep: bool, force: bool, cache_dir: Path | None, no_cache: bool,
+          block_size: int, tp: int, ep: bool, mxfp4_activations: str, force: bool, cache_dir: Path | None,
+          no_cache: bool,
           max_memory: str | None,
           lora_slots: int, max_lora_rank: int, lora_targets: str,
           as_json: bool, quiet: bool, max_ppl_increase: float | None, **quant_args) -> None:
@@ -245,7 +250,7 @@ def build(checkpoint: Path, output: Path, disabled_passes: tuple[str, ...], veri
                            verify_passes=verify_passes, quant=QuantRecipe(**quant), max_ppl_increase=max_ppl_increase,
                            max_batch_size=max_batch_size, max_num_tokens=max_num_tokens, max_seq_len=max_seq_len,
                            engine=engine_kind, dtype=engine_dtype, max_memory=limit, lora_slots=lora_slots,
-                           max_lora_rank=max_lora_rank, tp=tp, ep=ep,
+                           max_lora_rank=max_lora_rank, tp=tp, ep=ep, mxfp4_activations=mxfp4_activations,
                            lora_targets=tuple(t.strip() for t in lora_targets.split(",") if t.strip()))
     try:
         try:

@@ -93,6 +93,9 @@ class BuildOptions:
     tp: int = 1
     # --ep (with --tp N): MoE experts placed whole on the ranks (expert parallelism) instead of each one split.
     ep: bool = False
+    # MXFP4 checkpoints, CPU engine: "float32" (exact: the rows times the codes' values) or "int8" (opt-in, not
+    # exact: the rows quantized to 8 bits per 32-block, integer dot products, llama.cpp's MXFP4 x Q8_0 trade).
+    mxfp4_activations: str = "float32"
 
 
 # BuildOptions fields that exist only for LoRA engines: left out of the recipe (the cache key) of a build
@@ -215,9 +218,16 @@ def _carry_mxfp4(ckpt: Checkpoint, plan: _Plan) -> None:
     yet is refused before any work (exit 3)."""
     from llmc.compiler import prequantized_mxfp4
 
-    if not prequantized_mxfp4.carried(ckpt.tensors):
-        return
     options, target = plan.options, plan.target
+    if options.mxfp4_activations not in ("float32", "int8"):
+        raise LlmcError(f"--mxfp4-activations {options.mxfp4_activations!r}: choose float32 (exact, the default) or "
+                        "int8")
+    if not prequantized_mxfp4.carried(ckpt.tensors):
+        if options.mxfp4_activations != "float32":
+            raise LlmcError(f"{ckpt.path}: --mxfp4-activations {options.mxfp4_activations} applies to checkpoints "
+                            "whose MoE experts are MXFP4 (gpt-oss as OpenAI ships it), and this one has none; leave "
+                            "--mxfp4-activations out")
+        return
     head = f"{ckpt.path}: the checkpoint's experts are MXFP4 (E2M1 codes + E8M0 scales, 4.25 bits per weight)"
     if options.quant.quant != "none":
         raise UnsupportedError(f"{head}; --quant {options.quant.quant} would re-quantize them; "
@@ -232,11 +242,16 @@ def _carry_mxfp4(ckpt: Checkpoint, plan: _Plan) -> None:
     if options.attention != "native":
         raise UnsupportedError(f"{head}; the MXFP4 expert matmul runs only in llmc's native ONNX Runtime op "
                                "library; build with the native attention route")
+    if options.mxfp4_activations == "int8" and target.sm is not None:
+        raise UnsupportedError(f"{head}; --mxfp4-activations int8 is a CPU-engine kernel (AVX-512 VNNI); the CUDA "
+                               "engine multiplies the codes' values with its activations as they are: leave "
+                               "--mxfp4-activations out")
 
 
-def _lower_mxfp4(ckpt: Checkpoint, model) -> int:
+def _lower_mxfp4(ckpt: Checkpoint, model, activations: str = "float32") -> int:
     """The routed expert matmuls over MXFP4 weights -> llmc.Mxfp4MoEMatMul on the checkpoint's codes (the CPU engine
-    runs it in llmc's ONNX Runtime library, the CUDA engine as a torch op)."""
+    runs it in llmc's ONNX Runtime library, the CUDA engine as a torch op); with ``activations="int8"``,
+    llmc.Mxfp4MoEMatMulQ8 on the same codes repacked (CPU engine)."""
     from llmc.compiler import prequantized_mxfp4
 
     carried = prequantized_mxfp4.carried(ckpt.tensors)
@@ -244,7 +259,7 @@ def _lower_mxfp4(ckpt: Checkpoint, model) -> int:
         return 0
     from llmc.passes.mxfp4_experts import lower_mxfp4_experts
 
-    return lower_mxfp4_experts(model, {name: w.source() for name, w in carried.items()})
+    return lower_mxfp4_experts(model, {name: w.source() for name, w in carried.items()}, q8=activations == "int8")
 
 
 def _validate(options: BuildOptions) -> None:
@@ -382,6 +397,8 @@ def canonical_recipe(options: BuildOptions) -> dict:
             del recipe[k]
     if options.tp == 1:  # the keys of single-rank builds stay what they were before --tp existed
         del recipe["tp"]
+    if options.mxfp4_activations == "float32":  # the keys of exact builds stay what they were before the option
+        del recipe["mxfp4_activations"]
     if not options.ep:
         del recipe["ep"]
     else:
@@ -519,7 +536,7 @@ def _compile_stages(ckpt: Checkpoint, digest: str, plan: _Plan, dest: Path, say:
             fold_into_packed(traced.model)
             if verifier is not None:
                 verifier("fold-lora-updates", traced.model)
-        mxfp4 = _lower_mxfp4(ckpt, traced.model) if cuda or not gpu else 0
+        mxfp4 = _lower_mxfp4(ckpt, traced.model, options.mxfp4_activations) if cuda or not gpu else 0
         if verifier is not None:
             for entry in pass_stats:
                 entry["verified_rel_error"] = verifier.errors.get(entry["pass"])
@@ -581,7 +598,12 @@ def _compile_stages(ckpt: Checkpoint, digest: str, plan: _Plan, dest: Path, say:
     if ckpt.source_quantization is not None:  # a pre-quantized checkpoint, dequantized exactly on the way in
         report["source_quantization"] = ckpt.source_quantization
     if mxfp4:  # what the engine kept of an MXFP4 checkpoint: its experts as codes
-        report["mxfp4"] = {"matmuls": mxfp4, "op": "llmc.Mxfp4MoEMatMul", "bits_per_weight": 4.25}
+        report["mxfp4"] = {"matmuls": mxfp4, "op": "llmc.Mxfp4MoEMatMul", "bits_per_weight": 4.25,
+                           "activations": "float32 (exact)"}
+        if options.mxfp4_activations == "int8":
+            report["mxfp4"].update(op="llmc.Mxfp4MoEMatMulQ8", activations=(
+                "int8 per 32-element block, scale max|x| / 127 (llama.cpp's MXFP4 x Q8_0 trade; not exact: "
+                "--mxfp4-activations int8)"))
     if qstage is not None:
         report.update(qstage.report())
     artifact.write_json(dest / "report.json", report)
@@ -807,7 +829,8 @@ def _self_check(ckpt: Checkpoint, plan: _Plan, say: Progress, lookup_only: bool 
     twin_options = dataclasses.replace(
         options, target=target.name if cuda or target.sm is None else "cpu", quant=QuantRecipe(),
         max_ppl_increase=None, force=True, verify_passes=False, self_check=False, aot_kernels=False,
-        dtype="float32", lora_slots=0, tp=1)  # the twin checks the architecture; tests/test_lora.py the LoRA slots
+        dtype="float32", lora_slots=0, tp=1,  # the twin checks the architecture; tests/test_lora.py the LoRA slots
+        mxfp4_activations="float32")  # a twin has no MXFP4 experts (tests/test_prequantized_mxfp4.py: the Q8 op)
     lowering = {k: v for k, v in canonical_recipe(twin_options).items() if k not in ("quant",)}
 
     def build_twin(twin_ckpt: Path, out: Path, **overrides) -> None:

@@ -18,7 +18,8 @@ import onnx_ir as ir
 from llmc.errors import UnsupportedError
 from llmc.passes.base import replace_value
 from llmc.passes.lazy import constant_of
-from llmc.plugins.mxfp4 import OP_TYPE
+from llmc.plugins.mxfp4 import OP_TYPE, Q8_OP_TYPE
+from llmc.plugins.mxfp4.reference import GROUP, repack_codes_q8, repack_scales_q8
 from llmc.plugins.paged_attention import DOMAIN
 
 
@@ -50,9 +51,10 @@ def _selector(node: ir.Node) -> bool:
             and len(idx) >= 1 and idx[-1] == 1)
 
 
-def lower_mxfp4_experts(model: ir.Model, sources: dict[str, Mxfp4Source]) -> int:
+def lower_mxfp4_experts(model: ir.Model, sources: dict[str, Mxfp4Source], q8: bool = False) -> int:
     """Rewrite every routed matmul over a weight in ``sources`` (by initializer name); returns how many. Raises
-    :class:`UnsupportedError` if a carried weight is left in the graph in float."""
+    :class:`UnsupportedError` if a carried weight is left in the graph in float. ``q8``: ``llmc.Mxfp4MoEMatMulQ8``
+    (the rows quantized to 8 bits per 32-block; the same codes and scales, repacked for its kernel)."""
     graph = model.graph
     count = 0
     made: dict[str, tuple[ir.Value, ir.Value]] = {}
@@ -66,6 +68,19 @@ def lower_mxfp4_experts(model: ir.Model, sources: dict[str, Mxfp4Source]) -> int
         if len(matmuls) != len(uses) or any(s is None or len(s) != 3 or s[1] != 1 for s in x_shapes):
             continue  # refused below: the weight stays in the graph
         src = sources[weight.name]
+        if weight.name not in made and q8:
+            g, t = src.k // 32, -(-src.n // GROUP)
+            codes = ir.Value(name=f"{weight.name}_codes_q8", shape=ir.Shape([src.experts, t, g, 4, 64]),
+                             type=ir.TensorType(ir.DataType.UINT8))
+            codes.const_value = _lazy(codes.name, lambda src=src: repack_codes_q8(src.blocks()),
+                                      (src.experts, t, g, 4, 64))
+            scales = ir.Value(name=f"{weight.name}_scales_q8", shape=ir.Shape([src.experts, t, g, GROUP]),
+                              type=ir.TensorType(ir.DataType.UINT8))
+            scales.const_value = _lazy(scales.name, lambda src=src: repack_scales_q8(src.scales()),
+                                       (src.experts, t, g, GROUP))
+            graph.register_initializer(codes)
+            graph.register_initializer(scales)
+            made[weight.name] = (codes, scales)
         if weight.name not in made:
             g = src.k // 32
             blocks = ir.Value(name=f"{weight.name}_blocks", shape=ir.Shape([src.experts, src.n, g, 16]),
@@ -79,7 +94,9 @@ def lower_mxfp4_experts(model: ir.Model, sources: dict[str, Mxfp4Source]) -> int
             made[weight.name] = (blocks, scales)
         blocks, scales = made[weight.name]
         for mm in matmuls:
-            new = ir.node(OP_TYPE, [mm.inputs[0], node.inputs[1], blocks, scales], domain=DOMAIN)
+            new = (ir.node(Q8_OP_TYPE, [mm.inputs[0], node.inputs[1], blocks, scales], attributes={"N": src.n},
+                           domain=DOMAIN) if q8 else
+                   ir.node(OP_TYPE, [mm.inputs[0], node.inputs[1], blocks, scales], domain=DOMAIN))
             graph.insert_before(mm, [new])
             replace_value(mm.outputs[0], new.outputs[0])
             graph.remove(mm, safe=True)

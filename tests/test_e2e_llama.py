@@ -88,10 +88,11 @@ def test_bf16_checkpoint_matches_transformers(tiny_llama_bf16, tiny_engine_bf16)
     """bf16 weights, fp32 compute on the CPU engine.
 
     ONNX Runtime's CPU kernels do not compute in bf16, so the engine keeps the (exactly
-    representable) bf16 weights and widens them to fp32 in its kernel (llmc.Bf16MatMul). Against transformers computing in fp32 on the same
-    weights it must agree to 1e-4 like the fp32 fixture. Against transformers computing in bf16
-    the difference is bf16's own rounding: each of the ~12 roundings per layer carries a relative
-    error up to 2^-9 ≈ 2e-3, so we bound the logits' relative error by 3e-2 (about 15 such errors
+    representable) bf16 weights and widens them to fp32 in its kernel (llmc.Bf16MatMul).
+    Against transformers computing in fp32 on the same weights it must agree to 1e-4 like the
+    fp32 fixture. Against transformers computing in bf16 the difference is bf16's own rounding:
+    each of the ~12 roundings per layer carries a relative error up to 2^-9 ≈ 2e-3, so we bound
+    the logits' relative error by 3e-2 (about 15 such errors
     accumulated) and require the greedy tokens of the first 8 steps to agree.
     """
     engine = Engine.load(tiny_engine_bf16)

@@ -159,7 +159,7 @@ def lower(model: ir.Model, attention: str = "native", fusions: frozenset[str] | 
                 raise LlmcError("llmc.Int4MatMul runs only in llmc's native custom-op library; build with the "
                                 "native attention route, or with --int4-kernel mlas (ONNX Runtime's MatMulNBits)")
             continue
-        elif node.op_type == "Mxfp4MoEMatMul":  # MXFP4 experts (passes/mxfp4_experts): native library only
+        elif node.op_type in ("Mxfp4MoEMatMul", "Mxfp4MoEMatMulQ8"):  # MXFP4 experts (passes/mxfp4_experts)
             if attention == "pyop":
                 raise LlmcError("llmc.Mxfp4MoEMatMul runs only in llmc's native custom-op library; build with the "
                                 "native attention route")

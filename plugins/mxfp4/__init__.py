@@ -6,6 +6,8 @@ input dimension per block, one E8M0 exponent per block); the op multiplies each 
 straight from those codes, so the engine keeps the experts at 4.25 bits per weight."""
 
 OP_TYPE = "Mxfp4MoEMatMul"
+# The opt-in 8-bit-activation variant (``llmc build --mxfp4-activations int8``; csrc/mxfp4_q8_core.h).
+Q8_OP_TYPE = "Mxfp4MoEMatMulQ8"
 
 
 def single_op_model(blocks, scales) -> bytes:
@@ -22,5 +24,22 @@ def single_op_model(blocks, scales) -> bytes:
          helper.make_tensor_value_info("ids", TensorProto.INT64, ["S"])],
         [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["S", 1, n])],
         [numpy_helper.from_array(blocks, "blocks"), numpy_helper.from_array(scales, "scales")])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18),
+                                                   helper.make_opsetid("llmc", 1)]).SerializeToString()
+
+
+def single_op_model_q8(codes, scales, n: int) -> bytes:
+    """An ONNX model of ``Mxfp4MoEMatMulQ8`` alone with the repacked ``codes`` and ``scales``
+    (reference.repack_q8) as initializers: ``Y[S, 1, N] = op(X[S, 1, K], ids[S])``."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    g = codes.shape[2]
+    node = helper.make_node(Q8_OP_TYPE, ["X", "ids", "codes", "scales"], ["Y"], domain="llmc", N=n)
+    graph = helper.make_graph(
+        [node], "mxfp4_q8",
+        [helper.make_tensor_value_info("X", TensorProto.FLOAT, ["S", 1, 32 * g]),
+         helper.make_tensor_value_info("ids", TensorProto.INT64, ["S"])],
+        [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["S", 1, n])],
+        [numpy_helper.from_array(codes, "codes"), numpy_helper.from_array(scales, "scales")])
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18),
                                                    helper.make_opsetid("llmc", 1)]).SerializeToString()

@@ -36,3 +36,63 @@ def mxfp4_moe_matmul(x: np.ndarray, expert_ids: np.ndarray, blocks: np.ndarray, 
     w = dequantize(blocks, scales).astype(np.float64)  # [E, N, K]
     out = np.einsum("mk,mnk->mn", rows, w[ids])
     return out.astype(np.float32).reshape(*x.shape[:-1], w.shape[1])
+
+
+# -- llmc.Mxfp4MoEMatMulQ8: the rows quantized to 8 bits per 32-block (opt-in, not exact) ----------------------
+
+GROUP = 16  # output rows per vector lane group (kGroup in csrc/mxfp4_q8_core.h)
+
+
+def repack_codes_q8(blocks: np.ndarray) -> np.ndarray:
+    """OpenAI's ``blocks [E, N, K/32, 16]`` as the Q8 kernel's codes, uint8 ``[E, T, K/32, 4, 64]`` (T = ceil(N /
+    16)): byte ``4 nn + jj`` of pair ``r`` holds the codes of ``n = 16 t + nn`` at ``j = 8 r + jj`` (low nibble) and
+    ``8 r + 4 + jj`` (high nibble) of the block. The same codes, moved; rows past N hold code 0. One expert at a time
+    (a few hundred MB at gpt-oss's sizes, never the whole tensor unpacked)."""
+    e, n, g, _ = blocks.shape
+    t = -(-n // GROUP)
+    out = np.empty((e, t, g, 4, 64), np.uint8)
+    for i in range(e):
+        codes = np.zeros((t * GROUP, g, BLOCK), np.uint8)
+        codes[:n, :, 0::2] = blocks[i] & 0x0F
+        codes[:n, :, 1::2] = blocks[i] >> 4
+        c = codes.reshape(t, GROUP, g, 4, 2, 4).transpose(0, 2, 3, 4, 1, 5)  # [t, g, r, half, nn, jj]
+        out[i] = (c[:, :, :, 0] | (c[:, :, :, 1] << 4)).reshape(t, g, 4, 64)
+    return out
+
+
+def repack_scales_q8(scales: np.ndarray) -> np.ndarray:
+    """``scales [E, N, K/32]`` as the Q8 kernel's, uint8 ``[E, T, K/32, 16]`` (rows past N: exponent 127)."""
+    e, n, g = scales.shape
+    t = -(-n // GROUP)
+    sc = np.full((e, t * GROUP, g), BIAS, np.uint8)
+    sc[:, :n] = scales
+    return np.ascontiguousarray(sc.reshape(e, t, GROUP, g).transpose(0, 1, 3, 2))
+
+
+def repack_q8(blocks: np.ndarray, scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Both of the Q8 kernel's weight inputs (:func:`repack_codes_q8`, :func:`repack_scales_q8`)."""
+    return repack_codes_q8(blocks), repack_scales_q8(scales)
+
+
+def quantize_rows_q8(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Rows ``[M, K]`` as the Q8 kernel quantizes them: int8 ``q [M, K]`` and float32 ``d [M, K/32]`` with
+    ``d = max|x| / 127`` per block and ``q = round(x / d)`` (to nearest, ties to even; 0 where d = 0)."""
+    m, k = x.shape
+    blocks = x.astype(np.float32).reshape(m, k // BLOCK, BLOCK)
+    d = (np.abs(blocks).max(axis=-1) / np.float32(127)).astype(np.float32)
+    inv = np.where(d > 0, np.float32(1) / np.where(d > 0, d, 1), 0).astype(np.float32)
+    q = np.clip(np.rint(blocks * inv[..., None]), -127, 127).astype(np.int8)
+    return q.reshape(m, k), d
+
+
+def mxfp4_moe_matmul_q8(x: np.ndarray, expert_ids: np.ndarray, blocks: np.ndarray,
+                        scales: np.ndarray) -> np.ndarray:
+    """``llmc.Mxfp4MoEMatMulQ8``'s output ``[..., N]``: the rows quantized by :func:`quantize_rows_q8`, times the
+    exact MXFP4 weights, in float64 rounded once."""
+    k = x.shape[-1]
+    q, d = quantize_rows_q8(x.reshape(-1, k))
+    rows = (q.astype(np.float64).reshape(len(q), k // BLOCK, BLOCK) * d.astype(np.float64)[..., None]).reshape(-1, k)
+    ids = np.asarray(expert_ids).reshape(-1)
+    w = dequantize(blocks, scales).astype(np.float64)
+    out = np.einsum("mk,mnk->mn", rows, w[ids])
+    return out.astype(np.float32).reshape(*x.shape[:-1], w.shape[1])

@@ -60,3 +60,66 @@ size_t mxfp4_input_count(const OrtCustomOpV13*) { return 4; }
 
 const OrtCustomOpV13 g_mxfp4_op = make_op(mxfp4_name, mxfp4_input_type, mxfp4_input_count, create_mxfp4_kernel,
                                           compute_mxfp4, destroy_mxfp4_kernel);
+
+// Mxfp4MoEMatMulQ8(X float [..., K], expert_ids int64 (M values), codes uint8 [E, T, K/32, 4, 64],
+//                  scales uint8 [E, T, K/32, 16]) -> float [..., N], attribute N (T = ceil(N / 16)): the rows
+// quantized to 8 bits per 32-block (mxfp4_q8_core.h; opt-in, not exact).
+
+#include "../../mxfp4/csrc/mxfp4_q8_core.h"
+
+std::atomic<int> g_mxfp4_q8_vnni{llmc_mxq::has_vnni() ? 1 : 0};
+std::atomic<int64_t> g_mxfp4_q8_calls{0};
+
+void* create_mxfp4_q8_kernel(const OrtCustomOpV13*, const OrtApi*, const OrtKernelInfo* info) {
+    const int64_t n = int_attr(info, "N", true, 0);
+    if (n <= 0) throw Error("attribute N must be positive, got " + std::to_string(n));
+    return new int64_t(n);
+}
+
+void destroy_mxfp4_q8_kernel(void* kernel) { delete static_cast<int64_t*>(kernel); }
+
+void compute_mxfp4_q8(void* kernel, OrtKernelContext* ctx) {
+    const int64_t N = *static_cast<const int64_t*>(kernel);
+    const Tensor x = input(ctx, 0, "X"), ids = input(ctx, 1, "expert_ids"), codes = input(ctx, 2, "codes"),
+                 scales = input(ctx, 3, "scales");
+    require_rank(codes, 5, "codes");
+    const int64_t E = codes.dims[0], T = codes.dims[1], G = codes.dims[2];
+    if (E <= 0 || G <= 0 || T != (N + llmc_mxq::kGroup - 1) / llmc_mxq::kGroup || codes.dims[3] != 4 ||
+        codes.dims[4] != 64) {
+        throw Error("codes must be [E, ceil(N / 16), K/32, 4, 64] uint8 with N = " + std::to_string(N) + ", got shape " +
+                    dims_str(codes.dims));
+    }
+    require_shape(scales, {E, T, G, llmc_mxq::kGroup}, "scales");
+    const int64_t K = G * llmc_mxq::kBlock;
+    if (x.dims.empty() || x.dims.back() != K) {
+        throw Error("X must have K = " + std::to_string(K) + " (codes' K/32 x 32) in its last dimension, got shape " +
+                    dims_str(x.dims));
+    }
+    int64_t M = 1, I = 1;
+    for (size_t i = 0; i + 1 < x.dims.size(); ++i) M *= x.dims[i];
+    for (int64_t dim : ids.dims) I *= dim;
+    if (I != M) {
+        throw Error("expert_ids must hold one expert per row of X (" + std::to_string(M) + "), got shape " +
+                    dims_str(ids.dims));
+    }
+    const auto* id = static_cast<const int64_t*>(ids.data);
+    for (int64_t m = 0; m < M; ++m) {
+        if (id[m] < 0 || id[m] >= E) {
+            throw Error("expert_ids[" + std::to_string(m) + "] = " + std::to_string(id[m]) + " is outside [0, " +
+                        std::to_string(E) + ")");
+        }
+    }
+    std::vector<int64_t> out_dims(x.dims);
+    out_dims.back() = N;
+    llmc_mxq::Problem p{static_cast<const float*>(x.data), id, static_cast<const uint8_t*>(codes.data),
+                        static_cast<const uint8_t*>(scales.data), output(ctx, out_dims.data(), out_dims.size()),
+                        M, K, N, E};
+    const bool vnni = g_mxfp4_q8_vnni.load() != 0;
+    with_threads(ctx, [&](int threads, const llmc::ParallelFor* pf) { llmc_mxq::run(p, vnni, threads, pf); });
+    g_mxfp4_q8_calls.fetch_add(1, std::memory_order_relaxed);
+}
+
+const char* mxfp4_q8_name(const OrtCustomOpV13*) { return "Mxfp4MoEMatMulQ8"; }
+
+const OrtCustomOpV13 g_mxfp4_q8_op = make_op(mxfp4_q8_name, mxfp4_input_type, mxfp4_input_count,
+                                             create_mxfp4_q8_kernel, compute_mxfp4_q8, destroy_mxfp4_q8_kernel);

@@ -554,6 +554,9 @@ LLMC_EXPORT OrtStatus* RegisterCustomOps(OrtSessionOptions* options, const OrtAp
                   "CustomOpDomain_Add");
             check(api_fn<OrtStatus* (*)(OrtCustomOpDomain*, const void*)>(kCustomOpDomain_Add)(domain, &g_bf16_op),
                   "CustomOpDomain_Add");
+            check(api_fn<OrtStatus* (*)(OrtCustomOpDomain*, const void*)>(kCustomOpDomain_Add)(domain,
+                                                                                              &g_mxfp4_q8_op),
+                  "CustomOpDomain_Add");
             g_domain = domain;
         }
         check(api_fn<OrtStatus* (*)(OrtSessionOptions*, OrtCustomOpDomain*)>(kAddCustomOpDomain)(options, g_domain),
@@ -659,6 +662,17 @@ LLMC_EXPORT int llmc_mxfp4_get_isa() { return g_mxfp4_isa.load(); }
 
 // Mxfp4MoEMatMul kernel calls completed since the library was loaded.
 LLMC_EXPORT int64_t llmc_mxfp4_calls() { return g_mxfp4_calls.load(); }
+
+// Mxfp4MoEMatMulQ8's path: 1 AVX-512 VNNI (the default where the CPU has it), 0 scalar; -1 if absent.
+LLMC_EXPORT int llmc_mxfp4_q8_set_vnni(int on) {
+    if (on != 0 && on != 1) return -1;
+    if (on && !llmc_mxq::has_vnni()) return -1;
+    g_mxfp4_q8_vnni = on;
+    return 0;
+}
+
+// Mxfp4MoEMatMulQ8 kernel calls completed since the library was loaded.
+LLMC_EXPORT int64_t llmc_mxfp4_q8_calls() { return g_mxfp4_q8_calls.load(); }
 
 // Bf16MatMul's instruction set: 0 scalar, 2 AVX-512 (default: the best this CPU has); -1 if absent.
 LLMC_EXPORT int llmc_bf16_set_isa(int isa) {

@@ -1,0 +1,268 @@
+// llmc::Mxfp4MoEMatMulQ8's kernel: each token row times its expert's MXFP4 weight with the row quantized to 8 bits
+// per 32-element block (llama.cpp's Q8_0 trade, opt-in: `llmc build --mxfp4-activations int8`).
+//
+// The exact kernel (mxfp4_core.h) spends most of a decode step decoding codes into float32 tables for one or two
+// rows per expert. Here the products are 8-bit integer dot products (AVX-512 VNNI vpdpbusd: 64 multiply-adds an
+// instruction), with the 16 lanes of a vector being 16 output rows n, so a decoded weight vector serves every
+// token row of the expert and the per-block scaling is one float FMA per 16 outputs.
+//
+// Weights (repacked at build time from OpenAI's layout, the same codes and scales, never re-quantized):
+//   codes  uint8 [E, T, G, 4, 64], T = ceil(N / 16), G = K / 32: for output group t (rows n = 16t .. 16t+15),
+//          block g and pair r, byte p = 4 nn + jj holds code(n = 16t + nn, j = 8r + jj) in its low nibble and
+//          code(n, j = 8r + 4 + jj) in its high nibble (j: the position in the block along K);
+//   scales uint8 [E, T, G, 16]: the E8M0 exponent of (n = 16t + nn, block g).
+// Rows past N (padding of the last group) hold code 0 and are never stored.
+// Activations: per row and block, d = max|x| / 127, q = round(x / d) in [-127, 127] (int8), kept with d as float32.
+// y[m, n] = sum_g (2^(s - 128) d_g) * sum_j (2 E2M1[code]) q_j, the inner sum exact in int32.
+
+#pragma once
+
+#include <immintrin.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "../../csrc/parallel_for.h"
+
+namespace llmc_mxq {
+
+constexpr int64_t kBlock = 32;
+constexpr int64_t kGroup = 16;    // output rows per vector
+constexpr int kMaxRows = 8;       // token rows per pass over an output group's codes
+// Output groups per work item (128 outputs, ~180 KB of codes at K = 2880): items of one group left each thread
+// reading 23 KB pieces scattered over an expert, and batch-1 calls ran slower than the exact kernel's.
+constexpr int64_t kItemGroups = 8;
+constexpr int64_t kPrefetchBytes = 2048;
+// Twice the E2M1 value plus 12, as uint8 (vpdpbusd multiplies unsigned by signed bytes): 0 .. 24. The 12 is taken
+// back out with 12 x (the block's sum of q), computed when the row is quantized.
+constexpr uint8_t kFp4x2Plus12[16] = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0};
+constexpr int32_t kOffset = 12;
+
+inline bool has_vnni() {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vnni");
+}
+
+struct Problem {
+    const float* x;         // [M, K]
+    const int64_t* ids;     // [M], each in [0, E)
+    const uint8_t* codes;   // [E, T, G, 4, 64]
+    const uint8_t* scales;  // [E, T, G, 16]
+    float* y;               // [M, N]
+    int64_t M, K, N, E;
+};
+
+// The rows quantized per 32-block: q [M, K] int8, d [M, G] float32, corr [M, G] = 12 x sum(q) over the block.
+struct QuantRows {
+    std::vector<int8_t> q;
+    std::vector<float> d;
+    std::vector<int32_t> corr;
+};
+
+inline void quantize_rows(const float* x, int64_t M, int64_t K, QuantRows& out) {
+    const int64_t G = K / kBlock;
+    out.q.resize(static_cast<size_t>(M * K));
+    out.d.resize(static_cast<size_t>(M * G));
+    out.corr.resize(static_cast<size_t>(M * G));
+    for (int64_t m = 0; m < M; ++m) {
+        for (int64_t g = 0; g < G; ++g) {
+            const float* src = x + m * K + g * kBlock;
+            float amax = 0.0f;
+            for (int j = 0; j < kBlock; ++j) amax = std::max(amax, std::fabs(src[j]));
+            const float d = amax / 127.0f;
+            const float inv = d > 0.0f ? 1.0f / d : 0.0f;
+            int32_t sum = 0;
+            int8_t* q = out.q.data() + m * K + g * kBlock;
+            for (int j = 0; j < kBlock; ++j) {
+                const int v = std::clamp(static_cast<int>(std::nearbyint(src[j] * inv)), -127, 127);
+                q[j] = static_cast<int8_t>(v);
+                sum += v;
+            }
+            out.d[m * G + g] = d;
+            out.corr[m * G + g] = kOffset * sum;
+        }
+    }
+}
+
+// 2^(s - 128): half the E8M0 scale (the codes hold twice the E2M1 value), exact for every s.
+inline float half_scale(uint8_t s) { return std::ldexp(1.0f, static_cast<int>(s) - 128); }
+
+inline int code_at(const uint8_t* group_codes, int64_t g, int nn, int j) {
+    const int r = j / 8, half = (j % 8) / 4, jj = j % 4;
+    const uint8_t b = group_codes[(g * 4 + r) * 64 + 4 * nn + jj];
+    return half ? b >> 4 : b & 15;
+}
+
+// Scalar path (CPUs without AVX-512 VNNI, and the vector path's reference): the same integer sums and the same
+// float order (one FMA per block per output).
+inline void group_scalar(const uint8_t* codes, const uint8_t* sc, int64_t G, const QuantRows& xq, int64_t K,
+                         const int64_t* rows, int64_t m, float* y, int64_t N, int64_t n0) {
+    const int64_t width = std::min(kGroup, N - n0);
+    for (int64_t i = 0; i < m; ++i) {
+        const int64_t row = rows[i];
+        for (int nn = 0; nn < width; ++nn) {
+            float acc = 0.0f;
+            for (int64_t g = 0; g < G; ++g) {
+                int32_t dot = 0;
+                for (int j = 0; j < kBlock; ++j) {
+                    dot += static_cast<int32_t>(kFp4x2Plus12[code_at(codes, g, nn, j)]) * xq.q[row * K + g * kBlock + j];
+                }
+                const float c = half_scale(sc[g * kGroup + nn]) * xq.d[row * G + g];
+                acc = std::fma(static_cast<float>(dot - xq.corr[row * G + g]), c, acc);
+            }
+            y[row * N + n0 + nn] = acc;
+        }
+    }
+}
+
+// E8M0 exponents s of 16 outputs -> 2^(s - 128) as floats: exponent bits (s - 1) << 23 for s >= 2; s = 0 and 1
+// give float32 subnormals (2^-128, 2^-127), made from the table.
+__attribute__((target("avx512f,avx512bw,avx512vnni"), always_inline)) inline __m512 half_scales(const uint8_t* s8) {
+    const __m512i s = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s8)));
+    __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_sub_epi32(s, _mm512_set1_epi32(1)), 23));
+    const __mmask16 tiny = _mm512_cmplt_epu32_mask(s, _mm512_set1_epi32(2));
+    if (tiny) {
+        alignas(64) float f[16];
+        _mm512_store_ps(f, v);
+        for (int i = 0; i < 16; ++i)
+            if ((tiny >> i) & 1) f[i] = half_scale(s8[i]);
+        v = _mm512_load_ps(f);
+    }
+    return v;
+}
+
+template <int R>
+__attribute__((target("avx512f,avx512bw,avx512vnni"))) void group_vnni(const uint8_t* codes, const uint8_t* sc,
+                                                                         int64_t G, const int8_t* const* q,
+                                                                         const float* const* d,
+                                                                         const int32_t* const* corr, float* const* out,
+                                                                         __mmask16 store) {
+    const __m512i lut = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kFp4x2Plus12)));
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    __m512 facc[R];
+    for (int i = 0; i < R; ++i) facc[i] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < G; ++g) {
+        _mm_prefetch(reinterpret_cast<const char*>(codes + g * 256 + kPrefetchBytes), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(codes + g * 256 + kPrefetchBytes + 128), _MM_HINT_T0);
+        __m512i acc[R];
+        for (int i = 0; i < R; ++i) acc[i] = _mm512_setzero_si512();
+        for (int r = 0; r < 4; ++r) {
+            const __m512i v = _mm512_loadu_si512(codes + (g * 4 + r) * 64);
+            const __m512i wl = _mm512_shuffle_epi8(lut, _mm512_and_si512(v, low));
+            const __m512i wh = _mm512_shuffle_epi8(lut, _mm512_and_si512(_mm512_srli_epi16(v, 4), low));
+            for (int i = 0; i < R; ++i) {
+                const int8_t* xr = q[i] + g * kBlock + 8 * r;
+                int32_t x0, x1;
+                __builtin_memcpy(&x0, xr, 4);
+                __builtin_memcpy(&x1, xr + 4, 4);
+                acc[i] = _mm512_dpbusd_epi32(acc[i], wl, _mm512_set1_epi32(x0));
+                acc[i] = _mm512_dpbusd_epi32(acc[i], wh, _mm512_set1_epi32(x1));
+            }
+        }
+        const __m512 ws = half_scales(sc + g * kGroup);
+        for (int i = 0; i < R; ++i) {
+            const __m512 c = _mm512_mul_ps(ws, _mm512_set1_ps(d[i][g]));
+            const __m512 t = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[i], _mm512_set1_epi32(corr[i][g])));
+            facc[i] = _mm512_fmadd_ps(t, c, facc[i]);
+        }
+    }
+    for (int i = 0; i < R; ++i) _mm512_mask_storeu_ps(out[i], store, facc[i]);
+}
+
+// Rows grouped by expert (as mxfp4_core.h's route): order[start[e] .. start[e + 1]) are the rows routed to e.
+struct Routing {
+    std::vector<int64_t> order, start;
+    std::vector<std::pair<int64_t, int64_t>> items;  // (expert, first output group) for every expert with rows
+};
+
+inline Routing route(const Problem& p) {
+    Routing r;
+    r.start.assign(p.E + 1, 0);
+    for (int64_t m = 0; m < p.M; ++m) ++r.start[p.ids[m] + 1];
+    for (int64_t e = 0; e < p.E; ++e) r.start[e + 1] += r.start[e];
+    r.order.resize(p.M);
+    std::vector<int64_t> fill(r.start.begin(), r.start.end() - 1);
+    for (int64_t m = 0; m < p.M; ++m) r.order[fill[p.ids[m]]++] = m;
+    const int64_t T = (p.N + kGroup - 1) / kGroup;
+    for (int64_t e = 0; e < p.E; ++e) {
+        if (r.start[e + 1] == r.start[e]) continue;
+        for (int64_t t = 0; t < T; t += kItemGroups) r.items.emplace_back(e, t);
+    }
+    return r;
+}
+
+struct Job {
+    const Problem* p;
+    const Routing* r;
+    const QuantRows* xq;
+    bool vnni;
+};
+
+inline void run_group(const Job& job, int64_t e, int64_t t) {
+    const Problem& p = *job.p;
+    const int64_t* rows = job.r->order.data() + job.r->start[e];
+    const int64_t m = job.r->start[e + 1] - job.r->start[e];
+    const int64_t G = p.K / kBlock, T = (p.N + kGroup - 1) / kGroup, n0 = t * kGroup;
+    const uint8_t* codes = p.codes + (e * T + t) * G * 256;
+    const uint8_t* sc = p.scales + (e * T + t) * G * kGroup;
+    if (!job.vnni) {
+        group_scalar(codes, sc, G, *job.xq, p.K, rows, m, p.y, p.N, n0);
+        return;
+    }
+    const int64_t width = std::min(kGroup, p.N - n0);
+    const auto store = static_cast<__mmask16>((1u << width) - 1u);
+    for (int64_t i0 = 0; i0 < m; i0 += kMaxRows) {
+        const int rr = static_cast<int>(std::min<int64_t>(kMaxRows, m - i0));
+        const int8_t* q[kMaxRows];
+        const float* d[kMaxRows];
+        const int32_t* corr[kMaxRows];
+        float* out[kMaxRows];
+        for (int i = 0; i < rr; ++i) {
+            const int64_t row = rows[i0 + i];
+            q[i] = job.xq->q.data() + row * p.K;
+            d[i] = job.xq->d.data() + row * G;
+            corr[i] = job.xq->corr.data() + row * G;
+            out[i] = p.y + row * p.N + n0;
+        }
+        switch (rr) {
+            case 8: group_vnni<8>(codes, sc, G, q, d, corr, out, store); break;
+            case 7: group_vnni<7>(codes, sc, G, q, d, corr, out, store); break;
+            case 6: group_vnni<6>(codes, sc, G, q, d, corr, out, store); break;
+            case 5: group_vnni<5>(codes, sc, G, q, d, corr, out, store); break;
+            case 4: group_vnni<4>(codes, sc, G, q, d, corr, out, store); break;
+            case 3: group_vnni<3>(codes, sc, G, q, d, corr, out, store); break;
+            case 2: group_vnni<2>(codes, sc, G, q, d, corr, out, store); break;
+            default: group_vnni<1>(codes, sc, G, q, d, corr, out, store); break;
+        }
+    }
+}
+
+inline void run_item(const Job& job, int64_t item) {
+    const auto [e, t0] = job.r->items[item];
+    const int64_t T = (job.p->N + kGroup - 1) / kGroup;
+    for (int64_t t = t0; t < std::min(T, t0 + kItemGroups); ++t) run_group(job, e, t);
+}
+
+// `threads` > 1 spreads the (expert, output groups) items over `pf` (the caller's pool) or OpenMP threads.
+inline void run(const Problem& p, bool vnni, int threads, const llmc::ParallelFor* pf) {
+    const Routing r = route(p);
+    QuantRows xq;
+    quantize_rows(p.x, p.M, p.K, xq);
+    const Job job{&p, &r, &xq, vnni};
+    const auto n = static_cast<int64_t>(r.items.size());
+    if (threads > 1 && n > 1 && pf != nullptr) {
+        pf->fn(pf->self, n, [](void* arg, int64_t i) { run_item(*static_cast<const Job*>(arg), i); },
+               const_cast<Job*>(&job));
+    } else if (threads > 1 && n > 1) {
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
+        for (int64_t i = 0; i < n; ++i) run_item(job, i);
+    } else {
+        for (int64_t i = 0; i < n; ++i) run_item(job, i);
+    }
+}
+
+}  // namespace llmc_mxq
