@@ -33,10 +33,10 @@ now = time.perf_counter
 
 
 def make_prompts(tokenizer_json=None):
-    """Deterministic prompt token ids from CPython's own docs text (tokenizer: the 110M model's, else the 1B's;
-    make_model.py trains the same BPE for both)."""
+    """Deterministic prompt token ids from CPython's own docs text (tokenizer: the 110M model's, else the 1B's, else
+    the one make_model.py keeps for every shape; it trains the same BPE for all of them)."""
     if tokenizer_json is None:
-        tokenizer_json = next((f"{ROOT}/{m}/tokenizer.json" for m in ("model", "model-1b")
+        tokenizer_json = next((f"{ROOT}/{m}/tokenizer.json" for m in ("model", "model-1b", "tokenizer")
                                if os.path.exists(f"{ROOT}/{m}/tokenizer.json")), f"{ROOT}/model/tokenizer.json")
     import pydoc_data.topics as t
 

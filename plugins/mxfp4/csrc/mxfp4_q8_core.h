@@ -3,7 +3,7 @@
 //
 // The exact kernel (mxfp4_core.h) spends most of a decode step decoding codes into float32 tables for one or two
 // rows per expert. Here the products are 8-bit integer dot products (AVX-512 VNNI vpdpbusd: 64 multiply-adds an
-// instruction), with the 16 lanes of a vector being 16 output rows n, so a decoded weight vector serves every
+// instruction; the codes decoded by AVX-512 VBMI vpermb), with the 16 lanes of a vector being 16 output rows n, so a decoded weight vector serves every
 // token row of the expert and the per-block scaling is one float FMA per 16 outputs.
 //
 // Weights (repacked at build time from OpenAI's layout, the same codes and scales, never re-quantized):
@@ -44,7 +44,7 @@ constexpr int32_t kOffset = 12;
 inline bool has_vnni() {
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-           __builtin_cpu_supports("avx512vnni");
+           __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vbmi");
 }
 
 struct Problem {
@@ -121,7 +121,7 @@ inline void group_scalar(const uint8_t* codes, const uint8_t* sc, int64_t G, con
 
 // E8M0 exponents s of 16 outputs -> 2^(s - 128) as floats: exponent bits (s - 1) << 23 for s >= 2; s = 0 and 1
 // give float32 subnormals (2^-128, 2^-127), made from the table.
-__attribute__((target("avx512f,avx512bw,avx512vnni"), always_inline)) inline __m512 half_scales(const uint8_t* s8) {
+__attribute__((target("avx512f,avx512bw,avx512vnni,avx512vbmi"), always_inline)) inline __m512 half_scales(const uint8_t* s8) {
     const __m512i s = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s8)));
     __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_sub_epi32(s, _mm512_set1_epi32(1)), 23));
     const __mmask16 tiny = _mm512_cmplt_epu32_mask(s, _mm512_set1_epi32(2));
@@ -136,37 +136,45 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"), always_inline)) inline __m
 }
 
 template <int R>
-__attribute__((target("avx512f,avx512bw,avx512vnni"))) void group_vnni(const uint8_t* codes, const uint8_t* sc,
+__attribute__((target("avx512f,avx512bw,avx512vnni,avx512vbmi"))) void group_vnni(const uint8_t* codes, const uint8_t* sc,
                                                                          int64_t G, const int8_t* const* q,
                                                                          const float* const* d,
                                                                          const int32_t* const* corr, float* const* out,
                                                                          __mmask16 store) {
+    // vpermb reads the low 6 bits of each index byte: a 64-entry table of the 16 values four times over decodes a
+    // byte's low nibble without masking it, and its high nibble after one 16-bit shift (whatever lands in bits 4-5).
     const __m512i lut = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kFp4x2Plus12)));
-    const __m512i low = _mm512_set1_epi8(0x0F);
     __m512 facc[R];
     for (int i = 0; i < R; ++i) facc[i] = _mm512_setzero_ps();
+    // Independent integer sums per row (C chains, the pairs r spread over them): one row per expert is the common
+    // case at decode batch 8, and a single chain of 8 vpdpbusd a block waited on each one's latency.
+    constexpr int C = R == 1 ? 4 : (R <= 4 ? 2 : 1);
     for (int64_t g = 0; g < G; ++g) {
         _mm_prefetch(reinterpret_cast<const char*>(codes + g * 256 + kPrefetchBytes), _MM_HINT_T0);
         _mm_prefetch(reinterpret_cast<const char*>(codes + g * 256 + kPrefetchBytes + 128), _MM_HINT_T0);
-        __m512i acc[R];
-        for (int i = 0; i < R; ++i) acc[i] = _mm512_setzero_si512();
+        __m512i acc[R][C];
+        for (int i = 0; i < R; ++i)
+            for (int c = 0; c < C; ++c) acc[i][c] = _mm512_setzero_si512();
         for (int r = 0; r < 4; ++r) {
             const __m512i v = _mm512_loadu_si512(codes + (g * 4 + r) * 64);
-            const __m512i wl = _mm512_shuffle_epi8(lut, _mm512_and_si512(v, low));
-            const __m512i wh = _mm512_shuffle_epi8(lut, _mm512_and_si512(_mm512_srli_epi16(v, 4), low));
+            const __m512i wl = _mm512_permutexvar_epi8(v, lut);
+            const __m512i wh = _mm512_permutexvar_epi8(_mm512_srli_epi16(v, 4), lut);
+            const int cl = (2 * r) % C, ch = (2 * r + 1) % C;
             for (int i = 0; i < R; ++i) {
                 const int8_t* xr = q[i] + g * kBlock + 8 * r;
                 int32_t x0, x1;
                 __builtin_memcpy(&x0, xr, 4);
                 __builtin_memcpy(&x1, xr + 4, 4);
-                acc[i] = _mm512_dpbusd_epi32(acc[i], wl, _mm512_set1_epi32(x0));
-                acc[i] = _mm512_dpbusd_epi32(acc[i], wh, _mm512_set1_epi32(x1));
+                acc[i][cl] = _mm512_dpbusd_epi32(acc[i][cl], wl, _mm512_set1_epi32(x0));
+                acc[i][ch] = _mm512_dpbusd_epi32(acc[i][ch], wh, _mm512_set1_epi32(x1));
             }
         }
         const __m512 ws = half_scales(sc + g * kGroup);
         for (int i = 0; i < R; ++i) {
+            __m512i sum = acc[i][0];
+            for (int c = 1; c < C; ++c) sum = _mm512_add_epi32(sum, acc[i][c]);
             const __m512 c = _mm512_mul_ps(ws, _mm512_set1_ps(d[i][g]));
-            const __m512 t = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[i], _mm512_set1_epi32(corr[i][g])));
+            const __m512 t = _mm512_cvtepi32_ps(_mm512_sub_epi32(sum, _mm512_set1_epi32(corr[i][g])));
             facc[i] = _mm512_fmadd_ps(t, c, facc[i]);
         }
     }
