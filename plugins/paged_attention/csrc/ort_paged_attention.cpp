@@ -674,10 +674,9 @@ LLMC_EXPORT int llmc_mxfp4_q8_set_vnni(int on) {
 // Mxfp4MoEMatMulQ8 kernel calls completed since the library was loaded.
 LLMC_EXPORT int64_t llmc_mxfp4_q8_calls() { return g_mxfp4_q8_calls.load(); }
 
-// Bf16MatMul's instruction set: 0 scalar, 2 AVX-512 (default: the best this CPU has); -1 if absent.
+// Bf16MatMul's instruction set: 0 scalar, 1 AVX2, 2 AVX-512 (default: the best this CPU has); -1 if absent.
 LLMC_EXPORT int llmc_bf16_set_isa(int isa) {
-    if (isa != 0 && isa != 2) return -1;
-    if (isa > static_cast<int>(llmc_bf::best_isa())) return -1;
+    if (isa < 0 || isa > static_cast<int>(llmc_bf::best_isa())) return -1;
     g_bf16_isa = isa;
     return 0;
 }
