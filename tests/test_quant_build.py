@@ -92,8 +92,9 @@ def test_quantized_build_reports_accuracy(tmp_path, tiny_llama):
     # llmc's INT4 kernel for the layers; the int8 LM head stays on MatMulNBits.
     assert ops.count("Int4MatMul") == 2 * 4 and ops.count("MatMulNBits") == 1 and "MatMul" not in ops
     assert "GatherBlockQuantized" in ops
-    # The backend fused every layer's attention front end and MLP activation (2 layers).
-    assert report["backend_fusions"] == {"rotary-attention": 2, "int4-swiglu": 2}
+    # The backend fused every layer's attention front end and MLP activation (2 layers); a float32 checkpoint has
+    # no bfloat16 weights to keep.
+    assert report["backend_fusions"] == {"rotary-attention": 2, "int4-swiglu": 2, "bf16-weights": 0}
     assert "RotaryPagedAttention" in ops and "QuickGelu" not in ops
     rc, text, err = _llmc("inspect", out)
     assert rc == 0 and "accuracy    perplexity" in text and "int4-awq" in text, err
