@@ -191,7 +191,8 @@ def _quant_options(f):
 @click.option("--mxfp4-activations", type=click.Choice(["float32", "int8"]), default="float32", show_default=True,
               help="MXFP4 checkpoints (gpt-oss), CPU engine: multiply the experts' codes with the activations as "
                    "they are (float32, exact) or quantized to 8 bits per 32 values (int8: llama.cpp's MXFP4 x Q8_0 "
-                   "trade, 2-3x faster expert matmuls, not exact; fast with AVX-512 VNNI and VBMI, else a scalar loop).")
+                   "trade, 2-3x faster expert matmuls, not exact; fast with AVX-512 VNNI and VBMI, else a scalar "
+                   "loop).")
 @click.option("--force", is_flag=True, help="Replace the output directory if it exists (only once the build succeeds).")
 @click.option("--cache-dir", type=click.Path(path_type=Path), default=None,
               help="Build cache directory [default: $LLMC_CACHE_DIR, else $XDG_CACHE_HOME/llmc or ~/.cache/llmc].")

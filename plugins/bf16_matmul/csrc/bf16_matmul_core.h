@@ -206,15 +206,7 @@ inline void run(const Problem& p, Isa isa, int threads, const llmc::ParallelFor*
     }
     const Job job{&p, isa};
     const int64_t n = (p.N + kNr - 1) / kNr;
-    if (threads > 1 && n > 1 && pf != nullptr) {
-        pf->fn(pf->self, n, [](void* arg, int64_t i) { run_panel(*static_cast<const Job*>(arg), i); },
-               const_cast<Job*>(&job));
-    } else if (threads > 1 && n > 1) {
-#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
-        for (int64_t i = 0; i < n; ++i) run_panel(job, i);
-    } else {
-        for (int64_t i = 0; i < n; ++i) run_panel(job, i);
-    }
+    llmc::parallel_items<Job, run_panel>(job, n, threads, pf);
 }
 
 }  // namespace llmc_bf

@@ -217,24 +217,26 @@ __attribute__((target("avx512f"))) inline void row_avx512(const uint8_t* blk, co
 // Rows grouped by expert: order[start[e] .. start[e + 1]) are the rows routed to expert e.
 struct Routing {
     std::vector<int64_t> order, start;
-    // Work items: (expert, first output row) for every expert with rows.
+    // Work items: (expert, first output row) for every expert with rows, `step` output rows apart.
     std::vector<std::pair<int64_t, int64_t>> items;
 };
 
-inline Routing route(const Problem& p) {
+inline Routing group_rows(const int64_t* ids, int64_t M, int64_t E, int64_t N, int64_t step) {
     Routing r;
-    r.start.assign(p.E + 1, 0);
-    for (int64_t m = 0; m < p.M; ++m) ++r.start[p.ids[m] + 1];
-    for (int64_t e = 0; e < p.E; ++e) r.start[e + 1] += r.start[e];
-    r.order.resize(p.M);
+    r.start.assign(E + 1, 0);
+    for (int64_t m = 0; m < M; ++m) ++r.start[ids[m] + 1];
+    for (int64_t e = 0; e < E; ++e) r.start[e + 1] += r.start[e];
+    r.order.resize(M);
     std::vector<int64_t> fill(r.start.begin(), r.start.end() - 1);
-    for (int64_t m = 0; m < p.M; ++m) r.order[fill[p.ids[m]]++] = m;
-    for (int64_t e = 0; e < p.E; ++e) {
+    for (int64_t m = 0; m < M; ++m) r.order[fill[ids[m]]++] = m;
+    for (int64_t e = 0; e < E; ++e) {
         if (r.start[e + 1] == r.start[e]) continue;
-        for (int64_t n0 = 0; n0 < p.N; n0 += kTile) r.items.emplace_back(e, n0);
+        for (int64_t n0 = 0; n0 < N; n0 += step) r.items.emplace_back(e, n0);
     }
     return r;
 }
+
+inline Routing route(const Problem& p) { return group_rows(p.ids, p.M, p.E, p.N, kTile); }
 
 struct Job {
     const Problem* p;
@@ -288,15 +290,7 @@ inline void run(const Problem& p, Isa isa, int threads, const llmc::ParallelFor*
     }
     const Job job{&p, &r, isa, xd.data()};
     const auto n = static_cast<int64_t>(r.items.size());
-    if (threads > 1 && n > 1 && pf != nullptr) {
-        pf->fn(pf->self, n, [](void* arg, int64_t i) { run_item(*static_cast<const Job*>(arg), i); },
-               const_cast<Job*>(&job));
-    } else if (threads > 1 && n > 1) {
-#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
-        for (int64_t i = 0; i < n; ++i) run_item(job, i);
-    } else {
-        for (int64_t i = 0; i < n; ++i) run_item(job, i);
-    }
+    llmc::parallel_items<Job, run_item>(job, n, threads, pf);
 }
 
 }  // namespace llmc_mx

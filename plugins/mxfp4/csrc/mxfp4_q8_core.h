@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "../../csrc/parallel_for.h"
+#include "mxfp4_core.h"
 
 namespace llmc_mxq {
 
@@ -181,31 +182,9 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,avx512vbmi"))) void group_vnn
     for (int i = 0; i < R; ++i) _mm512_mask_storeu_ps(out[i], store, facc[i]);
 }
 
-// Rows grouped by expert (as mxfp4_core.h's route): order[start[e] .. start[e + 1]) are the rows routed to e.
-struct Routing {
-    std::vector<int64_t> order, start;
-    std::vector<std::pair<int64_t, int64_t>> items;  // (expert, first output group) for every expert with rows
-};
-
-inline Routing route(const Problem& p) {
-    Routing r;
-    r.start.assign(p.E + 1, 0);
-    for (int64_t m = 0; m < p.M; ++m) ++r.start[p.ids[m] + 1];
-    for (int64_t e = 0; e < p.E; ++e) r.start[e + 1] += r.start[e];
-    r.order.resize(p.M);
-    std::vector<int64_t> fill(r.start.begin(), r.start.end() - 1);
-    for (int64_t m = 0; m < p.M; ++m) r.order[fill[p.ids[m]]++] = m;
-    const int64_t T = (p.N + kGroup - 1) / kGroup;
-    for (int64_t e = 0; e < p.E; ++e) {
-        if (r.start[e + 1] == r.start[e]) continue;
-        for (int64_t t = 0; t < T; t += kItemGroups) r.items.emplace_back(e, t);
-    }
-    return r;
-}
-
 struct Job {
     const Problem* p;
-    const Routing* r;
+    const llmc_mx::Routing* r;  // items (expert, first output row), kItemGroups groups of 16 apart
     const QuantRows* xq;
     bool vnni;
 };
@@ -250,27 +229,19 @@ inline void run_group(const Job& job, int64_t e, int64_t t) {
 }
 
 inline void run_item(const Job& job, int64_t item) {
-    const auto [e, t0] = job.r->items[item];
-    const int64_t T = (job.p->N + kGroup - 1) / kGroup;
+    const auto [e, n0] = job.r->items[item];
+    const int64_t t0 = n0 / kGroup, T = (job.p->N + kGroup - 1) / kGroup;
     for (int64_t t = t0; t < std::min(T, t0 + kItemGroups); ++t) run_group(job, e, t);
 }
 
 // `threads` > 1 spreads the (expert, output groups) items over `pf` (the caller's pool) or OpenMP threads.
 inline void run(const Problem& p, bool vnni, int threads, const llmc::ParallelFor* pf) {
-    const Routing r = route(p);
+    const llmc_mx::Routing r = llmc_mx::group_rows(p.ids, p.M, p.E, p.N, kGroup * kItemGroups);
     QuantRows xq;
     quantize_rows(p.x, p.M, p.K, xq);
     const Job job{&p, &r, &xq, vnni};
     const auto n = static_cast<int64_t>(r.items.size());
-    if (threads > 1 && n > 1 && pf != nullptr) {
-        pf->fn(pf->self, n, [](void* arg, int64_t i) { run_item(*static_cast<const Job*>(arg), i); },
-               const_cast<Job*>(&job));
-    } else if (threads > 1 && n > 1) {
-#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
-        for (int64_t i = 0; i < n; ++i) run_item(job, i);
-    } else {
-        for (int64_t i = 0; i < n; ++i) run_item(job, i);
-    }
+    llmc::parallel_items<Job, run_item>(job, n, threads, pf);
 }
 
 }  // namespace llmc_mxq

@@ -14,19 +14,12 @@ void* create_mxfp4_kernel(const OrtCustomOpV13*, const OrtApi*, const OrtKernelI
 
 void destroy_mxfp4_kernel(void* kernel) { delete static_cast<int*>(kernel); }
 
-void compute_mxfp4(void*, OrtKernelContext* ctx) {
-    const Tensor x = input(ctx, 0, "X"), ids = input(ctx, 1, "expert_ids"), blocks = input(ctx, 2, "blocks"),
-                 scales = input(ctx, 3, "scales");
-    require_rank(blocks, 4, "blocks");
-    const int64_t E = blocks.dims[0], N = blocks.dims[1], G = blocks.dims[2];
-    if (blocks.dims[3] != 16 || E <= 0 || N <= 0 || G <= 0) {
-        throw Error("blocks must be [E, N, K/32, 16] uint8 (E2M1 pairs), got shape " + dims_str(blocks.dims));
-    }
-    require_shape(scales, {E, N, G}, "scales");
-    const int64_t K = G * llmc_mx::kBlock;
+// X's rows against K (named after the weight input it comes from) and expert_ids against E: the row count M, and
+// each id checked to be in [0, E).
+int64_t routed_rows(const Tensor& x, const Tensor& ids, int64_t K, int64_t E, const char* weight) {
     if (x.dims.empty() || x.dims.back() != K) {
-        throw Error("X must have K = " + std::to_string(K) + " (blocks' K/32 x 32) in its last dimension, got shape " +
-                    dims_str(x.dims));
+        throw Error("X must have K = " + std::to_string(K) + " (" + weight +
+                    "' K/32 x 32) in its last dimension, got shape " + dims_str(x.dims));
     }
     int64_t M = 1, I = 1;
     for (size_t i = 0; i + 1 < x.dims.size(); ++i) M *= x.dims[i];
@@ -42,6 +35,21 @@ void compute_mxfp4(void*, OrtKernelContext* ctx) {
                         std::to_string(E) + ")");
         }
     }
+    return M;
+}
+
+void compute_mxfp4(void*, OrtKernelContext* ctx) {
+    const Tensor x = input(ctx, 0, "X"), ids = input(ctx, 1, "expert_ids"), blocks = input(ctx, 2, "blocks"),
+                 scales = input(ctx, 3, "scales");
+    require_rank(blocks, 4, "blocks");
+    const int64_t E = blocks.dims[0], N = blocks.dims[1], G = blocks.dims[2];
+    if (blocks.dims[3] != 16 || E <= 0 || N <= 0 || G <= 0) {
+        throw Error("blocks must be [E, N, K/32, 16] uint8 (E2M1 pairs), got shape " + dims_str(blocks.dims));
+    }
+    require_shape(scales, {E, N, G}, "scales");
+    const int64_t K = G * llmc_mx::kBlock;
+    const int64_t M = routed_rows(x, ids, K, E, "blocks");
+    const auto* id = static_cast<const int64_t*>(ids.data);
     std::vector<int64_t> out_dims(x.dims);
     out_dims.back() = N;
     llmc_mx::Problem p{static_cast<const float*>(x.data), id, static_cast<const uint8_t*>(blocks.data),
@@ -91,24 +99,8 @@ void compute_mxfp4_q8(void* kernel, OrtKernelContext* ctx) {
     }
     require_shape(scales, {E, T, G, llmc_mxq::kGroup}, "scales");
     const int64_t K = G * llmc_mxq::kBlock;
-    if (x.dims.empty() || x.dims.back() != K) {
-        throw Error("X must have K = " + std::to_string(K) + " (codes' K/32 x 32) in its last dimension, got shape " +
-                    dims_str(x.dims));
-    }
-    int64_t M = 1, I = 1;
-    for (size_t i = 0; i + 1 < x.dims.size(); ++i) M *= x.dims[i];
-    for (int64_t dim : ids.dims) I *= dim;
-    if (I != M) {
-        throw Error("expert_ids must hold one expert per row of X (" + std::to_string(M) + "), got shape " +
-                    dims_str(ids.dims));
-    }
+    const int64_t M = routed_rows(x, ids, K, E, "codes");
     const auto* id = static_cast<const int64_t*>(ids.data);
-    for (int64_t m = 0; m < M; ++m) {
-        if (id[m] < 0 || id[m] >= E) {
-            throw Error("expert_ids[" + std::to_string(m) + "] = " + std::to_string(id[m]) + " is outside [0, " +
-                        std::to_string(E) + ")");
-        }
-    }
     std::vector<int64_t> out_dims(x.dims);
     out_dims.back() = N;
     llmc_mxq::Problem p{static_cast<const float*>(x.data), id, static_cast<const uint8_t*>(codes.data),
