@@ -24,6 +24,7 @@ from llmc.compiler import positions as position_tables
 from llmc.compiler.binding import account, bind
 from llmc.compiler.checkpoint import Checkpoint, TensorEntry, changed_during_build, read_tensor
 from llmc.errors import LlmcError, UnsupportedError
+from llmc.passes.lazy import SOURCE_DTYPE
 from llmc.plugins.paged_attention import INPUT_NAMES
 from llmc.plugins.recurrent import ACTIVATIONS, STATE_SLOTS
 
@@ -756,5 +757,5 @@ def _lazy_tensor(entry: TensorEntry, dtype: str, name: str) -> ir.LazyTensor:
 
     tensor = ir.LazyTensor(load, dtype=ir_dtype, shape=ir.Shape(entry.shape), name=name)
     # What the checkpoint stores (the ONNX Runtime backend keeps bfloat16 weights as such: ort_bf16_weights).
-    tensor.meta["llmc.source_dtype"] = entry.dtype
+    tensor.meta[SOURCE_DTYPE] = entry.dtype
     return tensor

@@ -20,6 +20,8 @@ import numpy as np
 import onnx_ir as ir
 
 DERIVATION = "llmc.derivation"
+# Set by the frontend on each checkpoint tensor it reads lazily: the dtype the checkpoint stores it in.
+SOURCE_DTYPE = "llmc.source_dtype"
 
 
 @dataclass(frozen=True)

@@ -15,12 +15,9 @@ from __future__ import annotations
 import onnx_ir as ir
 
 from llmc.passes.base import replace_value
-from llmc.passes.lazy import constant_of, derivation_of, derived
+from llmc.passes.lazy import SOURCE_DTYPE, constant_of, derivation_of, derived
 from llmc.plugins.bf16_matmul import OP_TYPE, PANEL, bf16_exact, pack
 from llmc.plugins.paged_attention import DOMAIN
-
-# Set by the frontend on each checkpoint tensor it reads lazily: the dtype the checkpoint stores it in.
-SOURCE_DTYPE = "llmc.source_dtype"
 
 
 def _stored_bf16(tensor: ir.TensorProtocol) -> bool | None:
