@@ -13,7 +13,7 @@
 //   scales uint8 [E, T, G, 16]: the E8M0 exponent of (n = 16t + nn, block g).
 // Rows past N (padding of the last group) hold code 0 and are never stored.
 // Activations: per row and block, d = max|x| / 127, q = round(x / d) in [-127, 127] (int8), kept with d as float32.
-// y[m, n] = sum_g (2^(s - 128) d_g) * sum_j (2 E2M1[code]) q_j, the inner sum exact in int32.
+// y[m, n] = 1/2 sum_g (2^(s - 127) d_g) * (sum_j (2 E2M1[code] + 12) q_j - 12 sum_j q_j), the inner sum exact in int32.
 
 #pragma once
 
@@ -36,7 +36,10 @@ constexpr int kMaxRows = 8;       // token rows per pass over an output group's 
 // Output groups per work item (128 outputs, ~180 KB of codes at K = 2880): items of one group left each thread
 // reading 23 KB pieces scattered over an expert, and batch-1 calls ran slower than the exact kernel's.
 constexpr int64_t kItemGroups = 8;
-constexpr int64_t kPrefetchBytes = 2048;
+// Software prefetch distance along an item's codes (32 blocks ahead), into L2 (_MM_HINT_T1). The hardware prefetcher
+// alone left the loads and the arithmetic one after the other (single-thread time = memory + compute); 8 KB ahead
+// cut one thread's time over 1 GB of codes from 63 to 55 ms, 2 KB (4x fewer blocks of lead) helped less.
+constexpr int64_t kPrefetchBytes = 8192;
 // Twice the E2M1 value plus 12, as uint8 (vpdpbusd multiplies unsigned by signed bytes): 0 .. 24. The 12 is taken
 // back out with 12 x (the block's sum of q), computed when the row is quantized.
 constexpr uint8_t kFp4x2Plus12[16] = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0};
@@ -57,7 +60,8 @@ struct Problem {
     int64_t M, K, N, E;
 };
 
-// The rows quantized per 32-block: q [M, K] int8, d [M, G] float32, corr [M, G] = 12 x sum(q) over the block.
+// The rows quantized per 32-block: q [M, K] int8, d [M, G] float32, corr [M, G] = -12 x sum(q) over the block (each
+// block's integer sum starts from it).
 struct QuantRows {
     std::vector<int8_t> q;
     std::vector<float> d;
@@ -84,13 +88,14 @@ inline void quantize_rows(const float* x, int64_t M, int64_t K, QuantRows& out) 
                 sum += v;
             }
             out.d[m * G + g] = d;
-            out.corr[m * G + g] = kOffset * sum;
+            out.corr[m * G + g] = -kOffset * sum;
         }
     }
 }
 
-// 2^(s - 128): half the E8M0 scale (the codes hold twice the E2M1 value), exact for every s.
-inline float half_scale(uint8_t s) { return std::ldexp(1.0f, static_cast<int>(s) - 128); }
+// 2^(s - 127): the E8M0 scale (s = 0: the subnormal 2^-127). The codes hold twice the E2M1 value, so the sums
+// below come out twice the output and are halved once at the end (exact: a factor of two commutes with rounding).
+inline float scale_of(uint8_t s) { return std::ldexp(1.0f, static_cast<int>(s) - 127); }
 
 inline int code_at(const uint8_t* group_codes, int64_t g, int nn, int j) {
     const int r = j / 8, half = (j % 8) / 4, jj = j % 4;
@@ -99,7 +104,7 @@ inline int code_at(const uint8_t* group_codes, int64_t g, int nn, int j) {
 }
 
 // Scalar path (CPUs without AVX-512 VNNI, and the vector path's reference): the same integer sums and the same
-// float order (one FMA per block per output).
+// float order (one FMA per block per output, then the halving).
 inline void group_scalar(const uint8_t* codes, const uint8_t* sc, int64_t G, const QuantRows& xq, int64_t K,
                          const int64_t* rows, int64_t m, float* y, int64_t N, int64_t n0) {
     const int64_t width = std::min(kGroup, N - n0);
@@ -108,78 +113,72 @@ inline void group_scalar(const uint8_t* codes, const uint8_t* sc, int64_t G, con
         for (int nn = 0; nn < width; ++nn) {
             float acc = 0.0f;
             for (int64_t g = 0; g < G; ++g) {
-                int32_t dot = 0;
+                int32_t dot = xq.corr[row * G + g];
                 for (int j = 0; j < kBlock; ++j) {
                     dot += static_cast<int32_t>(kFp4x2Plus12[code_at(codes, g, nn, j)]) * xq.q[row * K + g * kBlock + j];
                 }
-                const float c = half_scale(sc[g * kGroup + nn]) * xq.d[row * G + g];
-                acc = std::fma(static_cast<float>(dot - xq.corr[row * G + g]), c, acc);
+                const float c = scale_of(sc[g * kGroup + nn]) * xq.d[row * G + g];
+                acc = std::fma(static_cast<float>(dot), c, acc);
             }
-            y[row * N + n0 + nn] = acc;
+            y[row * N + n0 + nn] = 0.5f * acc;
         }
     }
 }
 
-// E8M0 exponents s of 16 outputs -> 2^(s - 128) as floats: exponent bits (s - 1) << 23 for s >= 2; s = 0 and 1
-// give float32 subnormals (2^-128, 2^-127), made from the table.
-__attribute__((target("avx512f,avx512bw,avx512vnni,avx512vbmi"), always_inline)) inline __m512 half_scales(const uint8_t* s8) {
+// E8M0 exponents s of 16 outputs -> 2^(s - 127) as floats: exponent bits s << 23, and for s = 0 the subnormal
+// 2^-127 (bits 1 << 22), which is also the smallest of the two, so one unsigned max makes both, with no branch.
+__attribute__((target("avx512f,avx512bw,avx512vnni,avx512vbmi"), always_inline)) inline __m512 scales_of(const uint8_t* s8) {
     const __m512i s = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s8)));
-    __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_sub_epi32(s, _mm512_set1_epi32(1)), 23));
-    const __mmask16 tiny = _mm512_cmplt_epu32_mask(s, _mm512_set1_epi32(2));
-    if (tiny) {
-        alignas(64) float f[16];
-        _mm512_store_ps(f, v);
-        for (int i = 0; i < 16; ++i)
-            if ((tiny >> i) & 1) f[i] = half_scale(s8[i]);
-        v = _mm512_load_ps(f);
-    }
-    return v;
+    return _mm512_castsi512_ps(_mm512_max_epu32(_mm512_slli_epi32(s, 23), _mm512_set1_epi32(1 << 22)));
 }
 
 template <int R>
 __attribute__((target("avx512f,avx512bw,avx512vnni,avx512vbmi"))) void group_vnni(const uint8_t* codes, const uint8_t* sc,
-                                                                         int64_t G, const int8_t* const* q,
-                                                                         const float* const* d,
-                                                                         const int32_t* const* corr, float* const* out,
-                                                                         __mmask16 store) {
+                                                                         int64_t G, const int8_t* const* q_in,
+                                                                         const float* const* d_in,
+                                                                         const int32_t* const* corr_in,
+                                                                         float* const* out, __mmask16 store) {
     // vpermb reads the low 6 bits of each index byte: a 64-entry table of the 16 values four times over decodes a
     // byte's low nibble without masking it, and its high nibble after one 16-bit shift (whatever lands in bits 4-5).
     const __m512i lut = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kFp4x2Plus12)));
+    // The loop holds only registers and loads: no call, no store (a spilled accumulator put a store-to-load
+    // round trip on every block's chain).
+    const int8_t* q[R];
+    const float* d[R];
+    const int32_t* corr[R];
     __m512 facc[R];
-    for (int i = 0; i < R; ++i) facc[i] = _mm512_setzero_ps();
-    // Independent integer sums per row (C chains, the pairs r spread over them): one row per expert is the common
-    // case at decode batch 8, and a single chain of 8 vpdpbusd a block waited on each one's latency.
-    constexpr int C = R == 1 ? 4 : (R <= 4 ? 2 : 1);
+    for (int i = 0; i < R; ++i) {
+        q[i] = q_in[i], d[i] = d_in[i], corr[i] = corr_in[i];
+        facc[i] = _mm512_setzero_ps();
+    }
+    // Integer chains per row: blocks are independent (each starts from its correction), so out-of-order execution
+    // overlaps them; measured at gpt-oss shapes, one chain per row beat 2 and 4 at one row and tied at more.
     for (int64_t g = 0; g < G; ++g) {
-        _mm_prefetch(reinterpret_cast<const char*>(codes + g * 256 + kPrefetchBytes), _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(codes + g * 256 + kPrefetchBytes + 128), _MM_HINT_T0);
-        __m512i acc[R][C];
-        for (int i = 0; i < R; ++i)
-            for (int c = 0; c < C; ++c) acc[i][c] = _mm512_setzero_si512();
+        for (int line = 0; line < 4; ++line) {
+            _mm_prefetch(reinterpret_cast<const char*>(codes + g * 256 + kPrefetchBytes + 64 * line), _MM_HINT_T1);
+        }
+        __m512i acc[R];
+        for (int i = 0; i < R; ++i) acc[i] = _mm512_set1_epi32(corr[i][g]);
         for (int r = 0; r < 4; ++r) {
             const __m512i v = _mm512_loadu_si512(codes + (g * 4 + r) * 64);
             const __m512i wl = _mm512_permutexvar_epi8(v, lut);
             const __m512i wh = _mm512_permutexvar_epi8(_mm512_srli_epi16(v, 4), lut);
-            const int cl = (2 * r) % C, ch = (2 * r + 1) % C;
             for (int i = 0; i < R; ++i) {
                 const int8_t* xr = q[i] + g * kBlock + 8 * r;
                 int32_t x0, x1;
                 __builtin_memcpy(&x0, xr, 4);
                 __builtin_memcpy(&x1, xr + 4, 4);
-                acc[i][cl] = _mm512_dpbusd_epi32(acc[i][cl], wl, _mm512_set1_epi32(x0));
-                acc[i][ch] = _mm512_dpbusd_epi32(acc[i][ch], wh, _mm512_set1_epi32(x1));
+                acc[i] = _mm512_dpbusd_epi32(acc[i], wl, _mm512_set1_epi32(x0));
+                acc[i] = _mm512_dpbusd_epi32(acc[i], wh, _mm512_set1_epi32(x1));
             }
         }
-        const __m512 ws = half_scales(sc + g * kGroup);
+        const __m512 ws = scales_of(sc + g * kGroup);
         for (int i = 0; i < R; ++i) {
-            __m512i sum = acc[i][0];
-            for (int c = 1; c < C; ++c) sum = _mm512_add_epi32(sum, acc[i][c]);
             const __m512 c = _mm512_mul_ps(ws, _mm512_set1_ps(d[i][g]));
-            const __m512 t = _mm512_cvtepi32_ps(_mm512_sub_epi32(sum, _mm512_set1_epi32(corr[i][g])));
-            facc[i] = _mm512_fmadd_ps(t, c, facc[i]);
+            facc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[i]), c, facc[i]);
         }
     }
-    for (int i = 0; i < R; ++i) _mm512_mask_storeu_ps(out[i], store, facc[i]);
+    for (int i = 0; i < R; ++i) _mm512_mask_storeu_ps(out[i], store, _mm512_mul_ps(facc[i], _mm512_set1_ps(0.5f)));
 }
 
 struct Job {
