@@ -377,6 +377,39 @@ def test_q8_op_matches_its_reference(vnni, e, n, k, rows, q8_vnni):
     np.testing.assert_array_equal(sc.transpose(0, 1, 3, 2).reshape(e, t * 16, g)[:, :n], scales)
 
 
+@pytest.mark.parametrize("vnni", [0, 1])
+@pytest.mark.parametrize("e,n,k,rows,activation", [(4, 96, 64, 3, 1), (8, 40, 288, 13, 1), (3, 70, 32, 20, 0),
+                                                    (9, 5760 // 64, 320, 45, 1)])
+def test_q8_epilogue_matches_its_reference(vnni, e, n, k, rows, activation, q8_vnni):
+    """The fused epilogue: each row's expert bias added and, with activation 1, gpt-oss's clamped SwiGLU over the
+    interleaved gate/up columns (N/2 outputs), against the reference applied to the reference's sums; gate and up
+    values on both sides of the clamp limits (scales chosen so that sums reach past +-limit)."""
+    if not q8_vnni(vnni):
+        pytest.skip("this CPU has no AVX-512 VNNI")
+    from llmc.plugins.mxfp4 import single_op_model_q8
+
+    rng = np.random.default_rng([e, n, k, rows, activation, vnni, 7])
+    blocks = rng.integers(0, 256, (e, n, k // 32, 16), dtype=np.uint8)
+    scales = rng.integers(124, 128, (e, n, k // 32)).astype(np.uint8)
+    bias = rng.standard_normal((e, n)).astype(np.float32) * 4
+    x = rng.standard_normal((rows, 1, k)).astype(np.float32)
+    ids = rng.integers(0, e, rows).astype(np.int64)
+    codes, sc = reference.repack_q8(blocks, scales)
+    sums = reference.mxfp4_moe_matmul_q8(x, ids, blocks, scales, bias=bias)
+    assert (sums > 7).any() and (sums < -7).any() and (np.abs(sums) < 7).any()
+    want = reference.mxfp4_moe_matmul_q8(x, ids, blocks, scales, bias=bias, activation=activation, alpha=1.702,
+                                         limit=7.0)
+    model = single_op_model_q8(codes, sc, n, bias=bias, activation=activation, alpha=1.702, limit=7.0)
+    got = native_session(model, threads=2).run(None, {"X": x, "ids": ids})[0]
+    assert got.shape == (rows, 1, n // 2 if activation else n)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5 * np.abs(want).max())
+    if activation:  # the same as the graph's nodes applied to the unfused op's output
+        plain = native_session(single_op_model_q8(codes, sc, n), threads=2).run(None, {"X": x, "ids": ids})[0]
+        plain = plain[:, 0] + bias[ids]
+        np.testing.assert_allclose(got[:, 0], reference.swiglu_oai(plain[:, 0::2], plain[:, 1::2]), rtol=1e-5,
+                                   atol=1e-6 * np.abs(want).max())
+
+
 def test_q8_engine_is_close_to_the_exact_one(fixture_dir, engine_dir, tmp_path, monkeypatch):
     """--mxfp4-activations int8: the experts run as Mxfp4MoEMatMulQ8 on the same codes (4.25 bits per weight),
     report.json says the activations are 8-bit, and the next-token distributions stay close to the exact engine's
@@ -390,8 +423,14 @@ def test_q8_engine_is_close_to_the_exact_one(fixture_dir, engine_dir, tmp_path, 
     result = build(fixture_dir, tmp_path / "q8", BuildOptions(mxfp4_activations="int8"))
     assert result.report["mxfp4"]["op"] == "llmc.Mxfp4MoEMatMulQ8" and "int8" in result.report["mxfp4"]["activations"]
     model = onnx.load(str(tmp_path / "q8" / "model.onnx"), load_external_data=False)
-    assert sum(n.op_type == "Mxfp4MoEMatMulQ8" for n in model.graph.node) == 4
+    q8_nodes = [n for n in model.graph.node if n.op_type == "Mxfp4MoEMatMulQ8"]
+    assert len(q8_nodes) == 4
     assert not any(n.op_type == "Mxfp4MoEMatMul" for n in model.graph.node)
+    # the backend folded each expert bias (4) and each gate_up's clamped SwiGLU (2) into the op's epilogue
+    assert result.report["backend_fusions"]["mxfp4-epilogue"] == 6
+    assert all(len(n.input) == 5 for n in q8_nodes)
+    assert sorted(next((a.i for a in n.attribute if a.name == "activation"), 0) for n in q8_nodes) == [0, 0, 1, 1]
+    assert not {"Sigmoid", "Clip", "Slice"} & {n.op_type for n in model.graph.node}
     exact, q8 = Engine.load(engine_dir[0]), Engine.load(tmp_path / "q8")
     kls, same = [], []
     for prompt in PROMPTS:

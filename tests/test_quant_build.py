@@ -94,7 +94,8 @@ def test_quantized_build_reports_accuracy(tmp_path, tiny_llama):
     assert "GatherBlockQuantized" in ops
     # The backend fused every layer's attention front end and MLP activation (2 layers); a float32 checkpoint has
     # no bfloat16 weights to keep.
-    assert report["backend_fusions"] == {"rotary-attention": 2, "int4-swiglu": 2, "bf16-weights": 0}
+    assert report["backend_fusions"] == {"rotary-attention": 2, "int4-swiglu": 2, "mxfp4-epilogue": 0,
+                                        "bf16-weights": 0}
     assert "RotaryPagedAttention" in ops and "QuickGelu" not in ops
     rc, text, err = _llmc("inspect", out)
     assert rc == 0 and "accuracy    perplexity" in text and "int4-awq" in text, err

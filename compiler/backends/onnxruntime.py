@@ -24,6 +24,7 @@ import onnx_ir as ir
 from llmc.compiler.backends.ort_bf16_weights import lower_bf16_weights
 from llmc.compiler.backends.ort_int4_swiglu import fuse_int4_swiglu
 from llmc.compiler.backends.ort_lora import lower_lora
+from llmc.compiler.backends.ort_mxfp4_epilogue import fuse_mxfp4_epilogue
 from llmc.compiler.backends.ort_rotary_attention import fuse_rotary_attention
 from llmc.errors import LlmcError
 from llmc.passes.base import replace_value
@@ -38,7 +39,8 @@ ATTENTION_ROUTES = ("native", "pyop")
 # What engine.custom_ops in the manifest says for each route (the runtime's names for the libraries).
 CUSTOM_OPS = {"native": "llmc_ort_ops", "pyop": "onnxruntime_extensions"}
 # The backend fusions of the native route (names as in llmc.passes.registry.BACKEND_FUSIONS).
-FUSIONS = {"rotary-attention": fuse_rotary_attention, "int4-swiglu": fuse_int4_swiglu}
+FUSIONS = {"rotary-attention": fuse_rotary_attention, "int4-swiglu": fuse_int4_swiglu,
+           "mxfp4-epilogue": fuse_mxfp4_epilogue}
 # Native-route lowerings that run last, after the LoRA lowering has matched its base MatMuls (same names).
 LATE_FUSIONS = {"bf16-weights": lower_bf16_weights}
 
@@ -123,7 +125,8 @@ def lower(model: ir.Model, attention: str = "native", fusions: frozenset[str] | 
     become ORT contrib ops. On the native route the backend fusions named in ``fusions`` (default: all
     of :data:`FUSIONS`) run first: each layer's Split + rotary + reshapes + PagedAttention becomes one
     ``llmc.RotaryPagedAttention`` (ort_rotary_attention), an INT4 gate/up matmul + Split + SwiGLU one
-    ``llmc.Int4MatMul`` with the SwiGLU epilogue (ort_int4_swiglu). Last, each float32 MatMul whose weight holds
+    ``llmc.Int4MatMul`` with the SwiGLU epilogue (ort_int4_swiglu), gpt-oss's expert bias and clamped SwiGLU
+    into ``llmc.Mxfp4MoEMatMulQ8``'s epilogue (ort_mxfp4_epilogue). Last, each float32 MatMul whose weight holds
     bfloat16 values becomes ``llmc.Bf16MatMul`` over the weight kept in bfloat16 (ort_bf16_weights; exact).
     """
     _check_route(attention)

@@ -28,18 +28,25 @@ def single_op_model(blocks, scales) -> bytes:
                                                    helper.make_opsetid("llmc", 1)]).SerializeToString()
 
 
-def single_op_model_q8(codes, scales, n: int) -> bytes:
+def single_op_model_q8(codes, scales, n: int, bias=None, activation: int = 0, alpha: float = 1.702,
+                       limit: float = 7.0) -> bytes:
     """An ONNX model of ``Mxfp4MoEMatMulQ8`` alone with the repacked ``codes`` and ``scales``
-    (reference.repack_q8) as initializers: ``Y[S, 1, N] = op(X[S, 1, K], ids[S])``."""
+    (reference.repack_q8), and the optional epilogue (``bias`` float32 [E, N], ``activation`` 1: gpt-oss's clamped
+    SwiGLU), as initializers and attributes: ``Y[S, 1, N or N/2] = op(X[S, 1, K], ids[S])``."""
     from onnx import TensorProto, helper, numpy_helper
 
     g = codes.shape[2]
-    node = helper.make_node(Q8_OP_TYPE, ["X", "ids", "codes", "scales"], ["Y"], domain="llmc", N=n)
+    inputs, inits = ["X", "ids", "codes", "scales"], [numpy_helper.from_array(codes, "codes"),
+                                                      numpy_helper.from_array(scales, "scales")]
+    if bias is not None:
+        inputs.append("bias")
+        inits.append(numpy_helper.from_array(bias, "bias"))
+    attrs = {"activation": activation, "alpha": alpha, "limit": limit} if activation else {}
+    node = helper.make_node(Q8_OP_TYPE, inputs, ["Y"], domain="llmc", N=n, **attrs)
     graph = helper.make_graph(
         [node], "mxfp4_q8",
         [helper.make_tensor_value_info("X", TensorProto.FLOAT, ["S", 1, 32 * g]),
          helper.make_tensor_value_info("ids", TensorProto.INT64, ["S"])],
-        [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["S", 1, n])],
-        [numpy_helper.from_array(codes, "codes"), numpy_helper.from_array(scales, "scales")])
+        [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["S", 1, n // 2 if activation else n])], inits)
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18),
                                                    helper.make_opsetid("llmc", 1)]).SerializeToString()

@@ -85,14 +85,29 @@ def quantize_rows_q8(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return q.reshape(m, k), d
 
 
-def mxfp4_moe_matmul_q8(x: np.ndarray, expert_ids: np.ndarray, blocks: np.ndarray,
-                        scales: np.ndarray) -> np.ndarray:
+def mxfp4_moe_matmul_q8(x: np.ndarray, expert_ids: np.ndarray, blocks: np.ndarray, scales: np.ndarray,
+                        bias: np.ndarray | None = None, activation: int = 0, alpha: float = 1.702,
+                        limit: float = 7.0) -> np.ndarray:
     """``llmc.Mxfp4MoEMatMulQ8``'s output ``[..., N]``: the rows quantized by :func:`quantize_rows_q8`, times the
-    exact MXFP4 weights, in float64 rounded once."""
+    exact MXFP4 weights, in float64 rounded once; then the op's epilogue: ``bias [E, N]`` of each row's expert
+    added, and with ``activation`` 1 gpt-oss's clamped SwiGLU over interleaved gate/up columns (``[..., N / 2]``,
+    :func:`swiglu_oai`)."""
     k = x.shape[-1]
     q, d = quantize_rows_q8(x.reshape(-1, k))
     rows = (q.astype(np.float64).reshape(len(q), k // BLOCK, BLOCK) * d.astype(np.float64)[..., None]).reshape(-1, k)
     ids = np.asarray(expert_ids).reshape(-1)
     w = dequantize(blocks, scales).astype(np.float64)
-    out = np.einsum("mk,mnk->mn", rows, w[ids])
-    return out.astype(np.float32).reshape(*x.shape[:-1], w.shape[1])
+    out = np.einsum("mk,mnk->mn", rows, w[ids]).astype(np.float32)
+    if bias is not None:
+        out = out + bias[ids].astype(np.float32)
+    if activation:
+        out = swiglu_oai(out[:, 0::2], out[:, 1::2], alpha, limit)
+    return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+def swiglu_oai(gate: np.ndarray, up: np.ndarray, alpha: float = 1.702, limit: float = 7.0) -> np.ndarray:
+    """gpt-oss's clamped SwiGLU as transformers writes it (float64, rounded once): ``(clamp(up, -limit, limit) + 1)
+    * g * sigmoid(alpha * g)`` with ``g = min(gate, limit)``."""
+    g = np.minimum(gate.astype(np.float64), limit)
+    u = np.clip(up.astype(np.float64), -limit, limit)
+    return ((u + 1) * g / (1 + np.exp(-alpha * g))).astype(np.float32)

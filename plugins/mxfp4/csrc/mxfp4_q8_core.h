@@ -25,6 +25,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "../../csrc/exp_nonpos.h"
 #include "../../csrc/parallel_for.h"
 #include "mxfp4_core.h"
 
@@ -51,14 +52,54 @@ inline bool has_vnni() {
            __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vbmi");
 }
 
+// What is applied to each row's N sums before they are stored (the MoE glue of gpt-oss, fused so that the [M, N]
+// intermediate is never written and read back by a chain of small ONNX nodes):
+//   bias       [E, N] or nullptr: y += bias[expert];
+//   activation 1: gpt-oss's clamped SwiGLU over interleaved columns (gate = y[2i], up = y[2i + 1]):
+//              out[i] = (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = min(gate, limit); N/2 outputs.
+struct Epilogue {
+    const float* bias = nullptr;
+    int activation = 0;
+    float alpha = 1.702f, limit = 7.0f;
+};
+
 struct Problem {
     const float* x;         // [M, K]
     const int64_t* ids;     // [M], each in [0, E)
     const uint8_t* codes;   // [E, T, G, 4, 64]
     const uint8_t* scales;  // [E, T, G, 16]
-    float* y;               // [M, N]
+    float* y;               // [M, N] (activation 1: [M, N / 2])
     int64_t M, K, N, E;
+    Epilogue epi{};
 };
+
+inline int64_t out_width(const Problem& p) { return p.epi.activation ? p.N / 2 : p.N; }
+
+// gpt-oss's clamped SwiGLU on a float or a GCC vector of floats (the same bits per lane either way, up to FMA
+// contraction): sigmoid from exp of a non-positive argument, so it never overflows.
+template <typename F, typename I>
+inline __attribute__((always_inline)) F swiglu_oai(F gate, F up, float alpha, float limit) {
+    gate = gate > limit ? F{} + limit : gate;
+    up = up > limit ? F{} + limit : (up < -limit ? F{} - limit : up);
+    const F z = gate * alpha;
+    const F e = llmc::exp_nonpos_t<F, I>(z < 0.0f ? z : F{} - z);
+    const F sig = z < 0.0f ? e / (e + 1.0f) : F{} + 1.0f / (e + 1.0f);
+    return (up + 1.0f) * (gate * sig);
+}
+
+// One row's 16 (or `width`) finished sums v of output group n0 of expert e, through the epilogue into the row's
+// output (scalar; the vector path's twin is finish_vnni).
+inline void finish_scalar(const Problem& p, const float* v, int64_t width, int64_t e, int64_t n0, float* row_out) {
+    float t[kGroup];
+    for (int64_t i = 0; i < width; ++i) t[i] = v[i] + (p.epi.bias ? p.epi.bias[e * p.N + n0 + i] : 0.0f);
+    if (!p.epi.activation) {
+        for (int64_t i = 0; i < width; ++i) row_out[n0 + i] = t[i];
+        return;
+    }
+    for (int64_t i = 0; i < width / 2; ++i) {
+        row_out[n0 / 2 + i] = swiglu_oai<float, int32_t>(t[2 * i], t[2 * i + 1], p.epi.alpha, p.epi.limit);
+    }
+}
 
 // The rows quantized per 32-block: q [M, K] int8, d [M, G] float32, corr [M, G] = -12 x sum(q) over the block (each
 // block's integer sum starts from it).
@@ -105,11 +146,12 @@ inline int code_at(const uint8_t* group_codes, int64_t g, int nn, int j) {
 
 // Scalar path (CPUs without AVX-512 VNNI, and the vector path's reference): the same integer sums and the same
 // float order (one FMA per block per output, then the halving).
-inline void group_scalar(const uint8_t* codes, const uint8_t* sc, int64_t G, const QuantRows& xq, int64_t K,
-                         const int64_t* rows, int64_t m, float* y, int64_t N, int64_t n0) {
-    const int64_t width = std::min(kGroup, N - n0);
+inline void group_scalar(const Problem& p, const uint8_t* codes, const uint8_t* sc, const QuantRows& xq,
+                         const int64_t* rows, int64_t m, int64_t e, int64_t n0) {
+    const int64_t K = p.K, G = K / kBlock, width = std::min(kGroup, p.N - n0);
     for (int64_t i = 0; i < m; ++i) {
         const int64_t row = rows[i];
+        float v[kGroup];
         for (int nn = 0; nn < width; ++nn) {
             float acc = 0.0f;
             for (int64_t g = 0; g < G; ++g) {
@@ -120,8 +162,9 @@ inline void group_scalar(const uint8_t* codes, const uint8_t* sc, int64_t G, con
                 const float c = scale_of(sc[g * kGroup + nn]) * xq.d[row * G + g];
                 acc = std::fma(static_cast<float>(dot), c, acc);
             }
-            y[row * N + n0 + nn] = 0.5f * acc;
+            v[nn] = 0.5f * acc;
         }
+        finish_scalar(p, v, width, e, n0, p.y + row * out_width(p));
     }
 }
 
@@ -181,6 +224,23 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,avx512vbmi"))) void group_vnn
     for (int i = 0; i < R; ++i) _mm512_mask_storeu_ps(out[i], store, _mm512_mul_ps(facc[i], _mm512_set1_ps(0.5f)));
 }
 
+// finish_scalar's vector twin: the 16 sums of one row through the epilogue, stored with a mask.
+__attribute__((target("avx512f,avx512bw,avx512vnni,avx512vbmi"))) inline void finish_vnni(
+        const Problem& p, const float* v16, int64_t width, int64_t e, int64_t n0, float* row_out) {
+    const auto mask = static_cast<__mmask16>((1u << width) - 1u);
+    __m512 v = _mm512_maskz_loadu_ps(mask, v16);
+    if (p.epi.bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, p.epi.bias + e * p.N + n0));
+    if (!p.epi.activation) {
+        _mm512_mask_storeu_ps(row_out + n0, mask, v);
+        return;
+    }
+    typedef int32_t v16si __attribute__((vector_size(64)));
+    const __m512 gate = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 0, 2, 4, 6, 8, 10, 12, 14), v);
+    const __m512 up = _mm512_permutexvar_ps(_mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 1, 3, 5, 7, 9, 11, 13, 15), v);
+    const __m512 r = swiglu_oai<__m512, v16si>(gate, up, p.epi.alpha, p.epi.limit);
+    _mm512_mask_storeu_ps(row_out + n0 / 2, static_cast<__mmask16>((1u << (width / 2)) - 1u), r);
+}
+
 struct Job {
     const Problem* p;
     const llmc_mx::Routing* r;  // items (expert, first output row), kItemGroups groups of 16 apart
@@ -196,7 +256,7 @@ inline void run_group(const Job& job, int64_t e, int64_t t) {
     const uint8_t* codes = p.codes + (e * T + t) * G * 256;
     const uint8_t* sc = p.scales + (e * T + t) * G * kGroup;
     if (!job.vnni) {
-        group_scalar(codes, sc, G, *job.xq, p.K, rows, m, p.y, p.N, n0);
+        group_scalar(p, codes, sc, *job.xq, rows, m, e, n0);
         return;
     }
     const int64_t width = std::min(kGroup, p.N - n0);
@@ -206,13 +266,14 @@ inline void run_group(const Job& job, int64_t e, int64_t t) {
         const int8_t* q[kMaxRows];
         const float* d[kMaxRows];
         const int32_t* corr[kMaxRows];
+        alignas(64) float sums[kMaxRows][kGroup];
         float* out[kMaxRows];
         for (int i = 0; i < rr; ++i) {
             const int64_t row = rows[i0 + i];
             q[i] = job.xq->q.data() + row * p.K;
             d[i] = job.xq->d.data() + row * G;
             corr[i] = job.xq->corr.data() + row * G;
-            out[i] = p.y + row * p.N + n0;
+            out[i] = sums[i];
         }
         switch (rr) {
             case 8: group_vnni<8>(codes, sc, G, q, d, corr, out, store); break;
@@ -224,6 +285,7 @@ inline void run_group(const Job& job, int64_t e, int64_t t) {
             case 2: group_vnni<2>(codes, sc, G, q, d, corr, out, store); break;
             default: group_vnni<1>(codes, sc, G, q, d, corr, out, store); break;
         }
+        for (int i = 0; i < rr; ++i) finish_vnni(p, sums[i], width, e, n0, p.y + rows[i0 + i] * out_width(p));
     }
 }
 

@@ -70,24 +70,38 @@ const OrtCustomOpV13 g_mxfp4_op = make_op(mxfp4_name, mxfp4_input_type, mxfp4_in
                                           compute_mxfp4, destroy_mxfp4_kernel);
 
 // Mxfp4MoEMatMulQ8(X float [..., K], expert_ids int64 (M values), codes uint8 [E, T, K/32, 4, 64],
-//                  scales uint8 [E, T, K/32, 16]) -> float [..., N], attribute N (T = ceil(N / 16)): the rows
-// quantized to 8 bits per 32-block (mxfp4_q8_core.h; opt-in, not exact).
+//                  scales uint8 [E, T, K/32, 16], optional bias float [E, N]) -> float [..., N] (activation 1:
+// [..., N / 2]), attributes N (T = ceil(N / 16)), activation (0 none, 1 gpt-oss's clamped SwiGLU over interleaved
+// gate/up columns), alpha, limit: the rows quantized to 8 bits per 32-block (mxfp4_q8_core.h; opt-in, not exact).
 
 #include "../../mxfp4/csrc/mxfp4_q8_core.h"
 
 std::atomic<int> g_mxfp4_q8_vnni{llmc_mxq::has_vnni() ? 1 : 0};
 std::atomic<int64_t> g_mxfp4_q8_calls{0};
 
+struct Mxfp4Q8Kernel {
+    int64_t N = 0;
+    llmc_mxq::Epilogue epi{};
+};
+
 void* create_mxfp4_q8_kernel(const OrtCustomOpV13*, const OrtApi*, const OrtKernelInfo* info) {
-    const int64_t n = int_attr(info, "N", true, 0);
-    if (n <= 0) throw Error("attribute N must be positive, got " + std::to_string(n));
-    return new int64_t(n);
+    Mxfp4Q8Kernel k;
+    k.N = int_attr(info, "N", true, 0);
+    if (k.N <= 0) throw Error("attribute N must be positive, got " + std::to_string(k.N));
+    const int64_t act = int_attr(info, "activation", false, 0);
+    if (act != 0 && act != 1) throw Error("attribute activation must be 0 or 1, got " + std::to_string(act));
+    if (act == 1 && k.N % 2) throw Error("activation 1 needs an even N (gate/up pairs), got " + std::to_string(k.N));
+    k.epi.activation = static_cast<int>(act);
+    k.epi.alpha = float_attr(info, "alpha", 1.702f);
+    k.epi.limit = float_attr(info, "limit", 7.0f);
+    return new Mxfp4Q8Kernel(k);
 }
 
-void destroy_mxfp4_q8_kernel(void* kernel) { delete static_cast<int64_t*>(kernel); }
+void destroy_mxfp4_q8_kernel(void* kernel) { delete static_cast<Mxfp4Q8Kernel*>(kernel); }
 
 void compute_mxfp4_q8(void* kernel, OrtKernelContext* ctx) {
-    const int64_t N = *static_cast<const int64_t*>(kernel);
+    const Mxfp4Q8Kernel& k = *static_cast<const Mxfp4Q8Kernel*>(kernel);
+    const int64_t N = k.N;
     const Tensor x = input(ctx, 0, "X"), ids = input(ctx, 1, "expert_ids"), codes = input(ctx, 2, "codes"),
                  scales = input(ctx, 3, "scales");
     require_rank(codes, 5, "codes");
@@ -98,20 +112,30 @@ void compute_mxfp4_q8(void* kernel, OrtKernelContext* ctx) {
                     dims_str(codes.dims));
     }
     require_shape(scales, {E, T, G, llmc_mxq::kGroup}, "scales");
+    const Tensor bias = input(ctx, 4, "bias", true);
+    if (bias.data != nullptr) require_shape(bias, {E, N}, "bias");
     const int64_t K = G * llmc_mxq::kBlock;
     const int64_t M = routed_rows(x, ids, K, E, "codes");
     const auto* id = static_cast<const int64_t*>(ids.data);
     std::vector<int64_t> out_dims(x.dims);
-    out_dims.back() = N;
+    out_dims.back() = k.epi.activation ? N / 2 : N;
+    llmc_mxq::Epilogue epi = k.epi;
+    epi.bias = static_cast<const float*>(bias.data);
     llmc_mxq::Problem p{static_cast<const float*>(x.data), id, static_cast<const uint8_t*>(codes.data),
                         static_cast<const uint8_t*>(scales.data), output(ctx, out_dims.data(), out_dims.size()),
-                        M, K, N, E};
+                        M, K, N, E, epi};
     const bool vnni = g_mxfp4_q8_vnni.load() != 0;
     with_threads(ctx, [&](int threads, const llmc::ParallelFor* pf) { llmc_mxq::run(p, vnni, threads, pf); });
     g_mxfp4_q8_calls.fetch_add(1, std::memory_order_relaxed);
 }
 
 const char* mxfp4_q8_name(const OrtCustomOpV13*) { return "Mxfp4MoEMatMulQ8"; }
+int32_t mxfp4_q8_input_type(const OrtCustomOpV13*, size_t i) {
+    return i == 0 || i == 4 ? kOrtFloat : (i == 1 ? kOrtInt64 : kOrtUint8);
+}
+size_t mxfp4_q8_input_count(const OrtCustomOpV13*) { return 5; }
+int32_t mxfp4_q8_input_characteristic(const OrtCustomOpV13*, size_t i) { return i == 4 ? 1 : 0; }
 
-const OrtCustomOpV13 g_mxfp4_q8_op = make_op(mxfp4_q8_name, mxfp4_input_type, mxfp4_input_count,
-                                             create_mxfp4_q8_kernel, compute_mxfp4_q8, destroy_mxfp4_q8_kernel);
+const OrtCustomOpV13 g_mxfp4_q8_op = make_op(mxfp4_q8_name, mxfp4_q8_input_type, mxfp4_q8_input_count,
+                                             create_mxfp4_q8_kernel, compute_mxfp4_q8, destroy_mxfp4_q8_kernel,
+                                             mxfp4_q8_input_characteristic);
