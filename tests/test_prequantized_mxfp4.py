@@ -410,6 +410,56 @@ def test_q8_epilogue_matches_its_reference(vnni, e, n, k, rows, activation, q8_v
                                    atol=1e-6 * np.abs(want).max())
 
 
+@pytest.mark.parametrize("vnni", [0, 1])
+@pytest.mark.parametrize("x_share,combine,bias", [(4, 1, False), (1, 4, True), (4, 4, True), (2, 2, False)])
+def test_q8_top_k_repeat_and_combine_match_the_reference(vnni, x_share, combine, bias, q8_vnni):
+    """The fused top-k routing around the op: ``x_share`` k (each X row serves k routed rows, quantized once) and
+    ``combine`` k (the k routed results of a token summed with their routing weights), against the reference, and
+    against the unfused op with the repeat and the weighted sum done in numpy."""
+    if not q8_vnni(vnni):
+        pytest.skip("this CPU has no AVX-512 VNNI")
+    from llmc.plugins.mxfp4 import single_op_model_q8
+
+    e, n, k, tokens, topk = 6, 40, 96, 5, 4
+    rng = np.random.default_rng([x_share, combine, bias, vnni])
+    blocks = rng.integers(0, 256, (e, n, k // 32, 16), dtype=np.uint8)
+    scales = rng.integers(118, 122, (e, n, k // 32)).astype(np.uint8)
+    b = rng.standard_normal((e, n)).astype(np.float32) if bias else None
+    rows = tokens * topk
+    x = rng.standard_normal((rows // x_share, 1, k)).astype(np.float32)
+    ids = rng.integers(0, e, rows).astype(np.int64)
+    w = rng.random(rows).astype(np.float32)
+    codes, sc = reference.repack_q8(blocks, scales)
+    feeds = {"X": x, "ids": ids, **({"weights": w} if combine > 1 else {})}
+    model = single_op_model_q8(codes, sc, n, bias=b, x_share=x_share, combine=combine)
+    got = native_session(model, threads=2).run(None, feeds)[0]
+    want = reference.mxfp4_moe_matmul_q8(x, ids, blocks, scales, bias=b, x_share=x_share, combine=combine,
+                                         weights=w)
+    assert got.shape == want.shape == (rows // combine, 1, n)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5 * np.abs(want).max())
+    plain = native_session(single_op_model_q8(codes, sc, n, bias=b), threads=2)
+    unfused = plain.run(None, {"X": np.repeat(x, x_share, axis=0), "ids": ids})[0][:, 0]
+    unfused = (unfused.reshape(-1, combine, n) * w.reshape(-1, combine, 1)).sum(1) if combine > 1 else unfused
+    np.testing.assert_allclose(got[:, 0], unfused, rtol=1e-5, atol=1e-6 * np.abs(want).max())
+
+
+def test_q8_routing_attributes_are_checked():
+    """Bad fused-routing inputs fail in one line naming the input, not with a crash."""
+    from onnxruntime.capi.onnxruntime_pybind11_state import RuntimeException
+
+    from llmc.plugins.mxfp4 import single_op_model_q8
+
+    rng = np.random.default_rng(3)
+    blocks = rng.integers(0, 256, (2, 16, 1, 16), dtype=np.uint8)
+    codes, sc = reference.repack_q8(blocks, np.full((2, 16, 1), 120, np.uint8))
+    x = rng.standard_normal((2, 1, 32)).astype(np.float32)
+    sess = native_session(single_op_model_q8(codes, sc, 16, x_share=2, combine=2), threads=1)
+    with pytest.raises(RuntimeException, match="times x_share"):
+        sess.run(None, {"X": x, "ids": np.zeros(3, np.int64), "weights": np.ones(3, np.float32)})
+    with pytest.raises(RuntimeException, match="weights holding one float per routed row"):
+        sess.run(None, {"X": x, "ids": np.zeros(4, np.int64), "weights": np.ones(3, np.float32)})
+
+
 def test_q8_engine_is_close_to_the_exact_one(fixture_dir, engine_dir, tmp_path, monkeypatch):
     """--mxfp4-activations int8: the experts run as Mxfp4MoEMatMulQ8 on the same codes (4.25 bits per weight),
     report.json says the activations are 8-bit, and the next-token distributions stay close to the exact engine's
@@ -426,11 +476,17 @@ def test_q8_engine_is_close_to_the_exact_one(fixture_dir, engine_dir, tmp_path, 
     q8_nodes = [n for n in model.graph.node if n.op_type == "Mxfp4MoEMatMulQ8"]
     assert len(q8_nodes) == 4
     assert not any(n.op_type == "Mxfp4MoEMatMul" for n in model.graph.node)
-    # the backend folded each expert bias (4) and each gate_up's clamped SwiGLU (2) into the op's epilogue
-    assert result.report["backend_fusions"]["mxfp4-epilogue"] == 6
-    assert all(len(n.input) == 5 for n in q8_nodes)
-    assert sorted(next((a.i for a in n.attribute if a.name == "activation"), 0) for n in q8_nodes) == [0, 0, 1, 1]
-    assert not {"Sigmoid", "Clip", "Slice"} & {n.op_type for n in model.graph.node}
+    # the backend folded into the ops each expert bias (4), each gate_up's clamped SwiGLU and top-k repeat of its
+    # rows (2 + 2) and each down's weighted top-k sum (2)
+    assert result.report["backend_fusions"]["mxfp4-epilogue"] == 10
+
+    def attr(node, name):
+        return next((a.i for a in node.attribute if a.name == name), 0)
+
+    topk = json.loads((fixture_dir / "config.json").read_text())["num_experts_per_tok"]
+    assert sorted((attr(n, "activation"), attr(n, "x_share"), attr(n, "combine"), len(n.input)) for n in q8_nodes) \
+        == [(0, 0, topk, 6)] * 2 + [(1, topk, 0, 5)] * 2
+    assert not {"Sigmoid", "Clip", "Slice", "Expand", "ReduceSum"} & {n.op_type for n in model.graph.node}
     exact, q8 = Engine.load(engine_dir[0]), Engine.load(tmp_path / "q8")
     kls, same = [], []
     for prompt in PROMPTS:

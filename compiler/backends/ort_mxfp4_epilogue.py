@@ -1,12 +1,14 @@
 """ONNX Runtime backend fusion: gpt-oss's expert glue into ``llmc.Mxfp4MoEMatMulQ8``'s epilogue.
 
-transformers' gpt-oss experts trace, after each routed matmul (passes/mxfp4_experts), to a chain of small nodes
-over the ``[rows, N]`` result: the expert bias (``GatherND(bias, ids)`` + ``Add``) and, after gate_up, the clamped
-SwiGLU over interleaved columns (two strided ``Slice``s, two ``Clip``s, ``Mul`` by alpha, ``Sigmoid``, ``Mul``,
-``Add`` 1, ``Mul``). At decode batch 8 those ran ~5 ms of a ~57 ms step (a strided Slice alone ~0.25 ms), each
-writing and reading back a tensor the kernel held in registers. The op applies both in its epilogue instead
-(``bias`` input, ``activation=1`` with ``alpha`` and ``limit``), with the same formulas (plugins/mxfp4/reference
-``swiglu_oai``; sigmoid from llmc's exp, within float rounding of ORT's).
+transformers' gpt-oss experts trace, around each routed matmul (passes/mxfp4_experts), to chains of small nodes
+over ``[rows, N]`` tensors: the expert bias (``GatherND(bias, ids)`` + ``Add``), after gate_up the clamped SwiGLU
+over interleaved columns (two strided ``Slice``s, two ``Clip``s, ``Mul`` by alpha, ``Sigmoid``, ``Mul``, ``Add`` 1,
+``Mul``), before it each token's row repeated for its k experts (``Expand`` + ``Reshape``), and after down the
+routing-weighted sum of a token's k results (``Mul`` + ``Reshape`` + ``ReduceSum``). At decode batch 8 those ran
+~6 ms of a ~57 ms step (a strided Slice alone ~0.25 ms), each writing and reading back a tensor the kernel held in
+registers. The op does them instead (``bias`` input, ``activation=1`` with ``alpha`` and ``limit``, ``x_share`` and
+``combine`` with a ``weights`` input), with the same formulas (plugins/mxfp4/reference; sigmoid from llmc's exp,
+within float rounding of ORT's).
 
 Only the opt-in 8-bit kernel has the epilogue; the exact ``Mxfp4MoEMatMul`` keeps the graph's nodes.
 """
@@ -62,12 +64,16 @@ def _other(node: ir.Node, value: ir.Value) -> ir.Value | None:
     return b if a is value else (a if b is value else None)
 
 
-def _replace_op(graph: ir.Graph, old: ir.Node, inputs: list[ir.Value], attributes: dict, before: ir.Node,
-                result: ir.Value) -> None:
-    """A new op node with ``inputs`` and ``attributes`` (plus ``old``'s), squeezed to ``[S, N']``, takes the place
-    of ``result``."""
+def _replace_op(graph: ir.Graph, old: ir.Node, inputs: list[ir.Value | None], attributes: dict, before: ir.Node,
+                result: ir.Value, squeeze: bool = True) -> None:
+    """A new op node with ``inputs`` and ``attributes`` (plus ``old``'s), squeezed to ``[S, N']`` unless
+    ``squeeze`` is False, takes the place of ``result``."""
     new = ir.node(Q8_OP_TYPE, inputs, attributes={**{k: a.value for k, a in old.attributes.items()}, **attributes},
                   domain=DOMAIN)
+    if not squeeze:
+        graph.insert_before(before, [new])
+        replace_value(result, new.outputs[0])
+        return
     axes = graph.initializers.get(_AXES)
     if axes is None:
         axes = ir.Value(name=_AXES, shape=ir.Shape([1]), type=ir.TensorType(ir.DataType.INT64))
@@ -174,12 +180,69 @@ def _fuse_swiglu(graph: ir.Graph, op: ir.Node) -> bool:
     return True
 
 
+def _fuse_x_share(graph: ir.Graph, op: ir.Node) -> bool:
+    """X = ``Unsqueeze(Reshape(Expand(Unsqueeze(v, 1), [1, k, 1]), [-1, K]), 1)`` (each token's row repeated for its
+    k experts) -> X = ``Unsqueeze(v, 1)`` with ``x_share=k``."""
+    if op.attributes.get_int("x_share", 1) != 1:
+        return False
+    unsq = op.inputs[0].producer()
+    if not _std(unsq, "Unsqueeze") or _ints(unsq.inputs[1]) != [1]:
+        return False
+    reshape = unsq.inputs[0].producer()
+    if not _std(reshape, "Reshape") or _ints(reshape.inputs[1]) is None or len(_ints(reshape.inputs[1])) != 2:
+        return False
+    expand = reshape.inputs[0].producer()
+    shape = _ints(expand.inputs[1]) if _std(expand, "Expand") else None
+    if shape is None or len(shape) != 3 or shape[0] != 1 or shape[2] != 1 or shape[1] < 2:
+        return False
+    token_rows = expand.inputs[0]
+    inner = token_rows.producer()
+    if not _std(inner, "Unsqueeze") or _ints(inner.inputs[1]) != [1]:
+        return False
+    width = op.inputs[0].shape[-1] if op.inputs[0].shape is not None else None
+    rows = token_rows.shape
+    if rows is None or len(rows) != 3 or rows[1] != 1 or rows[2] != width:
+        return False
+    _replace_op(graph, op, [token_rows, *op.inputs[1:]], {"x_share": shape[1]}, op, op.outputs[0], squeeze=False)
+    return True
+
+
+def _fuse_combine(graph: ir.Graph, op: ir.Node) -> bool:
+    """``ReduceSum(Reshape(Squeeze(op) * Unsqueeze(w, -1), [-1, k, N]), [1])`` (each token's k expert outputs
+    weighted and summed) -> ``Squeeze(op(..., w, combine=k))``."""
+    if op.attributes.get_int("combine", 1) != 1 or op.attributes.get_int("activation", 0) != 0:
+        return False
+    squeeze = _squeezed(op)
+    if squeeze is None:
+        return False
+    n = op.attributes.get_int("N")
+    value = _through_reshapes(squeeze.outputs[0])
+    mul = _only_use(value)
+    if not _std(mul, "Mul"):
+        return False
+    weights = _other(mul, value)
+    if weights is None or weights.shape is None or len(weights.shape) != 2 or weights.shape[1] != 1:
+        return False
+    reshape = _only_use(mul.outputs[0])
+    shape = _ints(reshape.inputs[1]) if _std(reshape, "Reshape") else None
+    if shape is None or len(shape) != 3 or shape[0] != -1 or shape[2] != n or shape[1] < 2:
+        return False
+    total = _only_use(reshape.outputs[0])
+    if (not _std(total, "ReduceSum") or len(total.inputs) < 2 or _ints(total.inputs[1]) != [1]
+            or total.attributes.get_int("keepdims", 1) != 0):
+        return False
+    inputs = list(op.inputs) + [None] * (5 - len(op.inputs)) + [weights]
+    _replace_op(graph, op, inputs, {"combine": shape[1]}, total, total.outputs[0])
+    return True
+
+
 def fuse_mxfp4_epilogue(model: ir.Model) -> int:
-    """Fold each Q8 expert matmul's bias, then gate_up's clamped SwiGLU, into the op; returns how many of the two
-    were folded. Unused nodes and initializers are removed."""
+    """Fold each Q8 expert matmul's bias, gate_up's clamped SwiGLU, the top-k repeat of its input rows and the
+    down matmul's weighted top-k sum into the op; returns how many of those were folded. Unused nodes and
+    initializers are removed."""
     graph = model.graph
     count = 0
-    for fuse in (_fuse_bias, _fuse_swiglu):
+    for fuse in (_fuse_bias, _fuse_swiglu, _fuse_x_share, _fuse_combine):
         for node in list(graph):
             if node.op_type == Q8_OP_TYPE and node.domain == DOMAIN and node.graph is graph and fuse(graph, node):
                 RemoveUnusedNodesPass()(model)  # the replaced op and its chain, before the next match

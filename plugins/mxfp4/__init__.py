@@ -29,10 +29,11 @@ def single_op_model(blocks, scales) -> bytes:
 
 
 def single_op_model_q8(codes, scales, n: int, bias=None, activation: int = 0, alpha: float = 1.702,
-                       limit: float = 7.0) -> bytes:
+                       limit: float = 7.0, x_share: int = 1, combine: int = 1) -> bytes:
     """An ONNX model of ``Mxfp4MoEMatMulQ8`` alone with the repacked ``codes`` and ``scales``
     (reference.repack_q8), and the optional epilogue (``bias`` float32 [E, N], ``activation`` 1: gpt-oss's clamped
-    SwiGLU), as initializers and attributes: ``Y[S, 1, N or N/2] = op(X[S, 1, K], ids[S])``."""
+    SwiGLU; ``x_share`` / ``combine``: the top-k repeat and weighted sum, then a graph input ``weights [S]``) as
+    initializers and attributes: ``Y[S / combine, 1, N or N/2] = op(X[S / x_share, 1, K], ids[S])``."""
     from onnx import TensorProto, helper, numpy_helper
 
     g = codes.shape[2]
@@ -42,11 +43,15 @@ def single_op_model_q8(codes, scales, n: int, bias=None, activation: int = 0, al
         inputs.append("bias")
         inits.append(numpy_helper.from_array(bias, "bias"))
     attrs = {"activation": activation, "alpha": alpha, "limit": limit} if activation else {}
+    attrs.update({"x_share": x_share} if x_share > 1 else {}, **({"combine": combine} if combine > 1 else {}))
+    graph_inputs = [helper.make_tensor_value_info("X", TensorProto.FLOAT, ["R", 1, 32 * g]),
+                    helper.make_tensor_value_info("ids", TensorProto.INT64, ["S"])]
+    if combine > 1:
+        inputs += [""] * (bias is None) + ["weights"]
+        graph_inputs.append(helper.make_tensor_value_info("weights", TensorProto.FLOAT, ["S"]))
     node = helper.make_node(Q8_OP_TYPE, inputs, ["Y"], domain="llmc", N=n, **attrs)
     graph = helper.make_graph(
-        [node], "mxfp4_q8",
-        [helper.make_tensor_value_info("X", TensorProto.FLOAT, ["S", 1, 32 * g]),
-         helper.make_tensor_value_info("ids", TensorProto.INT64, ["S"])],
-        [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["S", 1, n // 2 if activation else n])], inits)
+        [node], "mxfp4_q8", graph_inputs,
+        [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["T", 1, n // 2 if activation else n])], inits)
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18),
                                                    helper.make_opsetid("llmc", 1)]).SerializeToString()

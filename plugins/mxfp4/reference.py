@@ -87,14 +87,17 @@ def quantize_rows_q8(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 def mxfp4_moe_matmul_q8(x: np.ndarray, expert_ids: np.ndarray, blocks: np.ndarray, scales: np.ndarray,
                         bias: np.ndarray | None = None, activation: int = 0, alpha: float = 1.702,
-                        limit: float = 7.0) -> np.ndarray:
+                        limit: float = 7.0, x_share: int = 1, combine: int = 1,
+                        weights: np.ndarray | None = None) -> np.ndarray:
     """``llmc.Mxfp4MoEMatMulQ8``'s output ``[..., N]``: the rows quantized by :func:`quantize_rows_q8`, times the
     exact MXFP4 weights, in float64 rounded once; then the op's epilogue: ``bias [E, N]`` of each row's expert
     added, and with ``activation`` 1 gpt-oss's clamped SwiGLU over interleaved gate/up columns (``[..., N / 2]``,
-    :func:`swiglu_oai`)."""
+    :func:`swiglu_oai`). ``x_share`` k: X ``[R, 1, K]`` holds one row per k routed rows (row m reads X row m // k);
+    ``combine`` k: the result is ``[M / k, 1, ·]``, each row the ``weights``-weighted sum of k consecutive rows."""
     k = x.shape[-1]
     q, d = quantize_rows_q8(x.reshape(-1, k))
     rows = (q.astype(np.float64).reshape(len(q), k // BLOCK, BLOCK) * d.astype(np.float64)[..., None]).reshape(-1, k)
+    rows = np.repeat(rows, x_share, axis=0)
     ids = np.asarray(expert_ids).reshape(-1)
     w = dequantize(blocks, scales).astype(np.float64)
     out = np.einsum("mk,mnk->mn", rows, w[ids]).astype(np.float32)
@@ -102,6 +105,11 @@ def mxfp4_moe_matmul_q8(x: np.ndarray, expert_ids: np.ndarray, blocks: np.ndarra
         out = out + bias[ids].astype(np.float32)
     if activation:
         out = swiglu_oai(out[:, 0::2], out[:, 1::2], alpha, limit)
+    if combine > 1:
+        w = np.asarray(weights, dtype=np.float32).reshape(-1, combine, 1)
+        out = (out.reshape(-1, combine, out.shape[-1]) * w).sum(axis=1, dtype=np.float32)
+    if x_share > 1 or combine > 1:
+        return out[:, None, :]
     return out.reshape(*x.shape[:-1], out.shape[-1])
 
 

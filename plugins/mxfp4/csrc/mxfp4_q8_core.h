@@ -34,9 +34,10 @@ namespace llmc_mxq {
 constexpr int64_t kBlock = 32;
 constexpr int64_t kGroup = 16;    // output rows per vector
 constexpr int kMaxRows = 8;       // token rows per pass over an output group's codes
-// Output groups per work item (128 outputs, ~180 KB of codes at K = 2880): items of one group left each thread
-// reading 23 KB pieces scattered over an expert, and batch-1 calls ran slower than the exact kernel's.
-constexpr int64_t kItemGroups = 8;
+// Output groups per work item (256 outputs, ~370 KB of codes at K = 2880): items of one group left each thread
+// reading 23 KB pieces scattered over an expert, and batch-1 calls ran slower than the exact kernel's; 16 groups
+// came 2-3% closer than 8 to a plain read of the same bytes (kernel / read 1.17 vs 1.20 at batch 8, two threads).
+constexpr int64_t kItemGroups = 16;
 // Software prefetch distance along an item's codes (32 blocks ahead), into L2 (_MM_HINT_T1). The hardware prefetcher
 // alone left the loads and the arithmetic one after the other (single-thread time = memory + compute); 8 KB ahead
 // cut one thread's time over 1 GB of codes from 63 to 55 ms, 2 KB (4x fewer blocks of lead) helped less.
@@ -63,14 +64,20 @@ struct Epilogue {
     float alpha = 1.702f, limit = 7.0f;
 };
 
+// The routing around the matmul, also fused (gpt-oss's top-k: each token's row is repeated k times into the
+// routed rows, and the k results are summed with the routing weights):
+//   x_share k: routed row m reads X row m / k (X holds M / k rows; they are quantized once, not k times);
+//   combine k: with `weights` [M], the output holds M / k rows, y[t] = sum_j weights[t k + j] * row (t k + j).
 struct Problem {
-    const float* x;         // [M, K]
+    const float* x;         // [M / x_share, K]
     const int64_t* ids;     // [M], each in [0, E)
     const uint8_t* codes;   // [E, T, G, 4, 64]
     const uint8_t* scales;  // [E, T, G, 16]
-    float* y;               // [M, N] (activation 1: [M, N / 2])
+    float* y;               // [M / combine, N] (activation 1: [.., N / 2])
     int64_t M, K, N, E;
     Epilogue epi{};
+    int64_t x_share = 1, combine = 1;
+    const float* weights = nullptr;  // [M] when combine > 1
 };
 
 inline int64_t out_width(const Problem& p) { return p.epi.activation ? p.N / 2 : p.N; }
@@ -150,16 +157,16 @@ inline void group_scalar(const Problem& p, const uint8_t* codes, const uint8_t* 
                          const int64_t* rows, int64_t m, int64_t e, int64_t n0) {
     const int64_t K = p.K, G = K / kBlock, width = std::min(kGroup, p.N - n0);
     for (int64_t i = 0; i < m; ++i) {
-        const int64_t row = rows[i];
+        const int64_t row = rows[i], xr = row / p.x_share;
         float v[kGroup];
         for (int nn = 0; nn < width; ++nn) {
             float acc = 0.0f;
             for (int64_t g = 0; g < G; ++g) {
-                int32_t dot = xq.corr[row * G + g];
+                int32_t dot = xq.corr[xr * G + g];
                 for (int j = 0; j < kBlock; ++j) {
-                    dot += static_cast<int32_t>(kFp4x2Plus12[code_at(codes, g, nn, j)]) * xq.q[row * K + g * kBlock + j];
+                    dot += static_cast<int32_t>(kFp4x2Plus12[code_at(codes, g, nn, j)]) * xq.q[xr * K + g * kBlock + j];
                 }
-                const float c = scale_of(sc[g * kGroup + nn]) * xq.d[row * G + g];
+                const float c = scale_of(sc[g * kGroup + nn]) * xq.d[xr * G + g];
                 acc = std::fma(static_cast<float>(dot), c, acc);
             }
             v[nn] = 0.5f * acc;
@@ -269,10 +276,10 @@ inline void run_group(const Job& job, int64_t e, int64_t t) {
         alignas(64) float sums[kMaxRows][kGroup];
         float* out[kMaxRows];
         for (int i = 0; i < rr; ++i) {
-            const int64_t row = rows[i0 + i];
-            q[i] = job.xq->q.data() + row * p.K;
-            d[i] = job.xq->d.data() + row * G;
-            corr[i] = job.xq->corr.data() + row * G;
+            const int64_t xr = rows[i0 + i] / p.x_share;
+            q[i] = job.xq->q.data() + xr * p.K;
+            d[i] = job.xq->d.data() + xr * G;
+            corr[i] = job.xq->corr.data() + xr * G;
             out[i] = sums[i];
         }
         switch (rr) {
@@ -296,13 +303,33 @@ inline void run_item(const Job& job, int64_t item) {
 }
 
 // `threads` > 1 spreads the (expert, output groups) items over `pf` (the caller's pool) or OpenMP threads.
+// With `combine`, the routed rows go to a scratch [M, W] first and are summed (in j order) after the parallel part:
+// items of different experts write the same token's outputs, so summing in place would race.
 inline void run(const Problem& p, bool vnni, int threads, const llmc::ParallelFor* pf) {
     const llmc_mx::Routing r = llmc_mx::group_rows(p.ids, p.M, p.E, p.N, kGroup * kItemGroups);
     QuantRows xq;
-    quantize_rows(p.x, p.M, p.K, xq);
-    const Job job{&p, &r, &xq, vnni};
+    quantize_rows(p.x, p.M / p.x_share, p.K, xq);
+    const int64_t W = out_width(p);
+    std::vector<float> routed;
+    Problem q = p;
+    if (p.combine > 1) {
+        routed.resize(static_cast<size_t>(p.M * W));
+        q.y = routed.data();
+    }
+    const Job job{&q, &r, &xq, vnni};
     const auto n = static_cast<int64_t>(r.items.size());
     llmc::parallel_items<Job, run_item>(job, n, threads, pf);
+    if (p.combine > 1) {
+        for (int64_t t = 0; t < p.M / p.combine; ++t) {
+            float* dst = p.y + t * W;
+            for (int64_t c = 0; c < W; ++c) dst[c] = 0.0f;
+            for (int64_t j = 0; j < p.combine; ++j) {
+                const float w = p.weights[t * p.combine + j];
+                const float* src = routed.data() + (t * p.combine + j) * W;
+                for (int64_t c = 0; c < W; ++c) dst[c] += w * src[c];
+            }
+        }
+    }
 }
 
 }  // namespace llmc_mxq

@@ -14,9 +14,9 @@ void* create_mxfp4_kernel(const OrtCustomOpV13*, const OrtApi*, const OrtKernelI
 
 void destroy_mxfp4_kernel(void* kernel) { delete static_cast<int*>(kernel); }
 
-// X's rows against K (named after the weight input it comes from) and expert_ids against E: the row count M, and
-// each id checked to be in [0, E).
-int64_t routed_rows(const Tensor& x, const Tensor& ids, int64_t K, int64_t E, const char* weight) {
+// X's rows against K (named after the weight input it comes from) and expert_ids against E: the routed row count M
+// (X's rows times `share`, the routed rows that read each X row), and each id checked to be in [0, E).
+int64_t routed_rows(const Tensor& x, const Tensor& ids, int64_t K, int64_t E, const char* weight, int64_t share = 1) {
     if (x.dims.empty() || x.dims.back() != K) {
         throw Error("X must have K = " + std::to_string(K) + " (" + weight +
                     "' K/32 x 32) in its last dimension, got shape " + dims_str(x.dims));
@@ -24,9 +24,10 @@ int64_t routed_rows(const Tensor& x, const Tensor& ids, int64_t K, int64_t E, co
     int64_t M = 1, I = 1;
     for (size_t i = 0; i + 1 < x.dims.size(); ++i) M *= x.dims[i];
     for (int64_t d : ids.dims) I *= d;
+    M *= share;
     if (I != M) {
-        throw Error("expert_ids must hold one expert per row of X (" + std::to_string(M) + "), got shape " +
-                    dims_str(ids.dims));
+        throw Error(std::string("expert_ids must hold one expert per row of X") + (share > 1 ? " times x_share (" : " (") +
+                    std::to_string(M) + "), got shape " + dims_str(ids.dims));
     }
     const auto* id = static_cast<const int64_t*>(ids.data);
     for (int64_t m = 0; m < M; ++m) {
@@ -70,9 +71,11 @@ const OrtCustomOpV13 g_mxfp4_op = make_op(mxfp4_name, mxfp4_input_type, mxfp4_in
                                           compute_mxfp4, destroy_mxfp4_kernel);
 
 // Mxfp4MoEMatMulQ8(X float [..., K], expert_ids int64 (M values), codes uint8 [E, T, K/32, 4, 64],
-//                  scales uint8 [E, T, K/32, 16], optional bias float [E, N]) -> float [..., N] (activation 1:
-// [..., N / 2]), attributes N (T = ceil(N / 16)), activation (0 none, 1 gpt-oss's clamped SwiGLU over interleaved
-// gate/up columns), alpha, limit: the rows quantized to 8 bits per 32-block (mxfp4_q8_core.h; opt-in, not exact).
+//                  scales uint8 [E, T, K/32, 16], optional bias float [E, N], optional weights float [M])
+//   -> float [..., N] (activation 1: [..., N / 2]; combine k: [M / k, 1, ...]),
+// attributes N (T = ceil(N / 16)), activation (0 none, 1 gpt-oss's clamped SwiGLU over interleaved gate/up
+// columns), alpha, limit, x_share and combine (the top-k repeat and weighted sum, see Problem): the rows quantized
+// to 8 bits per 32-block (mxfp4_q8_core.h; opt-in, not exact).
 
 #include "../../mxfp4/csrc/mxfp4_q8_core.h"
 
@@ -80,7 +83,7 @@ std::atomic<int> g_mxfp4_q8_vnni{llmc_mxq::has_vnni() ? 1 : 0};
 std::atomic<int64_t> g_mxfp4_q8_calls{0};
 
 struct Mxfp4Q8Kernel {
-    int64_t N = 0;
+    int64_t N = 0, x_share = 1, combine = 1;
     llmc_mxq::Epilogue epi{};
 };
 
@@ -94,6 +97,12 @@ void* create_mxfp4_q8_kernel(const OrtCustomOpV13*, const OrtApi*, const OrtKern
     k.epi.activation = static_cast<int>(act);
     k.epi.alpha = float_attr(info, "alpha", 1.702f);
     k.epi.limit = float_attr(info, "limit", 7.0f);
+    k.x_share = int_attr(info, "x_share", false, 1);
+    k.combine = int_attr(info, "combine", false, 1);
+    if (k.x_share < 1 || k.combine < 1) {
+        throw Error("attributes x_share and combine must be >= 1, got " + std::to_string(k.x_share) + " and " +
+                    std::to_string(k.combine));
+    }
     return new Mxfp4Q8Kernel(k);
 }
 
@@ -115,15 +124,35 @@ void compute_mxfp4_q8(void* kernel, OrtKernelContext* ctx) {
     const Tensor bias = input(ctx, 4, "bias", true);
     if (bias.data != nullptr) require_shape(bias, {E, N}, "bias");
     const int64_t K = G * llmc_mxq::kBlock;
-    const int64_t M = routed_rows(x, ids, K, E, "codes");
+    const int64_t M = routed_rows(x, ids, K, E, "codes", k.x_share);
     const auto* id = static_cast<const int64_t*>(ids.data);
     std::vector<int64_t> out_dims(x.dims);
     out_dims.back() = k.epi.activation ? N / 2 : N;
+    const Tensor weights = input(ctx, 5, "weights", true);
+    if (k.x_share > 1 || k.combine > 1) {
+        // rows are counted on the first axis: X [rows, 1, K] (the routed matmul's layout)
+        if (x.dims.size() != 3 || x.dims[1] != 1) {
+            throw Error("with x_share or combine, X must be [rows, 1, K], got shape " + dims_str(x.dims));
+        }
+        if (M % k.combine) {
+            throw Error("combine = " + std::to_string(k.combine) + " must divide the routed rows (" +
+                        std::to_string(M) + ")");
+        }
+        out_dims[0] = M / k.combine;
+    }
+    if (k.combine > 1) {
+        int64_t W = 1;
+        for (int64_t d : weights.dims) W *= d;
+        if (weights.data == nullptr || W != M) {
+            throw Error("combine needs weights holding one float per routed row (" + std::to_string(M) + ")" +
+                        (weights.data == nullptr ? std::string(", got none") : ", got shape " + dims_str(weights.dims)));
+        }
+    }
     llmc_mxq::Epilogue epi = k.epi;
     epi.bias = static_cast<const float*>(bias.data);
     llmc_mxq::Problem p{static_cast<const float*>(x.data), id, static_cast<const uint8_t*>(codes.data),
                         static_cast<const uint8_t*>(scales.data), output(ctx, out_dims.data(), out_dims.size()),
-                        M, K, N, E, epi};
+                        M, K, N, E, epi, k.x_share, k.combine, static_cast<const float*>(weights.data)};
     const bool vnni = g_mxfp4_q8_vnni.load() != 0;
     with_threads(ctx, [&](int threads, const llmc::ParallelFor* pf) { llmc_mxq::run(p, vnni, threads, pf); });
     g_mxfp4_q8_calls.fetch_add(1, std::memory_order_relaxed);
@@ -131,10 +160,10 @@ void compute_mxfp4_q8(void* kernel, OrtKernelContext* ctx) {
 
 const char* mxfp4_q8_name(const OrtCustomOpV13*) { return "Mxfp4MoEMatMulQ8"; }
 int32_t mxfp4_q8_input_type(const OrtCustomOpV13*, size_t i) {
-    return i == 0 || i == 4 ? kOrtFloat : (i == 1 ? kOrtInt64 : kOrtUint8);
+    return i == 0 || i >= 4 ? kOrtFloat : (i == 1 ? kOrtInt64 : kOrtUint8);
 }
-size_t mxfp4_q8_input_count(const OrtCustomOpV13*) { return 5; }
-int32_t mxfp4_q8_input_characteristic(const OrtCustomOpV13*, size_t i) { return i == 4 ? 1 : 0; }
+size_t mxfp4_q8_input_count(const OrtCustomOpV13*) { return 6; }
+int32_t mxfp4_q8_input_characteristic(const OrtCustomOpV13*, size_t i) { return i >= 4 ? 1 : 0; }
 
 const OrtCustomOpV13 g_mxfp4_q8_op = make_op(mxfp4_q8_name, mxfp4_q8_input_type, mxfp4_q8_input_count,
                                              create_mxfp4_q8_kernel, compute_mxfp4_q8, destroy_mxfp4_q8_kernel,
