@@ -40,9 +40,9 @@ BACKEND_FUSIONS: dict[str, str] = {
                         "-> llmc.RotaryPagedAttention (ONNX Runtime backend lowering)",
     "int4-swiglu": "CPU, native route: llmc.Int4MatMul (packed gate/up) + Split + SwiGLU -> llmc.Int4MatMul with the "
                    "SwiGLU epilogue (ONNX Runtime backend lowering)",
-    "mxfp4-epilogue": "CPU, native route, --mxfp4-activations int8: gpt-oss's expert bias (GatherND + Add) and clamped "
-                      "SwiGLU (Slice x2, Clip x2, Sigmoid, Mul x3, Add) -> the epilogue of llmc.Mxfp4MoEMatMulQ8 "
-                      "(ONNX Runtime backend lowering)",
+    "mxfp4-epilogue": "CPU, native route: gpt-oss's expert bias (GatherND + Add), clamped SwiGLU (Slice x2, Clip "
+                      "x2, Sigmoid, Mul x3, Add), top-k row repeat (Expand) and weighted top-k sum (Mul + ReduceSum) "
+                      "-> the epilogue of llmc.Mxfp4MoEMatMul / Mxfp4MoEMatMulQ8 (ONNX Runtime backend lowering)",
     "bf16-weights": "CPU, native route: MatMul over a weight the checkpoint stores in bfloat16 -> llmc.Bf16MatMul with "
                     "the weight kept in bfloat16 (exact: half the bytes a decode step reads; ONNX Runtime backend "
                     "lowering)",

@@ -93,6 +93,41 @@ def test_op_matches_reference(isa, e, n, k, rows, mxfp4_isa):
 
 
 @pytest.mark.parametrize("isa", list(ISAS))
+@pytest.mark.parametrize("activation,x_share,combine,bias", [(1, 1, 1, True), (1, 4, 1, True), (0, 1, 4, True),
+                                                             (0, 2, 2, False), (1, 1, 1, False)])
+def test_op_epilogue_matches_reference(isa, activation, x_share, combine, bias, mxfp4_isa):
+    """The exact op's fused epilogue (csrc/moe_epilogue.h, shared with the Q8 op): expert bias, gpt-oss's clamped
+    SwiGLU over interleaved gate/up columns (values on both sides of the clamp limits), the top-k repeat of X's
+    rows and the routing-weighted sum of a token's k results, against the reference; and against the unfused op
+    with the same steps done in numpy."""
+    if not mxfp4_isa(isa):
+        pytest.skip(f"this CPU has no {ISAS[isa]}")
+    e, n, k, tokens, topk = 6, 96, 128, 5, 4
+    rng = np.random.default_rng([isa, activation, x_share, combine, bias])
+    blocks = rng.integers(0, 256, (e, n, k // 32, 16), dtype=np.uint8)
+    scales = rng.integers(124, 128, (e, n, k // 32)).astype(np.uint8)
+    b = (rng.standard_normal((e, n)) * 4).astype(np.float32) if bias else None
+    rows = tokens * topk
+    x = rng.standard_normal((rows // x_share, 1, k)).astype(np.float32)
+    ids = rng.integers(0, e, rows).astype(np.int64)
+    w = rng.random(rows).astype(np.float32)
+    epi = {"bias": b, "activation": activation, "x_share": x_share, "combine": combine}
+    sums = reference.mxfp4_moe_matmul(np.repeat(x, x_share, axis=0), ids, blocks, scales, bias=b)
+    assert (sums > 7).any() and (sums < -7).any()
+    feeds = {"X": x, "ids": ids, **({"weights": w} if combine > 1 else {})}
+    got = native_session(single_op_model(blocks, scales, **epi), threads=2).run(None, feeds)[0]
+    want = reference.mxfp4_moe_matmul(x, ids, blocks, scales, **epi, weights=w)
+    assert got.shape == want.shape
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5 * np.abs(want).max())
+    plain = native_session(single_op_model(blocks, scales), threads=2)
+    y = plain.run(None, {"X": np.repeat(x, x_share, axis=0), "ids": ids})[0][:, 0]
+    y = y + b[ids] if bias else y
+    y = reference.swiglu_oai(y[:, 0::2], y[:, 1::2]) if activation else y
+    y = (y.reshape(-1, combine, y.shape[-1]) * w.reshape(-1, combine, 1)).sum(1) if combine > 1 else y
+    np.testing.assert_allclose(got.reshape(y.shape), y, rtol=1e-5, atol=1e-6 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("isa", list(ISAS))
 def test_op_matches_reference_for_every_rows_per_expert(isa, mxfp4_isa):
     """Expert e gets e + 1 rows (1..9, shuffled): every count of rows the kernel takes in one pass (1, 2, 3, 4) and
     the remainders after passes of four, each against the reference."""
@@ -238,11 +273,16 @@ def test_engine_keeps_the_codes_and_matches_transformers(engine_dir, reference_t
     model = onnx.load(str(out / "model.onnx"), load_external_data=False)
     nodes = [n for n in model.graph.node if n.op_type == "Mxfp4MoEMatMul"]
     assert len(nodes) == 4
+    # the expert glue in the ops' epilogue (bias x4, SwiGLU x2, top-k repeat x2, weighted sum x2), and gpt-oss's
+    # rotary and sinks in RotaryPagedAttention (both layers)
+    assert result.report["backend_fusions"]["mxfp4-epilogue"] == 10
+    assert result.report["backend_fusions"]["rotary-attention"] == 2
+    assert not {"Sigmoid", "Clip", "Slice", "Expand", "ReduceSum"} & {n.op_type for n in model.graph.node}
     sizes = {}
     for t in model.graph.initializer:
         info = {e.key: e.value for e in t.external_data}
         sizes[t.name] = int(info["length"]) if external_data_helper.uses_external_data(t) else len(t.raw_data)
-    expert_bytes = sum(sizes[i] for n in nodes for i in n.input[2:])
+    expert_bytes = sum(sizes[i] for n in nodes for i in n.input[2:4])
     expert_weights = sum(int(np.prod(t.dims)) * 2 for n in nodes
                          for t in model.graph.initializer if t.name == n.input[2])
     # 2 layers x 4 experts x (gate_up + down)

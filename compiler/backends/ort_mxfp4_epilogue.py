@@ -1,4 +1,4 @@
-"""ONNX Runtime backend fusion: gpt-oss's expert glue into ``llmc.Mxfp4MoEMatMulQ8``'s epilogue.
+"""ONNX Runtime backend fusion: gpt-oss's expert glue into the MXFP4 expert ops' epilogue.
 
 transformers' gpt-oss experts trace, around each routed matmul (passes/mxfp4_experts), to chains of small nodes
 over ``[rows, N]`` tensors: the expert bias (``GatherND(bias, ids)`` + ``Add``), after gate_up the clamped SwiGLU
@@ -6,11 +6,10 @@ over interleaved columns (two strided ``Slice``s, two ``Clip``s, ``Mul`` by alph
 ``Mul``), before it each token's row repeated for its k experts (``Expand`` + ``Reshape``), and after down the
 routing-weighted sum of a token's k results (``Mul`` + ``Reshape`` + ``ReduceSum``). At decode batch 8 those ran
 ~6 ms of a ~57 ms step (a strided Slice alone ~0.25 ms), each writing and reading back a tensor the kernel held in
-registers. The op does them instead (``bias`` input, ``activation=1`` with ``alpha`` and ``limit``, ``x_share`` and
+registers. The ops (``llmc.Mxfp4MoEMatMul`` and ``llmc.Mxfp4MoEMatMulQ8``, plugins/mxfp4/csrc/moe_epilogue.h) do
+them instead (``bias`` input, ``activation=1`` with ``alpha`` and ``limit``, ``x_share`` and
 ``combine`` with a ``weights`` input), with the same formulas (plugins/mxfp4/reference; sigmoid from llmc's exp,
 within float rounding of ORT's).
-
-Only the opt-in 8-bit kernel has the epilogue; the exact ``Mxfp4MoEMatMul`` keeps the graph's nodes.
 """
 
 from __future__ import annotations
@@ -21,11 +20,20 @@ from onnx_ir.passes.common import RemoveUnusedNodesPass
 
 from llmc.passes.base import replace_value
 from llmc.passes.lazy import constant_of
-from llmc.plugins.mxfp4 import Q8_OP_TYPE
+from llmc.plugins.mxfp4 import OP_TYPE, Q8_OP_TYPE
 from llmc.plugins.paged_attention import DOMAIN
 
 _STD = ("", "ai.onnx")
 _AXES = "mxfp4_epilogue.squeeze_axes"
+_OPS = (OP_TYPE, Q8_OP_TYPE)
+
+
+def _n(op: ir.Node) -> int | None:
+    """The op's output columns N: the Q8 op's attribute, else the blocks' ``[E, N, K/32, 16]``."""
+    if op.op_type == Q8_OP_TYPE:
+        return op.attributes.get_int("N")
+    shape = op.inputs[2].shape
+    return shape[1] if shape is not None and isinstance(shape[1], int) else None
 
 
 def _std(node: ir.Node | None, op: str) -> bool:
@@ -66,9 +74,9 @@ def _other(node: ir.Node, value: ir.Value) -> ir.Value | None:
 
 def _replace_op(graph: ir.Graph, old: ir.Node, inputs: list[ir.Value | None], attributes: dict, before: ir.Node,
                 result: ir.Value, squeeze: bool = True) -> None:
-    """A new op node with ``inputs`` and ``attributes`` (plus ``old``'s), squeezed to ``[S, N']`` unless
-    ``squeeze`` is False, takes the place of ``result``."""
-    new = ir.node(Q8_OP_TYPE, inputs, attributes={**{k: a.value for k, a in old.attributes.items()}, **attributes},
+    """A new op node (``old``'s type) with ``inputs`` and ``attributes`` (plus ``old``'s), squeezed to ``[S, N']``
+    unless ``squeeze`` is False, takes the place of ``result``."""
+    new = ir.node(old.op_type, inputs, attributes={**{k: a.value for k, a in old.attributes.items()}, **attributes},
                   domain=DOMAIN)
     if not squeeze:
         graph.insert_before(before, [new])
@@ -98,7 +106,7 @@ def _fuse_bias(graph: ir.Graph, op: ir.Node) -> bool:
         return False
     bias, ids = gather.inputs
     tensor = constant_of(bias)
-    n = op.attributes.get_int("N")
+    n = _n(op)
     if (ids is not op.inputs[1] or tensor is None or tensor.dtype != ir.DataType.FLOAT
             or list(tensor.shape) != [op.inputs[2].shape[0], n]):
         return False
@@ -143,7 +151,9 @@ def _fuse_swiglu(graph: ir.Graph, op: ir.Node) -> bool:
     squeeze = _squeezed(op)
     if squeeze is None:
         return False
-    n = op.attributes.get_int("N")
+    n = _n(op)
+    if n is None:
+        return False
     value = _through_reshapes(squeeze.outputs[0])
     uses = list(value.uses())
     if len(uses) != 2 or value.is_graph_output():
@@ -215,7 +225,9 @@ def _fuse_combine(graph: ir.Graph, op: ir.Node) -> bool:
     squeeze = _squeezed(op)
     if squeeze is None:
         return False
-    n = op.attributes.get_int("N")
+    n = _n(op)
+    if n is None:
+        return False
     value = _through_reshapes(squeeze.outputs[0])
     mul = _only_use(value)
     if not _std(mul, "Mul"):
@@ -237,14 +249,14 @@ def _fuse_combine(graph: ir.Graph, op: ir.Node) -> bool:
 
 
 def fuse_mxfp4_epilogue(model: ir.Model) -> int:
-    """Fold each Q8 expert matmul's bias, gate_up's clamped SwiGLU, the top-k repeat of its input rows and the
+    """Fold each MXFP4 expert matmul's bias, gate_up's clamped SwiGLU, the top-k repeat of its input rows and the
     down matmul's weighted top-k sum into the op; returns how many of those were folded. Unused nodes and
     initializers are removed."""
     graph = model.graph
     count = 0
     for fuse in (_fuse_bias, _fuse_swiglu, _fuse_x_share, _fuse_combine):
         for node in list(graph):
-            if node.op_type == Q8_OP_TYPE and node.domain == DOMAIN and node.graph is graph and fuse(graph, node):
+            if node.op_type in _OPS and node.domain == DOMAIN and node.graph is graph and fuse(graph, node):
                 RemoveUnusedNodesPass()(model)  # the replaced op and its chain, before the next match
                 count += 1
     if count:

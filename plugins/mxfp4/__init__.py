@@ -10,48 +10,44 @@ OP_TYPE = "Mxfp4MoEMatMul"
 Q8_OP_TYPE = "Mxfp4MoEMatMulQ8"
 
 
-def single_op_model(blocks, scales) -> bytes:
+def single_op_model(blocks, scales, **epilogue) -> bytes:
     """An ONNX model of the op alone, ``Y[S, 1, N] = Mxfp4MoEMatMul(X[S, 1, K], ids[S])`` with ``blocks``
-    (uint8 [E, N, K/32, 16]) and ``scales`` (uint8 [E, N, K/32]) as initializers: for the op's tests and benchmark.
-    onnx is imported here, not with the package (the runtime does not need it)."""
-    from onnx import TensorProto, helper, numpy_helper
-
-    e, n, g, _ = blocks.shape
-    node = helper.make_node(OP_TYPE, ["X", "ids", "blocks", "scales"], ["Y"], domain="llmc")
-    graph = helper.make_graph(
-        [node], "mxfp4",
-        [helper.make_tensor_value_info("X", TensorProto.FLOAT, ["S", 1, 32 * g]),
-         helper.make_tensor_value_info("ids", TensorProto.INT64, ["S"])],
-        [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["S", 1, n])],
-        [numpy_helper.from_array(blocks, "blocks"), numpy_helper.from_array(scales, "scales")])
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18),
-                                                   helper.make_opsetid("llmc", 1)]).SerializeToString()
+    (uint8 [E, N, K/32, 16]) and ``scales`` (uint8 [E, N, K/32]) as initializers, and the optional epilogue
+    (:func:`_model`): for the op's tests and benchmark. onnx is imported here, not with the package (the runtime
+    does not need it)."""
+    n = blocks.shape[1]
+    return _model(OP_TYPE, "blocks", blocks, scales, 32 * blocks.shape[2], n, {}, **epilogue)
 
 
-def single_op_model_q8(codes, scales, n: int, bias=None, activation: int = 0, alpha: float = 1.702,
-                       limit: float = 7.0, x_share: int = 1, combine: int = 1) -> bytes:
+def single_op_model_q8(codes, scales, n: int, **epilogue) -> bytes:
     """An ONNX model of ``Mxfp4MoEMatMulQ8`` alone with the repacked ``codes`` and ``scales``
-    (reference.repack_q8), and the optional epilogue (``bias`` float32 [E, N], ``activation`` 1: gpt-oss's clamped
-    SwiGLU; ``x_share`` / ``combine``: the top-k repeat and weighted sum, then a graph input ``weights [S]``) as
-    initializers and attributes: ``Y[S / combine, 1, N or N/2] = op(X[S / x_share, 1, K], ids[S])``."""
+    (reference.repack_q8) as initializers, and the optional epilogue (:func:`_model`):
+    ``Y[S / combine, 1, N or N/2] = op(X[S / x_share, 1, K], ids[S])``."""
+    return _model(Q8_OP_TYPE, "codes", codes, scales, 32 * codes.shape[2], n, {"N": n}, **epilogue)
+
+
+def _model(op_type: str, weight: str, codes, scales, k: int, n: int, attrs: dict, bias=None, activation: int = 0,
+           alpha: float = 1.702, limit: float = 7.0, x_share: int = 1, combine: int = 1) -> bytes:
+    """One expert op with its weights (and the epilogue's ``bias`` float32 [E, N]) as initializers; ``activation``
+    1: gpt-oss's clamped SwiGLU; ``x_share`` / ``combine``: the top-k repeat and weighted sum (then a graph input
+    ``weights [S]``)."""
     from onnx import TensorProto, helper, numpy_helper
 
-    g = codes.shape[2]
-    inputs, inits = ["X", "ids", "codes", "scales"], [numpy_helper.from_array(codes, "codes"),
-                                                      numpy_helper.from_array(scales, "scales")]
+    inputs, inits = ["X", "ids", weight, "scales"], [numpy_helper.from_array(codes, weight),
+                                                     numpy_helper.from_array(scales, "scales")]
     if bias is not None:
         inputs.append("bias")
         inits.append(numpy_helper.from_array(bias, "bias"))
-    attrs = {"activation": activation, "alpha": alpha, "limit": limit} if activation else {}
+    attrs = {**attrs, **({"activation": activation, "alpha": alpha, "limit": limit} if activation else {})}
     attrs.update({"x_share": x_share} if x_share > 1 else {}, **({"combine": combine} if combine > 1 else {}))
-    graph_inputs = [helper.make_tensor_value_info("X", TensorProto.FLOAT, ["R", 1, 32 * g]),
+    graph_inputs = [helper.make_tensor_value_info("X", TensorProto.FLOAT, ["R", 1, k]),
                     helper.make_tensor_value_info("ids", TensorProto.INT64, ["S"])]
     if combine > 1:
         inputs += [""] * (bias is None) + ["weights"]
         graph_inputs.append(helper.make_tensor_value_info("weights", TensorProto.FLOAT, ["S"]))
-    node = helper.make_node(Q8_OP_TYPE, inputs, ["Y"], domain="llmc", N=n, **attrs)
+    node = helper.make_node(op_type, inputs, ["Y"], domain="llmc", **attrs)
     graph = helper.make_graph(
-        [node], "mxfp4_q8", graph_inputs,
+        [node], op_type, graph_inputs,
         [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["T", 1, n // 2 if activation else n])], inits)
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18),
                                                    helper.make_opsetid("llmc", 1)]).SerializeToString()

@@ -27,15 +27,36 @@ def dequantize(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
     return values.reshape(e, n, g * BLOCK)
 
 
-def mxfp4_moe_matmul(x: np.ndarray, expert_ids: np.ndarray, blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
+def mxfp4_moe_matmul(x: np.ndarray, expert_ids: np.ndarray, blocks: np.ndarray, scales: np.ndarray,
+                     **epilogue) -> np.ndarray:
     """The op's output ``[..., N]``, float32 (float64 sums rounded once: the kernel's float32 sums differ from it by
-    rounding only)."""
+    rounding only); ``epilogue``: the op's optional bias, SwiGLU, top-k repeat and sum (:func:`moe_epilogue`)."""
     k = x.shape[-1]
-    rows = x.reshape(-1, k).astype(np.float64)
+    rows = np.repeat(x.reshape(-1, k).astype(np.float64), epilogue.get("x_share", 1), axis=0)
     ids = np.asarray(expert_ids).reshape(-1)
     w = dequantize(blocks, scales).astype(np.float64)  # [E, N, K]
-    out = np.einsum("mk,mnk->mn", rows, w[ids])
-    return out.astype(np.float32).reshape(*x.shape[:-1], w.shape[1])
+    out = np.einsum("mk,mnk->mn", rows, w[ids]).astype(np.float32)
+    return moe_epilogue(out, ids, x.shape, **epilogue)
+
+
+def moe_epilogue(out: np.ndarray, ids: np.ndarray, x_shape: tuple[int, ...], bias: np.ndarray | None = None,
+                 activation: int = 0, alpha: float = 1.702, limit: float = 7.0, x_share: int = 1, combine: int = 1,
+                 weights: np.ndarray | None = None) -> np.ndarray:
+    """What both MXFP4 expert ops may apply to their routed rows ``out [M, N]`` (csrc/moe_epilogue.h): ``bias
+    [E, N]`` of each row's expert added; with ``activation`` 1 gpt-oss's clamped SwiGLU over interleaved gate/up
+    columns (``N / 2`` outputs, :func:`swiglu_oai`); ``combine`` k: ``[M / k, 1, ·]``, each row the
+    ``weights``-weighted sum of k consecutive rows. With ``x_share`` or ``combine`` the result is ``[rows, 1, ·]``,
+    else X's leading shape ``x_shape[:-1]``."""
+    if bias is not None:
+        out = out + bias[ids].astype(np.float32)
+    if activation:
+        out = swiglu_oai(out[:, 0::2], out[:, 1::2], alpha, limit)
+    if combine > 1:
+        w = np.asarray(weights, dtype=np.float32).reshape(-1, combine, 1)
+        out = (out.reshape(-1, combine, out.shape[-1]) * w).sum(axis=1, dtype=np.float32)
+    if x_share > 1 or combine > 1:
+        return out[:, None, :]
+    return out.reshape(*x_shape[:-1], out.shape[-1])
 
 
 # -- llmc.Mxfp4MoEMatMulQ8: the rows quantized to 8 bits per 32-block (opt-in, not exact) ----------------------
@@ -101,16 +122,8 @@ def mxfp4_moe_matmul_q8(x: np.ndarray, expert_ids: np.ndarray, blocks: np.ndarra
     ids = np.asarray(expert_ids).reshape(-1)
     w = dequantize(blocks, scales).astype(np.float64)
     out = np.einsum("mk,mnk->mn", rows, w[ids]).astype(np.float32)
-    if bias is not None:
-        out = out + bias[ids].astype(np.float32)
-    if activation:
-        out = swiglu_oai(out[:, 0::2], out[:, 1::2], alpha, limit)
-    if combine > 1:
-        w = np.asarray(weights, dtype=np.float32).reshape(-1, combine, 1)
-        out = (out.reshape(-1, combine, out.shape[-1]) * w).sum(axis=1, dtype=np.float32)
-    if x_share > 1 or combine > 1:
-        return out[:, None, :]
-    return out.reshape(*x.shape[:-1], out.shape[-1])
+    return moe_epilogue(out, ids, x.shape, bias=bias, activation=activation, alpha=alpha, limit=limit,
+                        x_share=x_share, combine=combine, weights=weights)
 
 
 def swiglu_oai(gate: np.ndarray, up: np.ndarray, alpha: float = 1.702, limit: float = 7.0) -> np.ndarray:

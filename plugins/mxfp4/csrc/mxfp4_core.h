@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "../../csrc/parallel_for.h"
+#include "moe_epilogue.h"
 
 namespace llmc_mx {
 
@@ -42,12 +43,13 @@ constexpr int64_t kPrefetchBytes = 4096;
 constexpr int8_t kFp4x2[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
 
 struct Problem {
-    const float* x;          // [M, K]
+    const float* x;          // [M / x_share, K]
     const int64_t* ids;      // [M], each in [0, E)
     const uint8_t* blocks;   // [E, N, K/32, 16]
     const uint8_t* scales;   // [E, N, K/32]
-    float* y;                // [M, N]
+    float* y;                // [M / combine, N] (activation 1: [.., N / 2])
     int64_t M, K, N, E;
+    llmc_moe::Epilogue epi{};  // bias, SwiGLU, top-k repeat and sum (moe_epilogue.h)
 };
 
 // 2^(s - 128): half the E8M0 scale, exact for every s (2^-128 is a float32 subnormal; s = 255 gives 2^127).
@@ -247,13 +249,19 @@ struct Job {
 
 inline void run_item(const Job& job, int64_t item) {
     const Problem& p = *job.p;
+    const llmc_moe::Epilogue& epi = p.epi;
     const auto [e, n0] = job.r->items[item];
-    const int64_t* rows = job.r->order.data() + job.r->start[e];
+    const int64_t* routed = job.r->order.data() + job.r->start[e];
     const int64_t m = job.r->start[e + 1] - job.r->start[e];
-    const int64_t groups = p.K / kBlock, n1 = std::min(p.N, n0 + kTile);
-    thread_local std::vector<float> w, out;
+    const int64_t groups = p.K / kBlock, n1 = std::min(p.N, n0 + kTile), W = llmc_moe::out_width(epi, p.N);
+    thread_local std::vector<float> w, out, gate;
+    thread_local std::vector<int64_t> xrows;
     w.resize(p.K);
     out.resize(m);
+    gate.resize(m);
+    xrows.resize(m);
+    for (int64_t i = 0; i < m; ++i) xrows[i] = routed[i] / epi.x_share;  // the X row each routed row reads
+    const int64_t* rows = xrows.data();
     for (int64_t n = n0; n < n1; ++n) {
         const int64_t row = e * p.N + n;
         const uint8_t* blk = p.blocks + row * groups * 16;
@@ -267,7 +275,18 @@ inline void run_item(const Job& job, int64_t item) {
             decode_row_scalar(blk, sc, groups, w.data());
             for (int64_t i = 0; i < m; ++i) out[i] = dot_scalar(w.data(), p.x + rows[i] * p.K, p.K);
         }
-        for (int64_t i = 0; i < m; ++i) p.y[rows[i] * p.N + n] = out[i];
+        if (epi.bias != nullptr) {
+            for (int64_t i = 0; i < m; ++i) out[i] += epi.bias[e * p.N + n];
+        }
+        if (!epi.activation) {
+            for (int64_t i = 0; i < m; ++i) p.y[routed[i] * W + n] = out[i];
+        } else if (n % 2 == 0) {  // a gate column: its up column n + 1 comes next, in the same item (kTile even)
+            for (int64_t i = 0; i < m; ++i) gate[i] = out[i];
+        } else {
+            for (int64_t i = 0; i < m; ++i) {
+                p.y[routed[i] * W + n / 2] = llmc_moe::swiglu_oai<float, int32_t>(gate[i], out[i], epi.alpha, epi.limit);
+            }
+        }
     }
 }
 
@@ -275,9 +294,10 @@ inline void run_item(const Job& job, int64_t item) {
 inline void run(const Problem& p, Isa isa, int threads, const llmc::ParallelFor* pf) {
     const Routing r = route(p);
     std::vector<float> xd;
+    const int64_t x_rows = p.M / p.epi.x_share;
     if (isa == kAvx512) {
-        xd.resize(static_cast<size_t>(p.M * p.K));
-        for (int64_t m = 0; m < p.M; ++m) {
+        xd.resize(static_cast<size_t>(x_rows * p.K));
+        for (int64_t m = 0; m < x_rows; ++m) {
             for (int64_t g = 0; g < p.K / kBlock; ++g) {
                 const float* src = p.x + m * p.K + g * kBlock;
                 float* dst = xd.data() + m * p.K + g * kBlock;
@@ -288,9 +308,14 @@ inline void run(const Problem& p, Isa isa, int threads, const llmc::ParallelFor*
             }
         }
     }
-    const Job job{&p, &r, isa, xd.data()};
+    const int64_t W = llmc_moe::out_width(p.epi, p.N);
+    const llmc_moe::RoutedOut routed(p.epi, p.M, W, p.y);
+    Problem q = p;
+    q.y = routed.rows;
+    const Job job{&q, &r, isa, xd.data()};
     const auto n = static_cast<int64_t>(r.items.size());
     llmc::parallel_items<Job, run_item>(job, n, threads, pf);
+    llmc_moe::combine_rows(p.epi, routed, p.M, W, p.y);
 }
 
 }  // namespace llmc_mx

@@ -25,8 +25,8 @@
 #include <cstdint>
 #include <vector>
 
-#include "../../csrc/exp_nonpos.h"
 #include "../../csrc/parallel_for.h"
+#include "moe_epilogue.h"
 #include "mxfp4_core.h"
 
 namespace llmc_mxq {
@@ -53,21 +53,6 @@ inline bool has_vnni() {
            __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vbmi");
 }
 
-// What is applied to each row's N sums before they are stored (the MoE glue of gpt-oss, fused so that the [M, N]
-// intermediate is never written and read back by a chain of small ONNX nodes):
-//   bias       [E, N] or nullptr: y += bias[expert];
-//   activation 1: gpt-oss's clamped SwiGLU over interleaved columns (gate = y[2i], up = y[2i + 1]):
-//              out[i] = (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = min(gate, limit); N/2 outputs.
-struct Epilogue {
-    const float* bias = nullptr;
-    int activation = 0;
-    float alpha = 1.702f, limit = 7.0f;
-};
-
-// The routing around the matmul, also fused (gpt-oss's top-k: each token's row is repeated k times into the
-// routed rows, and the k results are summed with the routing weights):
-//   x_share k: routed row m reads X row m / k (X holds M / k rows; they are quantized once, not k times);
-//   combine k: with `weights` [M], the output holds M / k rows, y[t] = sum_j weights[t k + j] * row (t k + j).
 struct Problem {
     const float* x;         // [M / x_share, K]
     const int64_t* ids;     // [M], each in [0, E)
@@ -75,24 +60,11 @@ struct Problem {
     const uint8_t* scales;  // [E, T, G, 16]
     float* y;               // [M / combine, N] (activation 1: [.., N / 2])
     int64_t M, K, N, E;
-    Epilogue epi{};
-    int64_t x_share = 1, combine = 1;
-    const float* weights = nullptr;  // [M] when combine > 1
+    llmc_moe::Epilogue epi{};  // bias, SwiGLU, top-k repeat and sum (moe_epilogue.h)
 };
 
-inline int64_t out_width(const Problem& p) { return p.epi.activation ? p.N / 2 : p.N; }
-
-// gpt-oss's clamped SwiGLU on a float or a GCC vector of floats (the same bits per lane either way, up to FMA
-// contraction): sigmoid from exp of a non-positive argument, so it never overflows.
-template <typename F, typename I>
-inline __attribute__((always_inline)) F swiglu_oai(F gate, F up, float alpha, float limit) {
-    gate = gate > limit ? F{} + limit : gate;
-    up = up > limit ? F{} + limit : (up < -limit ? F{} - limit : up);
-    const F z = gate * alpha;
-    const F e = llmc::exp_nonpos_t<F, I>(z < 0.0f ? z : F{} - z);
-    const F sig = z < 0.0f ? e / (e + 1.0f) : F{} + 1.0f / (e + 1.0f);
-    return (up + 1.0f) * (gate * sig);
-}
+inline int64_t out_width(const Problem& p) { return llmc_moe::out_width(p.epi, p.N); }
+using llmc_moe::swiglu_oai;
 
 // One row's 16 (or `width`) finished sums v of output group n0 of expert e, through the epilogue into the row's
 // output (scalar; the vector path's twin is finish_vnni).
@@ -157,7 +129,7 @@ inline void group_scalar(const Problem& p, const uint8_t* codes, const uint8_t* 
                          const int64_t* rows, int64_t m, int64_t e, int64_t n0) {
     const int64_t K = p.K, G = K / kBlock, width = std::min(kGroup, p.N - n0);
     for (int64_t i = 0; i < m; ++i) {
-        const int64_t row = rows[i], xr = row / p.x_share;
+        const int64_t row = rows[i], xr = row / p.epi.x_share;
         float v[kGroup];
         for (int nn = 0; nn < width; ++nn) {
             float acc = 0.0f;
@@ -276,7 +248,7 @@ inline void run_group(const Job& job, int64_t e, int64_t t) {
         alignas(64) float sums[kMaxRows][kGroup];
         float* out[kMaxRows];
         for (int i = 0; i < rr; ++i) {
-            const int64_t xr = rows[i0 + i] / p.x_share;
+            const int64_t xr = rows[i0 + i] / p.epi.x_share;
             q[i] = job.xq->q.data() + xr * p.K;
             d[i] = job.xq->d.data() + xr * G;
             corr[i] = job.xq->corr.data() + xr * G;
@@ -303,33 +275,17 @@ inline void run_item(const Job& job, int64_t item) {
 }
 
 // `threads` > 1 spreads the (expert, output groups) items over `pf` (the caller's pool) or OpenMP threads.
-// With `combine`, the routed rows go to a scratch [M, W] first and are summed (in j order) after the parallel part:
-// items of different experts write the same token's outputs, so summing in place would race.
 inline void run(const Problem& p, bool vnni, int threads, const llmc::ParallelFor* pf) {
     const llmc_mx::Routing r = llmc_mx::group_rows(p.ids, p.M, p.E, p.N, kGroup * kItemGroups);
     QuantRows xq;
-    quantize_rows(p.x, p.M / p.x_share, p.K, xq);
-    const int64_t W = out_width(p);
-    std::vector<float> routed;
+    quantize_rows(p.x, p.M / p.epi.x_share, p.K, xq);
+    const llmc_moe::RoutedOut routed(p.epi, p.M, out_width(p), p.y);
     Problem q = p;
-    if (p.combine > 1) {
-        routed.resize(static_cast<size_t>(p.M * W));
-        q.y = routed.data();
-    }
+    q.y = routed.rows;
     const Job job{&q, &r, &xq, vnni};
     const auto n = static_cast<int64_t>(r.items.size());
     llmc::parallel_items<Job, run_item>(job, n, threads, pf);
-    if (p.combine > 1) {
-        for (int64_t t = 0; t < p.M / p.combine; ++t) {
-            float* dst = p.y + t * W;
-            for (int64_t c = 0; c < W; ++c) dst[c] = 0.0f;
-            for (int64_t j = 0; j < p.combine; ++j) {
-                const float w = p.weights[t * p.combine + j];
-                const float* src = routed.data() + (t * p.combine + j) * W;
-                for (int64_t c = 0; c < W; ++c) dst[c] += w * src[c];
-            }
-        }
-    }
+    llmc_moe::combine_rows(p.epi, routed, p.M, out_width(p), p.y);
 }
 
 }  // namespace llmc_mxq

@@ -3,16 +3,37 @@
 // helpers (input, output, with_threads, make_op), so that one library holds every llmc op.
 //
 // Mxfp4MoEMatMul(X float [..., K], expert_ids int64 (M values: M = the rows of X), blocks uint8 [E, N, K/32, 16],
-//                scales uint8 [E, N, K/32]) -> float [..., N]
+//                scales uint8 [E, N, K/32], optional bias float [E, N], optional weights float [M]) -> float [..., N]
+// Both ops take the same optional epilogue (moe_epilogue.h): inputs bias and weights, attributes activation, alpha,
+// limit, x_share and combine (then X is [rows, 1, K] and the output [M / combine, 1, N or N / 2]).
 
 #include "../../mxfp4/csrc/mxfp4_core.h"
 
 std::atomic<int> g_mxfp4_isa{static_cast<int>(llmc_mx::best_isa())};
 std::atomic<int64_t> g_mxfp4_calls{0};
 
-void* create_mxfp4_kernel(const OrtCustomOpV13*, const OrtApi*, const OrtKernelInfo*) { return new int(0); }
+// The epilogue's attributes (moe_epilogue.h); N is checked against them where the op knows it.
+llmc_moe::Epilogue epilogue_attrs(const OrtKernelInfo* info) {
+    llmc_moe::Epilogue epi;
+    const int64_t act = int_attr(info, "activation", false, 0);
+    if (act != 0 && act != 1) throw Error("attribute activation must be 0 or 1, got " + std::to_string(act));
+    epi.activation = static_cast<int>(act);
+    epi.alpha = float_attr(info, "alpha", 1.702f);
+    epi.limit = float_attr(info, "limit", 7.0f);
+    epi.x_share = int_attr(info, "x_share", false, 1);
+    epi.combine = int_attr(info, "combine", false, 1);
+    if (epi.x_share < 1 || epi.combine < 1) {
+        throw Error("attributes x_share and combine must be >= 1, got " + std::to_string(epi.x_share) + " and " +
+                    std::to_string(epi.combine));
+    }
+    return epi;
+}
 
-void destroy_mxfp4_kernel(void* kernel) { delete static_cast<int*>(kernel); }
+void* create_mxfp4_kernel(const OrtCustomOpV13*, const OrtApi*, const OrtKernelInfo* info) {
+    return new llmc_moe::Epilogue(epilogue_attrs(info));
+}
+
+void destroy_mxfp4_kernel(void* kernel) { delete static_cast<llmc_moe::Epilogue*>(kernel); }
 
 // X's rows against K (named after the weight input it comes from) and expert_ids against E: the routed row count M
 // (X's rows times `share`, the routed rows that read each X row), and each id checked to be in [0, E).
@@ -39,7 +60,41 @@ int64_t routed_rows(const Tensor& x, const Tensor& ids, int64_t K, int64_t E, co
     return M;
 }
 
-void compute_mxfp4(void*, OrtKernelContext* ctx) {
+// The epilogue's inputs (4: bias [E, N], 5: weights [M]) checked, and the output's dims: X's with N (or N / 2)
+// last, and with x_share / combine [M / combine, 1, ...]. `epi` comes back with the input pointers set.
+std::vector<int64_t> epilogue_io(OrtKernelContext* ctx, const Tensor& x, int64_t M, int64_t E, int64_t N,
+                                 llmc_moe::Epilogue& epi) {
+    if (epi.activation && N % 2) throw Error("activation 1 needs an even N (gate/up pairs), got " + std::to_string(N));
+    const Tensor bias = input(ctx, 4, "bias", true), weights = input(ctx, 5, "weights", true);
+    if (bias.data != nullptr) require_shape(bias, {E, N}, "bias");
+    epi.bias = static_cast<const float*>(bias.data);
+    epi.weights = static_cast<const float*>(weights.data);
+    std::vector<int64_t> out_dims(x.dims);
+    out_dims.back() = llmc_moe::out_width(epi, N);
+    if (epi.x_share > 1 || epi.combine > 1) {
+        // rows are counted on the first axis: X [rows, 1, K] (the routed matmul's layout)
+        if (x.dims.size() != 3 || x.dims[1] != 1) {
+            throw Error("with x_share or combine, X must be [rows, 1, K], got shape " + dims_str(x.dims));
+        }
+        if (M % epi.combine) {
+            throw Error("combine = " + std::to_string(epi.combine) + " must divide the routed rows (" +
+                        std::to_string(M) + ")");
+        }
+        out_dims[0] = M / epi.combine;
+    }
+    if (epi.combine > 1) {
+        int64_t W = 1;
+        for (int64_t d : weights.dims) W *= d;
+        if (weights.data == nullptr || W != M) {
+            throw Error("combine needs weights holding one float per routed row (" + std::to_string(M) + ")" +
+                        (weights.data == nullptr ? std::string(", got none") : ", got shape " + dims_str(weights.dims)));
+        }
+    }
+    return out_dims;
+}
+
+void compute_mxfp4(void* kernel, OrtKernelContext* ctx) {
+    llmc_moe::Epilogue epi = *static_cast<const llmc_moe::Epilogue*>(kernel);
     const Tensor x = input(ctx, 0, "X"), ids = input(ctx, 1, "expert_ids"), blocks = input(ctx, 2, "blocks"),
                  scales = input(ctx, 3, "scales");
     require_rank(blocks, 4, "blocks");
@@ -49,26 +104,27 @@ void compute_mxfp4(void*, OrtKernelContext* ctx) {
     }
     require_shape(scales, {E, N, G}, "scales");
     const int64_t K = G * llmc_mx::kBlock;
-    const int64_t M = routed_rows(x, ids, K, E, "blocks");
+    const int64_t M = routed_rows(x, ids, K, E, "blocks", epi.x_share);
     const auto* id = static_cast<const int64_t*>(ids.data);
-    std::vector<int64_t> out_dims(x.dims);
-    out_dims.back() = N;
+    const std::vector<int64_t> out_dims = epilogue_io(ctx, x, M, E, N, epi);
     llmc_mx::Problem p{static_cast<const float*>(x.data), id, static_cast<const uint8_t*>(blocks.data),
                        static_cast<const uint8_t*>(scales.data), output(ctx, out_dims.data(), out_dims.size()),
-                       M, K, N, E};
+                       M, K, N, E, epi};
     const auto isa = static_cast<llmc_mx::Isa>(g_mxfp4_isa.load());
     with_threads(ctx, [&](int threads, const llmc::ParallelFor* pf) { llmc_mx::run(p, isa, threads, pf); });
     g_mxfp4_calls.fetch_add(1, std::memory_order_relaxed);
 }
 
 const char* mxfp4_name(const OrtCustomOpV13*) { return "Mxfp4MoEMatMul"; }
+// X, expert_ids, the two weight inputs, then the epilogue's optional float bias and weights.
 int32_t mxfp4_input_type(const OrtCustomOpV13*, size_t i) {
-    return i == 0 ? kOrtFloat : (i == 1 ? kOrtInt64 : kOrtUint8);
+    return i == 0 || i >= 4 ? kOrtFloat : (i == 1 ? kOrtInt64 : kOrtUint8);
 }
-size_t mxfp4_input_count(const OrtCustomOpV13*) { return 4; }
+size_t mxfp4_input_count(const OrtCustomOpV13*) { return 6; }
+int32_t mxfp4_input_characteristic(const OrtCustomOpV13*, size_t i) { return i >= 4 ? 1 : 0; }
 
 const OrtCustomOpV13 g_mxfp4_op = make_op(mxfp4_name, mxfp4_input_type, mxfp4_input_count, create_mxfp4_kernel,
-                                          compute_mxfp4, destroy_mxfp4_kernel);
+                                          compute_mxfp4, destroy_mxfp4_kernel, mxfp4_input_characteristic);
 
 // Mxfp4MoEMatMulQ8(X float [..., K], expert_ids int64 (M values), codes uint8 [E, T, K/32, 4, 64],
 //                  scales uint8 [E, T, K/32, 16], optional bias float [E, N], optional weights float [M])
@@ -83,26 +139,15 @@ std::atomic<int> g_mxfp4_q8_vnni{llmc_mxq::has_vnni() ? 1 : 0};
 std::atomic<int64_t> g_mxfp4_q8_calls{0};
 
 struct Mxfp4Q8Kernel {
-    int64_t N = 0, x_share = 1, combine = 1;
-    llmc_mxq::Epilogue epi{};
+    int64_t N = 0;
+    llmc_moe::Epilogue epi{};
 };
 
 void* create_mxfp4_q8_kernel(const OrtCustomOpV13*, const OrtApi*, const OrtKernelInfo* info) {
     Mxfp4Q8Kernel k;
     k.N = int_attr(info, "N", true, 0);
     if (k.N <= 0) throw Error("attribute N must be positive, got " + std::to_string(k.N));
-    const int64_t act = int_attr(info, "activation", false, 0);
-    if (act != 0 && act != 1) throw Error("attribute activation must be 0 or 1, got " + std::to_string(act));
-    if (act == 1 && k.N % 2) throw Error("activation 1 needs an even N (gate/up pairs), got " + std::to_string(k.N));
-    k.epi.activation = static_cast<int>(act);
-    k.epi.alpha = float_attr(info, "alpha", 1.702f);
-    k.epi.limit = float_attr(info, "limit", 7.0f);
-    k.x_share = int_attr(info, "x_share", false, 1);
-    k.combine = int_attr(info, "combine", false, 1);
-    if (k.x_share < 1 || k.combine < 1) {
-        throw Error("attributes x_share and combine must be >= 1, got " + std::to_string(k.x_share) + " and " +
-                    std::to_string(k.combine));
-    }
+    k.epi = epilogue_attrs(info);
     return new Mxfp4Q8Kernel(k);
 }
 
@@ -121,50 +166,20 @@ void compute_mxfp4_q8(void* kernel, OrtKernelContext* ctx) {
                     dims_str(codes.dims));
     }
     require_shape(scales, {E, T, G, llmc_mxq::kGroup}, "scales");
-    const Tensor bias = input(ctx, 4, "bias", true);
-    if (bias.data != nullptr) require_shape(bias, {E, N}, "bias");
     const int64_t K = G * llmc_mxq::kBlock;
-    const int64_t M = routed_rows(x, ids, K, E, "codes", k.x_share);
+    llmc_moe::Epilogue epi = k.epi;
+    const int64_t M = routed_rows(x, ids, K, E, "codes", epi.x_share);
     const auto* id = static_cast<const int64_t*>(ids.data);
-    std::vector<int64_t> out_dims(x.dims);
-    out_dims.back() = k.epi.activation ? N / 2 : N;
-    const Tensor weights = input(ctx, 5, "weights", true);
-    if (k.x_share > 1 || k.combine > 1) {
-        // rows are counted on the first axis: X [rows, 1, K] (the routed matmul's layout)
-        if (x.dims.size() != 3 || x.dims[1] != 1) {
-            throw Error("with x_share or combine, X must be [rows, 1, K], got shape " + dims_str(x.dims));
-        }
-        if (M % k.combine) {
-            throw Error("combine = " + std::to_string(k.combine) + " must divide the routed rows (" +
-                        std::to_string(M) + ")");
-        }
-        out_dims[0] = M / k.combine;
-    }
-    if (k.combine > 1) {
-        int64_t W = 1;
-        for (int64_t d : weights.dims) W *= d;
-        if (weights.data == nullptr || W != M) {
-            throw Error("combine needs weights holding one float per routed row (" + std::to_string(M) + ")" +
-                        (weights.data == nullptr ? std::string(", got none") : ", got shape " + dims_str(weights.dims)));
-        }
-    }
-    llmc_mxq::Epilogue epi = k.epi;
-    epi.bias = static_cast<const float*>(bias.data);
+    const std::vector<int64_t> out_dims = epilogue_io(ctx, x, M, E, N, epi);
     llmc_mxq::Problem p{static_cast<const float*>(x.data), id, static_cast<const uint8_t*>(codes.data),
                         static_cast<const uint8_t*>(scales.data), output(ctx, out_dims.data(), out_dims.size()),
-                        M, K, N, E, epi, k.x_share, k.combine, static_cast<const float*>(weights.data)};
+                        M, K, N, E, epi};
     const bool vnni = g_mxfp4_q8_vnni.load() != 0;
     with_threads(ctx, [&](int threads, const llmc::ParallelFor* pf) { llmc_mxq::run(p, vnni, threads, pf); });
     g_mxfp4_q8_calls.fetch_add(1, std::memory_order_relaxed);
 }
 
 const char* mxfp4_q8_name(const OrtCustomOpV13*) { return "Mxfp4MoEMatMulQ8"; }
-int32_t mxfp4_q8_input_type(const OrtCustomOpV13*, size_t i) {
-    return i == 0 || i >= 4 ? kOrtFloat : (i == 1 ? kOrtInt64 : kOrtUint8);
-}
-size_t mxfp4_q8_input_count(const OrtCustomOpV13*) { return 6; }
-int32_t mxfp4_q8_input_characteristic(const OrtCustomOpV13*, size_t i) { return i >= 4 ? 1 : 0; }
-
-const OrtCustomOpV13 g_mxfp4_q8_op = make_op(mxfp4_q8_name, mxfp4_q8_input_type, mxfp4_q8_input_count,
+const OrtCustomOpV13 g_mxfp4_q8_op = make_op(mxfp4_q8_name, mxfp4_input_type, mxfp4_input_count,
                                              create_mxfp4_q8_kernel, compute_mxfp4_q8, destroy_mxfp4_q8_kernel,
-                                             mxfp4_q8_input_characteristic);
+                                             mxfp4_input_characteristic);
