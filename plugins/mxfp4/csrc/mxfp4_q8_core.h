@@ -154,6 +154,14 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,avx512vbmi"), always_inline))
     return _mm512_castsi512_ps(_mm512_max_epu32(_mm512_slli_epi32(s, 23), _mm512_set1_epi32(1 << 22)));
 }
 
+// acc += w (unsigned bytes) . the signed bytes at x, broadcast to every lane: vpdpbusd with an embedded
+// broadcast memory operand (GCC emits a separate vpbroadcastd for the intrinsic with _mm512_set1_epi32).
+__attribute__((target("avx512f,avx512vnni"), always_inline)) inline __m512i dpbusd_bcast(__m512i acc, __m512i w,
+                                                                                       const int32_t* x) {
+    asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*x));
+    return acc;
+}
+
 template <int R>
 __attribute__((target("avx512f,avx512bw,avx512vnni,avx512vbmi"))) void group_vnni(const uint8_t* codes, const uint8_t* sc,
                                                                          int64_t G, const int8_t* const* q_in,
@@ -186,12 +194,10 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,avx512vbmi"))) void group_vnn
             const __m512i wl = _mm512_permutexvar_epi8(v, lut);
             const __m512i wh = _mm512_permutexvar_epi8(_mm512_srli_epi16(v, 4), lut);
             for (int i = 0; i < R; ++i) {
-                const int8_t* xr = q[i] + g * kBlock + 8 * r;
-                int32_t x0, x1;
-                __builtin_memcpy(&x0, xr, 4);
-                __builtin_memcpy(&x1, xr + 4, 4);
-                acc[i] = _mm512_dpbusd_epi32(acc[i], wl, _mm512_set1_epi32(x0));
-                acc[i] = _mm512_dpbusd_epi32(acc[i], wh, _mm512_set1_epi32(x1));
+                // four activation bytes broadcast from memory inside vpdpbusd ({1to16}): no separate broadcast op
+                const int32_t* xr = reinterpret_cast<const int32_t*>(q[i] + g * kBlock + 8 * r);
+                acc[i] = dpbusd_bcast(acc[i], wl, xr);
+                acc[i] = dpbusd_bcast(acc[i], wh, xr + 1);
             }
         }
         const __m512 ws = scales_of(sc + g * kGroup);
