@@ -61,3 +61,15 @@ def replace_value(old: ir.Value, new: ir.Value) -> None:
     if new.type is None:
         new.type = vtype
     ir.convenience.replace_all_uses_with(old, new, replace_graph_outputs=True)
+
+
+def remove_unused(model: ir.Model) -> None:
+    """Drop the nodes and initializers nothing reads any more (what a fusion left behind)."""
+    from onnx_ir.passes.common import RemoveUnusedNodesPass
+
+    RemoveUnusedNodesPass()(model)
+    graph = model.graph
+    unused = [k for k, v in graph.initializers.items()
+              if not v.uses() and not v.is_graph_output() and not v.is_graph_input()]
+    for name in unused:
+        del graph.initializers[name]

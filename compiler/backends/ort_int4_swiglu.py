@@ -12,9 +12,8 @@ On a small model each node's fixed cost is a visible part of a decode step, whic
 from __future__ import annotations
 
 import onnx_ir as ir
-from onnx_ir.passes.common import RemoveUnusedNodesPass
 
-from llmc.passes.base import replace_value
+from llmc.passes.base import remove_unused, replace_value
 from llmc.passes.lazy import constant_of, derived
 from llmc.plugins.int4_matmul.pack import gate_up_order
 from llmc.plugins.paged_attention import DOMAIN
@@ -62,10 +61,6 @@ def fuse_int4_swiglu(model: ir.Model) -> int:
     graph = model.graph
     count = sum(_fuse(graph, n) for n in list(graph) if n.domain == DOMAIN and n.op_type == "SwiGLU")
     if count:
-        RemoveUnusedNodesPass()(model)
-        unused = [k for k, v in graph.initializers.items()
-                  if not v.uses() and not v.is_graph_output() and not v.is_graph_input()]
-        for name in unused:
-            del graph.initializers[name]
+        remove_unused(model)
     return count
 

@@ -18,7 +18,7 @@ import numpy as np
 import onnx_ir as ir
 from onnx_ir.passes.common import RemoveUnusedNodesPass
 
-from llmc.passes.base import replace_value
+from llmc.passes.base import remove_unused, replace_value
 from llmc.passes.lazy import constant_of
 from llmc.plugins.mxfp4 import OP_TYPE, Q8_OP_TYPE
 from llmc.plugins.paged_attention import DOMAIN
@@ -144,17 +144,20 @@ def _clip(node: ir.Node | None) -> tuple[float | None, float | None] | None:
     return lo, hi
 
 
+def _result(op: ir.Node) -> tuple[ir.Value, int] | None:
+    """The op's ``[S, N]`` result as the graph goes on to use it (after its Squeeze and any unit-axis round trips),
+    with N; None where the op's output is used otherwise."""
+    squeeze = _squeezed(op)
+    n = _n(op)
+    return None if squeeze is None or n is None else (_through_reshapes(squeeze.outputs[0]), n)
+
+
 def _fuse_swiglu(graph: ir.Graph, op: ir.Node) -> bool:
     """``op(..., bias)`` + the clamped SwiGLU chain -> ``op(..., bias, activation=1, alpha, limit)``."""
-    if op.attributes.get_int("activation", 0) != 0:
+    found = _result(op) if op.attributes.get_int("activation", 0) == 0 else None
+    if found is None:
         return False
-    squeeze = _squeezed(op)
-    if squeeze is None:
-        return False
-    n = _n(op)
-    if n is None:
-        return False
-    value = _through_reshapes(squeeze.outputs[0])
+    value, n = found
     uses = list(value.uses())
     if len(uses) != 2 or value.is_graph_output():
         return False
@@ -222,13 +225,10 @@ def _fuse_combine(graph: ir.Graph, op: ir.Node) -> bool:
     weighted and summed) -> ``Squeeze(op(..., w, combine=k))``."""
     if op.attributes.get_int("combine", 1) != 1 or op.attributes.get_int("activation", 0) != 0:
         return False
-    squeeze = _squeezed(op)
-    if squeeze is None:
+    found = _result(op)
+    if found is None:
         return False
-    n = _n(op)
-    if n is None:
-        return False
-    value = _through_reshapes(squeeze.outputs[0])
+    value, n = found
     mul = _only_use(value)
     if not _std(mul, "Mul"):
         return False
@@ -260,9 +260,5 @@ def fuse_mxfp4_epilogue(model: ir.Model) -> int:
                 RemoveUnusedNodesPass()(model)  # the replaced op and its chain, before the next match
                 count += 1
     if count:
-        RemoveUnusedNodesPass()(model)
-        unused = [k for k, v in graph.initializers.items()
-                  if not v.uses() and not v.is_graph_output() and not v.is_graph_input()]
-        for name in unused:
-            del graph.initializers[name]
+        remove_unused(model)
     return count
