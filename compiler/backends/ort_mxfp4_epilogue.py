@@ -137,11 +137,17 @@ def _strided_half(node: ir.Node, n: int) -> int | None:
 
 
 def _clip(node: ir.Node | None) -> tuple[float | None, float | None] | None:
+    """A Clip's (min, max), None for a bound it omits; None if it is no Clip or a bound is not a constant."""
     if not _std(node, "Clip"):
         return None
-    lo = _scalar(node.inputs[1]) if len(node.inputs) > 1 and node.inputs[1] is not None else None
-    hi = _scalar(node.inputs[2]) if len(node.inputs) > 2 and node.inputs[2] is not None else None
-    return lo, hi
+    bounds = []
+    for i in (1, 2):
+        given = node.inputs[i] if len(node.inputs) > i else None
+        bound = _scalar(given) if given is not None else None
+        if given is not None and bound is None:
+            return None
+        bounds.append(bound)
+    return bounds[0], bounds[1]
 
 
 def _result(op: ir.Node) -> tuple[ir.Value, int] | None:
@@ -201,8 +207,9 @@ def _fuse_x_share(graph: ir.Graph, op: ir.Node) -> bool:
     unsq = op.inputs[0].producer()
     if not _std(unsq, "Unsqueeze") or _ints(unsq.inputs[1]) != [1]:
         return False
+    width = op.inputs[0].shape[-1] if op.inputs[0].shape is not None else None
     reshape = unsq.inputs[0].producer()
-    if not _std(reshape, "Reshape") or _ints(reshape.inputs[1]) is None or len(_ints(reshape.inputs[1])) != 2:
+    if width is None or not _std(reshape, "Reshape") or _ints(reshape.inputs[1]) != [-1, width]:
         return False
     expand = reshape.inputs[0].producer()
     shape = _ints(expand.inputs[1]) if _std(expand, "Expand") else None
@@ -212,7 +219,6 @@ def _fuse_x_share(graph: ir.Graph, op: ir.Node) -> bool:
     inner = token_rows.producer()
     if not _std(inner, "Unsqueeze") or _ints(inner.inputs[1]) != [1]:
         return False
-    width = op.inputs[0].shape[-1] if op.inputs[0].shape is not None else None
     rows = token_rows.shape
     if rows is None or len(rows) != 3 or rows[1] != 1 or rows[2] != width:
         return False
