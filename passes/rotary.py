@@ -25,14 +25,14 @@ class ChunkedRotaryFusion(pattern.RewriteRuleClassBase):
         super().__init__(name="ChunkedRotaryEmbedding", remove_nodes=False)
 
     def pattern(self, op, x, cos, sin, axes1, axes2):
-        x1, x2 = op.Split(x, _allow_other_attributes=True, _outputs=2)
+        x1, x2 = op.Split(x, _allow_other_attributes=True, _outputs=["x1", "x2"])
         cos_4d = op.Unsqueeze(cos, axes1)
         sin_4d = op.Unsqueeze(sin, axes2)
         first = op.Sub(op.Mul(x1, cos_4d), op.Mul(x2, sin_4d))
         second = op.Add(op.Mul(x2, cos_4d), op.Mul(x1, sin_4d))
         return op.Concat(first, second, axis=-1)
 
-    def check(self, op, x, cos, sin, axes1, axes2, **_) -> pattern.MatchResult:
+    def check(self, op, x, cos, sin, axes1, axes2, x1, **_) -> pattern.MatchResult:
         result = pattern.MatchResult()
         if not (_ir_utils.is_singleton_value(axes1, 1) and _ir_utils.is_singleton_value(axes2, 1)):
             return result.fail("cos/sin are not unsqueezed on axis 1")
@@ -41,15 +41,16 @@ class ChunkedRotaryFusion(pattern.RewriteRuleClassBase):
         heads, size = x.shape[1], x.shape[3]
         if not isinstance(heads, int) or not isinstance(size, int) or size % 2:
             return result.fail("heads or head size not static (or odd)", x)
-        split = x.uses()
-        split = next((n for n, _ in split if n.op_type == "Split"), None)
-        axis = split.attributes.get_int("axis", 0) if split is not None else None
-        sizes = _ir_utils.get_numpy_value(split.inputs[1]) if split is not None and len(split.inputs) > 1 else None
+        split = x1.producer()  # the matched Split
+        axis = split.attributes.get_int("axis", 0)
+        sizes = _ir_utils.get_numpy_value(split.inputs[1]) if len(split.inputs) > 1 else None
         if axis not in (3, -1) or (sizes is not None and sizes.tolist() != [size // 2, size // 2]):
             return result.fail("the split is not the last axis in two halves", x)
         for table in (cos, sin):
-            if table.shape is not None and (len(table.shape) != 3 or table.shape[-1] not in (size // 2, None)
-                                            and not isinstance(table.shape[-1], ir.SymbolicDim)):
+            if table.shape is None:
+                continue
+            last = table.shape[-1] if len(table.shape) == 3 else None
+            if len(table.shape) != 3 or (isinstance(last, int) and last != size // 2):
                 return result.fail("cos/sin are not [B, S, D/2]", table)
         return result
 

@@ -130,7 +130,7 @@ const OrtCustomOpV13 g_mxfp4_op = make_op(mxfp4_name, mxfp4_input_type, mxfp4_in
 //                  scales uint8 [E, T, K/32, 16], optional bias float [E, N], optional weights float [M])
 //   -> float [..., N] (activation 1: [..., N / 2]; combine k: [M / k, 1, ...]),
 // attributes N (T = ceil(N / 16)), activation (0 none, 1 gpt-oss's clamped SwiGLU over interleaved gate/up
-// columns), alpha, limit, x_share and combine (the top-k repeat and weighted sum, see Problem): the rows quantized
+// columns), alpha, limit, x_share and combine (the top-k repeat and weighted sum, moe_epilogue.h): the rows quantized
 // to 8 bits per 32-block (mxfp4_q8_core.h; opt-in, not exact).
 
 #include "../../mxfp4/csrc/mxfp4_q8_core.h"
