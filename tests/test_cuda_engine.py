@@ -344,9 +344,20 @@ def test_every_family_cuda_engine_on_cpu_matches_transformers(model_type, family
     single = [eng.generate([p], params)[0].token_ids for p in prompts]
     with torch.no_grad():
         for p, got in zip(prompts, single, strict=True):
-            want = hf.generate(torch.tensor([p]), max_new_tokens=32, min_new_tokens=32, do_sample=False,
-                               eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
-            assert got == want, f"{model_type}: seed {seed}, prompt length {len(p)}"
+            out = hf.generate(torch.tensor([p]), max_new_tokens=32, min_new_tokens=32, do_sample=False,
+                              eos_token_id=None, pad_token_id=0, output_scores=True, return_dict_in_generate=True)
+            want = out.sequences[0, len(p):].tolist()
+            if got != want:
+                # The fixtures' random weights leave near-flat logits: transformers' own top two can sit within
+                # float32 rounding of each other (seen: 3.1315920 vs 3.1315911), and then either pick is the
+                # argmax. Only such an exact tie at the first difference is accepted; the tokens after it follow
+                # different prefixes and are not compared.
+                i = next(k for k in range(len(want)) if got[k] != want[k])
+                logits = out.scores[i][0]
+                gap = float(logits[want[i]] - logits[got[i]])
+                assert gap <= 1e-5 * max(1.0, float(logits[want[i]].abs())), (
+                    f"{model_type}: seed {seed}, prompt length {len(p)}: token {i} is {got[i]}, transformers "
+                    f"{want[i]} by a logit margin of {gap:.3g}")
     assert [o.token_ids for o in eng.generate(prompts, params)] == single, f"{model_type}: seed {seed}"
     ids = rng.integers(4, 512, 45).tolist()
     ref = Engine.load(cpu_dir).score(ids)
