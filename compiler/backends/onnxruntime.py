@@ -125,9 +125,10 @@ def lower(model: ir.Model, attention: str = "native", fusions: frozenset[str] | 
     become ORT contrib ops. On the native route the backend fusions named in ``fusions`` (default: all
     of :data:`FUSIONS`) run first: each layer's Split + rotary + reshapes + PagedAttention becomes one
     ``llmc.RotaryPagedAttention`` (ort_rotary_attention), an INT4 gate/up matmul + Split + SwiGLU one
-    ``llmc.Int4MatMul`` with the SwiGLU epilogue (ort_int4_swiglu), gpt-oss's expert bias and clamped SwiGLU
-    into ``llmc.Mxfp4MoEMatMulQ8``'s epilogue (ort_mxfp4_epilogue). Last, each float32 MatMul whose weight holds
-    bfloat16 values becomes ``llmc.Bf16MatMul`` over the weight kept in bfloat16 (ort_bf16_weights; exact).
+    ``llmc.Int4MatMul`` with the SwiGLU epilogue (ort_int4_swiglu), gpt-oss's expert glue (bias, clamped SwiGLU,
+    top-k repeat and weighted sum) into the MXFP4 expert ops' epilogue (ort_mxfp4_epilogue). Last, each float32
+    MatMul whose weight holds bfloat16 values becomes ``llmc.Bf16MatMul`` over the weight kept in bfloat16
+    (ort_bf16_weights; exact).
     """
     _check_route(attention)
     graph = model.graph

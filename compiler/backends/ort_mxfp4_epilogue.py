@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import numpy as np
 import onnx_ir as ir
-from onnx_ir.passes.common import RemoveUnusedNodesPass
 
 from llmc.passes.base import remove_unused, replace_value
 from llmc.passes.lazy import constant_of
@@ -259,12 +258,11 @@ def fuse_mxfp4_epilogue(model: ir.Model) -> int:
     down matmul's weighted top-k sum into the op; returns how many of those were folded. Unused nodes and
     initializers are removed."""
     graph = model.graph
-    count = 0
+    replaced: set[ir.Node] = set()  # ops a fusion took the place of: dead, swept once at the end with their chains
     for fuse in (_fuse_bias, _fuse_swiglu, _fuse_x_share, _fuse_combine):
         for node in list(graph):
-            if node.op_type in _OPS and node.domain == DOMAIN and node.graph is graph and fuse(graph, node):
-                RemoveUnusedNodesPass()(model)  # the replaced op and its chain, before the next match
-                count += 1
-    if count:
+            if node.op_type in _OPS and node.domain == DOMAIN and node not in replaced and fuse(graph, node):
+                replaced.add(node)
+    if replaced:
         remove_unused(model)
-    return count
+    return len(replaced)
