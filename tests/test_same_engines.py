@@ -1,0 +1,135 @@
+"""Same engines, byte for byte: a fixed set of builds compared file by file with sha256s recorded before the
+build's restructuring (issue 47: the build as stages behind a backend protocol must emit exactly what the
+inline build did).
+
+The recorded hashes are tied to the toolchain that made them (torch, transformers, onnx, ... change the
+traced graph, and transformers' version is written into the fixture checkpoints' config.json). Where the
+installed toolchain differs from the recorded one, the test is skipped naming the difference; record again with
+``python tests/test_same_engines.py --record`` from the commit whose engines are the reference.
+
+``build_info.json`` (timings, host, time) is not sealed and not compared; every other file is.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+RECORD = REPO / "tests" / "data" / "same_engines.json"
+DEFAULT_MODEL = REPO / "assets" / "default-model"
+
+# name -> (checkpoint, BuildOptions keyword arguments); quant recipes by name
+CASES: dict[str, tuple[str, dict]] = {
+    "default-cpu-fp32": ("default", {}),
+    "default-cpu-int4": ("default", {"quant": "int4"}),
+    "default-cpu-fp8": ("default", {"quant": "fp8"}),
+    "tiny-h100-bf16": ("tiny", {"target": "h100"}),
+    "tiny-h100-fp8": ("tiny", {"target": "h100", "quant": "fp8"}),
+    "tiny-cpu-lora": ("tiny", {"lora_slots": 2, "max_lora_rank": 8}),
+    "hybrid-lfm2-cpu": ("lfm2", {}),
+}
+
+
+def _checkpoint(kind: str, root: Path) -> Path:
+    if kind == "default":
+        return DEFAULT_MODEL
+    out = root / f"ckpt-{kind}"
+    if not (out / ".done").exists():
+        if kind == "tiny":
+            from llmc.testing.checkpoints import write_tiny_llama
+
+            write_tiny_llama(out, seed=0)
+        else:
+            from llmc.testing.hybrids import write_hybrid
+
+            write_hybrid(kind, out, seed=0)
+        (out / ".done").touch()
+    return out
+
+
+def _build(name: str, root: Path) -> dict[str, str]:
+    """Build case ``name`` under ``root``; returns {relative path: sha256} of every artifact file but build_info."""
+    from llmc.compiler.build import BuildOptions, build
+    from llmc.quant.recipe import QuantRecipe
+
+    kind, kwargs = CASES[name]
+    kwargs = dict(kwargs)
+    if "quant" in kwargs:
+        kwargs["quant"] = QuantRecipe(quant=kwargs["quant"])
+    out = root / name
+    # A fresh build cache each: report.json records whether the accuracy report's reference scores came from it.
+    os.environ["LLMC_CACHE_DIR"] = str(root / f"cache-{name}")
+    shutil.rmtree(root / f"cache-{name}", ignore_errors=True)
+    build(_checkpoint(kind, root), out, BuildOptions(force=True, **kwargs))
+    return {str(p.relative_to(out)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(out.rglob("*")) if p.is_file() and p.name != "build_info.json"}
+
+
+def _toolchain() -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    from llmc.compiler.artifact import toolchain_versions
+
+    out = dict(toolchain_versions())
+    for pkg in ("triton",):
+        try:
+            out[pkg] = version(pkg)
+        except PackageNotFoundError:
+            out[pkg] = "absent"
+    return out
+
+
+@pytest.fixture(scope="module")
+def recorded() -> dict:
+    data = json.loads(RECORD.read_text())
+    here = _toolchain()
+    diff = {k: (v, here.get(k)) for k, v in data["toolchain"].items() if here.get(k) != v}
+    if diff:
+        pytest.skip(f"toolchain differs from the one the hashes were recorded with (recorded, here): {diff}")
+    return data
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_engine_files_are_byte_identical(name, recorded, tmp_path_factory, monkeypatch):
+    monkeypatch.setenv("LLMC_SELF_CHECK", "0")
+    monkeypatch.setenv("LLMC_CACHE_DIR", os.environ.get("LLMC_CACHE_DIR", ""))  # restored after _build sets it
+    root = tmp_path_factory.getbasetemp().parent / "llmc-same-engines"
+    root.mkdir(exist_ok=True)
+    from filelock import FileLock
+
+    with FileLock(str(root / f"{name}.lock")):
+        got = _build(name, root)
+    want = recorded["cases"][name]
+    assert sorted(got) == sorted(want), f"{name}: files differ: {sorted(set(got) ^ set(want))}"
+    changed = [f for f in want if got[f] != want[f]]
+    assert not changed, f"{name}: these files changed: {changed}"
+
+
+def _record() -> None:
+    import tempfile
+
+    os.environ["LLMC_SELF_CHECK"] = "0"
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    with tempfile.TemporaryDirectory() as tmp:
+        cases = {name: _build(name, Path(tmp)) for name in CASES}
+    import subprocess
+
+    commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True).stdout
+    RECORD.parent.mkdir(exist_ok=True)
+    RECORD.write_text(json.dumps({"commit": commit.strip(), "toolchain": _toolchain(), "cases": cases},
+                                 indent=1, sort_keys=True) + "\n")
+    print(f"recorded {len(cases)} builds in {RECORD}")
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] != ["--record"]:
+        sys.exit("usage: python tests/test_same_engines.py --record")
+    _record()
