@@ -90,7 +90,7 @@ def heldout_prompts(model: Path, count: int, length: int) -> list[list[int]]:
     continuations are flat, which made greedy agreement of every format, fp8 included, ~15 points lower)."""
     from tokenizers import Tokenizer
 
-    from llmc.testing.corpus import pydoc_texts
+    from llmc.quant.corpus import pydoc_texts
 
     tok = Tokenizer.from_file(str(model / "tokenizer.json"))
     bos = json.loads((model / "config.json").read_text()).get("bos_token_id")

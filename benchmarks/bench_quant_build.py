@@ -37,7 +37,7 @@ def llama_cpp(model: Path, work: Path, threads: int, samples: int, seq_len: int)
     (the built-in pydoc training split; ``samples`` chunks of ``seq_len`` tokens, as llmc's default calibration),
     then ``llama-quantize --imatrix`` to Q4_K_M. The float32 GGUF conversion (which llmc's build does not need:
     it reads safetensors) is cached under the peers root and timed apart."""
-    from llmc.testing.corpus import pydoc_texts
+    from llmc.quant.corpus import pydoc_texts
 
     gguf = PEERS / "gguf" / f"{model.name}-f32.gguf"
     convert_s = None

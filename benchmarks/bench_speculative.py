@@ -92,7 +92,7 @@ def workloads(tokenizer, n: int) -> dict[str, list[list[int]]]:
     Only 4 held-out documents are longer than 1500 characters, so prompts start at line starts 1500
     characters apart in them, taken round-robin (the first ``n``), so that batch 8 has 8 prompts.
     """
-    from llmc.testing.corpus import pydoc_texts
+    from llmc.quant.corpus import pydoc_texts
 
     docs = [d for d in pydoc_texts("heldout") if len(d) > 1500]
     texts = []

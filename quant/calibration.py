@@ -42,7 +42,7 @@ def load_texts(path: str | Path | None) -> list[str]:
     """Documents for calibration: a JSONL file (one object with a ``"text"`` string per line), any
     other file as plain text (one document), or the training split of the built-in pydoc corpus."""
     if path is None:
-        from llmc.testing.corpus import pydoc_texts
+        from llmc.quant.corpus import pydoc_texts
 
         return pydoc_texts("train")
     p = Path(path)

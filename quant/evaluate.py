@@ -17,6 +17,8 @@ import numpy as np
 
 from llmc.errors import EXIT_ACCURACY_GATE, LlmcError
 
+# Sealed into every quantized engine's report: the wording (which names the corpus's module before it moved to
+# llmc.quant.corpus) stays, so that the same build gives the same bytes.
 HELDOUT_SOURCE = "pydoc_data.topics, held-out split (llmc.testing.corpus)"
 
 
@@ -81,7 +83,7 @@ def heldout_windows(tokenizer_file: Path, window: int, max_tokens: int) -> list[
     in document order, until ``max_tokens`` tokens are collected."""
     from tokenizers import Tokenizer
 
-    from llmc.testing.corpus import pydoc_texts
+    from llmc.quant.corpus import pydoc_texts
 
     tok = Tokenizer.from_file(str(tokenizer_file))
     windows: list[list[int]] = []

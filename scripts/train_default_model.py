@@ -34,10 +34,10 @@ SAMPLE_TOKENS = 60
 FLOAT32_LIMIT_BYTES = 17_000_000
 
 
-def load_corpus_module() -> ModuleType:
-    """Load ``testing/corpus.py`` by path, so the script runs before llmc is installed."""
-    path = REPO_ROOT / "testing" / "corpus.py"
-    spec = importlib.util.spec_from_file_location("llmc_testing_corpus", path)
+def load_module(relative: str, name: str) -> ModuleType:
+    """Load one module of the repository by path, so the script runs before llmc is installed."""
+    path = REPO_ROOT / relative
+    spec = importlib.util.spec_from_file_location(name, path)
     if spec is None or spec.loader is None:
         raise ImportError(f"cannot load {path}")
     module = importlib.util.module_from_spec(spec)
@@ -398,9 +398,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
-    corpus = load_corpus_module()
+    corpus = load_module("quant/corpus.py", "llmc_quant_corpus")  # the pinned pydoc text
+    bpe = load_module("testing/corpus.py", "llmc_testing_corpus")  # the BPE tokenizer trained on it
 
-    tokenizer = corpus.train_bpe_tokenizer(args.vocab_size, model_max_length=args.max_position_embeddings)
+    tokenizer = bpe.train_bpe_tokenizer(args.vocab_size, model_max_length=args.max_position_embeddings,
+                                     texts=corpus.pydoc_texts("train"))
     train = token_stream(corpus.pydoc_texts("train"), tokenizer)
     heldout = token_stream(corpus.pydoc_texts("heldout"), tokenizer)
     print(f"tokens: train {train.numel()}, heldout {heldout.numel()}", flush=True)
@@ -536,7 +538,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args.out.mkdir(parents=True, exist_ok=True)
     dtype = save_model(model, args.out)
-    corpus.save_tokenizer(tokenizer, args.out)
+    bpe.save_tokenizer(tokenizer, args.out)
     write_model_card(
         args,
         argv,

@@ -1,33 +1,22 @@
-"""A small, offline English corpus and a byte-level BPE tokenizer trained on it.
+"""A byte-level BPE tokenizer trained on llmc's built-in pydoc corpus, and the chat template it carries.
 
-The corpus is the text of Python's ``pydoc_data.topics.topics`` as CPython 3.11.7 ships it,
-stored next to this module (``pydoc_topics.json.gz``, pinned by :data:`CORPUS_SHA256`).  It is
-shipped rather than imported from the running Python because that module differs between patch
-releases (3.11.2 has 466,019 characters, 3.11.7 464,970): built-in calibration, the held-out
-accuracy figures and the bundled default model's training data must not depend on which Python
-runs the build.  Tests, fixtures and the default model can all be rebuilt with no network access.
+The text itself (CPython 3.11.7's ``pydoc_data.topics``, pinned by sha256) is product data and lives in
+:mod:`llmc.quant.corpus`, next to the calibration and accuracy code that reads it; this module is the test
+support built on it.  Tests, fixtures and the default model can all be rebuilt with no network access.
 
 This module is deliberately dependency-light (stdlib, ``tokenizers``, ``transformers``) and
-importable by file path, because the test fixtures and ``scripts/train_default_model.py``
-use it before ``llmc`` is installed.
+importable by file path, because ``scripts/train_default_model.py`` uses it before ``llmc`` is
+installed (passing the texts in, from ``quant/corpus.py`` loaded by path too).
 """
 
 from __future__ import annotations
 
-import gzip
-import hashlib
 import json
-from functools import cache
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Literal
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
-
-try:
-    from llmc.errors import LlmcError as _ErrorBase
-except ImportError:  # loaded by file path (scripts/train_default_model.py) before llmc is installed
-    _ErrorBase = RuntimeError
 
 __all__ = [
     "ASSISTANT_TOKEN",
@@ -35,16 +24,10 @@ __all__ = [
     "CHAT_TEMPLATE",
     "EOS_TOKEN",
     "SPECIAL_TOKENS",
-    "CORPUS_FILE",
-    "CORPUS_SHA256",
-    "CORPUS_SOURCE",
     "USER_TOKEN",
-    "pydoc_texts",
     "save_tokenizer",
     "train_bpe_tokenizer",
 ]
-
-Split = Literal["train", "heldout", "all"]
 
 EOS_TOKEN = "<|endoftext|>"
 BOS_TOKEN = "<|begin_of_text|>"
@@ -89,53 +72,10 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
 )
 
-_HELDOUT_EVERY = 10
-
-CORPUS_FILE = Path(__file__).with_name("pydoc_topics.json.gz")
-# sha256 of the decompressed JSON (``{topic: text}``, sorted keys, UTF-8): what every built-in
-# calibration and accuracy figure, and the default model's training data, were computed from.
-CORPUS_SHA256 = "35db0d72c025200b8bcdc73ea7374eb35c056d9b955ec41524b3a5068a3095b0"
-CORPUS_SOURCE = "pydoc_data.topics of CPython 3.11.7, shipped with llmc"
-
-
-class CorpusError(_ErrorBase):
-    """The shipped corpus file is missing or not the pinned text (a damaged or incomplete install)."""
-
-
-@cache
-def _topics() -> dict[str, str]:
-    try:
-        raw = gzip.decompress(CORPUS_FILE.read_bytes())
-    except (OSError, EOFError) as exc:
-        raise CorpusError(f"{CORPUS_FILE}: cannot read llmc's built-in corpus ({exc}); reinstall llmc "
-                          "(the file is package data of llmc.testing)") from None
-    digest = hashlib.sha256(raw).hexdigest()
-    if digest != CORPUS_SHA256:
-        raise CorpusError(f"{CORPUS_FILE}: sha256 {digest[:16]}... is not the pinned {CORPUS_SHA256[:16]}...; "
-                          "the built-in corpus is damaged or was replaced: reinstall llmc")
-    return json.loads(raw.decode("utf-8"))
-
-
-def pydoc_texts(split: Split = "train") -> list[str]:
-    """Return the documents of the shipped ``pydoc_data.topics.topics`` for one split.
-
-    Keys are sorted, and the key at sorted index ``i`` is held out when ``i % 10 == 0``;
-    the rest form the training split.  ``split="all"`` returns every document.  Documents
-    come back in sorted-key order, so the result is the same on every Python.
-    """
-    if split not in ("train", "heldout", "all"):
-        raise ValueError(f"split must be 'train', 'heldout' or 'all', not {split!r}")
-    topics = _topics()
-    texts = []
-    for index, key in enumerate(sorted(topics)):
-        heldout = index % _HELDOUT_EVERY == 0
-        if split == "all" or (split == "heldout") == heldout:
-            texts.append(topics[key])
-    return texts
-
-
-def train_bpe_tokenizer(vocab_size: int = 4096, model_max_length: int = 1024) -> PreTrainedTokenizerFast:
-    """Train a byte-level BPE tokenizer on the training split of :func:`pydoc_texts`.
+def train_bpe_tokenizer(vocab_size: int = 4096, model_max_length: int = 1024,
+                        texts: Iterable[str] | None = None) -> PreTrainedTokenizerFast:
+    """Train a byte-level BPE tokenizer on ``texts``, by default the training split of
+    :func:`llmc.quant.corpus.pydoc_texts`.
 
     The vocabulary holds the four special tokens (ids 0-3: ``<|endoftext|>``,
     ``<|begin_of_text|>``, ``<|user|>``, ``<|assistant|>``), then the 256 byte symbols,
@@ -168,7 +108,12 @@ def train_bpe_tokenizer(vocab_size: int = 4096, model_max_length: int = 1024) ->
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tokenizer.train_from_iterator(pydoc_texts("train"), trainer=trainer)
+    if texts is None:
+        # Imported here so that a by-path load (which passes ``texts``) needs no installed llmc.
+        from llmc.quant.corpus import pydoc_texts
+
+        texts = pydoc_texts("train")
+    tokenizer.train_from_iterator(texts, trainer=trainer)
 
     return PreTrainedTokenizerFast(
         tokenizer_object=tokenizer,

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from llmc.testing import corpus
+from llmc.quant import corpus
 
 
 def test_corpus_is_the_pinned_text():
@@ -49,4 +49,4 @@ def test_a_damaged_corpus_fails_clearly(tmp_path, monkeypatch, damage):
 def test_corpus_is_package_data():
     """A non-editable install must carry the file (setuptools installs only what package-data lists)."""
     pyproject = tomllib.loads((Path(__file__).resolve().parent.parent / "pyproject.toml").read_text())
-    assert corpus.CORPUS_FILE.name in pyproject["tool"]["setuptools"]["package-data"]["llmc.testing"]
+    assert corpus.CORPUS_FILE.name in pyproject["tool"]["setuptools"]["package-data"]["llmc.quant"]

@@ -8,8 +8,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from llmc.quant.corpus import pydoc_texts
 from llmc.runtime import Engine, SamplingParams
-from llmc.testing.corpus import pydoc_texts
 
 DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "assets" / "default-model"
 PROMPTS = ["The for statement", "A class definition", "The with statement"]

@@ -59,7 +59,7 @@ def test_bad_quant_requests_are_refused_before_any_work(tmp_path, tiny_llama, ar
 
 def test_quantized_build_reports_accuracy(tmp_path, tiny_llama):
     calib = tmp_path / "calib.jsonl"
-    from llmc.testing.corpus import pydoc_texts
+    from llmc.quant.corpus import pydoc_texts
 
     calib.write_text("".join(json.dumps({"text": t}) + "\n" for t in pydoc_texts("train")[:40]))
     out = tmp_path / "awq"
