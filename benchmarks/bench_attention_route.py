@@ -65,7 +65,7 @@ def engine(name: str, ckpt: Path, route: str) -> Path:
 def step_times(engines: dict, prompts: list[list[int]], n: int) -> dict[str, list[float]]:
     """Seconds of each decode step of ``prompts`` (all sequences decoding together), the engines'
     steps interleaved one by one; the prompt pass is not timed."""
-    from llmc.runtime.bench import _greedy
+    from llmc.bench.workloads import _greedy
 
     rids = {r: [e.submit(p, _greedy(n + 1)) for p in prompts] for r, e in engines.items()}
     for e in engines.values():
@@ -85,8 +85,8 @@ def step_times(engines: dict, prompts: list[list[int]], n: int) -> dict[str, lis
 
 
 def measure(name: str) -> list[dict]:
+    from llmc.bench.workloads import _prompts, decode_run, prefill_run
     from llmc.runtime import Engine
-    from llmc.runtime.bench import _prompts, decode_run, prefill_run
 
     ckpt = checkpoint(name)
     dirs = {r: engine(name, ckpt, r) for r in ROUTES}

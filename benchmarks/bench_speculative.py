@@ -199,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     # then, so that plain and speculative engines could differ in it (1.2-2x either way on these shared cores).
     os.environ.setdefault("LLMC_ORT_SPIN", "0")
     from llmc.runtime import Engine
-    from llmc.runtime.speculative import SpeculativeConfig
+    from llmc.runtime.speculative.config import SpeculativeConfig
 
     work = Path(tempfile.mkdtemp(prefix="bench-spec-"))
     models = {"default": args.model}

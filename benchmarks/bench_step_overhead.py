@@ -132,7 +132,7 @@ def interleaved_steps(engines: list, variants: tuple[Variant, ...], prompts: lis
                       steps: int) -> list[list[float]]:
     """Seconds of each of ``steps`` decode steps of ``prompts`` (decoding together) on every engine,
     the engines' steps interleaved one by one; the prompt pass is not timed."""
-    from llmc.runtime.bench import _greedy
+    from llmc.bench.workloads import _greedy
 
     rids = [[e.submit(p, _greedy(steps + 1)) for p in prompts] for e in engines]
     for e, v in zip(engines, variants, strict=True):
@@ -154,8 +154,8 @@ def interleaved_steps(engines: list, variants: tuple[Variant, ...], prompts: lis
 
 
 def compare(name: str) -> list[dict]:
+    from llmc.bench.workloads import _prompts
     from llmc.runtime import Engine
-    from llmc.runtime.bench import _prompts
 
     before, after, precisions = COMPARISONS[name]
     rows = []

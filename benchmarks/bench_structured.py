@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 
 from llmc.runtime import Engine, SamplingParams
-from llmc.runtime.structured import StructuredConfig
+from llmc.runtime.sampling.structured import StructuredConfig
 
 REPO = Path(__file__).resolve().parent.parent
 

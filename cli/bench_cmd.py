@@ -103,7 +103,8 @@ def bench(engine: Path, workloads: str, batches: tuple[str, ...], input_len: int
     """
     import os
 
-    from llmc.runtime.bench import BenchConfig, run
+    from llmc.bench.config import BenchConfig
+    from llmc.bench.driver import run
 
     if out is not None and out.is_dir():
         raise LlmcError(f"--out {out}: is a directory; give a file name, e.g. --out {out / 'bench.json'}")

@@ -144,7 +144,7 @@ def serve(engine: Path, host: str, port: int, served_model_name: str | None, api
     _positive("--max-body-size", body_limit)
     if api_key is not None and not api_key.strip():
         raise LlmcError("--api-key: empty; give a key, or leave the flag out to serve without one")
-    from llmc.runtime.speculative import SpeculativeConfig
+    from llmc.runtime.speculative.config import SpeculativeConfig
 
     spec = SpeculativeConfig.parse(speculative, num_speculative_tokens) if speculative else None
     if replicas < 1:

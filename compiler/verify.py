@@ -54,7 +54,7 @@ def random_step(rng: np.random.Generator, vocab: int, kv: KVShape, num_blocks: i
         # far past any threshold, so both factor sets are exercised. Other graphs do not take it.
         "rope_lengths": np.repeat(np.asarray([ctx[0], 1 << 30, 1 << 30], np.int64), [n for _, n in plan]),
     }
-    from llmc.runtime.kv_cache import layer_geometry
+    from llmc.runtime.core.kv_cache import layer_geometry
 
     pool = []
     for i, (owner, heads, size) in enumerate(layer_geometry(kv.num_layers, kv.num_kv_heads, kv.head_size, kv.layers)):
@@ -67,7 +67,7 @@ def random_step(rng: np.random.Generator, vocab: int, kv: KVShape, num_blocks: i
 def run_graph(model: ir.Model, feeds: dict[str, np.ndarray], pool, fusions: frozenset[str] | None = None) -> np.ndarray:
     """Execute ``model`` (llmc ops lowered on a copy, with the backend ``fusions``: default all) in ONNX
     Runtime on a copy of ``pool``."""
-    from llmc.runtime.session import OrtSession
+    from llmc.runtime.workers.ort.session import OrtSession
 
     copy = ir.serde.deserialize_model(ir.serde.serialize_model(model))
     custom_ops = ort_backend.CUSTOM_OPS["native"]

@@ -254,8 +254,8 @@ class LayerwiseScorer:
 
     def run(self, windows: list[list[int]]) -> list[np.ndarray]:
         """float32 logits ``[len(w), vocab]`` of every window ``w`` (each scored alone, as ``Engine.score`` does)."""
-        from llmc.runtime.kv_cache import KVPool
-        from llmc.runtime.session import OrtSession
+        from llmc.runtime.core.kv_cache import KVPool
+        from llmc.runtime.workers.ort.session import OrtSession
 
         if not windows:
             return []
@@ -269,7 +269,7 @@ class LayerwiseScorer:
         # whole-sequence prefill does; the next window (in this stage or a later one) starts over in the same slot.
         state = None
         if kv.state is not None:
-            from llmc.runtime.state_cache import StatePool
+            from llmc.runtime.core.state_cache import StatePool
 
             state = StatePool.allocate(kv.state, 1).arrays
             for f in feeds:

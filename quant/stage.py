@@ -252,7 +252,7 @@ def _scored_engine(manifest: dict, device: str | None) -> str:
 def _engine_graph(engine_dir: Path) -> tuple[ir.Model, layerwise.KVShape, str]:
     """A CPU engine's graph (weights memory-mapped from its files, read a stage at a time), KV layout and
     custom-op library, from its manifest."""
-    from llmc.runtime.session import custom_ops_of
+    from llmc.runtime.workers.ort.session import custom_ops_of
 
     manifest = json.loads((engine_dir / "manifest.json").read_text())
     kv = manifest["kv_cache"]

@@ -218,7 +218,7 @@ def cuda_problem(manifest: dict, device: str = "cuda") -> str | None:
                 f"rebuild with --gpu auto on this machine")
     if torch.cuda.device_count() < tp:
         return f"{need}; this machine has {torch.cuda.device_count()}; run it where {tp} such GPUs are"
-    from llmc.runtime.cuda import kernels as cuda_kernels
+    from llmc.runtime.workers.cuda import kernels as cuda_kernels
 
     drv = cuda_kernels.driver_version()
     ptxas = manifest.get("toolchain", {}).get("ptxas_cuda", "unknown")

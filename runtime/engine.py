@@ -1,6 +1,6 @@
 """``Engine``: load an artifact and serve generation requests with continuous batching.
 
-Requests are submitted to a :class:`~llmc.runtime.scheduler.Scheduler`; every :meth:`Engine.step`
+Requests are submitted to a :class:`~llmc.runtime.core.scheduler.Scheduler`; every :meth:`Engine.step`
 runs one packed forward pass over the chunks the scheduler picked (decode tokens and prefill
 chunks together, KV in the paged pool), samples one token for each request whose chunk reached
 its last known token, and retires finished requests, returning their blocks at once.
@@ -9,131 +9,49 @@ Entry points: :meth:`Engine.generate` (a batch, to completion), :meth:`Engine.st
 tokens are produced) and :meth:`Engine.astream` (asyncio), :meth:`Engine.submit` /
 :meth:`Engine.step` / :meth:`Engine.cancel` for callers that drive the loop themselves, and
 :meth:`Engine.stats`. One engine serves one process; calls are serialised by a lock.
+
+The façade delegates: loading to ``loaders`` (one loader per executor), a step to
+:class:`~llmc.runtime.core.step.Stepper`, adapters to ``lora.requests``, drafts to ``speculative``, constraints
+to ``sampling.structured``; streaming's text deltas to ``streaming``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
-import json
 import os
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+import llmc.runtime.artifact as artifact
 from llmc.errors import LlmcError, UnsupportedError
-from llmc.runtime import artifact
-from llmc.runtime.kv_cache import BlockManager, KVPool
-from llmc.runtime.lora import LoraSlots, LoraSpec
-from llmc.runtime.sampler import SampleRow, SamplingParams, sample, token_logprobs
-from llmc.runtime.scheduler import Request, Scheduler, SchedulerConfig, SchedulerOutput
-from llmc.runtime.session import OrtSession, custom_ops_of
-from llmc.runtime.speculative import SpeculativeConfig, Speculator
-from llmc.runtime.state_cache import NO_PREFIX_CACHING, StatePool
-from llmc.runtime.structured import StructuredConfig, StructuredRuntime
+from llmc.runtime.core.block_manager import BlockManager
+from llmc.runtime.core.kv_cache import KVPool
+from llmc.runtime.core.request import Request
+from llmc.runtime.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from llmc.runtime.core.state_cache import StatePool
+from llmc.runtime.core.step import Stepper
+from llmc.runtime.loaders.common import EngineParts, LoadOptions, max_model_len
+from llmc.runtime.lora import requests as lora_requests
+from llmc.runtime.lora.adapter import LoraSpec
+from llmc.runtime.lora.slots import LoraSlots
+from llmc.runtime.outputs import EngineStats, GenerationOutput, RequestOutput, StreamEvent
+from llmc.runtime.sampling.sampler import SamplingParams
+from llmc.runtime.sampling.structured import StructuredConfig, StructuredRuntime
+from llmc.runtime.speculative.config import SpeculativeConfig
+from llmc.runtime.speculative.draft_model import DraftModel
+from llmc.runtime.speculative.speculator import Speculator
+from llmc.runtime.streaming import TextDeltas
 from llmc.runtime.tokenizer import Tokenizer
+from llmc.runtime.workers.ort.session import OrtSession
 
 Prompt = str | Sequence[int]
-
-
-@dataclass
-class GenerationOutput:
-    """One finished request. Times in seconds from submission; ``ttft`` is time to first token.
-
-    ``logprobs`` (when requested) has one ``{token_id: logprob}`` per output token, holding the
-    chosen token and the requested number of most likely ones.
-    """
-
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    text: str | None
-    finish_reason: str
-    ttft: float = 0.0
-    latency: float = 0.0
-    request_id: str = ""
-    logprobs: list[dict[int, float]] | None = None
-    num_cached_tokens: int = 0
-    num_preemptions: int = 0
-    # Structured outputs (SamplingParams.structured): the output stopped before its structure was
-    # complete (by max_tokens, a stop string, cancellation), or the constraint failed (then why).
-    structured_incomplete: bool = False
-    structured_error: str | None = None
-
-
-@dataclass
-class RequestOutput:
-    """What one step produced for one request: its new token (if any) and whether it finished."""
-
-    request_id: str
-    new_token_ids: list[int]
-    new_logprobs: list[dict[int, float]] | None
-    finished: bool
-    finish_reason: str | None
-
-
-@dataclass
-class StreamEvent:
-    """One streamed token of request ``index`` (position in the prompts given to stream()).
-
-    The last event of a request has ``finished`` set (a cancelled request's last event carries
-    no token). ``text`` is the new text this token adds (``None`` without a tokenizer).
-    """
-
-    index: int
-    request_id: str
-    token_id: int | None
-    text: str | None
-    logprobs: dict[int, float] | None
-    finished: bool
-    finish_reason: str | None
-
-
-@dataclass
-class EngineStats:
-    """A snapshot of the engine. Block counts are KV blocks of ``block_size`` tokens."""
-
-    num_running: int
-    num_waiting: int
-    kv_blocks_total: int
-    kv_blocks_used: int
-    kv_blocks_free: int  # free plus cached-but-unused (evictable) blocks
-    kv_blocks_cached: int  # blocks registered in the prefix cache
-    prefix_cache_hit_rate: float  # hit blocks / looked-up full prompt blocks
-    cached_prompt_tokens: int  # prompt tokens served by the prefix cache
-    prompt_tokens_computed: int
-    recomputed_tokens: int
-    generated_tokens: int
-    num_preemptions: int
-    num_steps: int
-    busy_seconds: float  # time spent in steps
-    tokens_per_s: float  # generated tokens per busy second
-    # Speculative decoding (zeros without it): draft tokens verified, of which accepted, verify chunks;
-    # acceptance rate = accepted / draft; mean accepted length = accepted / verify chunks (the target's own
-    # token per chunk not counted); draft_seconds = time in the draft model's steps.
-    spec_num_draft_tokens: int = 0
-    spec_num_accepted_tokens: int = 0
-    spec_num_verify_steps: int = 0
-    spec_acceptance_rate: float = 0.0
-    spec_mean_accepted_length: float = 0.0
-    spec_draft_seconds: float = 0.0
-    # Multi-LoRA engines: adapters that running requests use, adapters that waiting requests ask for, and the
-    # engine's slots (0: no LoRA); vLLM's lora_requests_info gauge reports them.
-    running_lora_adapters: tuple[str, ...] = ()
-    waiting_lora_adapters: tuple[str, ...] = ()
-    max_lora: int = 0
-    # Hybrid models (recurrent layers): per-sequence state slots beside the KV blocks, and their memory.
-    state_slots_total: int = 0
-    state_slots_used: int = 0
-    state_bytes: int = 0
-    # Why prefix caching is off although it was asked for ("" when it is on or was turned off by the caller).
-    prefix_caching_disabled_reason: str = ""
-
-    def as_dict(self) -> dict:
-        return dict(self.__dict__)
+# Re-exported for ``from llmc.runtime import ...``: the outputs are the engine's API.
+__all__ = ["Engine", "EngineStats", "GenerationOutput", "Prompt", "RequestOutput", "StreamEvent"]
 
 
 class Engine:
@@ -154,36 +72,46 @@ class Engine:
         self.config = config
         self.max_num_tokens = config.max_num_tokens
         self.block_size = pool.block_size
-        self.max_model_len = _max_model_len(path, manifest)
+        self.max_model_len = max_model_len(path, manifest)
         self.vocab_size = int(manifest["engine"]["vocab_size"])
-        # Whether ORT's threads spin between ops, and why (runtime/spin_policy.py).
+        # Whether ORT's threads spin between ops, and why (runtime/workers/ort/spin_policy.py).
         self.threads_spin: tuple[bool, str] = (session.spinning, session.spin_reason)
         # longrope engines take each token's sequence length, which selects its rotary factors.
         self._rope_lengths = "rope_lengths" in manifest["engine"].get("inputs", ())
         self.scheduler = Scheduler(config, blocks)
-        self.last_schedule: SchedulerOutput | None = None  # the latest step's decisions, for inspection
         self._lock = threading.RLock()
         self._ids = itertools.count()
         self._pending: list[RequestOutput] = []  # cancellations to report with the next step
-        self._retain: set[str] = set()  # ids from submit(): kept when finished until result() reads them
-        self._done: dict[str, Request] = {}
-        self._busy = 0.0
-        self._generated = 0
         self._driver: asyncio.Task | None = None
         self._listeners: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
-        self.speculator: Speculator | None = None  # set by load(speculative=...)
-        self._structured: StructuredRuntime | None = None  # made by the first constrained request
         self._structured_config: StructuredConfig | None = None  # set by load(structured_config=...)
-        # Multi-LoRA engines (manifest "lora"): adapters by name and the slots the graph reads (runtime/lora.py).
+        # Multi-LoRA engines (manifest "lora"): adapters by name and the slots the graph reads (runtime/lora/).
         spec = LoraSpec.from_manifest(manifest)
         self.lora: LoraSlots | None = LoraSlots(spec) if spec is not None else None
         self.scheduler.lora = self.lora
         # How steps get the slot buffers: a CUDA session keeps them in device memory (written per adapter load),
         # ONNX Runtime reads the host arrays in place through OrtValues, anything else takes the arrays.
-        self._lora_feed = "device" if hasattr(session, "bind_lora") else \
+        lora_feed = "device" if hasattr(session, "bind_lora") else \
             "ortvalue" if isinstance(session, OrtSession) else "numpy"
-        if self.lora is not None and self._lora_feed == "device":
+        if self.lora is not None and lora_feed == "device":
             session.bind_lora(self.lora)
+        # One step's work (scheduling, the worker, sampling, booking tokens): llmc.runtime.core.step.
+        self._stepper = Stepper(self.scheduler, session, pool, blocks, state, self.lora, lora_feed, eos_ids,
+                                tokenizer, self._rope_lengths)
+
+    @property
+    def speculator(self) -> Speculator | None:
+        """How requests speculate (None: plain decode); set by ``load(speculative=...)`` or :meth:`set_speculator`."""
+        return self._stepper.speculator
+
+    @speculator.setter
+    def speculator(self, speculator: Speculator | None) -> None:
+        self._stepper.speculator = speculator
+
+    @property
+    def last_schedule(self) -> SchedulerOutput | None:
+        """The latest step's decisions, for inspection."""
+        return self._stepper.last_schedule
 
     @classmethod
     def load(cls, path: str | Path, *, kv_cache_tokens: int | None = None, max_num_tokens: int = 2048,
@@ -218,7 +146,8 @@ class Engine:
         (``SamplingParams.speculative``): see :class:`~llmc.runtime.speculative.SpeculativeConfig`; a draft
         model is loaded here, as a CPU engine with the same thread settings.
         ``structured_config`` bounds what constrained requests (``SamplingParams.structured``) may cost and
-        how their masks are computed: see :class:`~llmc.runtime.structured.StructuredConfig` (None: its defaults).
+        how their masks are computed: see :class:`~llmc.runtime.sampling.structured.StructuredConfig` (None: its
+        defaults).
         ``lora_adapters`` (``{name: directory}``, PEFT's format) are registered with :meth:`add_lora`, each checked
         in full here (engines built with ``--lora-slots``); requests pick one with ``SamplingParams.lora``.
         ``state_cache_bytes`` bounds a hybrid CPU engine's recurrent-state pool (default: the KV pool's size, at
@@ -226,9 +155,10 @@ class Engine:
         """
         if structured_config is not None and not isinstance(structured_config, StructuredConfig):
             raise LlmcError(f"structured_config: must be a StructuredConfig (got {type(structured_config).__name__})")
-        engine = cls._load(path, kv_cache_tokens, max_num_tokens, max_num_seqs, max_waiting, enable_chunked_prefill,
-                           max_prefill_tokens_with_decodes, enable_prefix_caching, num_threads, attention_threads,
-                           verify, device, gpu_memory_utilization, cuda_graphs, state_cache_bytes)
+        engine = cls._load(path, LoadOptions(
+            kv_cache_tokens, max_num_tokens, max_num_seqs, max_waiting, enable_chunked_prefill,
+            max_prefill_tokens_with_decodes, enable_prefix_caching, num_threads, attention_threads, verify, device,
+            gpu_memory_utilization, cuda_graphs, state_cache_bytes))
         engine._structured_config = structured_config
         for name, adapter_path in (lora_adapters or {}).items():
             engine.add_lora(name, adapter_path)
@@ -253,7 +183,11 @@ class Engine:
             if draft._state is not None:  # its steps run outside Engine.step, with no state slots
                 raise UnsupportedError(f"{config.draft_model}: a draft model with recurrent layers (state_cache) is "
                                        "not supported yet; use a draft model without them, or method 'ngram'")
-        return Speculator(config, self.vocab_size, draft)
+        parts = None
+        if draft is not None:
+            parts = DraftModel(draft.path, draft.vocab_size, draft._session, draft._pool, draft._blocks,
+                               draft._rope_lengths)
+        return Speculator(config, self.vocab_size, parts)
 
     def set_speculator(self, speculator: Speculator | None) -> Speculator | None:
         """Change how later requests speculate (``None``: plain decode); returns the speculator it replaces.
@@ -273,134 +207,26 @@ class Engine:
             return old
 
     @classmethod
-    def _load(cls, path, kv_cache_tokens, max_num_tokens, max_num_seqs, max_waiting, enable_chunked_prefill,
-              max_prefill_tokens_with_decodes, enable_prefix_caching, num_threads, attention_threads, verify, device,
-              gpu_memory_utilization, cuda_graphs, state_cache_bytes=None) -> Engine:
+    def _load(cls, path: str | Path, options: LoadOptions) -> Engine:
+        """The engine at ``path``, loaded by its executor's loader (``llmc.runtime.loaders``)."""
         root = Path(path)
-        manifest = artifact.require_valid(root) if verify else artifact.read_manifest(root)
-        engine_info, kv = manifest["engine"], manifest["kv_cache"]
-        if engine_info.get("backend") in ("tensorrt", "tensorrt_rtx"):  # say what this machine lacks
+        manifest = artifact.require_valid(root) if options.verify else artifact.read_manifest(root)
+        backend = manifest["engine"].get("backend")
+        if backend in ("tensorrt", "tensorrt_rtx"):  # say what this machine lacks
             problem = artifact.load_problems(manifest)[0]
             raise UnsupportedError(f"{root / problem.file}: {problem.message}")
-        if engine_info.get("backend") == "cuda":
-            return cls._load_cuda(root, manifest, kv_cache_tokens, config_args=dict(
-                max_num_tokens=max_num_tokens, max_num_seqs=max_num_seqs, max_waiting=max_waiting,
-                enable_chunked_prefill=enable_chunked_prefill,
-                max_prefill_tokens_with_decodes=max_prefill_tokens_with_decodes,
-                enable_prefix_caching=enable_prefix_caching and engine_info.get("rope_recompute_at") is None,
-                rope_recompute_at=engine_info.get("rope_recompute_at")),
-                device=device or "cuda", gpu_memory_utilization=gpu_memory_utilization, cuda_graphs=cuda_graphs)
-        if device not in (None, "cpu"):
-            raise LlmcError(f"{root / artifact.MANIFEST}: device {device!r}: this is a CPU engine (backend "
-                            f"{engine_info.get('backend')!r}); build with --gpu to run on a GPU")
-        if kv_cache_tokens is None:
-            kv_cache_tokens = 16384
-        if engine_info.get("backend") != "onnxruntime":
-            raise LlmcError(
-                f"{root / artifact.MANIFEST}: engine backend {engine_info.get('backend')!r} cannot run on this "
-                "machine (this runtime runs 'onnxruntime' CPU engines); build with --target cpu"
-            )
-        rope_at = engine_info.get("rope_recompute_at")
-        enable_prefix_caching = enable_prefix_caching and rope_at is None
-        hybrid = manifest.get("state_cache")
-        no_prefix = ""
-        if hybrid and enable_prefix_caching:
-            no_prefix = NO_PREFIX_CACHING
-            enable_prefix_caching = False
-            import logging
+        if backend == "cuda":
+            from llmc.runtime.loaders.cuda import load_cuda  # imports torch only for CUDA engines
 
-            logging.getLogger("llmc").info("%s: prefix caching is off: %s", root, no_prefix)
-        config = SchedulerConfig(max_num_tokens=max_num_tokens, max_num_seqs=max_num_seqs, max_waiting=max_waiting,
-                                 enable_chunked_prefill=enable_chunked_prefill,
-                                 max_prefill_tokens_with_decodes=max_prefill_tokens_with_decodes,
-                                 enable_prefix_caching=enable_prefix_caching, rope_recompute_at=rope_at)
-        session = OrtSession(root / engine_info["model_file"], num_threads=num_threads or os.cpu_count(),
-                             custom_ops=custom_ops_of(manifest))
-        if attention_threads is not None:
-            session.set_attention_threads(int(attention_threads))
-        block_size = int(kv["block_size"])
-        num_blocks = max(1, -(-kv_cache_tokens // block_size))
-        pool = KVPool.allocate(kv["num_layers"], num_blocks, kv["num_kv_heads"], block_size, kv["head_size"],
-                               kv["dtype"], kv.get("layers"))
-        tokenizer = Tokenizer(root) if (root / "tokenizer.json").is_file() else None
-        blocks = BlockManager(num_blocks, block_size, enable_prefix_caching)
-        state = None
-        if hybrid:
-            # One state slot per running sequence, and one for score(); at most as much state as the KV pool holds
-            # (and at least STATE_MIN_BYTES' worth), fewer running sequences if need be.
-            per_slot = StatePool.bytes_per_slot(hybrid)
-            budget = state_cache_bytes
-            if budget is None:
-                budget = max(STATE_MIN_BYTES, KVPool.bytes_per_block(
-                    kv["num_layers"], kv["num_kv_heads"], block_size, kv["head_size"], kv["dtype"], kv.get("layers"))
-                    * num_blocks)
-            slots = min(max_num_seqs + 1, max(2, budget // per_slot))
-            if slots < max_num_seqs + 1:
-                import logging
+            return cls._of(load_cuda(root, manifest, options))
+        from llmc.runtime.loaders.ort import load_ort
 
-                logging.getLogger("llmc").warning(
-                    "%s: max_num_seqs %d -> %d: each sequence's recurrent state takes %.1f MB, and the state pool is "
-                    "held to the KV pool's size (raise kv_cache_tokens to run more sequences at once)", root,
-                    max_num_seqs, slots - 1, per_slot / 1e6)
-                config.max_num_seqs = slots - 1
-            state = StatePool.allocate(hybrid, slots)
-        return cls(root, manifest, session, pool, blocks, tokenizer, _eos_ids(root), config, state, no_prefix)
+        return cls._of(load_ort(root, manifest, options))
 
     @classmethod
-    def _load_cuda(cls, root: Path, manifest: dict, kv_cache_tokens: int | None, config_args: dict, device: str,
-                   gpu_memory_utilization: float, cuda_graphs: bool) -> Engine:
-        problem = artifact.cuda_problem(manifest, device)
-        hybrid = manifest.get("state_cache")
-        if not problem and hybrid and int(manifest.get("parallel", {}).get("tensor", 1)) > 1:
-            problem = "a tensor-parallel engine with recurrent layers (state_cache); rebuild it without --tp"
-        if problem:
-            raise UnsupportedError(f"{root / artifact.MANIFEST}: {problem}")
-        if not 0.0 < gpu_memory_utilization <= 1.0:
-            raise LlmcError(f"gpu_memory_utilization {gpu_memory_utilization}: must be in (0, 1]")
-        from llmc.runtime.cuda.session import CudaSession
-
-        kv = manifest["kv_cache"]
-        max_len = _max_model_len(root, manifest)
-        if int(manifest.get("parallel", {}).get("tensor", 1)) > 1:  # N ranks: this process is rank 0
-            from llmc.runtime.cuda.tensor_parallel import TensorParallelSession
-
-            session = TensorParallelSession(root, manifest, device=device, cuda_graphs=cuda_graphs,
-                                            max_model_len=max_len)
-        else:
-            session = CudaSession(root, manifest, device=device, cuda_graphs=cuda_graphs, max_model_len=max_len)
-        block_size = int(kv["block_size"])
-        # Hybrid models: one state slot per running sequence and one for score(), in device memory beside the KV
-        # pool (a slot's size does not depend on the sequence's length, so it is reserved whole, before the blocks).
-        state_slots = config_args["max_num_seqs"] + 1 if hybrid else 0
-        state_bytes = StatePool.bytes_per_slot(hybrid) * state_slots if hybrid else 0
-        no_prefix = ""
-        if hybrid and config_args["enable_prefix_caching"]:
-            no_prefix = NO_PREFIX_CACHING
-            config_args = {**config_args, "enable_prefix_caching": False}
-            import logging
-
-            logging.getLogger("llmc").info("%s: prefix caching is off: %s", root, no_prefix)
-        if kv_cache_tokens is not None:
-            num_blocks = max(1, -(-kv_cache_tokens // block_size))
-        elif session.device.type == "cuda":
-            vocab = int(manifest["engine"]["vocab_size"])
-            # room for a step's activations and float32 logits besides the pool and the weights
-            reserve = (1 << 30) + config_args["max_num_tokens"] * vocab * 8 + state_bytes
-            num_blocks = session.blocks_that_fit(kv, gpu_memory_utilization, reserve)
-            if num_blocks < 1:
-                raise LlmcError(f"{root}: no GPU memory left for the KV cache at gpu_memory_utilization "
-                                f"{gpu_memory_utilization}; raise it or free the GPU")
-        else:
-            num_blocks = -(-16384 // block_size)
-        pool = session.allocate_pool(kv, num_blocks)
-        state = None
-        if hybrid:  # the arrays live on the session's device; the engine's StatePool hands out their slots
-            arrays = session.allocate_state(hybrid, state_slots)
-            state = StatePool(arrays, list(hybrid["arrays"]), list(range(state_slots - 1, -1, -1)))
-        tokenizer = Tokenizer(root) if (root / "tokenizer.json").is_file() else None
-        blocks = BlockManager(num_blocks, block_size, config_args["enable_prefix_caching"])
-        return cls(root, manifest, session, pool, blocks, tokenizer, _eos_ids(root), SchedulerConfig(**config_args),
-                   state, no_prefix)
+    def _of(cls, p: EngineParts) -> Engine:
+        return cls(p.path, p.manifest, p.session, p.pool, p.blocks, p.tokenizer, p.eos_ids, p.config, p.state,
+                   p.prefix_caching_disabled_reason)
 
     # -- requests ---------------------------------------------------------------------------------
 
@@ -414,13 +240,13 @@ class Engine:
         """
         with self._lock:
             rid = self._submit(prompt, params, request_id, "prompt").request_id
-            self._retain.add(rid)
+            self._stepper.retain.add(rid)
             return rid
 
     def _submit(self, prompt: Prompt, params: SamplingParams | None, request_id: str | None,
                 label: str) -> Request:
         params = params or SamplingParams()
-        lora_key = self._lora_key(params, label)
+        lora_key = lora_requests.request_key(self.lora, self.path, params, label)
         ids = self._tokenize(prompt, label)
         if params.stop and self.tokenizer is None:
             raise LlmcError(f"{label}: stop strings need the engine's tokenizer.json; use stop_token_ids instead")
@@ -473,7 +299,7 @@ class Engine:
             req = self.scheduler.requests.get(request_id)
             if req is None:
                 return False
-            self._finish(req, "cancelled", time.perf_counter())
+            self._stepper.finish(req, "cancelled", time.perf_counter())
             self._pending.append(RequestOutput(request_id, [], [] if req.logprobs is not None else None, True,
                                                "cancelled"))
             return True
@@ -488,225 +314,7 @@ class Engine:
         """Run one scheduler step; returns what each affected request produced."""
         with self._lock:
             outputs, self._pending = self._pending, []
-            if not self.scheduler.has_work():
-                return outputs
-            t0 = time.perf_counter()
-            if self.speculator is not None:  # drafts for decoding requests, consumed by schedule()
-                self.speculator.propose(self.scheduler.running, len(self.scheduler.waiting))
-                if self._structured is not None:  # a constrained request's drafts end where its grammar says
-                    for r in self.scheduler.running:
-                        if r.draft:
-                            r.draft, r.draft_probs = self._structured.filter_draft(r, r.draft, r.draft_probs)
-            sched = self.scheduler.schedule()
-            self.last_schedule = sched
-            if not sched.chunks:
-                if not self.scheduler.running:  # nothing runs and nothing could start: would spin forever
-                    waiting = len(self.scheduler.waiting)
-                    raise RuntimeError(f"scheduler made no progress with {waiting} waiting requests and none "
-                                       "running (a bug: please report it)")
-                return outputs
-            self._pool.copy_blocks(sched.copies)
-            chunks = sched.chunks
-            state_slots = None
-            if self._state is not None:  # preempted sequences start over (from a zero state) when readmitted
-                for r in sched.preempted:
-                    self._state.release(r.seq_id)
-                state_slots = np.asarray([self._state.slot_of(c.request.seq_id) for c in chunks], np.int64)
-            ids, pos, slots, tables, ctx, qsl = self._blocks.prepare_step(
-                [c.request.seq_id for c in chunks], [c.num_tokens for c in chunks])
-            sampling = [c for c in chunks if c.samples]
-            # One logits row per sampling chunk; a verify chunk (drafts) needs all of its 1 + k rows.
-            rows = np.concatenate([np.arange(qsl[i + 1] - 1 - len(c.draft), qsl[i + 1], dtype=np.int64)
-                                   for i, c in enumerate(chunks) if c.samples] or [np.zeros(0, np.int64)])
-            # Constrained requests' token masks (one per verified position), computed while the forward pass runs.
-            masks = (self._structured.start_masks([(c.request, c.draft) for c in sampling])
-                     if self._structured else None)
-            feeds = {"input_ids": ids, "positions": pos, "slot_mapping": slots, "block_tables": tables,
-                     "context_lens": ctx, "query_start_loc": qsl, "logits_indices": rows}
-            if self.lora is not None:
-                self.lora.bind(feeds, [c.request.lora_slot for c in chunks], [c.num_tokens for c in chunks],
-                               self._lora_feed)
-            if self._rope_lengths:
-                feeds["rope_lengths"] = np.repeat(np.asarray([len(c.request.tokens) for c in chunks], np.int64),
-                                                  [c.num_tokens for c in chunks])
-            if state_slots is not None:
-                feeds["state_slots"] = state_slots
-            # Whole decode/verify steps (proposals and verification included; prefill chunks cost another
-            # amount per token) feed the cost model that sizes the drafts. Decided now: sampling changes tokens.
-            # (Every chunk has num_tokens >= 1 + len(draft), with equality only for decodes, which all sample; a
-            # step is decode-only exactly when it has one logits row per token.)
-            pure = self.speculator is not None and len(ids) == len(rows)
-            if self._session.samples_on_device:
-                picked, host = self._sample_on_device(sampling, feeds)
-            else:
-                picked, host = {}, self._session.run(feeds, self._pool, state=self._state_arrays())
-            self.scheduler.complete(sched)
-            now = time.perf_counter()
-            at = 0  # host rows: every sampling chunk's but those sampled on the device, in order
-            for i, chunk in enumerate(sampling):
-                if i in picked:
-                    outputs.append(self._emit(chunk.request, *picked[i], now))
-                    continue
-                n = 1 + len(chunk.draft)
-                if chunk.draft:
-                    outputs.append(self._accept_draft(chunk, host[at: at + n], now, masks))
-                else:
-                    outputs.append(self._accept(chunk.request, host[at], now, masks))
-                at += n
-            if pure:
-                self.speculator.observe_step(len(ids), len(chunks), time.perf_counter() - t0)
-            self._busy += time.perf_counter() - t0
-            return outputs
-
-    def _sample_on_device(self, sampling: list, feeds: dict[str, np.ndarray]
-                          ) -> tuple[dict[int, tuple[int, dict[int, float] | None]], np.ndarray | None]:
-        """Run the step on a session that samples where its logits are (the CUDA engine's).
-
-        Plain rows (no drafts, no constraint) are sampled there in one batch, and only their token ids
-        (and the logprobs asked for) come back: ``{chunk index: (token, logprobs)}``. The other chunks'
-        rows (verify chunks, constrained rows) come back as host logits, in order, for the numpy path.
-        Each sampled row's uniform comes from its request's own generator, as the numpy sampler draws it,
-        so a seed gives the same tokens on either path.
-        """
-        logits = self._session.run_device(feeds, self._pool)
-        starts = np.cumsum([0] + [1 + len(c.draft) for c in sampling])
-        plain = [i for i, c in enumerate(sampling) if not c.draft and c.request.params.structured is None]
-        rows = []
-        for i in plain:
-            r = sampling[i].request
-            p = r.params
-            rows.append(SampleRow(int(starts[i]), p, r.tokens if p.uses_history else (), r.prompt_len,
-                                  None if p.greedy else float(r.rng.random())))
-        tokens, lps = self._session.sample(logits, rows)
-        picked = {i: (t, lp) for i, t, lp in zip(plain, tokens, lps, strict=True)}
-        host_idx = [int(j) for i in range(len(sampling)) if i not in picked for j in range(starts[i], starts[i + 1])]
-        return picked, self._session.host_rows(logits, host_idx) if host_idx else None
-
-    def _accept_draft(self, chunk, logits: np.ndarray, now: float, masks=None) -> RequestOutput:
-        """A verify chunk's ``[1 + k, vocab]`` logits: emit the kept drafts and one more token, in order.
-
-        A constrained request's rows are masked first (row ``i``: what its grammar allows after the first
-        ``i`` drafts); the rows after the first forbidden draft stay as they are, as verification rejects
-        that draft at the latest and never reads them.
-        """
-        r, p = chunk.request, chunk.request.params
-        allowed = self._structured.allowed(masks, r) if masks is not None else None
-        model_logits = logits
-        if allowed is not None:
-            if not self._structured.usable(r, allowed):  # never verify unconstrained
-                return self._constraint_failed(r, now)
-            if p.logprobs is not None:  # logprobs stay the model's own distribution
-                logits = logits.copy()
-            for i, words in enumerate(allowed):
-                self._structured.apply(words, logits[i], in_place=True)
-        emitted = self.speculator.verify(chunk, logits)
-        kept = len(emitted) - 1
-        self.scheduler.accept_draft(chunk, kept)
-        self.speculator.record(r, len(chunk.draft), kept)
-        new: list[int] = []
-        lps: list[dict[int, float]] = []
-        reason = None
-        for i, token in enumerate(emitted):
-            lp = token_logprobs(model_logits[i], token, p.logprobs) if p.logprobs is not None else None
-            if i < kept:
-                self.scheduler.extend_accepted(r, token)
-            else:
-                self.scheduler.append_token(r, token)
-            new.append(token)
-            if lp is not None:
-                lps.append(lp)
-            structured = self._structured.advance(r, token, self.eos_token_ids) if allowed is not None else None
-            reason = self._record(r, token, lp, now, structured)
-            if reason is not None:  # a stop among the drafts: the tokens after it were never generated
-                self._finish(r, reason, now)
-                break
-        return RequestOutput(r.request_id, new, lps if p.logprobs is not None else None, reason is not None, reason)
-
-    def _record(self, r: Request, token: int, lp: dict[int, float] | None, now: float,
-                structured: str | None = None) -> str | None:
-        """Book one token that is already in ``r.tokens``; returns the finish reason it causes, if any
-        (``structured``: what the request's constraint matcher says after this token, if it has one)."""
-        p = r.params
-        self._generated += 1
-        if r.first_token_time is None:
-            r.first_token_time = now
-        r.token_times.append(now)
-        if lp is not None:
-            r.logprobs.append(lp)
-        if (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids:
-            return "stop"
-        if p.stop and self._hit_stop_string(r):
-            if self._structured is not None:  # complete or not: judged on the text returned
-                self._structured.cut(r, r.text)
-            return "stop"
-        if structured is not None:  # "stop": the structure is complete; "error": its matcher failed
-            return structured
-        if len(r.tokens) - r.prompt_len >= p.max_tokens:
-            return "length"
-        return None
-
-    def _accept(self, r: Request, logits: np.ndarray, now: float, masks=None) -> RequestOutput:
-        p = r.params
-        allowed = self._structured.allowed(masks, r) if masks is not None else None
-        token = None
-        if allowed is not None:
-            if not self._structured.usable(r, allowed):  # never sample unconstrained
-                return self._constraint_failed(r, now)
-            if p.greedy and not p.uses_history:
-                # The model's own first argmax, when the grammar allows it, is the masked argmax too (every
-                # allowed token before it scores strictly less): no pass over the row.
-                top = int(logits.argmax())
-                token = top if self._structured.allows(allowed[0], top) else None
-            if token is None:
-                # In place unless logprobs, which stay the model's own distribution, still need the row.
-                masked = self._structured.apply(allowed[0], logits, in_place=p.logprobs is None)
-                token = sample(masked, p, r.rng, r.tokens if p.uses_history else (), r.prompt_len)
-        else:
-            token = sample(logits, p, r.rng, r.tokens if p.uses_history else (), r.prompt_len)
-        lp = token_logprobs(logits, token, p.logprobs) if p.logprobs is not None else None
-        return self._emit(r, token, lp, now, allowed)
-
-    def _emit(self, r: Request, token: int, lp: dict[int, float] | None, now: float,
-              allowed: np.ndarray | None = None) -> RequestOutput:
-        """Append the token chosen for ``r`` (``allowed``: its constraint's mask rows, if it has one)."""
-        self.scheduler.append_token(r, token)
-        structured = self._structured.advance(r, token, self.eos_token_ids) if allowed is not None else None
-        reason = self._record(r, token, lp, now, structured)
-        if reason is not None:
-            self._finish(r, reason, now)
-        return RequestOutput(r.request_id, [token], [lp] if lp is not None else None, reason is not None, reason)
-
-    def _constraint_failed(self, r: Request, now: float) -> RequestOutput:
-        """End ``r`` with ``"error"``: its constraint's mask is missing or empty (never sample unconstrained)."""
-        self._finish(r, "error", now)
-        return RequestOutput(r.request_id, [], [] if r.params.logprobs is not None else None, True, "error")
-
-    def _state_arrays(self) -> list[np.ndarray] | None:
-        return self._state.arrays if self._state is not None else None
-
-    def _finish(self, r: Request, reason: str, now: float) -> None:
-        self.scheduler.finish(r, reason)
-        if self._state is not None:
-            self._state.release(r.seq_id)
-        if self.speculator is not None:
-            self.speculator.release(r)
-        if self._structured is not None:
-            self._structured.finish(r, reason)
-        r.finish_time = now
-        if r.request_id in self._retain:
-            self._retain.discard(r.request_id)
-            self._done[r.request_id] = r
-
-    def _hit_stop_string(self, r: Request) -> bool:
-        text = self.tokenizer.decode(r.output_token_ids)
-        # Only the tail can hold a stop string that this token completed.
-        start = max(0, len(r.text or "") - max(len(s) for s in r.params.stop))
-        r.text = text
-        hits = [i for i in (text.find(s, start) for s in r.params.stop) if i >= 0]
-        if hits:
-            r.text = text[: min(hits)]
-            return True
-        return False
+            return self._stepper.step(outputs)
 
     # -- batch ------------------------------------------------------------------------------------
 
@@ -745,7 +353,8 @@ class Engine:
         else:
             text = self.tokenizer.decode(r.output_token_ids) if self.tokenizer else None
         end = r.finish_time or time.perf_counter()
-        incomplete, error = self._structured.outcome(r) if self._structured is not None else (False, None)
+        structured = self._stepper.structured
+        incomplete, error = structured.outcome(r) if structured is not None else (False, None)
         return GenerationOutput(
             prompt_token_ids=r.prompt_token_ids, token_ids=r.output_token_ids, text=text,
             finish_reason=r.finish_reason or "length",
@@ -760,7 +369,7 @@ class Engine:
         A finished request's output is returned once and then forgotten; None for unknown ids.
         """
         with self._lock:
-            r = self.scheduler.requests.get(request_id) or self._done.pop(request_id, None)
+            r = self.scheduler.requests.get(request_id) or self._stepper.done.pop(request_id, None)
             return self._output(r) if r is not None else None
 
     # -- streaming --------------------------------------------------------------------------------
@@ -774,7 +383,7 @@ class Engine:
         """
         reqs = self._submit_all(prompts, params)
         index = {r.request_id: i for i, r in enumerate(reqs)}
-        texts = _TextDeltas(self.tokenizer, reqs)
+        texts = TextDeltas(self.tokenizer, reqs)
         pending = set(index)
         try:
             while pending:
@@ -798,7 +407,7 @@ class Engine:
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         reqs = await asyncio.to_thread(self._submit_all, prompts, params)
         index = {r.request_id: i for i, r in enumerate(reqs)}
-        texts = _TextDeltas(self.tokenizer, reqs)
+        texts = TextDeltas(self.tokenizer, reqs)
         pending = set(index)
         for rid in index:
             self._listeners[rid] = (loop, queue)
@@ -841,31 +450,31 @@ class Engine:
         Raises ``LlmcError`` if the engine has no tokenizer.json or llguidance is not installed.
         """
         with self._lock:
-            if self._structured is None:
-                self._structured = StructuredRuntime.for_engine(self.path, self.vocab_size, self.eos_token_ids,
-                                                                self._structured_config)
-            return self._structured
+            if self._stepper.structured is None:
+                self._stepper.structured = StructuredRuntime.for_engine(self.path, self.vocab_size,
+                                                                        self.eos_token_ids, self._structured_config)
+            return self._stepper.structured
 
     def stats(self) -> EngineStats:
         """Running/waiting requests, KV blocks, prefix-cache hit rate, preemptions and throughput."""
         with self._lock:
-            b, c = self._blocks, self.scheduler.counters
+            b, c, st = self._blocks, self.scheduler.counters, self._stepper
             return EngineStats(
                 num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
                 kv_blocks_total=b.num_blocks, kv_blocks_used=b.num_used_blocks, kv_blocks_free=b.num_free_blocks,
                 kv_blocks_cached=b.num_cached_blocks,
                 prefix_cache_hit_rate=b.prefix_hits / b.prefix_queries if b.prefix_queries else 0.0,
                 cached_prompt_tokens=c.cached_prompt_tokens, prompt_tokens_computed=c.prompt_tokens_computed,
-                recomputed_tokens=c.recomputed_tokens, generated_tokens=self._generated,
-                num_preemptions=c.num_preemptions, num_steps=c.num_steps, busy_seconds=self._busy,
-                tokens_per_s=self._generated / self._busy if self._busy > 0 else 0.0,
+                recomputed_tokens=c.recomputed_tokens, generated_tokens=st.generated,
+                num_preemptions=c.num_preemptions, num_steps=c.num_steps, busy_seconds=st.busy,
+                tokens_per_s=st.generated / st.busy if st.busy > 0 else 0.0,
                 spec_num_draft_tokens=c.spec_draft_tokens, spec_num_accepted_tokens=c.spec_accepted_tokens,
                 spec_num_verify_steps=c.spec_verify_steps,
                 spec_acceptance_rate=c.spec_accepted_tokens / c.spec_draft_tokens if c.spec_draft_tokens else 0.0,
                 spec_mean_accepted_length=(c.spec_accepted_tokens / c.spec_verify_steps
                                            if c.spec_verify_steps else 0.0),
                 spec_draft_seconds=self.speculator.draft_seconds if self.speculator is not None else 0.0,
-                **self._lora_stats(),
+                **lora_requests.stats(self.lora, self.scheduler.running, self.scheduler.waiting),
                 state_slots_total=self._state.num_slots if self._state is not None else 0,
                 state_slots_used=self._state.num_used if self._state is not None else 0,
                 state_bytes=self._state.nbytes if self._state is not None else 0,
@@ -881,46 +490,17 @@ class Engine:
         no slots for), ``LlmcError`` (exit 2) for a duplicate name, malformed files or shapes that do not fit.
         It takes a slot when a request for it is admitted; more adapters than slots take turns (LRU)."""
         with self._lock:
-            self._require_lora(f"add_lora({name!r})").add(name, path)
+            lora_requests.require(self.lora, self.path, f"add_lora({name!r})").add(name, path)
 
     def remove_lora(self, name: str) -> None:
         """Forget adapter ``name``; ``LlmcError`` if it is unknown or requests for it are in the engine."""
         with self._lock:
-            lora = self._require_lora(f"remove_lora({name!r})")
-            users = [r.request_id for r in self.scheduler.requests.values() if r.params.lora == name]
-            if users:
-                raise LlmcError(f"remove_lora({name!r}): {len(users)} requests for it are in the engine "
-                                f"({users[0]}, ...); remove it when they finish or cancel them")
-            lora.remove(name)
+            lora_requests.remove(self.lora, self.path, name, self.scheduler.requests.values())
 
     def lora_adapters(self) -> dict[str, Path]:
         """The registered adapters: name -> the directory it was read from (empty without LoRA slots)."""
         with self._lock:
             return {n: a.path for n, a in self.lora.adapters.items()} if self.lora is not None else {}
-
-    def _lora_stats(self) -> dict:
-        if self.lora is None:
-            return {}
-        sched = self.scheduler
-        return dict(running_lora_adapters=tuple(sorted({r.params.lora for r in sched.running if r.params.lora})),
-                    waiting_lora_adapters=tuple(sorted({r.params.lora for r in sched.waiting if r.params.lora})),
-                    max_lora=self.lora.spec.slots)
-
-    def _require_lora(self, what: str) -> LoraSlots:
-        if self.lora is None:
-            raise UnsupportedError(f"{what}: engine {self.path} was built without LoRA slots; rebuild it with "
-                                   "llmc build --lora-slots S --max-lora-rank R")
-        return self.lora
-
-    def _lora_key(self, params: SamplingParams, label: str) -> int:
-        if params.lora is None:
-            return 0
-        lora = self._require_lora(f"{label}: SamplingParams.lora={params.lora!r}")
-        adapter = lora.adapters.get(params.lora)
-        if adapter is None:
-            raise LlmcError(f"{label}: LoRA adapter {params.lora!r} is not loaded (loaded: "
-                            f"{', '.join(lora.adapters) or 'none'}); add it with Engine.add_lora first")
-        return adapter.key
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached block not in use (e.g. between benchmark runs)."""
@@ -959,75 +539,15 @@ class Engine:
                 if self._rope_lengths:
                     feeds["rope_lengths"] = np.full(n, n, np.int64)
                 if self.lora is not None:  # the base model
-                    self.lora.bind(feeds, [0], [n], self._lora_feed)
+                    self.lora.bind(feeds, [0], [n], self._stepper.lora_feed)
                 if self._state is not None:  # a slot of its own; the whole sequence is this step's: a fresh state
                     feeds["state_slots"] = np.asarray([self._state.slot_of(_SCORE_SEQ)], np.int64)
-                return self._session.run(feeds, self._pool, state=self._state_arrays())
+                return self._session.run(feeds, self._pool, state=self._stepper.state_arrays())
             finally:
                 self._blocks.free(blocks)
                 if self._state is not None:
                     self._state.release(_SCORE_SEQ)
 
 
-class _TextDeltas:
-    """Turns per-token outputs into stream events with the text each token adds."""
-
-    def __init__(self, tokenizer: Tokenizer | None, reqs: list[Request]) -> None:
-        self._tok = tokenizer
-        self._reqs = reqs
-        self._ids: list[list[int]] = [[] for _ in reqs]  # tokens delivered so far (the request may be ahead)
-        self._shown = [""] * len(reqs)
-
-    def events(self, i: int, o: RequestOutput) -> Iterator[StreamEvent]:
-        """One event per new token (a speculative step can bring several); the last one carries ``finished``."""
-        if not o.new_token_ids:
-            yield StreamEvent(i, o.request_id, None, None, None, o.finished, o.finish_reason)
-            return
-        n = len(o.new_token_ids)
-        for j, token in enumerate(o.new_token_ids):
-            last = j == n - 1
-            lps = [o.new_logprobs[j]] if o.new_logprobs else None
-            yield from self._event(i, RequestOutput(o.request_id, [token], lps, o.finished and last,
-                                                    o.finish_reason if last else None))
-
-    def _event(self, i: int, o: RequestOutput) -> Iterator[StreamEvent]:
-        self._ids[i] += o.new_token_ids
-        text = None
-        if self._tok is not None:
-            r = self._reqs[i]
-            if o.finished and o.finish_reason == "stop" and r.params.stop and r.text is not None:
-                full = r.text  # cut before the stop string
-            else:
-                full = self._tok.decode(self._ids[i])
-            # A token can end inside a multi-byte character; hold the text back until it completes.
-            text = ""
-            if not full.endswith("\ufffd") or o.finished:
-                if full.startswith(self._shown[i]):
-                    text = full[len(self._shown[i]) :]
-                self._shown[i] = full
-        lp = o.new_logprobs[0] if o.new_logprobs else None
-        yield StreamEvent(i, o.request_id, o.new_token_ids[0], text, lp, o.finished, o.finish_reason)
-
-
 # The state slot owner of score()'s sequence (request seq_ids count up from 0).
 _SCORE_SEQ = -1
-# A hybrid engine's state pool may take at least this much memory, whatever the KV pool's size.
-STATE_MIN_BYTES = 256 << 20
-
-
-def _max_model_len(root: Path, manifest: dict) -> int | None:
-    """The longest sequence (prompt + output tokens) the model supports: its max_position_embeddings."""
-    n = manifest.get("engine", {}).get("max_position_embeddings")
-    if not n and (root / "hf_config.json").is_file():
-        n = json.loads((root / "hf_config.json").read_text()).get("max_position_embeddings")
-    return int(n) if n else None
-
-
-def _eos_ids(root: Path) -> list[int]:
-    for name in ("generation_config.json", "hf_config.json"):
-        f = root / name
-        if f.is_file():
-            eos = json.loads(f.read_text()).get("eos_token_id")
-            if eos is not None:
-                return [eos] if isinstance(eos, int) else list(eos)
-    return []

@@ -309,7 +309,7 @@ def render_markdown(data: dict) -> str:
     if hybrid:
         lines += ["", "The third table lists the hybrid families: recurrent layers (short convolutions, Gated "
                   "DeltaNet, Mamba2) beside attention, with a per-sequence state slot beside the paged KV cache "
-                  "(`llmc.runtime.state_cache`). Their fixtures are `llmc.testing.hybrids.write_hybrid` "
+                  "(`llmc.runtime.core.state_cache`). Their fixtures are `llmc.testing.hybrids.write_hybrid` "
                   f"(seed {FIXTURE_SEED}, with a tokenizer, matrices at std {HYBRID_STD}, `1 + weight` norms around "
                   "0), the same columns.", "",
                   "| model_type (recurrent layers) | fp32 = transformers | batch = single | self-check | int4 top-1 | "

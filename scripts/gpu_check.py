@@ -168,11 +168,11 @@ def run_correctness(smoke: bool, device: str):
 
 def _cuda_launch(kernel, args, grid, sm):
     """Launch the AOT PTX through the CUDA driver with TensorRT's argument layout (no Triton launcher), by the
-    CUDA engine's own loader (llmc.runtime.cuda.kernels)."""
+    CUDA engine's own loader (llmc.runtime.workers.cuda.kernels)."""
     import torch
 
     from llmc.plugins.paged_attention import aot
-    from llmc.runtime.cuda.kernels import KernelInfo, LoadedKernel
+    from llmc.runtime.workers.cuda.kernels import KernelInfo, LoadedKernel
 
     info = KernelInfo(name=kernel.name, file="", sm=sm, num_warps=kernel.num_warps, shared_mem=kernel.shared_mem,
                       block_q=kernel.block_q, num_kv_heads=kernel.num_kv_heads, variant="", key="")

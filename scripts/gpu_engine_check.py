@@ -366,11 +366,11 @@ def run_engine(budget_s: float, t_start: float, report: dict) -> dict:
 
 def run_profile(report: dict, batches: tuple[int, ...] = (1, 64), steps: int = 10) -> dict:
     """Where a decode step's time goes on the bf16 engine the engine section built: per-kernel device times of
-    ``steps`` decode steps (llmc.runtime.cuda.step_profile) at each batch, grouped by kind of work."""
+    ``steps`` decode steps (llmc.runtime.workers.cuda.step_profile) at each batch, grouped by kind of work."""
     import numpy as np
 
     from llmc.runtime import Engine
-    from llmc.runtime.cuda.step_profile import format_profile, profile_decode
+    from llmc.runtime.workers.cuda.step_profile import format_profile, profile_decode
 
     path = report.get("engine", {}).get("engine_dir")
     if not path:

@@ -5,7 +5,7 @@
   steps of 1, 8 and 64 tokens whose slots mix the four adapters, "no adapter" (0) and padding (-1), against the torch
   reference (llmc.plugins.lora.reference.lora_apply); rows without an adapter must come back untouched;
 - aot: each kernel compiled ahead of time for this SM (llmc.plugins.triton_aot) and launched through the CUDA driver
-  as the engine launches it (llmc.runtime.cuda.kernels.LoadedKernel), against the JIT kernel, bit for bit;
+  as the engine launches it (llmc.runtime.workers.cuda.kernels.LoadedKernel), against the JIT kernel, bit for bit;
 - speed: the pair's time per step beside the torch reference's, and the adapter bytes it reads per step (each
   token's A and B blocks) over that time as a fraction of ``bandwidth`` (the copy bandwidth section 3 measures,
   when it ran) - the kernels stream one token's slot per program, so this says how far that is from reading the
@@ -85,7 +85,7 @@ def _aot(torch, shapes, device, sm: int, smoke: bool) -> list[dict]:
         row = {"shape": name, "targets": [b["target"] for b in built],
                "ok": all(b["target"].startswith(f"sm_{sm}") for b in built)}
         if not smoke:
-            from llmc.runtime.cuda.kernels import KernelInfo, LoadedKernel
+            from llmc.runtime.workers.cuda.kernels import KernelInfo, LoadedKernel
 
             kernels = [LoadedKernel(KernelInfo(name=b["name"], file="", sm=sm, num_warps=b["num_warps"],
                                                shared_mem=b["shared_mem"], block_q=0, num_kv_heads=0, variant="lora",

@@ -6,7 +6,7 @@
   fresh prefill, a continued chunk, decodes and a padding row, against the torch reference
   (llmc.plugins.recurrent.torch_reference); a prefill in chunks against the same tokens in one step;
 - aot: each kernel compiled ahead of time for this SM (llmc.plugins.triton_aot) and launched through the CUDA driver
-  as the engine launches it (llmc.runtime.cuda.kernels.LoadedKernel), against the JIT kernel, bit for bit;
+  as the engine launches it (llmc.runtime.workers.cuda.kernels.LoadedKernel), against the JIT kernel, bit for bit;
 - speed: decode steps at batch 1/8/64 (state bytes read + written per step over the step time, as a fraction of this
   device's copy bandwidth) and a 2048-token prefill (the recurrent form walks it token by token);
 - engines: tiny random Qwen3.5, Nemotron-H and LFM2 (llmc.testing.hybrids) built with ``llmc build --gpu auto
@@ -147,7 +147,7 @@ def _aot(torch, shapes, device, sm: int, smoke: bool) -> list[dict]:
         row = {"op": op, "target": k["target"], "ptx_bytes": len(k["ptx"]), "num_warps": k["num_warps"],
                "shared_mem": k["shared_mem"], "ok": k["target"].startswith(f"sm_{sm}")}
         if not smoke:
-            from llmc.runtime.cuda.kernels import KernelInfo, LoadedKernel
+            from llmc.runtime.workers.cuda.kernels import KernelInfo, LoadedKernel
 
             info = KernelInfo(name=k["name"], file="", sm=sm, num_warps=k["num_warps"], shared_mem=k["shared_mem"],
                               block_q=0, num_kv_heads=0, variant="fused", key=req["key"], config=req["constexprs"])

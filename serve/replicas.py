@@ -216,7 +216,8 @@ class EngineInfo:
 
     def __init__(self, path: Path) -> None:
         from llmc.runtime import artifact
-        from llmc.runtime.engine import _eos_ids, _max_model_len
+        from llmc.runtime.loaders.common import eos_ids as _eos_ids
+        from llmc.runtime.loaders.common import max_model_len as _max_model_len
 
         self.path = Path(path)
         manifest = artifact.read_manifest(self.path)
@@ -232,7 +233,7 @@ class EngineInfo:
     @property
     def structured(self):
         """Grammar compilation, to refuse a bad constraint here (400) before a replica sees it."""
-        from llmc.runtime.structured import StructuredRuntime
+        from llmc.runtime.sampling.structured import StructuredRuntime
 
         with self._lock:
             if self._structured is None:

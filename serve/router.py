@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from ray.serve._private.request_router import PowerOfTwoChoicesRequestRouter
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from llmc.runtime.kv_cache import hash_block
+from llmc.runtime.core.block_manager import hash_block
 
 ROUTERS: dict[str, type] = {}  # --routing NAME -> router class (filled below)
 

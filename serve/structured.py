@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 
 from llmc.errors import LlmcError
-from llmc.runtime.structured import KINDS, StructuredOutputs
+from llmc.runtime.sampling.structured import KINDS, StructuredOutputs
 from llmc.serve.errors import APIError
 
 

@@ -28,7 +28,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from llmc.runtime.structured import StructuredOutputs
+from llmc.runtime.sampling.structured import StructuredOutputs
 from llmc.serve.errors import APIError
 from llmc.serve.reasoning import ReasoningParser
 from llmc.serve.tool_parsers import Parsed, ToolCall, make_parser

@@ -135,7 +135,7 @@ def check_torch_ops(inputs: dict, caches: tuple, attrs: dict, hq: int, hkv: int,
 
     import llmc.plugins.paged_attention.torch_op  # noqa: F401  (registers torch.ops.llmc)
     from llmc.plugins.paged_attention import kv_binding
-    from llmc.runtime.cuda.ops import paged_attention_torch
+    from llmc.runtime.workers.cuda.ops import paged_attention_torch
 
     expected, (k_ref, v_ref) = run_reference(inputs, caches, attrs)
     t = {k: torch.from_numpy(v) for k, v in inputs.items()}

@@ -13,7 +13,7 @@ from filelock import FileLock
 # GPU check runs in its own process: scripts/gpu_check.py).
 os.environ.setdefault("TRITON_INTERPRET", "1")
 # xdist workers share the cores: ORT threads that spin would steal them from each other (see
-# runtime/spin_policy.py, tested on its own in test_spin_policy.py).
+# runtime/workers/ort/spin_policy.py, tested on its own in test_spin_policy.py).
 os.environ.setdefault("LLMC_ORT_SPIN", "0")
 # The same for torch's (and the C++ kernels') OpenMP pools, in the workers and every process they start: with
 # two workers on two cores, a tiny model's transformers.generate ran 40x slower with two OpenMP threads than

@@ -58,7 +58,7 @@ def test_slopes_are_transformers(num_heads):
     mpt = (mpt[:, 0, 1] - mpt[:, 0, 0]).numpy()
     np.testing.assert_allclose(got, bloom, rtol=2e-5, atol=0)  # bloom rounds base**k in float32
     np.testing.assert_allclose(got, mpt, rtol=1e-6, atol=0)
-    from llmc.runtime.cuda.ops import alibi_slopes
+    from llmc.runtime.workers.cuda.ops import alibi_slopes
 
     np.testing.assert_array_equal(alibi_slopes(num_heads, 8.0).numpy(), got)
 

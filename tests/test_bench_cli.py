@@ -127,8 +127,8 @@ def test_bench_bad_engine_and_out(tmp_path, tiny_engine):
 def test_read_bandwidth_probe_is_native_and_consistent():
     """llmc bench's probe runs in C++ (the method of benchmarks/peers/bw_read.c; how close it reads to that
     probe is measured by benchmarks/peers, not timed here) and reports the median of real timed passes."""
+    from llmc.bench.machine import measure_read_bandwidth
     from llmc.runtime import _membench
-    from llmc.runtime.bench import measure_read_bandwidth
 
     probe = measure_read_bandwidth(nbytes=1 << 26, repeats=3, threads=2)
     assert probe.method.startswith("C++") and probe.threads == 2 and probe.nbytes == 1 << 26

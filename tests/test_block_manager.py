@@ -7,9 +7,10 @@ import pytest
 
 from llmc.errors import LlmcError
 from llmc.runtime import _block_manager
-from llmc.runtime.block_manager_ref import ReferenceBlockManager
-from llmc.runtime.block_manager_ref import hash_block as ref_hash_block
-from llmc.runtime.kv_cache import BlockManager, KVPool
+from llmc.runtime.core.block_manager import BlockManager
+from llmc.runtime.core.block_manager_ref import ReferenceBlockManager
+from llmc.runtime.core.block_manager_ref import hash_block as ref_hash_block
+from llmc.runtime.core.kv_cache import KVPool
 
 
 def _state(m, seq_ids):

@@ -91,7 +91,7 @@ def test_fused_kernel_launch_path_on_cpu_matches_transformers(engines, tiny_llam
     import torch
     from transformers import AutoModelForCausalLM
 
-    from llmc.runtime.cuda.session import CudaSession
+    from llmc.runtime.workers.cuda.session import CudaSession
 
     path = engines[0]
     eng = Engine.load(path, device="cpu")
@@ -111,7 +111,7 @@ def test_fused_kernel_launch_path_on_cpu_matches_transformers(engines, tiny_llam
 def test_the_engine_samples_on_the_device_with_the_host_samplers_tokens(engines):
     """Plain rows are sampled where the logits are (only ids and logprobs come back); the same requests with
     the numpy sampler give the same tokens and logprobs: greedy, seeded sampling, penalties, in one batch."""
-    from llmc.runtime.speculative import SpeculativeConfig
+    from llmc.runtime.speculative.config import SpeculativeConfig
 
     path = engines[0]
     rng = np.random.default_rng()
@@ -146,10 +146,10 @@ def test_the_engine_samples_on_the_device_with_the_host_samplers_tokens(engines)
 
 
 def test_decode_step_profile_names_where_the_time_goes_and_leaves_the_engine_as_it_was(engines):
-    """llmc.runtime.cuda.step_profile (gpu_check --profile): torch.profiler over decode steps of the CUDA engine (here
+    """llmc.runtime.workers.cuda.step_profile (gpu_check --profile): torch.profiler over decode steps of the CUDA engine (here
     its torch program on the CPU: op self times), per kernel and per kind of work; the requests it ran are
     cancelled, so the engine then generates as before. A CPU (ONNX Runtime) engine is refused in one line."""
-    from llmc.runtime.cuda.step_profile import format_profile, profile_decode
+    from llmc.runtime.workers.cuda.step_profile import format_profile, profile_decode
 
     cuda_path, cpu_path, _ = engines
     eng = Engine.load(cuda_path, device="cpu")
@@ -281,7 +281,7 @@ def test_int4_linear_equals_dequantize_then_matmul(symmetric):
     from llmc.compiler.backends.cuda import _pack_int4
     from llmc.quant import int4
     from llmc.quant.graph import _int4_arrays
-    from llmc.runtime.cuda.ops import dequantize, int4_linear
+    from llmc.runtime.workers.cuda.ops import dequantize, int4_linear
 
     rng = np.random.default_rng()
     n, k, g = 48, 200, 64  # K not a multiple of the group: a padded last group
@@ -367,7 +367,7 @@ def test_every_family_cuda_engine_on_cpu_matches_transformers(model_type, family
 def test_int4_engine_kernel_launch_path_on_cpu_matches_the_torch_ops(tmp_path, tiny_llama):
     """The INT4 CUDA engine with its W4A16 and fused kernels launched (Triton interpreter) as on a GPU, against the
     same program on plain torch ops."""
-    from llmc.runtime.cuda.session import CudaSession
+    from llmc.runtime.workers.cuda.session import CudaSession
 
     recipe = QuantRecipe(quant="int4", group_size=32, embeddings="none", lm_head="none")
     built = build(tiny_llama, tmp_path / "g", BuildOptions(target="h100", dtype="float32", quant=recipe))

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from llmc.runtime.cuda.sampler import sample_rows
-from llmc.runtime.sampler import SampleRow, SamplingParams, sample, token_logprobs
+from llmc.runtime.sampling.sampler import SampleRow, SamplingParams, sample, token_logprobs
+from llmc.runtime.workers.cuda.sampler import sample_rows
 
 
 def _random_params(rng: np.random.Generator, vocab: int) -> SamplingParams:

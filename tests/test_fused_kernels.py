@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from llmc.plugins.fused import triton_kernels as fk
-from llmc.runtime.cuda.ops import OPS
+from llmc.runtime.workers.cuda.ops import OPS
 
 DTYPES = [torch.float32, torch.float16]
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from llmc.errors import LlmcError
-from llmc.runtime.kv_cache import KVPool, layer_geometry
+from llmc.runtime.core.kv_cache import KVPool, layer_geometry
 
 PROMPTS = ([5, 17, 33, 90], list(range(3, 40)), [7, 7, 7, 101, 250, 2])  # the second crosses the window (16)
 GEMMA4_MOE = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,

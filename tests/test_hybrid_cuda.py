@@ -287,7 +287,7 @@ def test_manifest_has_the_state_pool_and_the_recurrent_kernels(family):
     assert sorted(n["attrs"]["state_idx"] for n in state_nodes) == list(range(len(state_nodes)))
     # Shape arithmetic was folded (compiler/backends/cuda_fold.py): host metadata (Shape's CPU tensors) reaches only
     # inputs the program reads as Python ints, never a device op (Qwen3.5's M-RoPE had Range -> ScatterND indices).
-    from llmc.runtime.cuda.program import HOST_INPUTS
+    from llmc.runtime.workers.cuda.program import HOST_INPUTS
 
     producer = {o: n["op"] for n in spec["nodes"] for o in n["outputs"]}
     assert not [n for n in spec["nodes"] if n["op"] == "Range"]
@@ -326,8 +326,8 @@ def test_kernel_launch_path_on_cpu_matches_transformers(family):
     interpreter from the manifest's entries: the GPU's launch code minus the driver; a chunked long prompt and a
     short one batched, then decodes."""
     from llmc.runtime import Engine, SamplingParams
-    from llmc.runtime.cuda.session import CudaSession
-    from llmc.runtime.state_cache import StatePool
+    from llmc.runtime.core.state_cache import StatePool
+    from llmc.runtime.workers.cuda.session import CudaSession
     from llmc.testing.hybrids import PROMPTS
 
     model_type, engine_dir, refs = family

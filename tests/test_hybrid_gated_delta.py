@@ -67,7 +67,7 @@ def _delta_session():
     from onnx import TensorProto, helper
 
     from llmc.plugins.recurrent import DELTA_INPUT_NAMES, DELTA_OP_TYPE, DOMAIN
-    from llmc.runtime.session import OrtSession
+    from llmc.runtime.workers.ort.session import OrtSession
 
     ints = {"state_slots", "context_lens", "query_start_loc"}
     inputs = [helper.make_tensor_value_info(n, TensorProto.INT64 if n in ints else TensorProto.FLOAT, None)

@@ -69,7 +69,7 @@ def _conv_session():
     from onnx import TensorProto, helper
 
     from llmc.plugins.recurrent import CONV_INPUT_NAMES, CONV_OP_TYPE, DOMAIN
-    from llmc.runtime.session import OrtSession
+    from llmc.runtime.workers.ort.session import OrtSession
 
     ints = {"state_slots", "context_lens", "query_start_loc"}
     inputs = [helper.make_tensor_value_info(n, TensorProto.INT64 if n in ints else TensorProto.FLOAT, None)
@@ -240,7 +240,7 @@ def test_lfm2_refusals(lfm2):
     from llmc.errors import UnsupportedError
     from llmc.quant.recipe import QuantRecipe
     from llmc.runtime import Engine
-    from llmc.runtime.speculative import SpeculativeConfig
+    from llmc.runtime.speculative.config import SpeculativeConfig
 
     ckpt, engine_dir, _, _ = lfm2
     with pytest.raises(UnsupportedError, match="short-convolution layers.*--verify-passes"):
@@ -278,7 +278,7 @@ def test_state_pool_is_held_to_its_budget(lfm2):
     """With a state budget of three slots' real size (``state_cache_bytes``), fewer sequences run at once (never more
     than there are slots, one kept for score()), and the output is the same."""
     from llmc.runtime import Engine, SamplingParams
-    from llmc.runtime.state_cache import StatePool
+    from llmc.runtime.core.state_cache import StatePool
 
     _, engine_dir, _, refs = lfm2
     import json

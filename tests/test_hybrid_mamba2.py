@@ -67,7 +67,7 @@ def _ssd_session():
     from onnx import TensorProto, helper
 
     from llmc.plugins.recurrent import DOMAIN, SSD_INPUT_NAMES, SSD_OP_TYPE
-    from llmc.runtime.session import OrtSession
+    from llmc.runtime.workers.ort.session import OrtSession
 
     ints = {"state_slots", "context_lens", "query_start_loc"}
     inputs = [helper.make_tensor_value_info(n, TensorProto.INT64 if n in ints else TensorProto.FLOAT, None)

@@ -151,7 +151,7 @@ def test_pack_layout_by_hand():
 def test_runtime_sets_parallel_threshold_by_spinning():
     """A session whose threads spin hands smaller matmuls to them (waking them is cheap); a passive one
     keeps them on the calling thread (ort_native.INT4_PARALLEL_MIN, measured)."""
-    from llmc.runtime.session import OrtSession
+    from llmc.runtime.workers.ort.session import OrtSession
 
     rng = np.random.default_rng(2)
     model = _model(_pack(int4.quantize_rtn(rng.standard_normal((32, 128)).astype(np.float32), 64, False)))

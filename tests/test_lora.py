@@ -251,7 +251,7 @@ def test_reads_half_precision_adapters(tmp_path, lora_dir, engine):
     import torch
     from safetensors.torch import load_file, save_file
 
-    from llmc.runtime.lora import read_adapter
+    from llmc.runtime.lora.adapter import read_adapter
 
     ref = read_adapter("qv", lora_dir / "qv", engine.lora.spec)
     for dtype in (torch.bfloat16, torch.float16):
@@ -396,7 +396,7 @@ def test_cuda_engine_on_cpu(tiny_llama, lora_dir, engine):
     """The CUDA engine's program (LoraApply nodes, float32) run by torch on the CPU gives the CPU engine's tokens
     for every adapter and the base in one batch; with the AOT shrink/expand kernels launched through the Triton
     interpreter (the GPU's launch path minus the driver) as well."""
-    from llmc.runtime.cuda.session import CudaSession
+    from llmc.runtime.workers.cuda.session import CudaSession
 
     built = build(tiny_llama, lora_dir / "cuda", BuildOptions(target="h100", dtype="float32", lora_slots=SLOTS,
                                                                max_lora_rank=RANK))

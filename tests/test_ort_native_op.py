@@ -24,7 +24,7 @@ import pytest
 from onnx import TensorProto, helper
 
 from llmc.plugins.paged_attention import INPUT_NAMES, ort_native, reference
-from llmc.runtime.session import NATIVE, OrtSession
+from llmc.runtime.workers.ort.session import NATIVE, OrtSession
 from llmc.testing.ort_sessions import native_session
 from llmc.testing.paged_attention import make_case
 

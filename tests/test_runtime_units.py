@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from llmc.errors import LlmcError
-from llmc.runtime.kv_cache import BlockManager
-from llmc.runtime.sampler import SamplingParams, sample
+from llmc.runtime.core.block_manager import BlockManager
+from llmc.runtime.sampling.sampler import SamplingParams, sample
 
 
 def test_block_manager_allocates_and_frees():

@@ -12,9 +12,10 @@ import numpy as np
 import pytest
 
 from llmc.errors import LlmcError
-from llmc.runtime.kv_cache import BlockManager
-from llmc.runtime.sampler import SamplingParams
-from llmc.runtime.scheduler import Request, RequestStatus, Scheduler, SchedulerConfig, SchedulerOutput
+from llmc.runtime.core.block_manager import BlockManager
+from llmc.runtime.core.request import Request, RequestStatus
+from llmc.runtime.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from llmc.runtime.sampling.sampler import SamplingParams
 
 VOCAB = 500
 

@@ -20,7 +20,7 @@ zmq = pytest.importorskip("zmq", reason="--kv-events needs pip install 'llmc[kv-
 msgpack = pytest.importorskip("msgpack")
 
 from llmc.runtime import Engine  # noqa: E402
-from llmc.runtime.kv_cache import hash_block  # noqa: E402
+from llmc.runtime.core.block_manager import hash_block  # noqa: E402
 from llmc.serve import ServeConfig, create_app  # noqa: E402
 from llmc.serve.kv_events import END_SEQ, attach, batch_events, parse_endpoint  # noqa: E402
 from llmc.testing.http_server import serve_app_in_thread  # noqa: E402

@@ -336,7 +336,7 @@ def test_autoscaling_goes_to_two_replicas_under_load_and_back_without_a_failed_r
 
 
 def test_prefix_policy_and_prompt_hashes_are_the_block_managers():
-    from llmc.runtime.kv_cache import BlockManager
+    from llmc.runtime.core.block_manager import BlockManager
     from llmc.serve.router import leading_match, prefix_choice, prompt_block_hashes
 
     a, b = "replica-a", "replica-b"

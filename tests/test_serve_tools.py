@@ -19,7 +19,7 @@ import openai
 import pytest
 
 from llmc.runtime import Engine
-from llmc.runtime.structured import GrammarCompiler
+from llmc.runtime.sampling.structured import GrammarCompiler
 from llmc.serve import ServeConfig
 from llmc.serve.tools import constraint, validate
 from llmc.testing.http_server import serve_in_thread

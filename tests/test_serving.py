@@ -17,7 +17,7 @@ from filelock import FileLock
 
 from llmc.errors import LlmcError
 from llmc.runtime import Engine, SamplingParams
-from llmc.runtime.sampler import apply_repetition_penalty, sample, token_logprobs
+from llmc.runtime.sampling.sampler import apply_repetition_penalty, sample, token_logprobs
 
 
 def _once(tmp_path_factory, name: str, make) -> Path:

@@ -485,7 +485,7 @@ def test_sampled_tokens_follow_the_plain_distribution(tiny_engine, tiny_engine_b
 
     cfg, plain = _plain_and_speculative_agree(tiny_engine, tiny_engine_bf16, run, n, 0.05, first_position=1)
     # Power: keeping every draft (no rejection sampling) shifts the distribution visibly.
-    import llmc.runtime.speculative as sp
+    import llmc.runtime.speculative.verification as sp
 
     original = sp.accept_or_resample
     sp.accept_or_resample = lambda p, q, d, rng: None
@@ -712,7 +712,7 @@ def test_first_drafts_and_later_drafts_are_priced_apart():
 
 def _decoding_request(seq_id: int, tokens: list[int], max_tokens: int = 500):
     """A request in its decode phase (all but its last token computed), as the scheduler keeps it."""
-    from llmc.runtime.scheduler import Request
+    from llmc.runtime.core.request import Request
 
     r = Request(f"r{seq_id}", seq_id, len(tokens), list(tokens), SamplingParams(max_tokens=max_tokens),
                 0.0, np.random.default_rng(seq_id))

@@ -9,8 +9,8 @@ import sys
 import pytest
 
 from llmc.errors import LlmcError
-from llmc.runtime import spin_policy
-from llmc.runtime.session import OrtSession
+from llmc.runtime.workers.ort import spin_policy
+from llmc.runtime.workers.ort.session import OrtSession
 
 
 @pytest.mark.parametrize("setting,spin", [("1", True), ("on", True), ("0", False), ("off", False)])

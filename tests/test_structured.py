@@ -1,4 +1,4 @@
-"""Structured outputs (runtime/structured.py): seeded random constraints through real engines.
+"""Structured outputs (runtime/sampling/structured.py): seeded random constraints through real engines.
 
 Every completed output must be in its constraint's language (JSON Schemas checked by ``jsonschema``),
 under greedy and sampled decoding, batched beside unconstrained requests, on the trained default model
@@ -17,7 +17,7 @@ import pytest
 
 from llmc.errors import LlmcError
 from llmc.runtime import Engine, SamplingParams
-from llmc.runtime.structured import StructuredConfig, StructuredOutputs
+from llmc.runtime.sampling.structured import StructuredConfig, StructuredOutputs
 from llmc.testing.structured_cases import random_cases
 
 PROMPTS = ["A JSON value:", "The for statement", "def f(x):", "Answer:"]
@@ -289,7 +289,7 @@ def _check_outputs(outs, checks) -> int:
 def speculating(request, default_engine) -> Engine:
     """The default model speculating on every step (never adaptive): by prompt lookup, or with a draft model
     (a second copy of the default engine, so drafts are often right and sampled drafts carry their q)."""
-    from llmc.runtime.speculative import SpeculativeConfig
+    from llmc.runtime.speculative.config import SpeculativeConfig
 
     cfg = SpeculativeConfig(request.param, num_tokens=4, adaptive=False,
                             draft_model=default_engine if request.param == "draft" else None)

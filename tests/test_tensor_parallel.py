@@ -23,7 +23,7 @@ from llmc.cli.main import cli
 from llmc.compiler.build import BuildOptions, build
 from llmc.errors import UnsupportedError
 from llmc.runtime import Engine, SamplingParams
-from llmc.runtime.cuda.tensor_parallel import TensorParallelError, all_gather_reference, all_reduce_reference
+from llmc.runtime.workers.cuda.tensor_parallel import TensorParallelError, all_gather_reference, all_reduce_reference
 
 PARAMS = SamplingParams(max_tokens=16, ignore_eos=True)
 
@@ -105,7 +105,7 @@ def test_ops_deepseek_programs_use_match_onnx_reference():
     from onnx import TensorProto, helper
     from onnx.reference import ReferenceEvaluator
 
-    from llmc.runtime.cuda.ops import OPS
+    from llmc.runtime.workers.cuda.ops import OPS
 
     rng = np.random.default_rng()
     x = rng.standard_normal((5, 8)).astype(np.float32)

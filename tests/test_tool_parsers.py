@@ -308,7 +308,7 @@ def _args(family: str, args: dict) -> str:
 
 @pytest.mark.parametrize("family,template", FORCED, ids=[f[0] for f in FORCED])
 def test_forcing_grammar_accepts_exactly_valid_calls_and_the_parser_reads_them_back(family, template):
-    from llmc.runtime.structured import GrammarCompiler
+    from llmc.runtime.sampling.structured import GrammarCompiler
     from llmc.serve.tools import constraint
     from llmc.testing.corpus import train_bpe_tokenizer
 

@@ -11,8 +11,8 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_common as bc  # noqa: E402
 
-from llmc.runtime.bench import decode_run  # noqa: E402
-from llmc.runtime.engine import Engine  # noqa: E402
+from llmc.bench.workloads import decode_run  # noqa: E402
+from llmc.runtime import Engine  # noqa: E402
 
 engine = Engine.load(sys.argv[1], num_threads=bc.THREADS, kv_cache_tokens=1024, enable_prefix_caching=False)
 prompt = bc.load_prompts()["decode_128"]

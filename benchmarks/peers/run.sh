@@ -29,7 +29,7 @@ probe() {  # name: load average, the C read-bandwidth probe (2 threads, 1 GiB, 2
   # llmc bench's own probe (the pair checks llmc bench's bandwidth figure at one instant) -> $RUN/probe.jsonl
   local bw np
   bw=$(OMP_NUM_THREADS=$T "$R/bw_read" 20)
-  np=$(${LLMC_PYTHON:-python3} -c "from llmc.runtime.bench import measure_read_bandwidth as m; \
+  np=$(${LLMC_PYTHON:-python3} -c "from llmc.bench.machine import measure_read_bandwidth as m; \
 print(m(threads=$T).read_GBps)" 2>/dev/null || echo null)
   echo "{\"at\": \"$1\", \"time\": $(date +%s), \"loadavg\": \"$(cut -d' ' -f1-3 /proc/loadavg)\", \"bw_read\": $bw, \
 \"llmc_probe_GBps\": $np}" >> "$RUN/probe.jsonl"

@@ -33,8 +33,8 @@ import numpy as np
 import onnx_ir as ir
 
 from llmc.errors import UnsupportedError
-from llmc.runtime.cuda import program as torch_program
-from llmc.runtime.cuda.session import attention_key
+from llmc.runtime.workers.cuda import program as torch_program
+from llmc.runtime.workers.cuda.session import attention_key
 
 ENGINE_DTYPES = ("bfloat16", "float16", "float32")
 KERNEL_DIR = "kernels"

@@ -9,7 +9,7 @@ On disk (written by ``llmc.compiler.backends.cuda``): ``program.json`` and ``wei
      "nodes": [{"op": "MatMul", "inputs": ["x", "w"], "outputs": ["y"], "attrs": {}}, ...]}
 
 Node inputs name graph inputs, weights (tensors of the safetensors file) or earlier outputs; an
-empty name is an omitted optional input. ``op`` is a key of :data:`llmc.runtime.cuda.ops.OPS` or
+empty name is an omitted optional input. ``op`` is a key of :data:`llmc.runtime.workers.cuda.ops.OPS` or
 ``PagedAttention``, which the caller binds to the KV pool (see :class:`Program`).
 
 The executor resolves names to slots once, turns small integer constants that ops read as
@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from llmc.plugins.recurrent import CONV_OP_TYPE, DELTA_OP_TYPE, SSD_OP_TYPE
-from llmc.runtime.cuda.ops import DTYPES, OPS
+from llmc.runtime.workers.cuda.ops import DTYPES, OPS
 
 FORMAT = "llmc-torch-program"
 VERSION = 1

@@ -7,7 +7,7 @@ An engine built with ``llmc build --gpu ... --tp N`` holds ``rank<r>/program.jso
 
 - This process is rank 0: it owns the scheduler, the sampler, the tokenizer and the block tables, and runs
   rank 0's program. It starts ranks 1..N-1 as worker processes (torch.multiprocessing, ``spawn``), each with
-  its own :class:`~llmc.runtime.cuda.session.CudaSession` on its own device (``cuda:<r>``; with
+  its own :class:`~llmc.runtime.workers.cuda.session.CudaSession` on its own device (``cuda:<r>``; with
   ``device="cpu"`` all on the CPU) and its own KV pool, which holds only that rank's KV heads.
 - Ranks form process groups of their own over a ``TCPStore`` on localhost (group objects rather than the
   process-wide default group, so one process can hold several engines): a gloo group for control, over which
@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from llmc.errors import LlmcError
-from llmc.runtime.cuda import ops as torch_ops
+from llmc.runtime.workers.cuda import ops as torch_ops
 
 RANK_DIR = "rank{}"
 _ACTIVE: contextvars.ContextVar = contextvars.ContextVar("llmc_tp_group", default=None)
@@ -140,7 +140,7 @@ def _rank_device(device: str, rank: int) -> str:
 def _worker(rank: int, world: int, root: str, manifest: dict, device: str, port: int, timeout: float,
             cuda_graphs: bool, max_model_len: int | None) -> None:
     """Rank ``rank``'s process: join the group, then run each step rank 0 broadcasts until told to stop."""
-    from llmc.runtime.cuda.session import CudaSession
+    from llmc.runtime.workers.cuda.session import CudaSession
 
     dev = torch.device(_rank_device(device, rank))
     if dev.type == "cpu":  # ranks share the machine's cores
@@ -197,11 +197,11 @@ def _stop(procs: list, store) -> None:
 
 
 class TensorParallelSession:
-    """Rank 0 of an N-rank CUDA engine; used as :class:`~llmc.runtime.cuda.session.CudaSession` is."""
+    """Rank 0 of an N-rank CUDA engine; used as :class:`~llmc.runtime.workers.cuda.session.CudaSession` is."""
 
     def __init__(self, root: Path, manifest: dict, device: str = "cuda", cuda_graphs: bool = True,
                  max_model_len: int | None = None) -> None:
-        from llmc.runtime.cuda.session import CudaSession
+        from llmc.runtime.workers.cuda.session import CudaSession
 
         par = manifest["parallel"]
         self.world = int(par["tensor"])

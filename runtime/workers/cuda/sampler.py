@@ -5,7 +5,7 @@ in numpy (batch 64 x vocab 32000 is 8 MB over PCIe per step and, with ``top_p``,
 argsort per row on one core). Here the rows are processed together on the device and only token ids,
 and the logprobs a request asked for, come back.
 
-Same tokens as :func:`llmc.runtime.sampler.sample`:
+Same tokens as :func:`llmc.runtime.sampling.sampler.sample`:
 
 - greedy: the argmax of the same float32 penalised logits (ties: the lowest id, as numpy's);
 - sampled: the request's uniform is drawn on the host from its own ``numpy.random.Generator``, one
@@ -26,7 +26,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from llmc.runtime.sampler import SampleRow, presence_frequency_deltas
+from llmc.runtime.sampling.sampler import SampleRow, presence_frequency_deltas
 
 
 def _penalise(x: torch.Tensor, rows: Sequence[SampleRow]) -> None:
@@ -52,7 +52,7 @@ def _renormalise(probs: torch.Tensor, new: torch.Tensor, on: torch.Tensor) -> to
 
 
 def probabilities(scaled_rows: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
-    """The float64 distributions ``[n, vocab]`` :func:`llmc.runtime.sampler.probabilities` gives, for
+    """The float64 distributions ``[n, vocab]`` :func:`llmc.runtime.sampling.sampler.probabilities` gives, for
     penalised float32 logits ``scaled_rows`` ``[n, vocab]``: temperature, top_k, top_p, min_p, in that order."""
     dev, vocab = scaled_rows.device, scaled_rows.shape[-1]
     f64 = dict(dtype=torch.float64, device=dev)
@@ -91,7 +91,7 @@ def invert_cdf(probs: torch.Tensor, uniforms: Sequence[float]) -> torch.Tensor:
 
 
 def logprobs(logits: torch.Tensor, tokens: Sequence[int], tops: Sequence[int]) -> list[dict[int, float]]:
-    """:func:`llmc.runtime.sampler.token_logprobs` for every row of ``logits`` ``[n, vocab]`` (the model's own
+    """:func:`llmc.runtime.sampling.sampler.token_logprobs` for every row of ``logits`` ``[n, vocab]`` (the model's own
     distribution): the chosen token's log-probability and the ``tops[i]`` most likely ids' (ties: lower id first)."""
     x = logits.double()
     m = x.max(-1, keepdim=True).values

@@ -1,6 +1,6 @@
 """The operators of a CUDA engine's program, in torch, with ONNX semantics.
 
-A CUDA engine (:mod:`llmc.runtime.cuda.program`) is the compiler's fused graph written as a flat
+A CUDA engine (:mod:`llmc.runtime.workers.cuda.program`) is the compiler's fused graph written as a flat
 list of nodes; each node's ``op`` names a function here. Every function takes the node's input
 tensors (``None`` for an omitted optional input) and its attributes as keywords, and returns a
 tuple of outputs. They run on whatever device their inputs live on: CUDA in production, the CPU

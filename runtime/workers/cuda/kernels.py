@@ -56,7 +56,7 @@ class KernelInfo:
     block_q: int
     num_kv_heads: int
     variant: str  # "decode" (block_m 16) or "prefill" (block_m 64)
-    key: str  # the configuration it serves (attention: llmc.runtime.cuda.session.attention_key; fused: the node's)
+    key: str  # the configuration it serves (attention: session.attention_key; fused: the node's)
     config: dict = field(default_factory=dict)  # compile-time constants (tiles, splits) the launch rule uses
 
     @classmethod

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import numpy as np
 
+import llmc.runtime.workers.ort.spin_policy as spin_policy
 from llmc.errors import LlmcError
-from llmc.runtime import spin_policy
-from llmc.runtime.kv_cache import KVPool
+from llmc.runtime.core.kv_cache import KVPool
 
 # engine.custom_ops values (see llmc.compiler.backends.onnxruntime.CUSTOM_OPS): which custom-op
 # library hosts the graph's PagedAttention.
@@ -31,7 +31,7 @@ class OrtSession:
     ``model`` is an ONNX file (its external weights beside it) or serialized ONNX bytes;
     ``custom_ops`` names the library its PagedAttention nodes need (:data:`NATIVE` or :data:`PYOP`).
     ``optimize=False`` runs the graph as written (no ORT graph rewrites). ``spin``: whether ORT's threads
-    spin between ops; None (serving) decides by :mod:`llmc.runtime.spin_policy`, which samples the CPU
+    spin between ops; None (serving) decides by :mod:`llmc.runtime.workers.ort.spin_policy`, which samples the CPU
     load for 0.1 s, so one-off sessions (pass verification) pass False. ``initializers``: arrays for the
     graph's initializers that it declares without data (ONNX Runtime reads them in place; the session keeps
     them alive): how the accuracy report runs a model one layer at a time (llmc.quant.layerwise).
@@ -66,7 +66,7 @@ class OrtSession:
                                        else ort.GraphOptimizationLevel.ORT_DISABLE_ALL)
         if num_threads:
             so.intra_op_num_threads = num_threads
-        # Spin between ops only where the cores are free (runtime/spin_policy.py; LLMC_ORT_SPIN overrides).
+        # Spin between ops only where the cores are free (spin_policy.py beside this file; LLMC_ORT_SPIN overrides).
         if spin is None:
             try:
                 self.spinning, self.spin_reason = spin_policy.decide(num_threads or os.cpu_count() or 1)
@@ -99,7 +99,7 @@ class OrtSession:
             outputs: list[str] | None = None, state: Sequence[np.ndarray] | None = None):
         """Run one step; returns logits ``[n_logits, vocab]`` (or, with ``outputs``, the list of those outputs).
         Writes the step's K/V into ``pool`` (a :class:`KVPool` or its per-layer ``(k_cache, v_cache)`` list) and, for
-        a hybrid model, its recurrent state into ``state`` (the state pool's arrays, llmc.runtime.state_cache)."""
+        a hybrid model, its recurrent state into ``state`` (the state pool's arrays, llmc.runtime.core.state_cache)."""
         layers = pool.layers if isinstance(pool, KVPool) else pool
         names = outputs or _LOGITS
         if state is not None and self._native is None:

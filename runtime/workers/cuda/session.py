@@ -1,7 +1,7 @@
 """The CUDA engine's session: runs a program (:mod:`.torch_program`) on a device with a paged KV pool.
 
 Used by :class:`llmc.runtime.engine.Engine` for engines whose backend is ``cuda``, exactly where an
-ONNX Runtime engine uses :class:`llmc.runtime.session.OrtSession`: the scheduler, sampler and the
+ONNX Runtime engine uses :class:`llmc.runtime.workers.ort.session.OrtSession`: the scheduler, sampler and the
 rest of the ``Engine`` API are shared. Imported only when such an engine is loaded (it imports torch).
 
 - ``device="cuda"``: weights and the KV pool in device memory; ``PagedAttention`` runs the engine's
@@ -12,9 +12,10 @@ rest of the ``Engine`` API are shared. Imported only when such an engine is load
   the lowering and the executor with no GPU.
 
 Hybrid models (manifest ``state_cache``): the session owns the state pool too (:meth:`CudaSession.allocate_state`,
-float32 arrays ``[num_slots, ...]`` on the device; the engine's :class:`~llmc.runtime.state_cache.StatePool` hands out
-the slots), and runs the recurrent ops (``CausalConv1d``, ``GatedDeltaRule``, ``SsdScan``) with their AOT Triton
-kernels, or their torch references (llmc.plugins.recurrent.torch_reference) where no kernel was built.
+float32 arrays ``[num_slots, ...]`` on the device; the engine's
+:class:`~llmc.runtime.core.state_cache.StatePool` hands out the slots), and runs the recurrent ops
+(``CausalConv1d``, ``GatedDeltaRule``, ``SsdScan``) with their AOT Triton kernels, or their torch references
+(llmc.plugins.recurrent.torch_reference) where no kernel was built.
 """
 
 from __future__ import annotations
@@ -27,12 +28,12 @@ import numpy as np
 import torch
 
 from llmc.errors import UnsupportedError
-from llmc.runtime.cuda import kernels as cuda_kernels
-from llmc.runtime.cuda.ops import DTYPES, OPS, paged_attention_torch
-from llmc.runtime.cuda.program import ATTENTION_OP, STATE_OPS, Program, load_weights, read_spec
-from llmc.runtime.cuda.sampler import sample_rows
-from llmc.runtime.kv_cache import distinct_pairs, layer_geometry
-from llmc.runtime.sampler import SampleRow
+from llmc.runtime.core.kv_cache import distinct_pairs, layer_geometry
+from llmc.runtime.sampling.sampler import SampleRow
+from llmc.runtime.workers.cuda import kernels as cuda_kernels
+from llmc.runtime.workers.cuda.ops import DTYPES, OPS, paged_attention_torch
+from llmc.runtime.workers.cuda.program import ATTENTION_OP, STATE_OPS, Program, load_weights, read_spec
+from llmc.runtime.workers.cuda.sampler import sample_rows
 
 GRAPH_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 _META = ("input_ids", "positions", "slot_mapping", "block_tables", "context_lens", "query_start_loc",
@@ -89,7 +90,8 @@ def attention_key(attrs: dict) -> str:
 
 
 class CudaSession:
-    """Executes a CUDA engine's program. ``run(feeds, pool)`` as :class:`~llmc.runtime.session.OrtSession`."""
+    """Executes a CUDA engine's program. ``run(feeds, pool)`` as
+    :class:`~llmc.runtime.workers.ort.session.OrtSession`."""
 
     spinning = False
     samples_on_device = True  # the engine samples plain rows with sample(), reading only ids back
@@ -139,8 +141,8 @@ class CudaSession:
         self.lora_buffers: dict[str, torch.Tensor] = {}
 
     def bind_lora(self, lora) -> None:
-        """Keep ``lora``'s (llmc.runtime.lora.LoraSlots) slot buffers on the device: copied once here, then only the
-        slot an adapter is written into (not every step)."""
+        """Keep ``lora``'s (llmc.runtime.lora.slots.LoraSlots) slot buffers on the device: copied once here, then
+        only the slot an adapter is written into (not every step)."""
         self.lora_buffers = {name: torch.from_numpy(buf).to(self.device, self.dtype)
                              for name, buf in lora.buffers.items()}
         self._graphs.clear()  # graphs captured before hold no slot inputs
@@ -296,17 +298,13 @@ class CudaSession:
             self._launch(k, (rows, 1, 1), [x, skip, scale, out, total, rows])
             return out, total
 
-        def rows_view(t):  # a [rows, n] view with unit inner stride, copying only where it must
-            t2 = t.reshape(-1, t.shape[-1]) if t.dim() != 2 else t
-            return t2 if t2.stride(-1) == 1 else t2.contiguous()
-
         def rotary(x, cos, sin, position_ids=None, *, kernel=None, **attrs):
             k = self._fused(kernel)
             if (k is None or position_ids is not None or x.dim() == 4 or x.dtype != self.dtype
                     or cos.dtype != torch.float32
                     or sin.dtype != torch.float32):
                 return OPS["RotaryEmbedding"](x, cos, sin, position_ids, **attrs)
-            x2 = rows_view(x)
+            x2 = _rows_view(x)
             n, heads = x2.shape[0], int(attrs["num_heads"])
             half = x2.shape[1] // heads // 2
             cos, sin = cos.contiguous(), sin.contiguous()
@@ -320,7 +318,7 @@ class CudaSession:
             k = self._fused(kernel)
             if k is None or gate.dtype != self.dtype or up.dtype != self.dtype or gate.shape != up.shape:
                 return OPS["SwiGLU"](gate, up, **attrs)
-            g2, u2 = rows_view(gate), rows_view(up)
+            g2, u2 = _rows_view(gate), _rows_view(up)
             rows, n = g2.shape
             out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
             block = k.info.config["BLOCK"]
@@ -332,7 +330,7 @@ class CudaSession:
             rows = x.numel() // x.shape[-1]
             if k is None or x.dtype != self.dtype or scales.dtype != self.dtype or rows > k.info.config["BLOCK_M"]:
                 return OPS["Int4Linear"](x, codes, scales, zeros, **attrs)
-            x2 = rows_view(x)
+            x2 = _rows_view(x)
             n, split = codes.shape[1], k.info.config["SPLIT_K"]
             out = torch.empty((split, rows, n) if split > 1 else (rows, n),
                               dtype=torch.float32 if split > 1 else x.dtype, device=x.device)
@@ -345,7 +343,7 @@ class CudaSession:
             ks, ke = self._fused(shrink_kernel), self._fused(expand_kernel)
             if ks is None or ke is None or {x.dtype, y.dtype, a.dtype, b.dtype} != {self.dtype}:
                 return OPS["LoraApply"](y, x, a, b, slots, **attrs)
-            x2, y2 = rows_view(x), rows_view(y)
+            x2, y2 = _rows_view(x), _rows_view(y)
             t, n, rank = x2.shape[0], y2.shape[1], int(attrs["rank"])
             u = torch.empty((t, rank), dtype=torch.float32, device=x.device)
             self._launch(ks, (t, 1, 1), [x2, a, slots, u, t, x2.stride(0)])
@@ -473,3 +471,9 @@ class CudaSession:
 
     def set_attention_threads(self, n: int) -> None:  # the CPU kernel's threads: nothing to set here
         del n
+
+
+def _rows_view(t: torch.Tensor) -> torch.Tensor:
+    """A ``[rows, n]`` view of ``t`` with unit inner stride, copying only where it must."""
+    t2 = t.reshape(-1, t.shape[-1]) if t.dim() != 2 else t
+    return t2 if t2.stride(-1) == 1 else t2.contiguous()

@@ -80,7 +80,7 @@ def profile_decode(engine, prompts: list[list[int]], *, steps: int = 5, top: int
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from llmc.runtime import SamplingParams
+    from llmc.runtime.sampling.sampler import SamplingParams
 
     device = getattr(engine._session, "device", None)
     if device is None or not hasattr(engine._session, "run_device"):

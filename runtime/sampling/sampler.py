@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from llmc.errors import LlmcError
-from llmc.runtime.structured import StructuredOutputs
+from llmc.runtime.sampling.structured import StructuredOutputs
 
 
 @dataclass
@@ -29,7 +29,7 @@ class SamplingParams:
     generated token, the log-probability of the chosen token and of the N most likely tokens under
     the model's distribution (before any processing); ``None`` returns none.
 
-    ``structured`` (a :class:`~llmc.runtime.structured.StructuredOutputs`, or a dict of its fields)
+    ``structured`` (a :class:`~llmc.runtime.sampling.structured.StructuredOutputs`, or a dict of its fields)
     constrains the output to a JSON Schema, any JSON object, a regex, a choice or a grammar: tokens the
     constraint forbids are masked out before the steps above (logprobs stay the model's own).
     """
@@ -89,7 +89,7 @@ class SamplingParams:
 
 @dataclass
 class SampleRow:
-    """One logits row for a sampler that runs where the logits are (:mod:`llmc.runtime.cuda.sampler`):
+    """One logits row for a sampler that runs where the logits are (:mod:`llmc.runtime.workers.cuda.sampler`):
     its index in the step's logits, its parameters, its history and, when sampled, its uniform in [0, 1)
     (drawn from the request's generator as :func:`sample` draws it)."""
 

@@ -23,8 +23,6 @@ import json
 import math
 import struct
 import zlib
-from collections import OrderedDict
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -141,7 +139,33 @@ def read_adapter(name: str, path: str | Path, spec: LoraSpec) -> LoraAdapter:
     ``LlmcError`` (exit 2) for malformed files and shapes that do not fit the base model."""
     root = Path(path)
     config = _config(root)
-    file = root / CONFIG_FILE
+    rank, alpha, rslora, scaling = _check_config(root / CONFIG_FILE, config, spec)
+    weights_file = root / WEIGHTS_FILE
+    if not weights_file.is_file():
+        extra = " (adapter_model.bin is PyTorch's pickle format: save with safe_serialization=True)" \
+            if (root / "adapter_model.bin").is_file() else ""
+        raise LlmcError(f"{weights_file}: no such file{extra}; a LoRA adapter needs its weights in safetensors")
+    pairs = _lora_pairs(weights_file, _read_safetensors(weights_file), spec, config)
+    by_module = {m.module: m for m in spec.modules}
+    weights = {}
+    for module, (a, b) in pairs.items():
+        site = by_module[module]
+        if a is None or b is None:
+            raise LlmcError(f"{weights_file}: {module} has lora_{'B' if a is None else 'A'} without "
+                            f"lora_{'A' if a is None else 'B'}; the file is incomplete")
+        want_a, want_b = (rank, site.in_features), (site.out_features, rank)
+        if a.shape != want_a or b.shape != want_b:
+            raise LlmcError(f"{weights_file}: {module}: lora_A {list(a.shape)} / lora_B {list(b.shape)} do not fit the "
+                            f"base model (expected {list(want_a)} / {list(want_b)} for r={rank}); the adapter was "
+                            "trained for another model or another r")
+        weights[module] = (np.ascontiguousarray(a), np.ascontiguousarray(b * np.float32(scaling)))
+    # Never 0 (the base model's chain), the same for the same name and files' contents.
+    key = zlib.crc32(weights_file.read_bytes(), zlib.crc32(name.encode())) | (1 << 40)
+    return LoraAdapter(name, root, rank, float(alpha), rslora, scaling, weights, key)
+
+
+def _check_config(file: Path, config: dict, spec: LoraSpec) -> tuple[int, float, bool, float]:
+    """``(rank, lora_alpha, use_rslora, scaling)`` of an adapter config llmc's slots can run (else why not)."""
     peft_type = config.get("peft_type", "LORA")
     if str(peft_type).upper() != "LORA":
         raise UnsupportedError(f"{file}: peft_type {peft_type!r}: llmc serves LoRA adapters only")
@@ -173,13 +197,11 @@ def read_adapter(name: str, path: str | Path, spec: LoraSpec) -> LoraAdapter:
         raise LlmcError(f"{file}: field 'lora_alpha' must be a number, got {alpha!r}")
     rslora = bool(config.get("use_rslora", False))
     scaling = float(alpha) / (math.sqrt(rank) if rslora else rank)
+    return rank, alpha, rslora, scaling
 
-    weights_file = root / WEIGHTS_FILE
-    if not weights_file.is_file():
-        extra = " (adapter_model.bin is PyTorch's pickle format: save with safe_serialization=True)" \
-            if (root / "adapter_model.bin").is_file() else ""
-        raise LlmcError(f"{weights_file}: no such file{extra}; a LoRA adapter needs its weights in safetensors")
-    tensors = _read_safetensors(weights_file)
+
+def _lora_pairs(weights_file: Path, tensors: dict[str, np.ndarray], spec: LoraSpec, config: dict) -> dict[str, list]:
+    """Module -> ``[lora_A, lora_B]`` (either may be missing: None) of the adapter's tensors."""
     by_module = {m.module: m for m in spec.modules}
     pairs: dict[str, list] = {}
     # LoRA matrices first: an adapter of a module without slots is named as such, not by the other tensors PEFT
@@ -200,123 +222,4 @@ def read_adapter(name: str, path: str | Path, spec: LoraSpec) -> LoraAdapter:
     if not pairs:
         raise LlmcError(f"{weights_file}: holds no LoRA tensors (base_model.model.<module>.lora_A.weight); save the "
                         "adapter with PEFT's save_pretrained")
-    weights = {}
-    for module, (a, b) in pairs.items():
-        site = by_module[module]
-        if a is None or b is None:
-            raise LlmcError(f"{weights_file}: {module} has lora_{'B' if a is None else 'A'} without "
-                            f"lora_{'A' if a is None else 'B'}; the file is incomplete")
-        want_a, want_b = (rank, site.in_features), (site.out_features, rank)
-        if a.shape != want_a or b.shape != want_b:
-            raise LlmcError(f"{weights_file}: {module}: lora_A {list(a.shape)} / lora_B {list(b.shape)} do not fit the "
-                            f"base model (expected {list(want_a)} / {list(want_b)} for r={rank}); the adapter was "
-                            "trained for another model or another r")
-        weights[module] = (np.ascontiguousarray(a), np.ascontiguousarray(b * np.float32(scaling)))
-    # Never 0 (the base model's chain), the same for the same name and files' contents.
-    key = zlib.crc32(weights_file.read_bytes(), zlib.crc32(name.encode())) | (1 << 40)
-    return LoraAdapter(name, root, rank, float(alpha), rslora, scaling, weights, key)
-
-
-# -- the slots ----------------------------------------------------------------------------------------------
-
-
-class LoraSlots:
-    """The engine's adapter registry and slot buffers (see the module docstring). Not thread-safe: the engine
-    calls it under its lock."""
-
-    def __init__(self, spec: LoraSpec, dtype: str = "float32") -> None:
-        self.spec = spec
-        width = spec.slots * spec.max_rank
-        self.buffers: dict[str, np.ndarray] = {}
-        for m in spec.modules:
-            self.buffers[m.a_input] = np.zeros((m.in_features, width), dtype)
-            self.buffers[m.b_input] = np.zeros((width, m.out_features), dtype)
-        self.adapters: dict[str, LoraAdapter] = {}
-        self.resident: list[str | None] = [None] * (spec.slots + 1)  # index 0: the base model, never used
-        self.holders = [0] * (spec.slots + 1)  # running requests holding each slot
-        self._lru: OrderedDict[int, None] = OrderedDict((s, None) for s in range(1, spec.slots + 1))
-        self.loads = 0  # adapters copied into a slot (first loads and reloads after eviction)
-        # Called with {buffer name: index} after a slot is written (a CUDA session copies that part to the device).
-        self.on_write: list[Callable[[dict], None]] = []
-        self._ort_values: dict | None = None
-
-    # registry
-    def add(self, name: str, path: str | Path) -> LoraAdapter:
-        if not isinstance(name, str) or not name:
-            raise LlmcError(f"LoRA adapter name {name!r}: must be a non-empty string")
-        if name in self.adapters:
-            raise LlmcError(f"LoRA adapter {name!r} is already loaded (from {self.adapters[name].path}); remove it "
-                            "first or pick another name")
-        adapter = read_adapter(name, path, self.spec)
-        self.adapters[name] = adapter
-        return adapter
-
-    def remove(self, name: str) -> None:
-        if name not in self.adapters:
-            raise LlmcError(f"LoRA adapter {name!r} is not loaded (loaded: {', '.join(self.adapters) or 'none'})")
-        slot = self.slot_of(name)
-        if slot and self.holders[slot]:
-            raise LlmcError(f"LoRA adapter {name!r} is in use by {self.holders[slot]} running requests; remove it "
-                            "when they finish")
-        if slot:
-            self.resident[slot] = None
-        del self.adapters[name]
-
-    def slot_of(self, name: str) -> int:
-        """The slot holding ``name``'s weights, or 0."""
-        try:
-            return self.resident.index(name, 1)
-        except ValueError:
-            return 0
-
-    # slots
-    def acquire(self, name: str) -> int:
-        """A slot holding ``name`` for one more running request, or 0 when every slot is held (wait)."""
-        slot = self.slot_of(name)
-        if not slot:
-            free = [s for s in self._lru if self.holders[s] == 0]  # least recently used first
-            if not free:
-                return 0
-            empty = [s for s in free if self.resident[s] is None]
-            slot = empty[0] if empty else free[0]
-            self._write(slot, self.adapters[name])
-        self.holders[slot] += 1
-        self._lru.move_to_end(slot)
-        return slot
-
-    def release(self, slot: int) -> None:
-        if slot:
-            self.holders[slot] -= 1
-
-    def _write(self, slot: int, adapter: LoraAdapter) -> None:
-        r, start = self.spec.max_rank, (slot - 1) * self.spec.max_rank
-        for m in self.spec.modules:
-            a_buf, b_buf = self.buffers[m.a_input], self.buffers[m.b_input]
-            a_buf[:, start: start + r] = 0
-            b_buf[start: start + r] = 0
-            if m.module in adapter.weights:
-                a, b = adapter.weights[m.module]
-                a_buf[:, start: start + adapter.rank] = a.T
-                b_buf[start: start + adapter.rank] = b.T
-        self.resident[slot] = adapter.name
-        self.loads += 1
-        if self.on_write:
-            cols, rows = (slice(None), slice(start, start + r)), (slice(start, start + r),)
-            written = {name: index for m in self.spec.modules for name, index in ((m.a_input, cols), (m.b_input, rows))}
-            for callback in self.on_write:
-                callback(written)
-
-    def bind(self, feeds: dict, slots: list[int], counts: list[int], buffers: str = "numpy") -> None:
-        """Add the step's inputs to ``feeds``: every token's slot (its chunk's), and the slot buffers as numpy
-        arrays (``buffers="numpy"``), as ONNX Runtime OrtValues over the same memory (``"ortvalue"``: saves ONNX
-        Runtime a copy of every buffer per step, 2.5 of 11 ms on the default model with 4 slots of rank 16), or
-        not at all (``"device"``: the session holds them)."""
-        feeds[self.spec.slot_input] = np.repeat(np.asarray(slots, np.int64), counts)
-        if buffers == "ortvalue":
-            if self._ort_values is None:
-                import onnxruntime as ort
-
-                self._ort_values = {n: ort.OrtValue.ortvalue_from_numpy(b) for n, b in self.buffers.items()}
-            feeds.update(self._ort_values)
-        elif buffers == "numpy":
-            feeds.update(self.buffers)
+    return pairs

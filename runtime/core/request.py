@@ -1,0 +1,71 @@
+"""A generation request and its progress: the unit the scheduler schedules and the engine steps."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from llmc.runtime.sampling.sampler import SamplingParams
+
+if TYPE_CHECKING:
+    from llmc.runtime.speculative.state import SpecState
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    """One generation request and its progress. ``tokens`` holds the prompt, then the output."""
+
+    request_id: str
+    seq_id: int
+    prompt_len: int
+    tokens: list[int]
+    params: SamplingParams
+    arrival_time: float
+    rng: np.random.Generator
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed: int = 0  # tokens whose KV is in the cache
+    finish_reason: str | None = None
+    num_preemptions: int = 0
+    num_cached_tokens: int = 0  # prefix-cache hits at the first admission
+    admitted_len: int = 0  # len(tokens) at the latest admission: its KV's rotary factors follow from it
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    token_times: list[float] = field(default_factory=list)
+    logprobs: list[dict[int, float]] | None = None
+    text: str | None = None  # detokenised output, kept up to date only when stop strings need it
+    _hashes: tuple[int, list[int]] | None = None  # (len(tokens), chained hashes of the cacheable blocks)
+    # Speculative decoding: drafts proposed for the next step (consumed by schedule()), the draft's
+    # distributions ``[len(draft), vocab]`` (None: point masses), and the per-request state (None: off).
+    draft: list[int] = field(default_factory=list)
+    draft_probs: np.ndarray | None = None
+    spec: SpecState | None = None
+    # Multi-LoRA: the slot this request's adapter occupies while it runs (0: the base model), and the adapter's
+    # key, which roots its blocks' hash chain so that the prefix cache never mixes adapters' KV.
+    lora_slot: int = 0
+    lora_key: int = 0
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.tokens[: self.prompt_len]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.tokens[self.prompt_len :]
+
+    @property
+    def num_remaining(self) -> int:
+        """Known tokens whose KV still has to be computed (1 while decoding)."""
+        return len(self.tokens) - self.num_computed
+
+    @property
+    def finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
