@@ -67,21 +67,21 @@ def _module_level_imports(path: Path) -> list[str]:
 
 
 def test_the_cuda_executor_is_its_own_package_loaded_only_for_cuda_engines():
-    """runtime/cuda/ holds the CUDA engine's executor (torch); the rest of the runtime reaches it only inside the
-    functions that load a CUDA engine, so a CPU engine never imports it (nor torch)."""
-    cuda = ROOT / "runtime" / "cuda"
+    """runtime/workers/cuda/ holds the CUDA engine's executor (torch); the rest of the runtime reaches it only inside
+    the functions that load a CUDA engine, so a CPU engine never imports it (nor torch)."""
+    cuda = ROOT / "runtime" / "workers" / "cuda"
     assert {p.stem for p in cuda.glob("*.py")} >= {"session", "program", "ops", "kernels", "sampler",
                                                    "tensor_parallel", "step_profile"}
-    others = sorted((ROOT / "runtime").glob("*.py"))
-    offenders = [f"{f.name}: {name}" for f in others for name in _module_level_imports(f)
-                 if name.startswith("llmc.runtime.cuda") or name.startswith("torch")]
+    others = sorted(f for f in (ROOT / "runtime").rglob("*.py") if cuda not in f.parents)
+    offenders = [f"{f.relative_to(ROOT)}: {name}" for f in others for name in _module_level_imports(f)
+                 if name.startswith("llmc.runtime.workers.cuda") or name.startswith("torch")]
     assert not offenders, offenders
 
 
 def test_runtime_modules_import_no_cycle_at_import_time():
     """engine -> speculative -> engine was a circle; the runtime's module-level imports form none now."""
-    mods = {f"llmc.runtime.{f.stem}": f for f in (ROOT / "runtime").glob("*.py") if f.stem != "__init__"}
-    mods |= {f"llmc.runtime.cuda.{f.stem}": f for f in (ROOT / "runtime" / "cuda").glob("*.py") if f.stem != "__init__"}
+    mods = {"llmc." + ".".join(f.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"): f
+            for f in (ROOT / "runtime").rglob("*.py")}
     edges = {m: {n for n in _module_level_imports(f) if n in mods and n != m} for m, f in mods.items()}
     state: dict[str, int] = {}
 

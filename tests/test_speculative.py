@@ -15,20 +15,13 @@ import pytest
 
 from llmc.errors import LlmcError
 from llmc.runtime import Engine, SamplingParams
-from llmc.runtime.sampler import sample
-from llmc.runtime.speculative import (
-    NgramIndex,
-    SpecState,
-    SpeculativeConfig,
-    Speculator,
-    StepCost,
-    accept_or_resample,
-    expected_tokens,
-    ngram_propose,
-    step_costs,
-    target_probs,
-    verify,
-)
+from llmc.runtime.sampling.sampler import sample
+from llmc.runtime.speculative.config import SpeculativeConfig
+from llmc.runtime.speculative.cost import StepCost, expected_tokens, step_costs
+from llmc.runtime.speculative.ngram import NgramIndex, ngram_propose
+from llmc.runtime.speculative.speculator import Speculator
+from llmc.runtime.speculative.state import SpecState
+from llmc.runtime.speculative.verification import accept_or_resample, target_probs, verify
 
 # Chi-square tests run at a false-alarm rate of 1e-4 per test (z below), on seeded generators, so a
 # correct sampler fails with probability 1e-4 only if the seed is changed; each test also checks that a
