@@ -20,7 +20,6 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from llmc.errors import LlmcError
 from llmc.runtime import GenerationOutput, SamplingParams
-from llmc.serve import tools
 from llmc.serve.errors import APIError
 from llmc.serve.loop import Delivery, LoopDead, QueueFull
 from llmc.serve.protocol import ChatCompletionRequest, CompletionRequest
@@ -28,7 +27,7 @@ from llmc.serve.state import ServerState
 from llmc.serve.structured import precompile, requested
 from llmc.serve.text import TextStream
 from llmc.serve.tool_parsers import PARSERS
-from llmc.serve.tools import ChoiceOutput, ToolSpec
+from llmc.serve.tools import ChoiceOutput, ToolSpec, constraint, template_messages, tool_call_json, validate
 
 MAX_RETRY_AFTER = 60  # seconds: past this an estimate says little; clients should back off on their own
 
@@ -227,7 +226,7 @@ def plan_chat(state: ServerState, req: ChatCompletionRequest, body: dict) -> Pla
         raise APIError(400, "top_logprobs: needs logprobs=true", param="top_logprobs")
     if req.chat_template_kwargs is not None and not isinstance(req.chat_template_kwargs, dict):
         raise APIError(400, "chat_template_kwargs: must be an object", param="chat_template_kwargs")
-    tool_spec = tools.validate(req.tools, req.tool_choice, req.parallel_tool_calls)
+    tool_spec = validate(req.tools, req.tool_choice, req.parallel_tool_calls)
     prompts = [chat_prompt_ids(state, req.messages, req.add_generation_prompt, req.chat_template_kwargs, tool_spec)]
     limit = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     which = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
@@ -238,7 +237,7 @@ def plan_chat(state: ServerState, req: ChatCompletionRequest, body: dict) -> Pla
     family = None
     if tool_spec is not None and tool_spec.choice != "none":
         family = state.tool_family
-        forced = tools.constraint(tool_spec, family, _special_ids(state))
+        forced = constraint(tool_spec, family, _special_ids(state))
         if forced is not None:
             if spec is not None:
                 raise APIError(400, f"{where}: cannot be combined with tool_choice {tool_spec.choice!r} (or strict "
@@ -282,7 +281,7 @@ def chat_prompt_ids(state: ServerState, messages, add_generation_prompt: bool, e
         if isinstance(content, list):  # content parts: the text ones, joined (images are not served)
             d["content"] = "".join(p["text"] if isinstance(p, dict) else p.text for p in content)
         flat.append(d)
-    flat, tool_extra = tools.template_messages(flat, tool_spec, state.chat_template.takes_tools)
+    flat, tool_extra = template_messages(flat, tool_spec, state.chat_template.takes_tools)
     text = state.chat_template.render(flat, add_generation_prompt=add_generation_prompt,
                                       extra={**(extra or {}), **tool_extra})
     # The template wrote the special tokens (BOS…) itself.
@@ -416,7 +415,7 @@ def _message(c: _Choice, text: str) -> dict:
         c.parsed = True
     msg: dict = {"role": "assistant", "content": c.out.content}
     if c.out.calls:
-        msg["tool_calls"] = [tools.tool_call_json(None, cid, call) for _, cid, call in c.out.calls]
+        msg["tool_calls"] = [tool_call_json(None, cid, call) for _, cid, call in c.out.calls]
     if c.out.reasoning is not None or c.out.tools is not None and c.out.reasoning_text is not None:
         msg["reasoning"] = msg["reasoning_content"] = c.out.reasoning_text
     return msg

@@ -110,3 +110,23 @@ class TokenizeRequest(_Body):
 class DetokenizeRequest(_Body):
     model: str | None = None
     tokens: list[int]
+
+
+class ResponsesRequest(_Body):
+    """POST /v1/responses (serve/responses.py turns it into a chat completion)."""
+
+    model: str | None = None
+    input: Any = None
+    instructions: str | None = None
+    tools: Any = None
+    tool_choice: Any = None
+    parallel_tool_calls: Any = None
+    max_output_tokens: Annotated[int, Field(ge=1)] | None = None
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    seed: int | None = None  # not OpenAI's: as on chat completions
+    stream: bool | None = False
+    store: bool | None = True
+    previous_response_id: str | None = None
+    text: dict | None = None
+    metadata: dict | None = None

@@ -11,7 +11,7 @@ The answer's leading newlines after ``</think>`` are dropped. Tool calls are par
 
 from __future__ import annotations
 
-from llmc.serve.tool_parsers import _partial_suffix
+from llmc.serve.tool_parsers.scan import partial_suffix
 
 FAMILIES = ("qwen3", "deepseek_r1", "gpt_oss")
 OPEN, CLOSE = "<think>", "</think>"
@@ -50,7 +50,7 @@ class ReasoningParser:
             if self._mode == "think":
                 k = self._buf.find(CLOSE)
                 if k < 0:
-                    hold = 0 if final else _partial_suffix(self._buf, (CLOSE,))
+                    hold = 0 if final else partial_suffix(self._buf, (CLOSE,))
                     reasoning += self._buf[:len(self._buf) - hold]
                     self._buf = self._buf[len(self._buf) - hold:]
                     return reasoning, answer

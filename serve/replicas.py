@@ -30,29 +30,12 @@ from pathlib import Path
 from llmc.errors import LlmcError
 from llmc.runtime import EngineStats, GenerationOutput, RequestOutput, SamplingParams
 from llmc.runtime.tokenizer import Tokenizer
+from llmc.serve.live_routers import APP_NAME, DEPLOYMENT, live_router
 from llmc.serve.loop import Delivery, LoopDead, Observer, QueueFull, Snapshot
 from llmc.serve.state import ServeConfig
 
-APP_NAME = "llmc"
-DEPLOYMENT = "LlmcReplica"
 ROUTINGS = ("prefix", "round_robin", "pow2")
 log = logging.getLogger("llmc.serve")
-
-# The routers the deployment handles of this process made, by deployment name: the ingress reads the replicas'
-# reports from them (engine counters for /metrics, pool size) without asking each replica again.
-_ROUTERS: dict[str, object] = {}
-_ROUTERS_LOCK = threading.Lock()
-
-
-def register_router(app: str, deployment: str, router) -> None:
-    with _ROUTERS_LOCK:
-        _ROUTERS[f"{app}/{deployment}"] = router
-
-
-def live_router(app: str = APP_NAME, deployment: str = DEPLOYMENT):
-    """The router of that deployment's handle in this process (None before its first request)."""
-    with _ROUTERS_LOCK:
-        return _ROUTERS.get(f"{app}/{deployment}")
 
 
 def import_ray():

@@ -16,44 +16,29 @@ function tools, served through the chat-completions path (the same template, par
   ``GET /v1/responses/{id}``: at most ``--responses-store-size`` of them; past that the oldest stored is
   evicted first. A response continues the conversation that produced the previous one (its input and its
   output), with the new ``instructions``.
+
+Here: the input as chat messages, the store, and :func:`create`; the response's items and body are
+serve/responses_output.py's, a streamed answer's events serve/responses_stream.py's.
 """
 
 from __future__ import annotations
 
 import json
 import time
-import uuid
 from collections import OrderedDict
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Annotated, Any
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import Field, ValidationError
+from pydantic import ValidationError
 
-from llmc.serve import generate
+import llmc.serve.generate as generate
 from llmc.serve.errors import APIError, from_validation
-from llmc.serve.protocol import ChatCompletionRequest, _Body
+from llmc.serve.protocol import ChatCompletionRequest, ResponsesRequest
+from llmc.serve.responses_output import ResponseBuilder, call_item, message_item, new_id, reasoning_item
+from llmc.serve.responses_stream import response_events
 from llmc.serve.state import ServerState
-
-
-class ResponsesRequest(_Body):
-    model: str | None = None
-    input: Any = None
-    instructions: str | None = None
-    tools: Any = None
-    tool_choice: Any = None
-    parallel_tool_calls: Any = None
-    max_output_tokens: Annotated[int, Field(ge=1)] | None = None
-    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
-    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
-    seed: int | None = None  # not OpenAI's: as on chat completions
-    stream: bool | None = False
-    store: bool | None = True
-    previous_response_id: str | None = None
-    text: dict | None = None
-    metadata: dict | None = None
 
 
 @dataclass
@@ -197,71 +182,6 @@ def _renamed(exc: APIError) -> APIError:
     return APIError(exc.status, message, param=param, code=exc.code, headers=exc.headers)
 
 
-def _new_id(prefix: str) -> str:
-    return f"{prefix}_{uuid.uuid4().hex}"
-
-
-class _Builder:
-    """Builds a response's output items from chat-completion pieces (whole or streamed)."""
-
-    def __init__(self, state: ServerState, req: ResponsesRequest, rid: str, created: float) -> None:
-        self.state, self.req, self.id, self.created = state, req, rid, created
-        self.output: list[dict] = []
-        self.usage: dict | None = None
-        self.finish: str | None = None
-
-    def response(self, status: str) -> dict:
-        incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
-        return {
-            "id": self.id, "object": "response", "created_at": self.created, "status": status, "model":
-            self.state.config.model_name, "output": self.output, "error": None, "incomplete_details": incomplete,
-            "instructions": self.req.instructions, "metadata": self.req.metadata or {},
-            "tools": self.req.tools or [],
-            "tool_choice": self.req.tool_choice or ("auto" if self.req.tools else "none"),
-            "parallel_tool_calls": self.req.parallel_tool_calls is not False,
-            "temperature": self.req.temperature, "top_p": self.req.top_p,
-            "max_output_tokens": self.req.max_output_tokens, "previous_response_id": self.req.previous_response_id,
-            "store": self.req.store is not False, "text": self.req.text or {"format": {"type": "text"}},
-            "truncation": "disabled", "usage": self.usage,
-        }
-
-    def set_usage(self, usage: dict) -> None:
-        self.usage = {"input_tokens": usage["prompt_tokens"], "output_tokens": usage["completion_tokens"],
-                      "total_tokens": usage["total_tokens"],
-                      "input_tokens_details": {"cached_tokens": usage["prompt_tokens_details"]["cached_tokens"]},
-                      "output_tokens_details": {"reasoning_tokens": 0}}
-
-    @property
-    def status(self) -> str:
-        return "incomplete" if self.finish == "length" else "completed"
-
-    def assistant_message(self) -> dict:
-        """The answer as a chat message, for the stored conversation."""
-        text = "".join(p["text"] for item in self.output if item["type"] == "message" for p in item["content"])
-        calls = [{"id": item["call_id"], "type": "function", "function": {"name": item["name"],
-                                                                          "arguments": item["arguments"]}}
-                 for item in self.output if item["type"] == "function_call"]
-        msg: dict = {"role": "assistant", "content": text or None}
-        if calls:
-            msg["tool_calls"] = calls
-        return msg
-
-
-def reasoning_item(text: str, status: str = "completed") -> dict:
-    return {"type": "reasoning", "id": _new_id("rs"), "summary": [], "status": status,
-            "content": [{"type": "reasoning_text", "text": text}]}
-
-
-def message_item(text: str, status: str = "completed") -> dict:
-    return {"type": "message", "id": _new_id("msg"), "status": status, "role": "assistant",
-            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
-
-
-def call_item(call_id: str, name: str, arguments: str, status: str = "completed") -> dict:
-    return {"type": "function_call", "id": _new_id("fc"), "call_id": call_id, "name": name,
-            "arguments": arguments, "status": status}
-
-
 async def create(state: ServerState, store: ResponseStore, request: Request, req: ResponsesRequest,
                  arrival: float) -> Response:
     history: list[dict] = []
@@ -293,15 +213,15 @@ async def create(state: ServerState, store: ResponseStore, request: Request, req
         inner = await generate.run(state, plan, request, arrival)
     except APIError as exc:
         raise _renamed(exc) from exc
-    rid = _new_id("resp")
-    b = _Builder(state, req, rid, time.time())
+    rid = new_id("resp")
+    b = ResponseBuilder(state, req, rid, time.time())
 
     def keep() -> None:
         if req.store is not False:
             store.put(rid, _Stored(conversation + [b.assistant_message()], b.response(b.status)))
 
     if isinstance(inner, StreamingResponse):
-        return StreamingResponse(_events(b, inner, keep), media_type="text/event-stream",
+        return StreamingResponse(response_events(b, inner, keep), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     if not isinstance(inner, JSONResponse):
         return inner  # the client went away (499)
@@ -319,113 +239,3 @@ async def create(state: ServerState, store: ResponseStore, request: Request, req
     b.set_usage(chat_obj["usage"])
     keep()
     return JSONResponse(b.response(b.status))
-
-
-async def _events(b: _Builder, inner: StreamingResponse, keep) -> AsyncIterator[bytes]:
-    seq = 0
-    open_item: dict | None = None  # the output item being streamed
-    open_index = -1
-
-    def event(kind: str, **fields) -> bytes:
-        nonlocal seq
-        seq += 1
-        payload = {"type": kind, "sequence_number": seq - 1, **fields}
-        return f"event: {kind}\n".encode() + generate.sse_event(payload)
-
-    def close() -> list[bytes]:
-        nonlocal open_item
-        if open_item is None:
-            return []
-        item, out = open_item, []
-        item["status"] = "incomplete" if b.finish == "length" and item["type"] == "message" else "completed"
-        i = open_index
-        if item["type"] == "message":
-            part = item["content"][0]
-            out.append(event("response.output_text.done", item_id=item["id"], output_index=i, content_index=0,
-                             text=part["text"], logprobs=[]))
-            out.append(event("response.content_part.done", item_id=item["id"], output_index=i, content_index=0,
-                             part=part))
-        elif item["type"] == "reasoning":
-            part = item["content"][0]
-            out.append(event("response.reasoning_text.done", item_id=item["id"], output_index=i, content_index=0,
-                             text=part["text"]))
-            out.append(event("response.content_part.done", item_id=item["id"], output_index=i, content_index=0,
-                             part=part))
-        else:
-            out.append(event("response.function_call_arguments.done", item_id=item["id"], output_index=i,
-                             arguments=item["arguments"], name=item["name"]))
-        out.append(event("response.output_item.done", output_index=i, item=item))
-        open_item = None
-        return out
-
-    def open_(item: dict) -> list[bytes]:
-        nonlocal open_item, open_index
-        out = close()
-        b.output.append(item)
-        open_item, open_index = item, len(b.output) - 1
-        out.append(event("response.output_item.added", output_index=open_index,
-                         item={**item, "status": "in_progress"}))
-        if item["type"] in ("message", "reasoning"):
-            part = item["content"][0]
-            out.append(event("response.content_part.added", item_id=item["id"], output_index=open_index,
-                             content_index=0, part=dict(part)))
-        return out
-
-    iterator = inner.body_iterator
-    try:
-        yield event("response.created", response=b.response("in_progress"))
-        yield event("response.in_progress", response=b.response("in_progress"))
-        async for raw in iterator:
-            text = raw.decode() if isinstance(raw, bytes) else raw
-            for line in text.split("\n"):
-                if not line.startswith("data: "):
-                    continue
-                data = line[len("data: "):]
-                if data == "[DONE]":
-                    continue
-                chunk = json.loads(data)
-                if "error" in chunk:
-                    err = chunk["error"]
-                    yield event("error", code=err.get("code"), message=err.get("message"), param=err.get("param"))
-                    yield event("response.failed", response={**b.response("failed"), "error": {
-                        "code": "server_error", "message": err.get("message")}})
-                    return
-                if chunk.get("usage"):
-                    b.set_usage(chunk["usage"])
-                for ch in chunk.get("choices", []):
-                    d = ch.get("delta") or {}
-                    if d.get("reasoning"):
-                        if open_item is None or open_item["type"] != "reasoning":
-                            for e in open_(reasoning_item("", "in_progress")):
-                                yield e
-                        open_item["content"][0]["text"] += d["reasoning"]
-                        yield event("response.reasoning_text.delta", item_id=open_item["id"],
-                                    output_index=open_index, content_index=0, delta=d["reasoning"])
-                    if d.get("content"):
-                        if open_item is None or open_item["type"] != "message":
-                            for e in open_(message_item("", "in_progress")):
-                                yield e
-                        open_item["content"][0]["text"] += d["content"]
-                        yield event("response.output_text.delta", item_id=open_item["id"], output_index=open_index,
-                                    content_index=0, delta=d["content"], logprobs=[])
-                    for tc in d.get("tool_calls") or []:
-                        if tc.get("id"):
-                            for e in open_(call_item(tc["id"], tc["function"]["name"], "", "in_progress")):
-                                yield e
-                        frag = (tc.get("function") or {}).get("arguments") or ""
-                        if frag and open_item is not None and open_item["type"] == "function_call":
-                            open_item["arguments"] += frag
-                            yield event("response.function_call_arguments.delta", item_id=open_item["id"],
-                                        output_index=open_index, delta=frag)
-                    if ch.get("finish_reason"):
-                        b.finish = ch["finish_reason"]
-        if not b.output:  # an empty answer is still one (empty) message
-            for e in open_(message_item("", "in_progress")):
-                yield e
-        for e in close():
-            yield e
-        keep()
-        kind = "response.incomplete" if b.status == "incomplete" else "response.completed"
-        yield event(kind, response=b.response(b.status))
-    finally:
-        await iterator.aclose()  # the chat stream's own cleanup: cancels unfinished engine requests

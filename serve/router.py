@@ -44,7 +44,7 @@ from llmc.runtime.core.block_manager import hash_block
 ROUTERS: dict[str, type] = {}  # --routing NAME -> router class (filled below)
 
 # Ray Serve pickles this module by value into the process that routes (RequestRouterConfig registers it so):
-# module-level state here would be a copy there. What must be shared lives in serve/replicas.py, imported inside
+# module-level state here would be a copy there. What must be shared lives in serve/live_routers.py, imported inside
 # the methods.
 
 
@@ -115,7 +115,7 @@ class _Tracking:
     def _llmc_init(self) -> None:
         self._inflight: dict[ReplicaID, int] = {}
         self._request_replica: dict[str, ReplicaID] = {}
-        from llmc.serve.replicas import register_router
+        from llmc.serve.live_routers import register_router
 
         register_router(self._deployment_id.app_name, self._deployment_id.name, self)
 

@@ -25,7 +25,7 @@ class ServeConfig:
     stall_timeout: float = 60.0  # /health turns 503 when one step runs longer than this (seconds)
     retry_after: int = 1  # seconds, in the Retry-After header of a 429
     drain_timeout: float = 30.0  # after SIGTERM: seconds running requests get to finish
-    tool_call_parser: str | None = None  # None: from the chat template (serve/tool_parsers.py), else hermes
+    tool_call_parser: str | None = None  # None: from the chat template (serve/tool_parsers/), else hermes
     reasoning_parser: str | None = None  # None: reasoning stays in the content (serve/reasoning.py)
     responses_store_size: int = 1024  # /v1/responses kept for previous_response_id (oldest evicted first)
     allow_runtime_lora: bool = False  # POST /v1/load_lora_adapter and /v1/unload_lora_adapter (--allow-runtime-lora)
@@ -42,7 +42,7 @@ class ServerState:
     chat_template: ChatTemplate | None
     token_strings: TokenStrings | None
     draining: bool = False
-    tool_family: str = "hermes"  # the tool-call format parsed and enforced (serve/tool_parsers.py)
+    tool_family: str = "hermes"  # the tool-call format parsed and enforced (serve/tool_parsers/)
     created: int = field(default=0)  # unix time the server started (/v1/models)
 
     @property
