@@ -8,6 +8,8 @@ from pybind11.setup_helpers import Pybind11Extension
 from setuptools import Extension, setup
 
 _PA = "plugins/paged_attention/csrc"
+# The plugins whose ONNX Runtime op is plugins/<name>/csrc/ort_<name>.cpp, one translation unit each.
+_ORT_OPS = ("paged_attention", "int4_matmul", "recurrent", "lora", "mxfp4", "bf16_matmul")
 # Portable builds: kernels for newer instruction sets are chosen at run time (target attributes, CPU checks).
 _OPENMP = {"extra_compile_args": ["-O3", "-fopenmp", "-march=x86-64-v2", "-Wno-psabi"], "extra_link_args": ["-fopenmp"]}
 
@@ -15,24 +17,26 @@ ext_modules = [
     Pybind11Extension(
         "llmc.plugins.paged_attention._cpu",
         [f"{_PA}/paged_attention_cpu.cpp"],
-        depends=[f"{_PA}/paged_attention_core.h", "plugins/csrc/parallel_for.h", "plugins/csrc/exp_nonpos.h"],
+        depends=[f"{_PA}/paged_attention_core.h", "plugins/csrc/parallel_for.h", "plugins/csrc/exp_nonpos.h",
+                 "plugins/csrc/isa.h"],
         cxx_std=17,
         **_OPENMP,
     ),
     # Not a Python module: a plain shared library that ONNX Runtime loads as a custom-op library
-    # (SessionOptions.register_custom_ops_library) and the runtime binds the KV pool of through ctypes
-    # (llmc.plugins.paged_attention.ort_native). It uses only ONNX Runtime's C ABI (csrc/ort_abi.h),
-    # found at run time through the OrtApiBase the runtime passes in: nothing to link against.
+    # (SessionOptions.register_custom_ops_library) and the runtime binds the KV pool and recurrent state of through
+    # ctypes (llmc.plugins.paged_attention.ort_native). One registration unit (plugins/csrc/ort_ops.cpp) and the
+    # shared helpers; each plugin's op from its own folder. It uses only ONNX Runtime's C ABI
+    # (plugins/csrc/ort_abi.h), found at run time through the OrtApiBase the runtime passes in: nothing to link.
     Extension(
-        "llmc.plugins.paged_attention._ort_ops",
-        [f"{_PA}/ort_paged_attention.cpp"],
-        depends=[f"{_PA}/paged_attention_core.h", f"{_PA}/ort_abi.h", "plugins/int4_matmul/csrc/int4_matmul_core.h",
-                 "plugins/csrc/parallel_for.h", "plugins/csrc/exp_nonpos.h",
-                 "plugins/recurrent/csrc/recurrent_core.h", "plugins/recurrent/csrc/ort_recurrent.h",
-                 "plugins/recurrent/csrc/ort_recurrent_exports.h", "plugins/lora/csrc/ort_lora.h",
-                 "plugins/mxfp4/csrc/ort_mxfp4.h", "plugins/mxfp4/csrc/mxfp4_core.h",
-                 "plugins/mxfp4/csrc/mxfp4_q8_core.h",
-                 "plugins/bf16_matmul/csrc/ort_bf16_matmul.h", "plugins/bf16_matmul/csrc/bf16_matmul_core.h"],
+        "llmc.plugins._ort_ops",
+        ["plugins/csrc/ort_ops.cpp", "plugins/csrc/ort_kernel.cpp",
+         *(f"plugins/{name}/csrc/ort_{name}.cpp" for name in _ORT_OPS)],
+        depends=[*(f"plugins/csrc/{h}.h" for h in ("ort_abi", "ort_kernel", "ort_ops", "isa", "parallel_for",
+                                                   "exp_nonpos")),
+                 f"{_PA}/paged_attention_core.h", "plugins/int4_matmul/csrc/int4_matmul_core.h",
+                 "plugins/recurrent/csrc/recurrent_core.h", "plugins/mxfp4/csrc/mxfp4_core.h",
+                 "plugins/mxfp4/csrc/mxfp4_q8_core.h", "plugins/mxfp4/csrc/moe_epilogue.h",
+                 "plugins/bf16_matmul/csrc/bf16_matmul_core.h"],
         language="c++",
         extra_compile_args=["-std=c++17", "-O3", "-fopenmp", "-march=x86-64-v2", "-fvisibility=hidden", "-Wno-psabi"],
         extra_link_args=["-fopenmp"],

@@ -1,5 +1,5 @@
 """llmc's bfloat16-weight matmul for the CPU: ``llmc.Bf16MatMul`` in the native ONNX Runtime custom-op library
-(csrc/bf16_matmul_core.h, registered by plugins/paged_attention/csrc/ort_paged_attention.cpp), its weight packing
+(csrc/bf16_matmul_core.h, its ONNX Runtime op csrc/ort_bf16_matmul.cpp), its weight packing
 and its numpy reference.
 
 ``Y[..., N] = X[..., K] @ W[K, N]`` with X float32 and W bfloat16: widening a bfloat16 to float32 is exact, so the

@@ -1,8 +1,8 @@
 """PagedAttention for ONNX Runtime on the CPU as a native custom-op library (no Python per call).
 
-The library ``llmc.plugins.paged_attention._ort_ops`` (csrc/ort_paged_attention.cpp, built by
-setup.py) registers the op ``PagedAttention`` in the domain ``llmc``; its kernel is the same C++
-code as :mod:`.cpu`'s. Sessions load it with ``SessionOptions.register_custom_ops_library(library_path())``.
+The library ``llmc.plugins._ort_ops`` (registered by plugins/csrc/ort_ops.cpp, built by setup.py) holds every
+plugin's op in the domain ``llmc``; ``PagedAttention``'s (csrc/ort_paged_attention.cpp) runs the same C++ kernel
+as :mod:`.cpu`. Sessions load it with ``SessionOptions.register_custom_ops_library(library_path())``.
 
 The KV pool is bound through a small C ABI of the same library, called here with ctypes: dlopen of
 one path returns one handle, so the library ONNX Runtime loaded and the one ctypes loaded are the
@@ -27,7 +27,7 @@ import numpy as np
 from llmc.errors import InstallError
 from llmc.plugins.paged_attention import DOMAIN
 
-LIBRARY_MODULE = "llmc.plugins.paged_attention._ort_ops"
+LIBRARY_MODULE = "llmc.plugins._ort_ops"
 # What an engine's manifest names (engine.custom_ops) when its graph needs this library.
 CUSTOM_OPS = "llmc_ort_ops"
 ORT_DOMAIN = DOMAIN

@@ -1,7 +1,7 @@
 """The recurrent-state ops' side of llmc's native ONNX Runtime library: binding the state pool.
 
-The ops live in the same library as PagedAttention (csrc/ort_recurrent.h is compiled into
-llmc.plugins.paged_attention._ort_ops), so a session that registers that library runs them; the
+The ops live in the same library as PagedAttention (csrc/ort_recurrent.cpp is compiled into
+llmc.plugins._ort_ops), so a session that registers that library runs them; the
 runtime binds its state arrays here by pointer, as it binds the KV pool, under the same lock.
 """
 

@@ -18,22 +18,19 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
 
+#include "../../csrc/isa.h"
 #include "../../csrc/parallel_for.h"
 
 namespace llmc_bf {
 
 enum Isa { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
 
-inline Isa best_isa() {
-    __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx512f")) return kAvx512;
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return kAvx2;
-    return kScalar;
-}
+inline Isa best_isa() { return static_cast<Isa>(llmc::cpu::vector_level()); }
 
 constexpr int64_t kMr = 8;
 constexpr int64_t kNr = 48;

@@ -36,6 +36,7 @@
 #include <vector>
 
 #include "../../csrc/exp_nonpos.h"
+#include "../../csrc/isa.h"
 #include "../../csrc/parallel_for.h"
 
 namespace llmc_i4 {
@@ -56,13 +57,8 @@ enum Isa : int { kScalar = 0, kAvx2 = 1, kAvx512Vnni = 2 };
 constexpr int kPrefetchBytes = 4096;
 
 inline Isa best_isa() {
-    __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw") &&
-        __builtin_cpu_supports("avx512f")) {
-        return kAvx512Vnni;
-    }
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return kAvx2;
-    return kScalar;
+    if (llmc::cpu::has_avx512_vnni()) return kAvx512Vnni;
+    return llmc::cpu::has_avx2_fma() ? kAvx2 : kScalar;
 }
 
 struct Problem {

@@ -19,6 +19,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "../../csrc/isa.h"
 #include "../../csrc/parallel_for.h"
 #include "moe_epilogue.h"
 
@@ -26,12 +27,7 @@ namespace llmc_mx {
 
 enum Isa { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
 
-inline Isa best_isa() {
-    __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx512f")) return kAvx512;
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return kAvx2;
-    return kScalar;
-}
+inline Isa best_isa() { return static_cast<Isa>(llmc::cpu::vector_level()); }
 
 constexpr int64_t kBlock = 32;
 constexpr int64_t kTile = 32;  // output rows per work item

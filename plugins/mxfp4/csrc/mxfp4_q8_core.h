@@ -25,6 +25,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "../../csrc/isa.h"
 #include "../../csrc/parallel_for.h"
 #include "moe_epilogue.h"
 #include "mxfp4_core.h"
@@ -50,11 +51,7 @@ constexpr int64_t kPrefetchL1Bytes = 2048;
 constexpr uint8_t kFp4x2Plus12[16] = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0};
 constexpr int32_t kOffset = 12;
 
-inline bool has_vnni() {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-           __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vbmi");
-}
+inline bool has_vnni() { return llmc::cpu::has_avx512_vnni_vbmi(); }
 
 struct Problem {
     const float* x;         // [M / x_share, K]

@@ -43,6 +43,7 @@
 #include <vector>
 
 #include "../../csrc/exp_nonpos.h"
+#include "../../csrc/isa.h"
 #include "../../csrc/parallel_for.h"
 
 namespace llmc_pa {
@@ -801,23 +802,11 @@ AttendFn<ItemT, ScratchT> pick_attend(bool half, Isa isa) {
     return isa >= kAvx2 ? attend_avx2<float, ItemT, ScratchT> : attend_base<float, ItemT, ScratchT>;
 }
 
-bool cpu_has_avx2_fma() {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-}
-
 // The best instruction set this CPU (and OS) runs.
-Isa best_isa() {
-    __builtin_cpu_init();
-    if (!cpu_has_avx2_fma()) return kBaseline;
-    return __builtin_cpu_supports("avx512f") ? kAvx512 : kAvx2;
-}
+Isa best_isa() { return static_cast<Isa>(llmc::cpu::vector_level()); }
 
 bool cpu_has_f16c() {
-    static const bool has = [] {
-        __builtin_cpu_init();
-        return __builtin_cpu_supports("f16c") != 0;
-    }();
+    static const bool has = llmc::cpu::has_f16c();
     return has;
 }
 

@@ -1,14 +1,25 @@
-// llmc::CausalConv1d for ONNX Runtime, and the bound state pool it reads and writes. Included by
-// plugins/paged_attention/csrc/ort_paged_attention.cpp inside its anonymous namespace, after its
-// helpers (input, output, int_attr, with_threads, make_op), so that one library holds every llmc op;
-// the exported C entry points are in ort_recurrent_exports.h, included at the end of that file.
+// llmc::CausalConv1d, llmc::GatedDeltaRule and llmc::SsdScan for ONNX Runtime, and the bound state pool they read
+// and write. A translation unit of llmc's custom-op library (registered by plugins/csrc/ort_ops.cpp).
 //
 // The state pool is runtime state, as the KV pool is: per state array (one per recurrent layer and
 // kind of state), a pointer to [num_slots, ...] float32 and the element count of one slot, bound by
 // llmc_bind_state_pool through ctypes (llmc.plugins.recurrent.ort_native). Node attribute
 // state_idx picks the array.
 
-#include "../../recurrent/csrc/recurrent_core.h"
+#include <atomic>
+#include <cmath>
+#include <mutex>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "../../csrc/ort_kernel.h"
+#include "../../csrc/ort_ops.h"
+#include "recurrent_core.h"
+
+using namespace llmc_ort;
+
+namespace {
 
 struct StatePool {
     std::vector<float*> arrays;
@@ -132,8 +143,6 @@ int32_t conv_input_type(const OrtCustomOpV13*, size_t i) { return i < 3 ? kOrtFl
 size_t conv_input_count(const OrtCustomOpV13*) { return 6; }
 int32_t conv_input_characteristic(const OrtCustomOpV13*, size_t i) { return i == 2 ? 1 : 0; }
 
-const OrtCustomOpV13 g_conv_op = make_op(conv_name, conv_input_type, conv_input_count, create_conv_kernel,
-                                         compute_conv, destroy_conv_kernel, conv_input_characteristic);
 
 // ---------------------------------------------------------------------------------------------
 // llmc::GatedDeltaRule(query [T, Hk*Dk], key [T, Hk*Dk], value [T, Hv*Dv], g [T, Hv], beta [T, Hv], state_slots [S],
@@ -241,8 +250,6 @@ const char* delta_name(const OrtCustomOpV13*) { return "GatedDeltaRule"; }
 int32_t delta_input_type(const OrtCustomOpV13*, size_t i) { return i < 5 ? kOrtFloat : kOrtInt64; }
 size_t delta_input_count(const OrtCustomOpV13*) { return 8; }
 
-const OrtCustomOpV13 g_delta_op = make_op(delta_name, delta_input_type, delta_input_count, create_delta_kernel,
-                                          compute_delta, destroy_delta_kernel);
 
 // ---------------------------------------------------------------------------------------------
 // llmc::SsdScan(x [T, H*P], B [T, G*N], C [T, G*N], dt [T, H], A_log [H], D [H], dt_bias [H], state_slots [S],
@@ -362,5 +369,40 @@ const char* ssd_name(const OrtCustomOpV13*) { return "SsdScan"; }
 int32_t ssd_input_type(const OrtCustomOpV13*, size_t i) { return i < 7 ? kOrtFloat : kOrtInt64; }
 size_t ssd_input_count(const OrtCustomOpV13*) { return 10; }
 
-const OrtCustomOpV13 g_ssd_op = make_op(ssd_name, ssd_input_type, ssd_input_count, create_ssd_kernel, compute_ssd,
-                                        destroy_ssd_kernel);
+}  // namespace
+
+const OrtCustomOpV13 llmc_ort::kCausalConv1dOp = make_op(conv_name, conv_input_type, conv_input_count,
+                                                         create_conv_kernel, compute_conv, destroy_conv_kernel,
+                                                         conv_input_characteristic);
+const OrtCustomOpV13 llmc_ort::kGatedDeltaRuleOp = make_op(delta_name, delta_input_type, delta_input_count,
+                                                           create_delta_kernel, compute_delta, destroy_delta_kernel);
+const OrtCustomOpV13 llmc_ort::kSsdScanOp = make_op(ssd_name, ssd_input_type, ssd_input_count, create_ssd_kernel,
+                                                    compute_ssd, destroy_ssd_kernel);
+
+// Bind the state pool every recurrent-state node of this process reads and writes: `num_arrays`
+// float32 arrays, array i [num_slots, ...] with slot_elems[i] values per slot, C-contiguous. The arrays
+// are referenced, not copied: the caller keeps them alive while bound. Returns 0, or -1 for an
+// invalid argument (nothing bound then).
+LLMC_EXPORT int llmc_bind_state_pool(int64_t num_arrays, void* const* arrays, const int64_t* slot_elems,
+                                     int64_t num_slots) {
+    if (num_arrays <= 0 || num_slots <= 0) return -1;
+    StatePool pool;
+    for (int64_t i = 0; i < num_arrays; ++i) {
+        if (arrays[i] == nullptr || slot_elems[i] < 0) return -1;
+        pool.arrays.push_back(static_cast<float*>(arrays[i]));
+        pool.slot_elems.push_back(slot_elems[i]);
+    }
+    pool.num_slots = num_slots;
+    std::lock_guard<std::mutex> lock(g_state_mutex);
+    g_state = std::move(pool);
+    return 0;
+}
+
+// Forget the bound state pool (a recurrent node that runs afterwards fails, naming the cause).
+LLMC_EXPORT void llmc_unbind_state_pool() {
+    std::lock_guard<std::mutex> lock(g_state_mutex);
+    g_state = StatePool();
+}
+
+// Recurrent-state kernel calls completed since the library was loaded.
+LLMC_EXPORT int64_t llmc_state_op_calls() { return g_state_calls.load(); }

@@ -1,6 +1,5 @@
-// llmc::LoraApply for ONNX Runtime: LoRA slot updates chosen per token (llmc.passes.lora), in one node.
-// Included by plugins/paged_attention/csrc/ort_paged_attention.cpp inside its anonymous namespace, after its
-// helpers (input, output, int_attr, with_threads, make_op), so that one library holds every llmc op.
+// llmc::LoraApply for ONNX Runtime: LoRA slot updates chosen per token (llmc.passes.lora), in one node. A translation
+// unit of llmc's custom-op library (registered by plugins/csrc/ort_ops.cpp).
 //
 // LoraApply(Y float [..., W], X float [..., K], A0 float [K, S*R], B0 float [S*R, N0], slots int64 [T],
 //           [A1, B1, [A2, B2]])
@@ -12,6 +11,24 @@
 // Only the token's own slot is computed (the graph's standard-op form computes all S and masks the others away).
 // A packed projection (Q|K|V, gate|up) takes its parts' updates in one node, and gate|up its SwiGLU too, so that
 // a LoRA engine runs about as many nodes per layer as the engine without slots.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "../../csrc/exp_nonpos.h"
+#include "../../csrc/isa.h"
+#include "../../csrc/ort_kernel.h"
+#include "../../csrc/ort_ops.h"
+// The SwiGLU is Int4MatMul's fused epilogue (its 8-float vector types and the same exp).
+#include "../../int4_matmul/csrc/int4_matmul_core.h"
+
+using namespace llmc_ort;
+
+namespace {
 
 struct LoraKernel {
     int64_t rank = 0, activation = 0;
@@ -206,11 +223,7 @@ void lora_swiglu_base(const LoraProblem& p, int64_t t0, int64_t t1) { lora_swigl
 // 2: AVX-512, 1: AVX2 + FMA, 0: the build's baseline (x86-64-v2). LLMC_LORA_ISA=0/1/2 caps it (tests).
 int lora_isa() {
     static const int isa = [] {
-        int best = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
-                           __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq")
-                       ? 2
-                   : __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") ? 1
-                                                                                     : 0;
+        int best = llmc::cpu::has_avx512_fvlbwdq() ? 2 : llmc::cpu::has_avx2_fma() ? 1 : 0;
         if (const char* cap = std::getenv("LLMC_LORA_ISA")) best = std::min(best, std::atoi(cap));
         return best;
     }();
@@ -355,5 +368,8 @@ size_t lora_input_count(const OrtCustomOpV13*) { return 9; }
 // Inputs 0-4 required (one part), 5-8 optional (the second and third parts of a packed projection).
 int32_t lora_input_characteristic(const OrtCustomOpV13*, size_t i) { return i >= 5 ? 1 : 0; }
 
-const OrtCustomOpV13 g_lora_op = make_op(lora_name, lora_input_type, lora_input_count, create_lora_kernel,
-                                         compute_lora, destroy_lora_kernel, lora_input_characteristic);
+}  // namespace
+
+const OrtCustomOpV13 llmc_ort::kLoraApplyOp = make_op(lora_name, lora_input_type, lora_input_count,
+                                                     create_lora_kernel, compute_lora, destroy_lora_kernel,
+                                                     lora_input_characteristic);

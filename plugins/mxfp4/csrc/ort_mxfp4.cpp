@@ -1,13 +1,25 @@
-// llmc::Mxfp4MoEMatMul for ONNX Runtime: a token row times its expert's MXFP4 weight (mxfp4_core.h).
-// Included by plugins/paged_attention/csrc/ort_paged_attention.cpp inside its anonymous namespace, after its
-// helpers (input, output, with_threads, make_op), so that one library holds every llmc op.
+// llmc::Mxfp4MoEMatMul and llmc::Mxfp4MoEMatMulQ8 for ONNX Runtime: a token row times its expert's MXFP4 weight
+// (mxfp4_core.h, mxfp4_q8_core.h). A translation unit of llmc's custom-op library (registered by
+// plugins/csrc/ort_ops.cpp).
 //
 // Mxfp4MoEMatMul(X float [..., K], expert_ids int64 (M values: M = the rows of X), blocks uint8 [E, N, K/32, 16],
 //                scales uint8 [E, N, K/32], optional bias float [E, N], optional weights float [M]) -> float [..., N]
 // Both ops take the same optional epilogue (moe_epilogue.h): inputs bias and weights, attributes activation, alpha,
 // limit, x_share and combine (then X is [rows, 1, K] and the output [M / combine, 1, N or N / 2]).
 
-#include "../../mxfp4/csrc/mxfp4_core.h"
+#include <atomic>
+#include <string>
+#include <vector>
+
+#include "../../csrc/ort_kernel.h"
+#include "../../csrc/ort_ops.h"
+#include "moe_epilogue.h"
+#include "mxfp4_core.h"
+#include "mxfp4_q8_core.h"
+
+using namespace llmc_ort;
+
+namespace {
 
 std::atomic<int> g_mxfp4_isa{static_cast<int>(llmc_mx::best_isa())};
 std::atomic<int64_t> g_mxfp4_calls{0};
@@ -123,17 +135,12 @@ int32_t mxfp4_input_type(const OrtCustomOpV13*, size_t i) {
 size_t mxfp4_input_count(const OrtCustomOpV13*) { return 6; }
 int32_t mxfp4_input_characteristic(const OrtCustomOpV13*, size_t i) { return i >= 4 ? 1 : 0; }
 
-const OrtCustomOpV13 g_mxfp4_op = make_op(mxfp4_name, mxfp4_input_type, mxfp4_input_count, create_mxfp4_kernel,
-                                          compute_mxfp4, destroy_mxfp4_kernel, mxfp4_input_characteristic);
-
 // Mxfp4MoEMatMulQ8(X float [..., K], expert_ids int64 (M values), codes uint8 [E, T, K/32, 4, 64],
 //                  scales uint8 [E, T, K/32, 16], optional bias float [E, N], optional weights float [M])
 //   -> float [..., N] (activation 1: [..., N / 2]; combine k: [M / k, 1, ...]),
 // attributes N (T = ceil(N / 16)), activation (0 none, 1 gpt-oss's clamped SwiGLU over interleaved gate/up
 // columns), alpha, limit, x_share and combine (the top-k repeat and weighted sum, moe_epilogue.h): the rows quantized
 // to 8 bits per 32-block (mxfp4_q8_core.h; opt-in, not exact).
-
-#include "../../mxfp4/csrc/mxfp4_q8_core.h"
 
 std::atomic<int> g_mxfp4_q8_vnni{llmc_mxq::has_vnni() ? 1 : 0};
 std::atomic<int64_t> g_mxfp4_q8_calls{0};
@@ -180,6 +187,36 @@ void compute_mxfp4_q8(void* kernel, OrtKernelContext* ctx) {
 }
 
 const char* mxfp4_q8_name(const OrtCustomOpV13*) { return "Mxfp4MoEMatMulQ8"; }
-const OrtCustomOpV13 g_mxfp4_q8_op = make_op(mxfp4_q8_name, mxfp4_input_type, mxfp4_input_count,
-                                             create_mxfp4_q8_kernel, compute_mxfp4_q8, destroy_mxfp4_q8_kernel,
-                                             mxfp4_input_characteristic);
+
+}  // namespace
+
+const OrtCustomOpV13 llmc_ort::kMxfp4MoEMatMulOp = make_op(mxfp4_name, mxfp4_input_type, mxfp4_input_count,
+                                                          create_mxfp4_kernel, compute_mxfp4, destroy_mxfp4_kernel,
+                                                          mxfp4_input_characteristic);
+// The same schema; the codes in the Q8 layout.
+const OrtCustomOpV13 llmc_ort::kMxfp4MoEMatMulQ8Op = make_op(mxfp4_q8_name, mxfp4_input_type, mxfp4_input_count,
+                                                            create_mxfp4_q8_kernel, compute_mxfp4_q8,
+                                                            destroy_mxfp4_q8_kernel, mxfp4_input_characteristic);
+
+// Mxfp4MoEMatMul's instruction set: 0 scalar, 1 AVX2, 2 AVX-512 (default: the best this CPU has); -1 if absent.
+LLMC_EXPORT int llmc_mxfp4_set_isa(int isa) {
+    if (isa < 0 || isa > static_cast<int>(llmc_mx::best_isa())) return -1;
+    g_mxfp4_isa = isa;
+    return 0;
+}
+
+LLMC_EXPORT int llmc_mxfp4_get_isa() { return g_mxfp4_isa.load(); }
+
+// Mxfp4MoEMatMul kernel calls completed since the library was loaded.
+LLMC_EXPORT int64_t llmc_mxfp4_calls() { return g_mxfp4_calls.load(); }
+
+// Mxfp4MoEMatMulQ8's path: 1 AVX-512 VNNI (the default where the CPU has it), 0 scalar; -1 if absent.
+LLMC_EXPORT int llmc_mxfp4_q8_set_vnni(int on) {
+    if (on != 0 && on != 1) return -1;
+    if (on && !llmc_mxq::has_vnni()) return -1;
+    g_mxfp4_q8_vnni = on;
+    return 0;
+}
+
+// Mxfp4MoEMatMulQ8 kernel calls completed since the library was loaded.
+LLMC_EXPORT int64_t llmc_mxfp4_q8_calls() { return g_mxfp4_q8_calls.load(); }

@@ -1,11 +1,20 @@
-// llmc::Bf16MatMul for ONNX Runtime: float32 rows times a bfloat16 weight, exactly (bf16_matmul_core.h).
-// Included by plugins/paged_attention/csrc/ort_paged_attention.cpp inside its anonymous namespace, after its
-// helpers (input, output, with_threads, make_op, int_attr, require_shape), so that one library holds every llmc op.
+// llmc::Bf16MatMul for ONNX Runtime: float32 rows times a bfloat16 weight, exactly (bf16_matmul_core.h). A translation
+// unit of llmc's custom-op library (registered by plugins/csrc/ort_ops.cpp).
 //
 // Bf16MatMul(X float [..., K], W uint16 [P, K, 48] (bfloat16 bits in column panels, P = ceil(N / 48)))
 //     -> float [..., N], attribute N (the output width).
 
-#include "../../bf16_matmul/csrc/bf16_matmul_core.h"
+#include <atomic>
+#include <string>
+#include <vector>
+
+#include "../../csrc/ort_kernel.h"
+#include "../../csrc/ort_ops.h"
+#include "bf16_matmul_core.h"
+
+using namespace llmc_ort;
+
+namespace {
 
 std::atomic<int> g_bf16_isa{static_cast<int>(llmc_bf::best_isa())};
 std::atomic<int64_t> g_bf16_calls{0};
@@ -43,5 +52,17 @@ const char* bf16_name(const OrtCustomOpV13*) { return "Bf16MatMul"; }
 int32_t bf16_input_type(const OrtCustomOpV13*, size_t i) { return i == 0 ? kOrtFloat : kOrtUint16; }
 size_t bf16_input_count(const OrtCustomOpV13*) { return 2; }
 
-const OrtCustomOpV13 g_bf16_op = make_op(bf16_name, bf16_input_type, bf16_input_count, create_bf16_kernel,
-                                         compute_bf16, destroy_bf16_kernel);
+}  // namespace
+
+const OrtCustomOpV13 llmc_ort::kBf16MatMulOp = make_op(bf16_name, bf16_input_type, bf16_input_count,
+                                                      create_bf16_kernel, compute_bf16, destroy_bf16_kernel);
+
+// Bf16MatMul's instruction set: 0 scalar, 1 AVX2, 2 AVX-512 (default: the best this CPU has); -1 if absent.
+LLMC_EXPORT int llmc_bf16_set_isa(int isa) {
+    if (isa < 0 || isa > static_cast<int>(llmc_bf::best_isa())) return -1;
+    g_bf16_isa = isa;
+    return 0;
+}
+
+// Bf16MatMul kernel calls completed since the library was loaded.
+LLMC_EXPORT int64_t llmc_bf16_calls() { return g_bf16_calls.load(); }
