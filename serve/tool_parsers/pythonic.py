@@ -45,7 +45,7 @@ class PythonicParser(ToolParser):
                 return None
             name = ast.unparse(node.func)
             try:
-                args = {kw.arg: ast.literal_eval(json_names(kw.value)) for kw in node.keywords if kw.arg is not None}
+                args = {kw.arg: ast.literal_eval(_json_names(kw.value)) for kw in node.keywords if kw.arg is not None}
             except (ValueError, SyntaxError, TypeError, RecursionError):
                 return None
             if len(args) != len(node.keywords):
@@ -68,5 +68,5 @@ class _JsonNames(ast.NodeTransformer):
         return node
 
 
-def json_names(node: ast.AST) -> ast.AST:
+def _json_names(node: ast.AST) -> ast.AST:
     return _JsonNames().visit(node)
