@@ -4,7 +4,7 @@ transformers' bloom and mpt attention modules do not call an ``AttentionInterfac
 ``softmax(q k^T * scale + alibi + mask) v`` themselves, with the ALiBi bias built once per forward by the model
 (bloom: ``slope_h * k_pos``; mpt: ``slope_h * (k_pos - (L - 1))``, the same up to a constant per row). For the
 trace, each such module's ``forward`` is replaced, on the instance, by one that computes Q, K and V exactly as
-transformers does, hands them to llmc's paged attention (the frontend's ``_attention``) with ALiBi as the op's
+transformers does, hands them to llmc's paged attention (``attention_hook.attention``) with ALiBi as the op's
 ``alibi_max_bias`` attribute (the slopes the kernels compute, checked here against the model's own), and applies
 the output projection as transformers does. The model's alibi tensor and mask are then unused (dead in the graph).
 """
@@ -43,11 +43,11 @@ def _bloom_forward(self, hidden_states, residual, alibi, attention_mask, layer_p
 
     import torch.nn.functional as F
 
-    from llmc.compiler.frontend import _attention
+    from llmc.compiler.attention_hook import attention
 
     batch, tokens, _ = hidden_states.shape
     query, key, value = self._reshape(self.query_key_value(hidden_states))  # [1, H, T, D] each
-    out, _ = _attention(self, query, key, value, None, scaling=self.inv_norm_factor, alibi_max_bias=MAX_BIAS)
+    out, _ = attention(self, query, key, value, None, scaling=self.inv_norm_factor, alibi_max_bias=MAX_BIAS)
     context = out.reshape(batch, tokens, self.num_heads * self.head_dim)
     if self.pretraining_tp > 1 and self.slow_but_exact:
         slices = self.hidden_size / self.pretraining_tp
@@ -65,14 +65,14 @@ def _bloom_forward(self, hidden_states, residual, alibi, attention_mask, layer_p
 def _mpt_forward(self, hidden_states, position_bias, cache=None, attention_mask=None, **kwargs):
     """MptAttention.forward on packed tokens through llmc's attention (transformers' QKV projection and clipping,
     its ALiBi as the op's attribute)."""
-    from llmc.compiler.frontend import _attention
+    from llmc.compiler.attention_hook import attention
 
     batch, tokens = hidden_states.shape[:2]
     mixed = self.Wqkv(hidden_states)
     if self.clip_qkv:
         mixed = mixed.clamp(min=-self.clip_qkv, max=self.clip_qkv)
     q, k, v = (x.reshape(batch, tokens, self.n_heads, self.head_dim).transpose(1, 2) for x in mixed.chunk(3, dim=2))
-    out, _ = _attention(self, q, k, v, None, scaling=self.softmax_scale, alibi_max_bias=MAX_BIAS)
+    out, _ = attention(self, q, k, v, None, scaling=self.softmax_scale, alibi_max_bias=MAX_BIAS)
     return self.out_proj(out.reshape(batch, tokens, self.n_heads * self.head_dim)), None
 
 

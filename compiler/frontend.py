@@ -19,16 +19,15 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_ir as ir
 
-from llmc.compiler import alibi_attention, llama4_text, mla_trace
+from llmc.compiler import alibi_attention, attention_hook, llama4_text, mla_trace
 from llmc.compiler import positions as position_tables
+from llmc.compiler.attention_hook import ATTENTION_SHAPES, ATTN_IMPLEMENTATION, KV_OWNERS, SINK_MODULES, STEP
 from llmc.compiler.binding import account, bind
 from llmc.compiler.checkpoint import Checkpoint, TensorEntry, changed_during_build, read_tensor
 from llmc.errors import LlmcError, UnsupportedError
 from llmc.passes.lazy import SOURCE_DTYPE
 from llmc.plugins.paged_attention import INPUT_NAMES
 from llmc.plugins.recurrent import ACTIVATIONS, STATE_SLOTS
-
-ATTN_IMPLEMENTATION = "llmc_paged"
 
 # Graph inputs, in order: flat token ids and positions of every sequence in the step, then the
 # attention metadata (see llmc.plugins.paged_attention), then which rows need logits.
@@ -65,88 +64,6 @@ class TracedModel:
     state_layers: list[dict] | None = None
 
 
-def _attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """AttentionInterface entry: [1, H, T, D] query and [1, Hkv, T, D] key/value on packed tokens."""
-    import torch
-
-    _, num_heads, tokens, head_size = query.shape
-    num_kv_heads = key.shape[1]
-    value_size = value.shape[-1]
-    if value_size < head_size:
-        # Multi-head latent attention: value heads narrower than query/key heads. Zero columns appended
-        # to V give zero output columns, cut off below: exact, at the cost of a wider V cache (what
-        # transformers' flash-attention path does too).
-        value = torch.nn.functional.pad(value, (0, head_size - value_size))
-    elif value_size > head_size:
-        raise UnsupportedError(f"llmc does not lower value heads wider than query/key heads (seen in layer "
-                               f"{module.layer_idx}'s {type(module).__name__}: value heads of {value_size}, query/key "
-                               f"heads of {head_size})")
-    layer = int(module.layer_idx)
-    # A KV-shared layer (Gemma 3n / Gemma 4) attends over the keys and values an earlier layer computed: the very
-    # tensors come back here. It reads that layer's cache (its own would hold the same values).
-    owner = next((i for i, (k_seen, _) in KV_OWNERS.items() if k_seen is key), None)
-    if owner is None:
-        KV_OWNERS[layer] = (key, value)
-    else:
-        layer = owner
-    ATTENTION_SHAPES[int(module.layer_idx)] = (int(num_heads), int(num_kv_heads), int(head_size), layer)
-    q = query[0].transpose(0, 1).reshape(tokens, num_heads * head_size)
-    k = key[0].transpose(0, 1).reshape(tokens, num_kv_heads * head_size)
-    v = value[0].transpose(0, 1).reshape(tokens, num_kv_heads * head_size)
-    # The layer's own window: a model that passes ``sliding_window`` says it per layer (None on a full-attention
-    # layer, whose module may still hold the config's window: EXAONE 4); the module's is for those that do not.
-    window = kwargs["sliding_window"] if "sliding_window" in kwargs else getattr(module, "sliding_window", None)
-    window = window or 0
-    softcap = kwargs.get("softcap") or 0.0
-    # Attention sinks (gpt-oss, granite_swa): a learned logit per query head in every softmax denominator, which
-    # transformers hands attention functions as ``s_aux`` (what its flash-attention kernels take as sink logits). The
-    # op's optional last input. A model whose sink parameters do not arrive here is refused after tracing.
-    sinks = kwargs.get("s_aux")
-    if sinks is not None:
-        if not isinstance(sinks, torch.Tensor) or tuple(sinks.shape) != (num_heads,):
-            raise UnsupportedError(f"llmc lowers attention sinks of one logit per query head only (seen in layer "
-                                   f"{module.layer_idx}'s {type(module).__name__}: sinks of shape "
-                                   f"{tuple(getattr(sinks, 'shape', ()))} for {num_heads} heads)")
-        SINK_MODULES.add(id(module))
-    step = {name: kwargs.get(name, _STEP.get(name)) for name in _STEP_FIELDS}
-    out = torch.ops.llmc.paged_attention(
-        q,
-        k,
-        v,
-        step["slot_mapping"],
-        step["block_tables"],
-        step["context_lens"],
-        step["query_start_loc"],
-        layer,
-        int(num_heads),
-        int(num_kv_heads),
-        int(head_size),
-        float(scaling if scaling is not None else head_size**-0.5),
-        int(window),
-        float(softcap),
-        sinks,
-        float(kwargs.get("alibi_max_bias") or 0.0),  # ALiBi: from llmc's forwards of inline-ALiBi attention only
-        int(kwargs.get("attention_chunk") or 0),  # chunked local attention: from llmc's llama4 attention forward
-    )
-    return out.reshape(1, tokens, num_heads, head_size)[..., :value_size], None
-
-
-# The step's paging tensors, for attention modules that do not pass the model's keyword arguments through to
-# the attention function (falcon): set by the traced wrapper's forward around the model call, so torch.export
-# sees the very input tensors either way.
-_STEP_FIELDS = ("slot_mapping", "block_tables", "context_lens", "query_start_loc")
-# (A hybrid model's step also sets ``state_slots``, which only llmc's recurrent ops read.)
-_STEP: dict = {}
-
-# Per layer index, (heads, kv heads, head size, the layer whose cache it uses) of every attention call of the
-# current trace: the KV pool's geometry as the model computes it, which configs do not always state (MLA's
-# head_dim is its rotary part only; Gemma 4's full-attention layers have other head sizes than its sliding ones).
-ATTENTION_SHAPES: dict[int, tuple[int, int, int, int]] = {}
-# Layer index -> the (key, value) tensors its attention call received, to recognise KV-shared layers.
-KV_OWNERS: dict[int, tuple[object, object]] = {}
-# ids of the attention modules whose sinks reached llmc's attention in the current trace (a model with sink
-# parameters that never get there is refused).
-SINK_MODULES: set[int] = set()
 # The state arrays the recurrent ops of the current trace asked for, in order (a node's state_idx is its index).
 STATE_LAYERS: list[dict] = []
 
@@ -167,8 +84,8 @@ def _causal_conv1d_forward(conv1d, hidden_states, cache=None, layer_idx=0, activ
     index = len(STATE_LAYERS)
     STATE_LAYERS.append({"layer": int(layer_idx), "kind": "conv", "shape": [channels, width - 1]})
     x = hidden_states[0].transpose(0, 1)  # [T, C]
-    out = torch.ops.llmc.causal_conv1d(x, weight, conv1d.bias, _STEP[STATE_SLOTS], _STEP["context_lens"],
-                                       _STEP["query_start_loc"], index, ACTIVATIONS[activation])
+    out = torch.ops.llmc.causal_conv1d(x, weight, conv1d.bias, STEP[STATE_SLOTS], STEP["context_lens"],
+                                       STEP["query_start_loc"], index, ACTIVATIONS[activation])
     return out.transpose(0, 1)[None].to(hidden_states.dtype)
 
 
@@ -191,8 +108,8 @@ def _gated_delta_rule(query, key, value, g, beta, chunk_size=64, initial_state=N
     layer = _CURRENT_LAYER.get("idx", -1)
     STATE_LAYERS.append({"layer": layer, "kind": "gated_delta", "shape": [num_v_heads, head_k, head_v]})
     flat = [t[0].flatten(1) for t in (query, key, value)]
-    out = torch.ops.llmc.gated_delta_rule(*flat, g[0].float(), beta[0].float(), _STEP[STATE_SLOTS],
-                                            _STEP["context_lens"], _STEP["query_start_loc"], index, num_k_heads,
+    out = torch.ops.llmc.gated_delta_rule(*flat, g[0].float(), beta[0].float(), STEP[STATE_SLOTS],
+                                            STEP["context_lens"], STEP["query_start_loc"], index, num_k_heads,
                                             num_v_heads, int(bool(use_qk_l2norm_in_kernel)))
     return out.reshape(1, -1, num_v_heads, head_v).to(value.dtype), None
 
@@ -211,8 +128,8 @@ def _mamba2_scan_forward(module, hidden_states, B, C, dt, cache=None, **kwargs):
     index = len(STATE_LAYERS)
     STATE_LAYERS.append({"layer": int(module.layer_idx), "kind": "ssm", "shape": [heads, width, state_size]})
     f32 = [t.float() for t in (module.A_log, module.D, module.dt_bias)]
-    out = torch.ops.llmc.ssd_scan(hidden_states[0], B[0], C[0], dt[0], *f32, _STEP[STATE_SLOTS], _STEP["context_lens"],
-                                  _STEP["query_start_loc"], index, heads, groups, lo, hi)
+    out = torch.ops.llmc.ssd_scan(hidden_states[0], B[0], C[0], dt[0], *f32, STEP[STATE_SLOTS], STEP["context_lens"],
+                                  STEP["query_start_loc"], index, heads, groups, lo, hi)
     return out[None].to(hidden_states.dtype)
 
 
@@ -264,20 +181,12 @@ class _PatchedRecurrent:
         _CURRENT_LAYER.clear()
 
 
-def _register_attention() -> None:
-    from transformers import AttentionInterface
-
-    import llmc.plugins.paged_attention.torch_op  # noqa: F401  (registers torch.ops.llmc)
-
-    AttentionInterface.register(ATTN_IMPLEMENTATION, _attention)
-
-
 def _build_module(checkpoint: Checkpoint, compute_dtype: str):
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.initialization import no_init_weights
 
-    _register_attention()
+    attention_hook.register()
     try:
         config = AutoConfig.from_pretrained(checkpoint.path, local_files_only=True)
     except Exception as exc:  # transformers raises many types for a bad config
@@ -326,8 +235,8 @@ def _build_module(checkpoint: Checkpoint, compute_dtype: str):
                 rope.lengths = rope_lengths
             paging = dict(slot_mapping=slot_mapping, block_tables=block_tables, context_lens=context_lens,
                           query_start_loc=query_start_loc)
-            _STEP.update(paging)
-            _STEP[STATE_SLOTS] = state_slots
+            STEP.update(paging)
+            STEP[STATE_SLOTS] = state_slots
             position_tables.STEP["positions"] = positions
             try:
                 keep = dict(logits_to_keep=logits_indices) if takes_logits_to_keep else {}
@@ -339,7 +248,7 @@ def _build_module(checkpoint: Checkpoint, compute_dtype: str):
                     **paging,
                 )
             finally:
-                _STEP.clear()
+                STEP.clear()
                 position_tables.STEP.clear()
             # A head without logits_to_keep (whisper's) returns every token's row: select the sampled ones here.
             logits = out.logits[0] if takes_logits_to_keep else out.logits[0][logits_indices]
@@ -497,6 +406,44 @@ def _trace(checkpoint: Checkpoint, compute_dtype: str, torch, torch_op) -> Trace
     binding = bind(checkpoint, hf)
     account(checkpoint, binding)
 
+    recurrent = _recurrent_modules(hf)
+    example, kwargs, dynamic, inputs = _example_inputs(torch, config, rope is not None, bool(recurrent))
+    logging.getLogger("torch.onnx").setLevel(logging.ERROR)
+    ATTENTION_SHAPES.clear()
+    KV_OWNERS.clear()
+    SINK_MODULES.clear()
+    STATE_LAYERS.clear()
+    program = _export(torch, torch_op, module, hf, recurrent, example, kwargs, inputs, dynamic)
+    model = program.model
+    _refuse_unused_sinks(checkpoint, hf, sinks)
+    _refuse_static_shapes(checkpoint, model)
+    _bind_initializers(checkpoint, model, module, binding, compute_dtype)
+    attention_module = _first_attention_module(hf)
+    del hf, module, program, binding
+    KV_OWNERS.clear()
+    num_layers, geometry, kv_layers, state_layers, inputs = _layer_geometry(
+        checkpoint, config, model, inputs, bool(recurrent), attention_module)
+    num_heads, num_kv_heads, head_size = geometry
+    return TracedModel(
+        model=model,
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_size=head_size,
+        vocab_size=config.vocab_size,
+        compute_dtype=compute_dtype,
+        inputs=inputs,
+        rope_recompute_at=rope.threshold if rope is not None else None,
+        kv_layers=kv_layers,
+        state_layers=state_layers,
+    )
+
+
+def _example_inputs(torch, config, longrope: bool, recurrent: bool) -> tuple[tuple, dict, dict, tuple[str, ...]]:
+    """The example step torch.export traces, its keyword inputs, the dynamic dimensions and the graph's input names.
+
+    Eleven tokens of three sequences (block tables ``[3, 5]``, 2 logits rows), plus ``rope_lengths`` for longrope
+    and ``state_slots`` for hybrid models."""
     # Small, pairwise distinct sizes so that torch.export keeps every dimension symbolic.
     tokens, seqs, max_blocks = 11, 3, 5
     example = (
@@ -520,27 +467,27 @@ def _trace(checkpoint: Checkpoint, compute_dtype: str, torch, torch_op) -> Trace
     }
     inputs = GRAPH_INPUTS
     kwargs = {}
-    if rope is not None:
+    if longrope:
         example += (torch.tensor([4] * 4 + [3] * 3 + [10] * 4),)
         dynamic[ROPE_LENGTHS] = {0: t}
         inputs = (*GRAPH_INPUTS, ROPE_LENGTHS)
-    recurrent = _recurrent_modules(hf)
     if recurrent:  # each sequence's state slot (hybrid models)
         kwargs[STATE_SLOTS] = torch.tensor([2, 0, 1])
         dynamic[STATE_SLOTS] = {0: s}
         inputs = (*inputs, STATE_SLOTS)
-    logging.getLogger("torch.onnx").setLevel(logging.ERROR)
-    ATTENTION_SHAPES.clear()
-    KV_OWNERS.clear()
-    SINK_MODULES.clear()
-    STATE_LAYERS.clear()
+    return example, kwargs, dynamic, inputs
+
+
+def _export(torch, torch_op, module, hf, recurrent: list, example: tuple, kwargs: dict, inputs: tuple[str, ...],
+            dynamic: dict):
+    """torch.onnx.export (dynamo) of the wrapped model, llmc's ops translated to their ONNX nodes."""
     from llmc.plugins.recurrent import onnx_schema as recurrent_schema
     from llmc.plugins.recurrent import torch_op as recurrent_op
 
     recurrent_schema.register()
     with warnings.catch_warnings(), _PatchedRecurrent(recurrent, hf):
         warnings.simplefilter("ignore")
-        program = torch.onnx.export(
+        return torch.onnx.export(
             module,
             example,
             kwargs=kwargs or None,
@@ -558,9 +505,11 @@ def _trace(checkpoint: Checkpoint, compute_dtype: str, torch, torch_op) -> Trace
             optimize=False,
             verbose=False,
         )
-    model = program.model
-    # Sink parameters that llmc's attention never received (a family that applies them outside AttentionInterface's
-    # ``s_aux`` / ``module.sinks``) would be dropped silently: refuse.
+
+
+def _refuse_unused_sinks(checkpoint: Checkpoint, hf, sinks: list[str]) -> None:
+    """Sink parameters that llmc's attention never received (a family that applies them outside AttentionInterface's
+    ``s_aux`` / ``module.sinks``) would be dropped silently: refuse."""
     unused = [n for n in sinks if id(hf.get_submodule(n.rpartition(".")[0])) not in SINK_MODULES]
     SINK_MODULES.clear()
     if unused:
@@ -568,7 +517,11 @@ def _trace(checkpoint: Checkpoint, compute_dtype: str, torch, torch_op) -> Trace
                                f"({unused[0]}: a learned logit in every softmax denominator) that its attention does "
                                "not pass to llmc's paged attention (as transformers' s_aux or the module's sinks), so "
                                "llmc stops rather than drop them")
-    _refuse_static_shapes(checkpoint, model)
+
+
+def _bind_initializers(checkpoint: Checkpoint, model: ir.Model, module, binding, compute_dtype: str) -> None:
+    """Give every initializer of the exported graph its value: the checkpoint tensor it is bound to (read lazily,
+    renamed to its checkpoint key), the converted weight, the module's computed buffer or the captured constant."""
     buffers = {name: buf for name, buf in module.named_buffers()}
     parameters = {name for name, _ in module.named_parameters(remove_duplicate=False)}
     loaded = _load_converted(checkpoint, compute_dtype) if binding.needs_converter else None
@@ -594,9 +547,14 @@ def _trace(checkpoint: Checkpoint, compute_dtype: str, torch, torch_op) -> Trace
                 f"{checkpoint.path}: the model needs tensor {name!r} but no safetensors file holds it; "
                 "the checkpoint is incomplete or for another architecture"
             )
-    attention_module = _first_attention_module(hf)
-    del hf, module, program, binding
-    KV_OWNERS.clear()
+
+
+def _layer_geometry(checkpoint: Checkpoint, config, model: ir.Model, inputs: tuple[str, ...], recurrent: bool,
+                    attention_module: str | None):
+    """What the trace's attention and recurrent calls saw, as the KV pool's and the state pool's layout.
+
+    Returns ``(num_layers, (num_heads, num_kv_heads, head_size), kv_layers, state_layers, inputs)``; ``inputs``
+    loses ``state_slots`` where the family's recurrent layers are all absent from this configuration."""
     num_layers = config.num_hidden_layers
     num_heads, num_kv_heads, head_size = _config_geometry(config)
     kv_layers = None
@@ -627,19 +585,7 @@ def _trace(checkpoint: Checkpoint, compute_dtype: str, torch, torch_op) -> Trace
             kv_layers = [{"shares": s[3]} if s[3] != i else {"num_kv_heads": s[1], "head_size": s[2]}
                          for i, s in enumerate(shapes)]
         ATTENTION_SHAPES.clear()
-    return TracedModel(
-        model=model,
-        num_layers=num_layers,
-        num_heads=num_heads,
-        num_kv_heads=num_kv_heads,
-        head_size=head_size,
-        vocab_size=config.vocab_size,
-        compute_dtype=compute_dtype,
-        inputs=inputs,
-        rope_recompute_at=rope.threshold if rope is not None else None,
-        kv_layers=kv_layers,
-        state_layers=state_layers,
-    )
+    return num_layers, (num_heads, num_kv_heads, head_size), kv_layers, state_layers, inputs
 
 
 def _first_attention_module(hf) -> str | None:

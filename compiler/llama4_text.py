@@ -12,9 +12,9 @@ they compute from the cache length. So, on the instances, while tracing:
 - ``Llama4TextAttention.forward`` rotates (x_even, x_odd) pairs as the complex product does
   (``(a + bi)(c + di) = (ac - bd) + (ad + bc)i``, float32), applies the weightless Q/K norm and, on NoPE layers,
   the temperature tuning ``1 + attn_scale * log1p(floor((p + 1) / floor_scale))`` at each token's own position
-  (transformers' ``arange + past_seen_tokens`` for one sequence), then calls the frontend's paged attention with
-  ``attention_chunk`` = ``attention_chunk_size`` on the layers whose type is ``chunked_attention`` (the rest
-  attend globally, as transformers' causal mask);
+  (transformers' ``arange + past_seen_tokens`` for one sequence), then calls llmc's paged attention
+  (``attention_hook.attention``) with ``attention_chunk`` = ``attention_chunk_size`` on the layers whose type is
+  ``chunked_attention`` (the rest attend globally, as transformers' causal mask);
 - ``Llama4Router.forward`` keeps transformers' scores, ``sigmoid`` of the top-k logits and 0 elsewhere
   (``sigmoid(-inf)``), selecting with a comparison instead of ``full_like(-inf).scatter_`` (ops the CUDA engine
   does not run); the same values, bit for bit.
@@ -56,7 +56,7 @@ def _attention_forward(self, hidden_states, position_embeddings, attention_mask,
     """Llama4TextAttention.forward on packed tokens through llmc's attention (see the module docstring)."""
     import torch
 
-    from llmc.compiler.frontend import _attention
+    from llmc.compiler.attention_hook import attention
 
     input_shape = hidden_states.shape[:-1]
     query = self.q_proj(hidden_states).view(*input_shape, -1, self.head_dim)
@@ -74,7 +74,7 @@ def _attention_forward(self, hidden_states, position_embeddings, attention_mask,
     if self.config.layer_types[self.layer_idx] == "chunked_attention":
         chunk = int(self.config.attention_chunk_size)
     kwargs.pop("attention_chunk", None)
-    out, _ = _attention(self, query.transpose(1, 2), key.transpose(1, 2), value, None, scaling=self.scaling,
+    out, _ = attention(self, query.transpose(1, 2), key.transpose(1, 2), value, None, scaling=self.scaling,
                         attention_chunk=chunk, **kwargs)
     return self.o_proj(out.reshape(*input_shape, -1).contiguous()), None
 
