@@ -43,7 +43,7 @@ from llmc.runtime.outputs import EngineStats, GenerationOutput, RequestOutput, S
 from llmc.runtime.sampling.sampler import SamplingParams
 from llmc.runtime.sampling.structured import StructuredConfig, StructuredRuntime
 from llmc.runtime.speculative.config import SpeculativeConfig
-from llmc.runtime.speculative.draft_model import DraftModel
+from llmc.runtime.speculative.draft_source import DraftModel
 from llmc.runtime.speculative.speculator import Speculator
 from llmc.runtime.streaming import TextDeltas
 from llmc.runtime.tokenizer import Tokenizer
@@ -183,11 +183,7 @@ class Engine:
             if draft._state is not None:  # its steps run outside Engine.step, with no state slots
                 raise UnsupportedError(f"{config.draft_model}: a draft model with recurrent layers (state_cache) is "
                                        "not supported yet; use a draft model without them, or method 'ngram'")
-        parts = None
-        if draft is not None:
-            parts = DraftModel(draft.path, draft.vocab_size, draft._session, draft._pool, draft._blocks,
-                               draft._rope_lengths)
-        return Speculator(config, self.vocab_size, parts)
+        return Speculator(config, self.vocab_size, draft)
 
     def set_speculator(self, speculator: Speculator | None) -> Speculator | None:
         """Change how later requests speculate (``None``: plain decode); returns the speculator it replaces.
@@ -205,6 +201,10 @@ class Engine:
             if old is not None and old is not speculator:
                 old.reset()  # its draft sequences: the requests they followed are gone
             return old
+
+    def draft_model(self) -> DraftModel:
+        """This engine's parts that speculation drives when it serves as another engine's draft model."""
+        return DraftModel(self.path, self.vocab_size, self._session, self._pool, self._blocks, self._rope_lengths)
 
     @classmethod
     def _load(cls, path: str | Path, options: LoadOptions) -> Engine:

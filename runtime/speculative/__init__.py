@@ -8,8 +8,8 @@ this package holds what is specific to speculation, one concern a module:
 
 - ``config``: :class:`SpeculativeConfig`, the method and its limits, given to ``Engine.load``.
 - ``ngram``: the prompt-lookup proposer (:class:`NgramIndex`; :func:`ngram_propose` is its reference scan).
-- ``draft_model``: the draft-model proposer (:class:`DraftProposer`), driving the parts of a second, smaller
-  llmc engine (:class:`DraftModel`) that the engine passes in.
+- ``draft_model``: the draft-model proposer (:class:`DraftProposer`), driving the parts (``draft_source``:
+  :class:`DraftModel`) of a second, smaller llmc engine, which the engine hands over (:class:`DraftSource`).
 - ``verification``: greedy verification and rejection sampling (Leviathan et al. 2023, Chen et al. 2023).
 - ``cost`` (:class:`StepCost`: what a step costs per extra token), ``state`` (:class:`SpecState`: a request's
   acceptance and its choice of drafts) and ``speculator`` (:class:`Speculator`: the engine's speculation,

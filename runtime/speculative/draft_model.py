@@ -4,32 +4,16 @@ by step beside the target."""
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from llmc.errors import LlmcError
+from llmc.runtime.speculative.draft_source import DraftModel
 from llmc.runtime.speculative.verification import greedy_token, target_probs
 
 if TYPE_CHECKING:
     from llmc.runtime.core.request import Request
-
-
-@dataclass
-class DraftModel:
-    """The parts of a loaded draft engine that :class:`DraftProposer` drives (the engine passes them in, so that
-    speculation never imports the engine). ``session`` runs a packed step (``run(feeds, pool)`` -> logits
-    ``[rows, vocab]``), ``pool`` and ``blocks`` are the draft's own KV pool and block manager, ``rope_lengths``
-    whether its graph takes each token's sequence length."""
-
-    path: Path
-    vocab_size: int
-    session: Any
-    pool: Any
-    blocks: Any
-    rope_lengths: bool = False
 
 
 class DraftProposer:

@@ -14,7 +14,8 @@ import numpy as np
 from llmc.runtime.speculative import verification
 from llmc.runtime.speculative.config import SpeculativeConfig
 from llmc.runtime.speculative.cost import StepCost, step_costs
-from llmc.runtime.speculative.draft_model import DraftModel, DraftProposer
+from llmc.runtime.speculative.draft_model import DraftProposer
+from llmc.runtime.speculative.draft_source import DraftModel, DraftSource
 from llmc.runtime.speculative.ngram import NgramIndex
 from llmc.runtime.speculative.state import SpecState
 
@@ -25,8 +26,11 @@ if TYPE_CHECKING:
 class Speculator:
     """The engine's speculation: proposes drafts for decoding requests and verifies them after the step."""
 
-    def __init__(self, config: SpeculativeConfig, vocab_size: int, draft: DraftModel | None = None) -> None:
+    def __init__(self, config: SpeculativeConfig, vocab_size: int,
+                 draft: DraftModel | DraftSource | None = None) -> None:
         self.config = config
+        if draft is not None and not isinstance(draft, DraftModel):
+            draft = draft.draft_model()
         self.draft = DraftProposer(draft, vocab_size) if draft is not None else None
         self.plain_cost = StepCost()  # the target's decode steps without drafts
         self.verify_cost = StepCost()  # decode steps with drafts: proposal + verify step + verification
