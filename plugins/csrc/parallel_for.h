@@ -1,5 +1,5 @@
-// The parallel loop llmc's C++ kernels accept from their caller (shared by PagedAttention and
-// Int4MatMul, which run in the same ONNX Runtime op library).
+// The parallel loop llmc's C++ kernels accept from their caller (every kernel of the ONNX Runtime op
+// library, and the pybind11 PagedAttention module, which passes none).
 
 #pragma once
 
