@@ -93,13 +93,25 @@ def _warnings_to_stderr() -> None:
 def _print_passes(ctx: click.Context, _param, value: bool) -> None:
     if not value or ctx.resilient_parsing:
         return
-    from llmc.passes.registry import ALL_PASSES, BACKEND_FUSIONS
+    from llmc.compiler.backends.registry import BACKENDS
+    from llmc.compiler.build import BuildOptions
+    from llmc.passes.recipe import RECIPE_PASSES
+    from llmc.passes.registry import ALL_PASSES
 
+    def row(name: str, kind: str, description: str) -> None:
+        click.echo(f"  {name:24} {kind:8} {description}")
+
+    click.echo("graph pipeline (every build, in order; --disable-pass NAME):")
     for p in ALL_PASSES:
         needs = f" (requires {', '.join(p.requires)})" if p.requires else ""
-        click.echo(f"{p.name:24} {'fusion' if p.fusion else 'cleanup':8} {p.description}{needs}")
-    for name, description in BACKEND_FUSIONS.items():
-        click.echo(f"{name:24} {'fusion':8} {description}")
+        row(p.name, "fusion" if p.fusion else "cleanup", p.description + needs)
+    click.echo("recipe passes (where the recipe asks for them):")
+    for name, description in RECIPE_PASSES.items():
+        row(name, "recipe", description)
+    for backend in BACKENDS:
+        click.echo(f"backend lowering: {backend.name} (when the engine is emitted):")
+        for p in backend.lowering_passes(BuildOptions(), None):
+            row(p.name, "fusion" if p.fusion else "lowering", p.description)
     ctx.exit(0)
 
 

@@ -12,7 +12,7 @@ The graph states the update in standard ONNX ops: every token's ``x A`` for all 
 GEMM), the columns of other slots zeroed by a ``[tokens, S*R]`` mask, one ``[S*R, out]`` GEMM adding the chosen
 slot's update (``S*R*(in + out)`` multiply-adds per token and linear). That form is the semantics every pass and
 the pass verifier run; the backends lower it to kernels that compute each token's own slot only
-(``R*(in + out)``): ``llmc.LoraApply`` in llmc's ONNX Runtime library (compiler/backends/ort_lora.py) and the
+(``R*(in + out)``): ``llmc.LoraApply`` in llmc's ONNX Runtime library (passes/ort/lora_apply.py) and the
 CUDA engine's ``LoraApply`` node with its shrink/expand Triton kernels (compiler/backends/cuda.py, plugins/lora).
 
 This runs right after tracing, before any fusion, while each linear is still ``MatMul(x, Transpose(W))``

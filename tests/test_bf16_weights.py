@@ -1,4 +1,4 @@
-"""The ONNX Runtime backend keeps bfloat16 weights in bfloat16 (compiler/backends/ort_bf16_weights.py).
+"""The ONNX Runtime backend keeps bfloat16 weights in bfloat16 (passes/ort/bf16_weights.py).
 
 A checkpoint stored in bfloat16 gives an engine whose linears are ``llmc.Bf16MatMul`` over the weights as stored
 (half the bytes of float32), with the same greedy tokens as transformers in float32; a float32 checkpoint's weights
@@ -13,7 +13,7 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
-from llmc.compiler.backends.ort_bf16_weights import SOURCE_DTYPE, lower_bf16_weights
+from llmc.passes.ort.bf16_weights import SOURCE_DTYPE, lower_bf16_weights
 from llmc.runtime import Engine, SamplingParams
 from llmc.testing.ort_sessions import native_session
 

@@ -20,7 +20,8 @@ import pytest
 from filelock import FileLock
 
 from llmc.build_cache import KeyInputs, Store, parse_size
-from llmc.compiler.build import BuildOptions, _plan, cache_key_inputs
+from llmc.compiler.build import BuildOptions, cache_key_inputs
+from llmc.compiler.build import make_plan as _plan
 from llmc.compiler.checkpoint import load_checkpoint
 from llmc.compiler.targets import TARGETS
 from llmc.runtime import artifact

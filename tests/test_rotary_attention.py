@@ -183,7 +183,7 @@ def test_engine_fusion_keeps_logits(tiny_llama, tiny_engine, tmp_path):
 
 def test_lowering_leaves_other_routes_and_patterns_alone(tiny_engine):
     """The Python-op route and an empty fusion set keep PagedAttention; a layer whose pattern differs is left."""
-    from llmc.compiler.backends.ort_rotary_attention import fuse_rotary_attention
+    from llmc.passes.ort.rotary_attention import fuse_rotary_attention
 
     def traced_like() -> ir.Model:
         return ir.from_proto(__import__("onnx").load_model_from_string(_unfused_graph(4, 2, 16)))

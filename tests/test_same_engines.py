@@ -86,6 +86,14 @@ def _toolchain() -> dict[str, str]:
     return out
 
 
+def _root(tmp_path_factory) -> Path:
+    """This run's directory, shared by its xdist workers (as conftest's shared fixtures)."""
+    base = tmp_path_factory.getbasetemp()
+    root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "llmc-same-engines"
+    root.mkdir(exist_ok=True)
+    return root
+
+
 @pytest.fixture(scope="module")
 def recorded() -> dict:
     data = json.loads(RECORD.read_text())
@@ -101,8 +109,7 @@ def recorded() -> dict:
 def test_engine_files_are_byte_identical(name, recorded, tmp_path_factory, monkeypatch):
     monkeypatch.setenv("LLMC_SELF_CHECK", "0")
     monkeypatch.setenv("LLMC_CACHE_DIR", os.environ.get("LLMC_CACHE_DIR", ""))  # restored after _build sets it
-    root = tmp_path_factory.getbasetemp().parent / "llmc-same-engines"
-    root.mkdir(exist_ok=True)
+    root = _root(tmp_path_factory)
     from filelock import FileLock
 
     with FileLock(str(root / f"{name}.lock")):
@@ -111,6 +118,26 @@ def test_engine_files_are_byte_identical(name, recorded, tmp_path_factory, monke
     assert sorted(got) == sorted(want), f"{name}: files differ: {sorted(set(got) ^ set(want))}"
     changed = [f for f in want if got[f] != want[f]]
     assert not changed, f"{name}: these files changed: {changed}"
+
+
+@pytest.mark.slow
+def test_engines_hold_no_install_paths(recorded, tmp_path_factory):
+    """The graph is the same wherever llmc is installed: no source path (and line) of llmc or its libraries."""
+    root = _root(tmp_path_factory)
+    from filelock import FileLock
+
+    with FileLock(str(root / "default-cpu-fp32.lock")):
+        if not (root / "default-cpu-fp32" / "model.onnx").exists():
+            _build("default-cpu-fp32", root)
+        model = (root / "default-cpu-fp32" / "model.onnx").read_bytes()
+    import transformers
+
+    import llmc
+
+    for package in (llmc, transformers):
+        where = str(Path(package.__file__).parent).encode()
+        assert where not in model, f"model.onnx names {where!r}"
+    assert b"pkg.torch.onnx.stack_trace" not in model
 
 
 def _record() -> None:

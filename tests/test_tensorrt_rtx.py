@@ -128,8 +128,8 @@ def test_lowered_graph_matches_the_paged_graph(traced_graph):
     import onnx_ir as ir
     import onnxruntime as ort
 
-    from llmc.compiler.backends import trt_lowering
     from llmc.compiler.verify import KVShape, random_step, run_graph
+    from llmc.passes.tensorrt import lowering as trt_lowering
 
     t = traced_graph
     block, s_max = 16, 64

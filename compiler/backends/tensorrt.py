@@ -7,7 +7,7 @@ One code path serves both builders; :class:`Builder` holds what differs between 
 - ``tensorrt_rtx`` (GeForce RTX): builds ahead of time with no GPU for the compute capabilities
   it is given (``IBuilderConfig.set_compute_capability``) and compiles kernels just in time on the
   device. It has no plugin API, so PagedAttention is lowered to its native KV-cache update and
-  attention layers (:mod:`.trt_lowering`); the full TensorRT path uses the same lowering.
+  attention layers (:mod:`llmc.passes.tensorrt.lowering`); the full TensorRT path uses the same lowering.
 
 Both networks are strongly typed (TensorRT 11 and TensorRT for RTX are always strongly typed;
 TensorRT 10 gets the ``STRONGLY_TYPED`` flag): precision comes from the graph's types (float16
@@ -28,8 +28,8 @@ from pathlib import Path
 
 import onnx_ir as ir
 
-from llmc.compiler.backends import trt_lowering
 from llmc.errors import LlmcError, UnsupportedError
+from llmc.passes.tensorrt import lowering as trt_lowering
 from llmc.runtime.artifact import local_gpus  # one nvidia-smi probe for the builder and the loader
 
 ENGINE_FILE = "engine.plan"

@@ -26,7 +26,7 @@ import ml_dtypes
 import numpy as np
 import onnx_ir as ir
 
-from llmc.passes.base import replace_value
+from llmc.passes.base import GraphPass, replace_value
 from llmc.passes.lazy import constant_of, derived
 from llmc.plugins.paged_attention import DOMAIN, OP_TYPE
 
@@ -506,18 +506,45 @@ def whole_blocks(model: ir.Model) -> int:
     return count
 
 
-def lower(model: ir.Model, max_seq_len: int, dtype: ir.DataType = COMPUTE) -> Lowered:
-    """Everything above, in order; the model then holds only ops TensorRT's parser maps to native layers."""
-    info = Lowered()
-    info.stats["llmc_ops"] = lower_llmc_ops(model)
-    info.stats["nvfp4"] = nvfp4_to_trt(model, dtype)
-    info.stats["padded_blocks"] = whole_blocks(model)
-    info.stats.update({f"autocast_{k}": v for k, v in autocast(model, dtype).items()})
-    lower_paged_attention(model, max_seq_len, dtype, info)
+def _finish(model: ir.Model, info: Lowered) -> None:
     model.opset_imports.pop(DOMAIN, None)
     model.opset_imports[""] = OPSET
     model.graph.sort()
     _prune(model.graph)
     info.inputs = [v.name for v in model.graph.inputs]
     info.outputs = [v.name for v in model.graph.outputs]
+
+
+def lowering_passes(max_seq_len: int, dtype: ir.DataType = COMPUTE, info: Lowered | None = None) -> list[GraphPass]:
+    """Everything above as passes, in order; each records its counts in ``info.stats``."""
+    info = info if info is not None else Lowered()
+
+    def step(name: str, run, description: str) -> GraphPass:
+        def counted(model: ir.Model) -> dict[str, int]:
+            got = run(model)
+            if isinstance(got, dict):
+                info.stats.update({f"autocast_{k}": v for k, v in got.items()})
+            elif got is not None:
+                info.stats[name] = got
+            return {"matches": got if isinstance(got, int) else 0}
+
+        return GraphPass(f"trt-{name.replace('_', '-')}", counted, description, fusion=False)
+
+    return [
+        step("llmc_ops", lower_llmc_ops, "SkipRMSNormalization -> Add + RMSNormalization, SwiGLU -> x*sigmoid(x)*up"),
+        step("nvfp4", lambda m: nvfp4_to_trt(m, dtype), "NVFP4 sites -> FLOAT4E2M1 weights + TRT_FP4DynamicQuantize"),
+        step("padded_blocks", whole_blocks, "INT4 block-quantized weights padded to whole blocks"),
+        step("autocast", lambda m: autocast(m, dtype), "matmuls, embeddings, attention and KV in float16"),
+        step("paged_attention", lambda m: (lower_paged_attention(m, max_seq_len, dtype, info), None)[1],
+             "PagedAttention -> TensorScatter + Attention over per-sequence slot caches"),
+        step("finish", lambda m: _finish(m, info), "standard opset 24, topological order, unused values pruned"),
+    ]
+
+
+def lower(model: ir.Model, max_seq_len: int, dtype: ir.DataType = COMPUTE) -> Lowered:
+    """Everything above, in order (:func:`lowering_passes`); the model then holds only ops TensorRT's parser maps
+    to native layers."""
+    info = Lowered()
+    for graph_pass in lowering_passes(max_seq_len, dtype, info):
+        graph_pass.run(model)
     return info

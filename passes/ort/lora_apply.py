@@ -3,7 +3,7 @@
 llmc.passes.lora writes each update in standard ops, ``Add(y, MatMul(Mul(MatMul(x, A), mask), B))``, which
 computes every slot's ``x A`` and masks all but the token's own; for a packed projection (Q|K|V, gate|up) the
 updates of its parts arrive as one ``Add(P, Concat(d_1, ..., d_n))`` (passes/lora.fold_into_packed). llmc's
-native library computes each token's own slot only, in one node (plugins/lora/csrc/ort_lora.h): one
+native library computes each token's own slot only, in one node (plugins/lora/csrc/ort_lora.cpp): one
 ``LoraApply`` per update, a chain of them with column offsets for a packed projection. On the default model
 at batch 8 the standard-op form's LoRA GEMMs took about as long as the whole base model's step.
 """
