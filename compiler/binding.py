@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from llmc.compiler.checkpoint import Checkpoint, TensorEntry, read_tensor
+from llmc.compiler.checkpoint import Checkpoint
+from llmc.compiler.safetensors_io import TensorEntry, read_tensor
 from llmc.errors import LlmcError, UnsupportedError
 
 # Tensors some checkpoints store that no model reads: rotary tables and causal-mask buffers saved by

@@ -6,18 +6,15 @@ backend writes the engine (see :func:`tensor_reader`).
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import json
 import logging
-import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
-
 from llmc.compiler.config_check import check_config, check_field_types, check_tokenizer
-from llmc.errors import LlmcError, UnsupportedError, os_fault, os_fault_errno
+from llmc.compiler.safetensors_io import TensorEntry, changed_during_build, read_header
+from llmc.errors import LlmcError, UnsupportedError
 
 # Architectures whose engines are tested against transformers end to end (tests/test_architectures.py).
 SUPPORTED_MODEL_TYPES = (
@@ -57,39 +54,6 @@ _RECURRENT_FIELDS = ("state_size", "ssm_state_size", "mamba_d_state", "d_state",
 
 # The runtime's tokenizer (llmc.runtime.tokenizer reads this file only).
 TOKENIZER_FILE = "tokenizer.json"
-
-_ST_DTYPES = {
-    "F32": "float32",
-    "F16": "float16",
-    "BF16": "bfloat16",
-    "F64": "float64",
-    "I64": "int64",
-    "I32": "int32",
-    "I8": "int8",
-    "U8": "uint8",
-    "BOOL": "bool",
-    "F8_E4M3": "float8_e4m3fn",  # pre-quantized checkpoints only (compiler/prequantized.py)
-}
-_ST_ITEMSIZE = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8, "I64": 8, "I32": 4, "I8": 1, "U8": 1, "BOOL": 1,
-                "F8_E4M3": 1}
-
-
-@dataclass(frozen=True)
-class TensorEntry:
-    """Where one tensor lives: file, dtype name (numpy-style), shape, byte offset and length in the file."""
-
-    name: str
-    file: Path
-    dtype: str
-    shape: tuple[int, ...]
-    offset: int
-    nbytes: int
-    # A pre-quantized FP8 weight (compiler/prequantized.py): stored E4M3, read as float32 codes x scales.
-    fp8_scale: object | None = None
-    # A weight computed from other tensors of the checkpoint (compiler/prequantized_int4.py: an INT4 layer's exact
-    # dequantization), read as ``derived.read()``.
-    derived: object | None = None
-
 
 @dataclass
 class Checkpoint:
@@ -144,49 +108,6 @@ def is_tested(model_type: str) -> bool:
     return model_type in SUPPORTED_MODEL_TYPES
 
 
-def _read_safetensors_header(path: Path) -> dict[str, TensorEntry]:
-    try:
-        return _read_header(path)
-    except OSError as exc:  # deleted or made unreadable since the directory was listed
-        raise changed_during_build(path, exc) from None
-
-
-def _read_header(path: Path) -> dict[str, TensorEntry]:
-    size = path.stat().st_size
-    with open(path, "rb") as fh:
-        raw = fh.read(8)
-        if len(raw) < 8:
-            raise LlmcError(f"{path}: truncated safetensors file ({size} bytes); re-download or re-save it")
-        (header_len,) = struct.unpack("<Q", raw)
-        if header_len > size - 8 or header_len > 100 * 2**20:
-            raise LlmcError(
-                f"{path}: corrupt safetensors header (declares {header_len} header bytes, file has {size}); "
-                "re-download or re-save the checkpoint"
-            )
-        try:
-            header = json.loads(fh.read(header_len))
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise LlmcError(f"{path}: corrupt safetensors header ({exc}); re-download or re-save it") from None
-    base = 8 + header_len
-    entries = {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        dtype = info.get("dtype")
-        if dtype not in _ST_DTYPES:
-            raise UnsupportedError(f"{path}: tensor {name!r} has dtype {dtype!r}, which llmc cannot read")
-        shape = tuple(int(d) for d in info["shape"])
-        start, end = (int(x) for x in info["data_offsets"])
-        expected = int(np.prod(shape, dtype=np.int64)) * _ST_ITEMSIZE[dtype]
-        if end - start != expected or base + end > size:
-            raise LlmcError(
-                f"{path}: tensor {name!r} needs bytes {start}..{end} of the data section but the file ends at "
-                f"{size - base}: the file is truncated or corrupt; re-download or re-save it"
-            )
-        entries[name] = TensorEntry(name, path, _ST_DTYPES[dtype], shape, base + start, end - start)
-    return entries
-
-
 def _json_kind(value: object) -> str:
     """The JSON name of ``value``'s type, as a user who wrote the file would call it."""
     if value is None:
@@ -204,6 +125,29 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
     if not root.is_dir():
         raise LlmcError(f"{root}: not a directory; pass the folder that holds config.json")
     cfg_path = root / "config.json"
+    config = _read_config(cfg_path)
+    _check_model_type(config, cfg_path)
+    files = _weight_files(root)
+
+    tensors: dict[str, TensorEntry] = {}
+    for f in files:
+        tensors.update(read_header(f))
+    from llmc.compiler import prequantized
+
+    tensors, source_quant = prequantized.plan(config, tensors, cfg_path)
+    check_config(config, cfg_path, list(tensors))
+    checkpoint = Checkpoint(path=root, config=config, tensors=tensors, files=files, source_quantization=source_quant)
+    if checkpoint.has_tokenizer:
+        check_tokenizer(root / TOKENIZER_FILE, config, cfg_path)
+    else:
+        logging.getLogger("llmc").warning(
+            "%s: no %s; the engine will take token ids, not text (llmc run ENGINE --prompt-ids 1,2,3); copy the "
+            "model's tokenizer files into the checkpoint to build one that takes text", root, TOKENIZER_FILE)
+    return checkpoint
+
+
+def _read_config(cfg_path: Path) -> dict:
+    """config.json as a dict whose ``model_type`` is a string and whose fields have their JSON types."""
     if not cfg_path.is_file():
         raise LlmcError(f"{cfg_path}: missing; a Hugging Face checkpoint folder needs config.json")
     try:
@@ -222,6 +166,13 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
         raise LlmcError(f"{cfg_path}: field 'model_type' is {json.dumps(model_type)}; it must be a string naming "
                         f"the architecture (supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
     check_field_types(config, cfg_path)
+    return config
+
+
+def _check_model_type(config: dict, cfg_path: Path) -> None:
+    """Refuse a model type llmc cannot build (recurrent layers it does not lower, a mechanism no kernel runs, no
+    causal-LM class in transformers); warn where it builds one its suite does not test."""
+    model_type = config["model_type"]
     recurrent = [f for f in _RECURRENT_FIELDS if f in config]
     if model_type in RECURRENT_MODEL_TYPES or (model_type not in SUPPORTED_MODEL_TYPES and recurrent
                                                and model_type not in HYBRID_MODEL_TYPES):
@@ -252,6 +203,9 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
             cfg_path, model_type, ", ".join(TESTED_MODEL_TYPES),
         )
 
+
+def _weight_files(root: Path) -> list[Path]:
+    """The checkpoint's safetensors files: the shards its index names (each must exist), else every file."""
     index_path = root / "model.safetensors.index.json"
     if index_path.is_file():
         try:
@@ -266,49 +220,4 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
         files = sorted(root.glob("*.safetensors"))
         if not files:
             raise LlmcError(f"{root}: no *.safetensors weights found; save the model with safe_serialization=True")
-
-    tensors: dict[str, TensorEntry] = {}
-    for f in files:
-        tensors.update(_read_safetensors_header(f))
-    from llmc.compiler import prequantized
-
-    tensors, source_quant = prequantized.plan(config, tensors, cfg_path)
-    check_config(config, cfg_path, list(tensors))
-    checkpoint = Checkpoint(path=root, config=config, tensors=tensors, files=files, source_quantization=source_quant)
-    if checkpoint.has_tokenizer:
-        check_tokenizer(root / TOKENIZER_FILE, config, cfg_path)
-    else:
-        logging.getLogger("llmc").warning(
-            "%s: no %s; the engine will take token ids, not text (llmc run ENGINE --prompt-ids 1,2,3); copy the "
-            "model's tokenizer files into the checkpoint to build one that takes text", root, TOKENIZER_FILE)
-    return checkpoint
-
-
-def changed_during_build(path: Path, exc: Exception) -> LlmcError:
-    """A checkpoint file that vanished, shrank or became unreadable after llmc listed it, as one line."""
-    if isinstance(exc, OSError) and os_fault_errno(exc) not in (None, errno.ENOENT):
-        return os_fault(exc, path, "reading the checkpoint", elsewhere="copy it where this user can read it")
-    reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-    return LlmcError(f"{path}: vanished or changed while llmc was building from it ({reason}); leave the checkpoint "
-                     "in place and unchanged until the build finishes, then run it again")
-
-
-def read_tensor(entry: TensorEntry) -> np.ndarray:
-    """Read one tensor from disk (memory-mapped); bfloat16 is returned as float32."""
-    if entry.derived is not None:
-        return entry.derived.read()
-    try:
-        mm = np.memmap(entry.file, dtype=np.uint8, mode="r", offset=entry.offset, shape=(entry.nbytes,))
-    except (OSError, ValueError) as exc:  # ValueError: the file is now shorter than its header said
-        raise changed_during_build(entry.file, exc) from None
-    if entry.fp8_scale is not None:
-        import ml_dtypes
-
-        from llmc.compiler.prequantized import dequantize
-
-        codes = np.frombuffer(mm, dtype=ml_dtypes.float8_e4m3fn).reshape(entry.shape).astype(np.float32)
-        return dequantize(codes, read_tensor(entry.fp8_scale.scale), entry.fp8_scale.block)
-    if entry.dtype == "bfloat16":
-        u16 = np.frombuffer(mm, dtype=np.uint16).astype(np.uint32) << 16
-        return u16.view(np.float32).reshape(entry.shape)
-    return np.frombuffer(mm, dtype=np.dtype(entry.dtype)).reshape(entry.shape)
+    return files

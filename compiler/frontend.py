@@ -23,7 +23,8 @@ from llmc.compiler import alibi_attention, attention_hook, llama4_text, mla_trac
 from llmc.compiler import positions as position_tables
 from llmc.compiler.attention_hook import ATTENTION_SHAPES, ATTN_IMPLEMENTATION, KV_OWNERS, SINK_MODULES, STEP
 from llmc.compiler.binding import account, bind
-from llmc.compiler.checkpoint import Checkpoint, TensorEntry, changed_during_build, read_tensor
+from llmc.compiler.checkpoint import Checkpoint
+from llmc.compiler.safetensors_io import TensorEntry, changed_during_build, read_tensor
 from llmc.errors import LlmcError, UnsupportedError
 from llmc.passes.lazy import SOURCE_DTYPE
 from llmc.plugins.paged_attention import INPUT_NAMES

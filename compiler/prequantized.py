@@ -82,7 +82,7 @@ def plan(config: dict, tensors: dict, cfg_path: Path) -> tuple[dict, dict | None
     """Check a pre-quantized checkpoint and rewrite its tensor index for exact dequantization.
 
     Returns ``(tensors, record)``: the index with every E4M3 weight's entry turned into a float32 entry that
-    :func:`llmc.compiler.checkpoint.read_tensor` dequantizes, its scales (and dropped companions) removed;
+    :func:`llmc.compiler.safetensors_io.read_tensor` dequantizes, its scales (and dropped companions) removed;
     ``record`` describes the conversion for report.json (None for a plain checkpoint). Raises
     :class:`UnsupportedError` (exit 3) for methods llmc does not convert.
     """
@@ -153,16 +153,3 @@ def plan(config: dict, tensors: dict, cfg_path: Path) -> tuple[dict, dict | None
               "tensors_dequantized": converted, "dequantized_to": "float32 (exact up to one float32 rounding)",
               "dropped": len(dropped)}
     return out, record
-
-
-def dequantize(codes, scales, block: tuple[int, int] | None):
-    """``codes`` float32 ``[N, K]`` (E4M3 values) times ``scales`` (scalar, ``[N]``/``[N, 1]``, or blocks)."""
-    import numpy as np
-
-    scales = np.asarray(scales, np.float32)
-    if block is None:
-        s = scales.reshape(-1, 1) if scales.size == codes.shape[0] and scales.size > 1 else scales.reshape(())
-        return (codes * s).astype(np.float32)
-    rows = np.repeat(scales, block[0], axis=0)[: codes.shape[0]]
-    full = np.repeat(rows, block[1], axis=1)[:, : codes.shape[1]]
-    return (codes * full).astype(np.float32)

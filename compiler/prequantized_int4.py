@@ -86,7 +86,7 @@ class AwqLinear(Int4Source):
 
     def load(self) -> Int4Weights:
         """:class:`llmc.quant.int4.Int4Weights` ``[N, K]`` with the checkpoint's codes, zero points and scales."""
-        from llmc.compiler.checkpoint import read_tensor
+        from llmc.compiler.safetensors_io import read_tensor
 
         return unpack(read_tensor(self.qweight), read_tensor(self.qzeros), read_tensor(self.scales), self.group_size)
 
@@ -110,7 +110,7 @@ class GptqLinear(Int4Source):
         return 8 * int(self.qweight.shape[0])
 
     def load(self) -> Int4Weights:
-        from llmc.compiler.checkpoint import read_tensor
+        from llmc.compiler.safetensors_io import read_tensor
 
         return unpack_gptq(read_tensor(self.qweight), read_tensor(self.qzeros), read_tensor(self.scales),
                            self.group_size, self.v1)
@@ -247,7 +247,7 @@ def _gptq_config(qc: dict, cfg_path: Path) -> tuple[int, bool]:
 def plan_gptq(qc: dict, tensors: dict, cfg_path: Path) -> tuple[dict, dict, dict[str, GptqLinear]]:
     """As :func:`plan`, for a GPTQ checkpoint (``qweight``/``qzeros``/``scales``/``g_idx`` per linear). Checks every
     layer's ``g_idx`` (groups in input order) and, for v1, its stored zero points (they must fit 4 bits)."""
-    from llmc.compiler.checkpoint import read_tensor
+    from llmc.compiler.safetensors_io import read_tensor
 
     group, v1 = _gptq_config(qc, cfg_path)
     out = dict(tensors)
@@ -310,7 +310,7 @@ class PackedLinear(Int4Source):
         return 8 * int(self.packed.shape[1])
 
     def load(self) -> Int4Weights:
-        from llmc.compiler.checkpoint import read_tensor
+        from llmc.compiler.safetensors_io import read_tensor
 
         codes = sequential_nibbles(read_tensor(self.packed), 1)  # [N, K]: signed codes + 8
         zp = (sequential_nibbles(read_tensor(self.zero_point), 0)[: self.n] if self.zero_point is not None

@@ -58,7 +58,7 @@ class Mxfp4Experts:
 
     def codes(self) -> tuple[np.ndarray, np.ndarray]:
         """(blocks uint8 ``[E, N, K/32, 16]``, scales uint8 ``[E, N, K/32]``), as stored."""
-        from llmc.compiler.checkpoint import read_tensor
+        from llmc.compiler.safetensors_io import read_tensor
 
         return read_tensor(self.blocks), read_tensor(self.scales)
 
@@ -67,7 +67,7 @@ class Mxfp4Experts:
 
     def source(self):
         """The codes as the graph pass takes them (:class:`llmc.passes.mxfp4_experts.Mxfp4Source`)."""
-        from llmc.compiler.checkpoint import read_tensor
+        from llmc.compiler.safetensors_io import read_tensor
         from llmc.passes.mxfp4_experts import Mxfp4Source
 
         return Mxfp4Source(self.experts, self.n, self.k, lambda: read_tensor(self.blocks),
