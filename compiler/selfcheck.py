@@ -117,38 +117,7 @@ def shrink_config(config: dict) -> dict:
         c["head_dim"] = c["qk_rope_head_dim"]  # DeepSeek's head_dim is its rotary part
     lkey, layers = _pick(c, "num_hidden_layers", "n_layer", "num_layers")
     if isinstance(layers, int) and layers > 0:
-        keep = 2
-        for key in ("first_k_dense_replace", "decoder_sparse_step", "interleave_moe_layer_step"):
-            if isinstance(c.get(key), int) and c[key] > 0:  # keep a layer of each kind: dense and MoE
-                keep = max(keep, c[key] + 1)
-        for key in _KIND_INDEX_LISTS:
-            listed = [i for i in c.get(key) or () if isinstance(i, int) and 0 <= i < layers]
-            if listed:
-                keep = max(keep, min(listed) + 1)
-        for key in _per_layer_lists(c, layers):
-            values = c[key]
-            if all(isinstance(v, (str, bool, int)) for v in values) and len(set(values)) <= _FEW_KINDS:
-                seen: set = set()
-                for i, v in enumerate(values):  # up to the first layer of the last kind to appear
-                    if v not in seen:
-                        seen.add(v)
-                        keep = max(keep, i + 1)
-        shared = c.get("num_kv_shared_layers")
-        if isinstance(shared, int) and 0 < shared < layers:
-            # KV-shared layers (Gemma 4) read the cache of the last earlier layer of their type: the twin keeps
-            # layers of each kind before the shared ones, then shared layers of each kind.
-            first = layers - shared
-            types = c.get("layer_types") if isinstance(c.get("layer_types"), list) else []
-            tail = 1
-            seen = set()
-            for j, v in enumerate(types[first:]):
-                if v not in seen:
-                    seen.add(v)
-                    tail = j + 1
-            head = list(range(min(keep, first)))
-            c = cut_layers(c, lkey, len(head) + tail, picked=head + list(range(first, first + tail)))
-        else:
-            c = cut_layers(c, lkey, min(layers, keep))
+        c = _keep_layers_of_each_kind(c, lkey, layers)
     _shrink_per_layer_config(c, config)
     _shrink_mamba(c)
     if isinstance(c.get("hidden_size_per_layer_input"), int) and c["hidden_size_per_layer_input"] > 8:
@@ -156,6 +125,42 @@ def shrink_config(config: dict) -> dict:
     if isinstance(c.get("sliding_window"), int) and c["sliding_window"] > 24:
         c["sliding_window"] = 24
     return c
+
+
+def _keep_layers_of_each_kind(c: dict, lkey: str, layers: int) -> dict:
+    """``c`` cut to its first few of ``layers`` decoder layers: at least two, and up to the first layer of every
+    kind (dense and MoE, each layer type, KV-shared layers of each type)."""
+    keep = 2
+    for key in ("first_k_dense_replace", "decoder_sparse_step", "interleave_moe_layer_step"):
+        if isinstance(c.get(key), int) and c[key] > 0:  # keep a layer of each kind: dense and MoE
+            keep = max(keep, c[key] + 1)
+    for key in _KIND_INDEX_LISTS:
+        listed = [i for i in c.get(key) or () if isinstance(i, int) and 0 <= i < layers]
+        if listed:
+            keep = max(keep, min(listed) + 1)
+    for key in _per_layer_lists(c, layers):
+        values = c[key]
+        if all(isinstance(v, (str, bool, int)) for v in values) and len(set(values)) <= _FEW_KINDS:
+            seen: set = set()
+            for i, v in enumerate(values):  # up to the first layer of the last kind to appear
+                if v not in seen:
+                    seen.add(v)
+                    keep = max(keep, i + 1)
+    shared = c.get("num_kv_shared_layers")
+    if isinstance(shared, int) and 0 < shared < layers:
+        # KV-shared layers (Gemma 4) read the cache of the last earlier layer of their type: the twin keeps
+        # layers of each kind before the shared ones, then shared layers of each kind.
+        first = layers - shared
+        types = c.get("layer_types") if isinstance(c.get("layer_types"), list) else []
+        tail = 1
+        seen = set()
+        for j, v in enumerate(types[first:]):
+            if v not in seen:
+                seen.add(v)
+                tail = j + 1
+        head = list(range(min(keep, first)))
+        return cut_layers(c, lkey, len(head) + tail, picked=head + list(range(first, first + tail)))
+    return cut_layers(c, lkey, min(layers, keep))
 
 
 def _per_layer_lists(config: dict, layers: int) -> list[str]:
