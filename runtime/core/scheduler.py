@@ -29,7 +29,7 @@ Policy (continuous batching with chunked prefill, as in vLLM's scheduler):
   younger one, so it always progresses. Nothing is admitted in a step that preempted.
 - A request that cannot fit even alone in the pool is rejected when submitted, saying how many
   blocks it needs.
-- Speculative decoding (``runtime/speculative.py``): a decoding request that carries draft tokens
+- Speculative decoding (``runtime/speculative/``): a decoding request that carries draft tokens
   (``Request.draft``, proposed by the engine before the step) computes its last token and the drafts
   in one chunk, within the same budget as everything else; drafts are trimmed to the budget and
   dropped when their slots would need a preemption (speculation never preempts). After the step,
@@ -149,7 +149,7 @@ class Scheduler:
         self.counters = SchedulerCounters()
         # Hash of a full prompt block -> the running request that is computing it (prefix caching).
         self._inflight: dict[int, Request] = {}
-        # Multi-LoRA engines: the adapter slots (llmc.runtime.lora.adapter.LoraSlots). A request for an adapter takes a
+        # Multi-LoRA engines: the adapter slots (llmc.runtime.lora.slots.LoraSlots). A request for an adapter takes a
         # slot when admitted and gives it back when it leaves the running list; with every slot held it waits.
         self.lora = None
 

@@ -2,7 +2,8 @@
 
 An engine built with ``--lora-slots S --max-lora-rank R`` (manifest ``lora``, see llmc.passes.lora) takes the
 stacked adapters of its ``S`` slots as graph inputs, one ``A`` ``[in, S*R]`` and one ``B`` ``[S*R, out]`` per
-linear, and a slot per token (0: the base model). :class:`LoraSlots` owns those buffers:
+linear, and a slot per token (0: the base model). :class:`~llmc.runtime.lora.slots.LoraSlots` owns those buffers;
+this module reads the adapters:
 
 - Adapters are registered by name (:meth:`LoraSlots.add`): read and checked in full when registered (a bad
   adapter is refused then, before any request runs), scaling folded into ``B`` (``lora_alpha / r``, or
