@@ -186,9 +186,45 @@ def _first(cfg: dict, *names: str) -> int | None:
     return None
 
 
+@dataclass(frozen=True)
+class _Geometry:
+    """The config facts every layer's tensors are drawn from (see :func:`model_from_config`)."""
+
+    mt: str
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    max_pos: int | None
+    mla: bool
+    qkv_bias: bool
+    o_bias: bool
+    qk_norm: bool
+    wide_qk_norm: bool
+    n_exp: int  # routed experts per MoE layer (0: dense)
+    top_k: int
+    exp_inter: int
+    shared_inter: int
+
+
 def model_from_config(cfg: dict, where: Path) -> Model:
     """The weight tensors and KV layers of a decoder-only config (llama-like, Qwen3 / Mixtral / gpt-oss MoE,
     DeepSeek MLA + MoE, Gemma 3/4 per-layer geometry). Raises :class:`LlmcError` naming a missing or bad field."""
+    g = _geometry(cfg, where)
+    kv = kv_layers(cfg, where, g.layers, g.heads, g.kv_heads, g.head_dim)
+    gemma4_shared = {i for i, e in enumerate(kv) if e.owner != i}
+    tensors: list[Tensor] = []
+    for i in range(g.layers):
+        tensors += _layer_tensors(cfg, where, g, i, kv, gemma4_shared)
+    tensors += _model_tensors(cfg, g)
+    return Model(g.mt, g.layers, g.hidden, g.heads, g.kv_heads, g.vocab, g.max_pos, tuple(tensors), tuple(kv),
+                 g.n_exp, g.top_k, tuple(_notes(cfg, g)))
+
+
+def _geometry(cfg: dict, where: Path) -> _Geometry:
+    """Widths, heads, biases and norms, and the MoE counts (experts, experts per token, intermediate sizes)."""
     mt = str(cfg.get("model_type") or "unknown")
     layers = _int(cfg, "num_hidden_layers", where)
     hidden = _int(cfg, "hidden_size", where)
@@ -201,14 +237,6 @@ def model_from_config(cfg: dict, where: Path) -> Model:
     head_dim = _int(cfg, "head_dim", where, default=hidden // heads)
     max_pos = cfg.get("max_position_embeddings")
     max_pos = max_pos if isinstance(max_pos, int) and not isinstance(max_pos, bool) and max_pos > 0 else None
-    notes: list[str] = []
-    tensors: list[Tensor] = []
-    mla = cfg.get("kv_lora_rank") is not None
-    # biases: Qwen2's on q/k/v only; attention_bias elsewhere (Llama, gpt-oss) on o_proj too
-    qkv_bias = bool(cfg.get("attention_bias")) or mt in ("qwen2", "qwen2_moe")
-    o_bias = bool(cfg.get("attention_bias")) and mt not in ("qwen2", "qwen2_moe")
-    qk_norm = mt.startswith(("qwen3", "gemma3", "gemma4", "olmo2", "olmo3", "apertus"))
-    wide_qk_norm = mt.startswith(("olmo2", "olmo3"))  # a norm over all heads' width, not one head's
 
     # MoE: experts per layer, their intermediate size, experts per token, shared experts.
     n_exp = _first(cfg, "n_routed_experts", "num_local_experts", "num_experts") or 0
@@ -227,98 +255,127 @@ def model_from_config(cfg: dict, where: Path) -> Model:
         shared_inter = int(cfg["shared_expert_intermediate_size"])
     elif n_exp and cfg.get("num_shared_expert"):  # Hunyuan MoE
         shared_inter = int(cfg["num_shared_expert"]) * exp_inter
+    return _Geometry(
+        mt, layers, hidden, heads, kv_heads, head_dim, vocab, max_pos,
+        mla=cfg.get("kv_lora_rank") is not None,
+        # biases: Qwen2's on q/k/v only; attention_bias elsewhere (Llama, gpt-oss) on o_proj too
+        qkv_bias=bool(cfg.get("attention_bias")) or mt in ("qwen2", "qwen2_moe"),
+        o_bias=bool(cfg.get("attention_bias")) and mt not in ("qwen2", "qwen2_moe"),
+        qk_norm=mt.startswith(("qwen3", "gemma3", "gemma4", "olmo2", "olmo3", "apertus")),
+        wide_qk_norm=mt.startswith(("olmo2", "olmo3")),  # a norm over all heads' width, not one head's
+        n_exp=n_exp, top_k=top_k, exp_inter=exp_inter, shared_inter=shared_inter)
 
-    def is_moe(i: int) -> bool:
-        if not n_exp:
-            return False
-        if "first_k_dense_replace" in cfg:  # DeepSeek
-            return i >= int(cfg["first_k_dense_replace"]) and i % int(cfg.get("moe_layer_freq") or 1) == 0
-        if i in (cfg.get("mlp_only_layers") or []):  # Qwen MoE
-            return False
-        return (i + 1) % int(cfg.get("decoder_sparse_step") or 1) == 0
 
-    kv = kv_layers(cfg, where, layers, heads, kv_heads, head_dim)
-    gemma4_shared = {i for i, e in enumerate(kv) if e.owner != i}
-    for i in range(layers):
-        a = "attention"
-        geo = kv[i] if kv[i].owner == i else kv[kv[i].owner]
-        lh = _layer_override(cfg, i, "head_dim", head_dim)
-        lkv = geo.num_kv_heads
-        if mla:
-            qk = int(cfg["qk_nope_head_dim"]) + int(cfg["qk_rope_head_dim"])
-            v_dim, lora, rope = int(cfg["v_head_dim"]), int(cfg["kv_lora_rank"]), int(cfg["qk_rope_head_dim"])
-            if cfg.get("q_lora_rank"):
-                q_lora = int(cfg["q_lora_rank"])
-                tensors += [Tensor(a, "q_a_proj", "linear", 1, q_lora, hidden, None),
-                            Tensor(a, "q_a_layernorm", "vector", 1, q_lora, 1, None),
-                            Tensor(a, "q_b_proj", "linear", 1, heads * qk, q_lora, "n")]
-            else:
-                tensors.append(Tensor(a, "q_proj", "linear", 1, heads * qk, hidden, "n"))
-            tensors += [Tensor(a, "kv_a_proj_with_mqa", "linear", 1, lora + rope, hidden, None),
-                        Tensor(a, "kv_a_layernorm", "vector", 1, lora, 1, None),
-                        Tensor(a, "kv_b_proj", "linear", 1, heads * (qk - rope + v_dim), lora, "n"),
-                        Tensor(a, "o_proj", "linear", 1, hidden, heads * v_dim, "k")]
-        else:
-            tensors.append(Tensor(a, "q_proj", "linear", 1, heads * lh, hidden, "n"))
-            if i not in gemma4_shared or not mt.startswith("gemma4"):
-                # KV-shared layers (Gemma 4) compute no keys or values: transformers builds no k/v projections
-                tensors.append(Tensor(a, "k_proj", "linear", 1, lkv * lh, hidden, "kv", heads=lkv))
-                types = cfg.get("layer_types") or []
-                # Gemma 4's full-attention layers with attention_k_eq_v: values are the keys, no v_proj
-                k_eq_v = bool(cfg.get("attention_k_eq_v")) and i < len(types) and types[i] == "full_attention"
-                if not k_eq_v:
-                    tensors.append(Tensor(a, "v_proj", "linear", 1, lkv * lh, hidden, "kv", heads=lkv))
-            tensors.append(Tensor(a, "o_proj", "linear", 1, hidden, heads * lh, "k"))
-            if qkv_bias:
-                tensors += [Tensor(a, "q_bias", "vector", 1, heads * lh, 1, "n"),
-                            Tensor(a, "k_bias", "vector", 1, lkv * lh, 1, "kv", heads=lkv),
-                            Tensor(a, "v_bias", "vector", 1, lkv * lh, 1, "kv", heads=lkv)]
-            if o_bias:
-                tensors.append(Tensor(a, "o_bias", "vector", 1, hidden, 1, None))
-            if wide_qk_norm:
-                tensors += [Tensor("other", "q_norm", "vector", 1, heads * lh, 1, "n"),
-                            Tensor("other", "k_norm", "vector", 1, lkv * lh, 1, "kv", heads=lkv)]
-            elif qk_norm:
-                tensors += [Tensor("other", "q_norm", "vector", 1, lh, 1, None),
-                            Tensor("other", "k_norm", "vector", 1, lh, 1, None)]
+def _is_moe(cfg: dict, n_exp: int, i: int) -> bool:
+    """Whether decoder layer ``i`` is a mixture-of-experts layer."""
+    if not n_exp:
+        return False
+    if "first_k_dense_replace" in cfg:  # DeepSeek
+        return i >= int(cfg["first_k_dense_replace"]) and i % int(cfg.get("moe_layer_freq") or 1) == 0
+    if i in (cfg.get("mlp_only_layers") or []):  # Qwen MoE
+        return False
+    return (i + 1) % int(cfg.get("decoder_sparse_step") or 1) == 0
+
+
+def _layer_tensors(cfg: dict, where: Path, g: _Geometry, i: int, kv: list[KVLayer],
+                   gemma4_shared: set[int]) -> list[Tensor]:
+    """Decoder layer ``i``'s weights: attention, sinks, norms, then its experts or its MLP (or both: Gemma 4)."""
+    mt, hidden, n_exp, a = g.mt, g.hidden, g.n_exp, "attention"
+    tensors = _attention_tensors(cfg, g, i, kv, gemma4_shared)
+    if mt == "gpt_oss":
+        tensors.append(Tensor(a, "sinks", "float32", 1, g.heads, 1, "n"))
+    norms = 4 if mt.startswith(("gemma2", "gemma3", "gemma4")) else 2  # gemma: pre- and post- norms
+    if mt in ("cohere", "cohere2", "cohere2_moe"):
+        norms = 1  # attention and MLP in parallel off one norm
+    tensors.append(Tensor("other", "layer_norms", "vector", norms, hidden, 1, None))
+    if _is_moe(cfg, n_exp, i):
+        exp_inter, shared_inter = g.exp_inter, g.shared_inter
+        tensors.append(Tensor("router", "router", "router", 1, n_exp, hidden, None))
         if mt == "gpt_oss":
-            tensors.append(Tensor(a, "sinks", "float32", 1, heads, 1, "n"))
-        norms = 4 if mt.startswith(("gemma2", "gemma3", "gemma4")) else 2  # gemma: pre- and post- norms
-        if mt in ("cohere", "cohere2", "cohere2_moe"):
-            norms = 1  # attention and MLP in parallel off one norm
-        tensors.append(Tensor("other", "layer_norms", "vector", norms, hidden, 1, None))
-        if is_moe(i):
-            tensors.append(Tensor("router", "router", "router", 1, n_exp, hidden, None))
-            if mt == "gpt_oss":
-                tensors.append(Tensor("router", "router_bias", "vector", 1, n_exp, 1, None))
-            if "first_k_dense_replace" in cfg or cfg.get("topk_method") == "noaux_tc":
-                tensors.append(Tensor("router", "e_score_correction_bias", "vector", 1, n_exp, 1, None))
-            tensors += [Tensor("experts", "experts.gate_up_proj", "experts", n_exp, 2 * exp_inter, hidden, "e"),
-                        Tensor("experts", "experts.down_proj", "experts", n_exp, hidden, exp_inter, "e")]
-            if mt == "gpt_oss":
-                tensors += [Tensor("experts", "experts.gate_up_bias", "vector", n_exp, 2 * exp_inter, 1, "e"),
-                            Tensor("experts", "experts.down_bias", "vector", n_exp, hidden, 1, "e")]
-            if shared_inter:
-                tensors += [Tensor("mlp", "shared_experts.gate_up_proj", "linear", 1, 2 * shared_inter, hidden, "n"),
-                            Tensor("mlp", "shared_experts.down_proj", "linear", 1, hidden, shared_inter, "k")]
-                if cfg.get("shared_expert_intermediate_size"):  # Qwen2-MoE's sigmoid gate on the shared expert
-                    tensors.append(Tensor("router", "shared_expert_gate", "router", 1, 1, hidden, None))
-            if not (mt.startswith("gemma4") and cfg.get("enable_moe_block")):
-                continue
-        inter = _int(cfg, "intermediate_size", where,
-                     default=(cfg.get("ffn_hidden_size") or 4 * hidden) if mt in _UNGATED_MLP else None)
-        if mt.startswith("gemma4") and cfg.get("use_double_wide_mlp") and i in gemma4_shared:
-            inter *= 2  # Gemma 4: KV-shared layers' MLPs are twice as wide
-        opens = 1 if mt in _UNGATED_MLP else 2  # gate and up, or one up projection
-        tensors += [Tensor("mlp", "gate_up_proj" if opens == 2 else "up_proj", "linear", 1, opens * inter, hidden,
-                           "n"),
-                    Tensor("mlp", "down_proj", "linear", 1, hidden, inter, "k")]
-        if cfg.get("mlp_bias"):
-            tensors += [Tensor("mlp", "gate_up_bias", "vector", 1, 2 * inter, 1, "n"),
-                        Tensor("mlp", "down_bias", "vector", 1, hidden, 1, None)]
+            tensors.append(Tensor("router", "router_bias", "vector", 1, n_exp, 1, None))
+        if "first_k_dense_replace" in cfg or cfg.get("topk_method") == "noaux_tc":
+            tensors.append(Tensor("router", "e_score_correction_bias", "vector", 1, n_exp, 1, None))
+        tensors += [Tensor("experts", "experts.gate_up_proj", "experts", n_exp, 2 * exp_inter, hidden, "e"),
+                    Tensor("experts", "experts.down_proj", "experts", n_exp, hidden, exp_inter, "e")]
+        if mt == "gpt_oss":
+            tensors += [Tensor("experts", "experts.gate_up_bias", "vector", n_exp, 2 * exp_inter, 1, "e"),
+                        Tensor("experts", "experts.down_bias", "vector", n_exp, hidden, 1, "e")]
+        if shared_inter:
+            tensors += [Tensor("mlp", "shared_experts.gate_up_proj", "linear", 1, 2 * shared_inter, hidden, "n"),
+                        Tensor("mlp", "shared_experts.down_proj", "linear", 1, hidden, shared_inter, "k")]
+            if cfg.get("shared_expert_intermediate_size"):  # Qwen2-MoE's sigmoid gate on the shared expert
+                tensors.append(Tensor("router", "shared_expert_gate", "router", 1, 1, hidden, None))
+        if not (mt.startswith("gemma4") and cfg.get("enable_moe_block")):
+            return tensors
+    inter = _int(cfg, "intermediate_size", where,
+                 default=(cfg.get("ffn_hidden_size") or 4 * hidden) if mt in _UNGATED_MLP else None)
+    if mt.startswith("gemma4") and cfg.get("use_double_wide_mlp") and i in gemma4_shared:
+        inter *= 2  # Gemma 4: KV-shared layers' MLPs are twice as wide
+    opens = 1 if mt in _UNGATED_MLP else 2  # gate and up, or one up projection
+    tensors += [Tensor("mlp", "gate_up_proj" if opens == 2 else "up_proj", "linear", 1, opens * inter, hidden,
+                       "n"),
+                Tensor("mlp", "down_proj", "linear", 1, hidden, inter, "k")]
+    if cfg.get("mlp_bias"):
+        tensors += [Tensor("mlp", "gate_up_bias", "vector", 1, 2 * inter, 1, "n"),
+                    Tensor("mlp", "down_bias", "vector", 1, hidden, 1, None)]
+    return tensors
 
-    tensors.append(Tensor("other", "final_norm", "vector", 1, hidden, 1, None))
-    tensors.append(Tensor("embeddings", "embed_tokens", "embedding", 1, vocab, hidden, "vocab"))
+
+def _attention_tensors(cfg: dict, g: _Geometry, i: int, kv: list[KVLayer], gemma4_shared: set[int]) -> list[Tensor]:
+    """Layer ``i``'s attention weights: MLA's low-rank projections, or q/k/v/o with their biases and Q/K norms."""
+    mt, hidden, heads, a = g.mt, g.hidden, g.heads, "attention"
+    geo = kv[i] if kv[i].owner == i else kv[kv[i].owner]
+    lh = _layer_override(cfg, i, "head_dim", g.head_dim)
+    lkv = geo.num_kv_heads
+    tensors: list[Tensor] = []
+    if g.mla:
+        qk = int(cfg["qk_nope_head_dim"]) + int(cfg["qk_rope_head_dim"])
+        v_dim, lora, rope = int(cfg["v_head_dim"]), int(cfg["kv_lora_rank"]), int(cfg["qk_rope_head_dim"])
+        if cfg.get("q_lora_rank"):
+            q_lora = int(cfg["q_lora_rank"])
+            tensors += [Tensor(a, "q_a_proj", "linear", 1, q_lora, hidden, None),
+                        Tensor(a, "q_a_layernorm", "vector", 1, q_lora, 1, None),
+                        Tensor(a, "q_b_proj", "linear", 1, heads * qk, q_lora, "n")]
+        else:
+            tensors.append(Tensor(a, "q_proj", "linear", 1, heads * qk, hidden, "n"))
+        return tensors + [Tensor(a, "kv_a_proj_with_mqa", "linear", 1, lora + rope, hidden, None),
+                          Tensor(a, "kv_a_layernorm", "vector", 1, lora, 1, None),
+                          Tensor(a, "kv_b_proj", "linear", 1, heads * (qk - rope + v_dim), lora, "n"),
+                          Tensor(a, "o_proj", "linear", 1, hidden, heads * v_dim, "k")]
+    tensors.append(Tensor(a, "q_proj", "linear", 1, heads * lh, hidden, "n"))
+    if i not in gemma4_shared or not mt.startswith("gemma4"):
+        # KV-shared layers (Gemma 4) compute no keys or values: transformers builds no k/v projections
+        tensors.append(Tensor(a, "k_proj", "linear", 1, lkv * lh, hidden, "kv", heads=lkv))
+        types = cfg.get("layer_types") or []
+        # Gemma 4's full-attention layers with attention_k_eq_v: values are the keys, no v_proj
+        k_eq_v = bool(cfg.get("attention_k_eq_v")) and i < len(types) and types[i] == "full_attention"
+        if not k_eq_v:
+            tensors.append(Tensor(a, "v_proj", "linear", 1, lkv * lh, hidden, "kv", heads=lkv))
+    tensors.append(Tensor(a, "o_proj", "linear", 1, hidden, heads * lh, "k"))
+    if g.qkv_bias:
+        tensors += [Tensor(a, "q_bias", "vector", 1, heads * lh, 1, "n"),
+                    Tensor(a, "k_bias", "vector", 1, lkv * lh, 1, "kv", heads=lkv),
+                    Tensor(a, "v_bias", "vector", 1, lkv * lh, 1, "kv", heads=lkv)]
+    if g.o_bias:
+        tensors.append(Tensor(a, "o_bias", "vector", 1, hidden, 1, None))
+    if g.wide_qk_norm:
+        tensors += [Tensor("other", "q_norm", "vector", 1, heads * lh, 1, "n"),
+                    Tensor("other", "k_norm", "vector", 1, lkv * lh, 1, "kv", heads=lkv)]
+    elif g.qk_norm:
+        tensors += [Tensor("other", "q_norm", "vector", 1, lh, 1, None),
+                    Tensor("other", "k_norm", "vector", 1, lh, 1, None)]
+    return tensors
+
+
+def _tied(cfg: dict, mt: str) -> bool:
+    return cfg.get("tie_word_embeddings", mt.startswith("gemma"))
+
+
+def _model_tensors(cfg: dict, g: _Geometry) -> list[Tensor]:
+    """The weights outside the decoder layers: final norm, embeddings (Gemma 4's per-layer inputs too), LM head."""
+    mt, layers, hidden, vocab = g.mt, g.layers, g.hidden, g.vocab
+    tensors = [Tensor("other", "final_norm", "vector", 1, hidden, 1, None),
+               Tensor("embeddings", "embed_tokens", "embedding", 1, vocab, hidden, "vocab")]
     if mt.startswith("gemma4") and cfg.get("hidden_size_per_layer_input"):
         # Gemma 4's per-layer inputs: one packed table, its projection from the residual, per-layer gates
         ple, ple_vocab = int(cfg["hidden_size_per_layer_input"]), int(cfg.get("vocab_size_per_layer_input", vocab))
@@ -328,10 +385,18 @@ def model_from_config(cfg: dict, where: Path) -> Model:
                     Tensor("other", "per_layer_projection", "linear", layers, hidden, ple, None),
                     Tensor("other", "per_layer_norms", "vector", layers, hidden, 1, None),
                     Tensor("other", "per_layer_projection_norm", "vector", 1, ple, 1, None)]
-        notes.append("Gemma 4: per-layer-input table, projection and gates counted; vision/audio towers not")
-    tied = cfg.get("tie_word_embeddings", mt.startswith("gemma"))
-    if not tied:
+    if not _tied(cfg, mt):
         tensors.append(Tensor("lm_head", "lm_head", "head", 1, vocab, hidden, "vocab"))
+    else:
+        tensors.append(Tensor("lm_head", "lm_head (tied, quantized copy)", "tied_head", 1, vocab, hidden, "vocab"))
+    return tensors
+
+
+def _notes(cfg: dict, g: _Geometry) -> list[str]:
+    """What the figures leave out or count differently, in the order the report lists them."""
+    notes: list[str] = []
+    if g.mt.startswith("gemma4") and cfg.get("hidden_size_per_layer_input"):
+        notes.append("Gemma 4: per-layer-input table, projection and gates counted; vision/audio towers not")
     if cfg.get("num_nextn_predict_layers"):
         notes.append(f"{cfg['num_nextn_predict_layers']} multi-token-prediction layer(s) in the checkpoint are not "
                      "counted: transformers' model (which llmc traces) does not use them")
@@ -344,17 +409,15 @@ def model_from_config(cfg: dict, where: Path) -> Model:
     elif qm == "fp8":
         notes.append("the checkpoint's FP8 weights are dequantized on read; planned: as the --quant recipe stores "
                      "them")
-    if mla:
+    if g.mla:
         qk = int(cfg["qk_nope_head_dim"]) + int(cfg["qk_rope_head_dim"])
-        latent = (int(cfg["kv_lora_rank"]) + int(cfg["qk_rope_head_dim"])) * layers * ENGINE_DTYPE_BYTES
-        notes.append(f"MLA: llmc's KV pool stores the decompressed per-head K and V ({heads} heads x {qk}, V "
+        latent = (int(cfg["kv_lora_rank"]) + int(cfg["qk_rope_head_dim"])) * g.layers * ENGINE_DTYPE_BYTES
+        notes.append(f"MLA: llmc's KV pool stores the decompressed per-head K and V ({g.heads} heads x {qk}, V "
                      f"padded from {cfg['v_head_dim']} to {qk}), not the compressed latent "
                      f"({cfg['kv_lora_rank']} + {cfg['qk_rope_head_dim']} per layer, {latent} B/token in bf16)")
-    if tied:
+    if _tied(cfg, g.mt):
         notes.append("tied embeddings: one table unquantized; a quantized recipe adds a quantized LM head copy")
-        tensors.append(Tensor("lm_head", "lm_head (tied, quantized copy)", "tied_head", 1, vocab, hidden, "vocab"))
-    return Model(mt, layers, hidden, heads, kv_heads, vocab, max_pos, tuple(tensors), tuple(kv), n_exp, top_k,
-                 tuple(notes))
+    return notes
 
 
 def _layer_override(cfg: dict, i: int, name: str, default: int) -> int:
@@ -629,21 +692,8 @@ def report(path: str | Path, gpu: str, tp: str = "1", quant: str = "none", kv_ca
     from llmc.compiler.targets import TARGETS
     from llmc.quant.recipe import QuantRecipe, check_target
 
-    if quant not in QUANTS:
-        raise LlmcError(f"--quant {quant!r}: choose one of: {', '.join(QUANTS)}")
-    if kv_cache_dtype is not None and kv_cache_dtype not in KV_DTYPES:
-        raise LlmcError(f"--kv-cache-dtype {kv_cache_dtype!r}: choose fp8 (or leave it out for bfloat16)")
-    if not 0.0 < gpu_memory_utilization <= 1.0:
-        raise LlmcError(f"--gpu-memory-utilization {gpu_memory_utilization}: must be in (0, 1]")
-    if max_model_len is not None and max_model_len < 1:
-        raise LlmcError(f"--max-model-len {max_model_len}: must be at least 1")
-    gpus = [t for t in TARGETS.values() if t.sm is not None]
-    if gpu != "all":
-        target = TARGETS.get(gpu)
-        if target is None or target.sm is None:
-            raise LlmcError(f"--gpu {gpu!r}: not a GPU in llmc's target table; choose one of: "
-                            f"{', '.join(t.name for t in gpus)}, all (see `llmc targets`)")
-        gpus = [target]
+    _check_flags(quant, kv_cache_dtype, max_model_len, gpu_memory_utilization)
+    gpus = _gpus(gpu, TARGETS)
     tps = parse_tp(tp)
     cfg_path, cfg = read_config(path)
     model = model_from_config(cfg, cfg_path)
@@ -666,6 +716,49 @@ def report(path: str | Path, gpu: str, tp: str = "1", quant: str = "none", kv_ca
             rows += [Plan(gpu=target.name, tp=n, ok=False, reason=str(exc)) for n in tps]
             continue
         rows += [plan(model, target, n, quant, kv_cache_dtype, max_model_len, gpu_memory_utilization) for n in tps]
+    return {
+        "config": str(cfg_path),
+        "model": {"model_type": model.model_type, "num_layers": model.num_layers, "hidden_size": model.hidden_size,
+                  "num_attention_heads": model.num_heads, "num_key_value_heads": model.num_kv_heads,
+                  "vocab_size": model.vocab_size, "num_experts": model.num_experts,
+                  "experts_per_token": model.experts_per_token, "parameters": model.parameters},
+        "quant": quant, "kv_cache_dtype": kv_cache_dtype or "bfloat16",
+        "max_model_len": max_model_len, "max_model_len_from": why,
+        "gpu_memory_utilization": gpu_memory_utilization,
+        "assumptions": _assumptions(),
+        "plans": [to_json(p) for p in rows],
+        "notes": _report_notes(model, tps, quant, rows, max_model_len),
+    }
+
+
+def _check_flags(quant: str, kv_cache_dtype: str | None, max_model_len: int | None,
+                 gpu_memory_utilization: float) -> None:
+    """Refuse a recipe or limit ``llmc plan`` does not take (exit 2), naming the flag."""
+    if quant not in QUANTS:
+        raise LlmcError(f"--quant {quant!r}: choose one of: {', '.join(QUANTS)}")
+    if kv_cache_dtype is not None and kv_cache_dtype not in KV_DTYPES:
+        raise LlmcError(f"--kv-cache-dtype {kv_cache_dtype!r}: choose fp8 (or leave it out for bfloat16)")
+    if not 0.0 < gpu_memory_utilization <= 1.0:
+        raise LlmcError(f"--gpu-memory-utilization {gpu_memory_utilization}: must be in (0, 1]")
+    if max_model_len is not None and max_model_len < 1:
+        raise LlmcError(f"--max-model-len {max_model_len}: must be at least 1")
+
+
+def _gpus(gpu: str, targets: dict) -> list:
+    """The GPU targets ``--gpu`` names: one, or every GPU row of the target table for ``all``."""
+    gpus = [t for t in targets.values() if t.sm is not None]
+    if gpu != "all":
+        target = targets.get(gpu)
+        if target is None or target.sm is None:
+            raise LlmcError(f"--gpu {gpu!r}: not a GPU in llmc's target table; choose one of: "
+                            f"{', '.join(t.name for t in gpus)}, all (see `llmc targets`)")
+        gpus = [target]
+    return gpus
+
+
+def _report_notes(model: Model, tps: list[int], quant: str, rows: list[Plan], max_model_len: int) -> list[str]:
+    """The model's notes, then what the settings leave out: families --tp does not split yet, recipes the CUDA
+    engine stores otherwise, a context beyond the model's positions, sliding windows."""
     notes = list(model.notes)
     from llmc.compiler.sharding import TP_FAMILIES
 
@@ -688,35 +781,29 @@ def report(path: str | Path, gpu: str, tp: str = "1", quant: str = "none", kv_ca
     if any(e.window for e in model.kv_layers):
         notes.append("sliding-window layers store every token (one block table for all layers); their window "
                      "bounds only what a decode step reads")
+    return notes
+
+
+def _assumptions() -> dict:
+    """What the figures assume (the report's ``assumptions``): engine dtype, block and group sizes, and how each
+    figure is computed."""
     return {
-        "config": str(cfg_path),
-        "model": {"model_type": model.model_type, "num_layers": model.num_layers, "hidden_size": model.hidden_size,
-                  "num_attention_heads": model.num_heads, "num_key_value_heads": model.num_kv_heads,
-                  "vocab_size": model.vocab_size, "num_experts": model.num_experts,
-                  "experts_per_token": model.experts_per_token, "parameters": model.parameters},
-        "quant": quant, "kv_cache_dtype": kv_cache_dtype or "bfloat16",
-        "max_model_len": max_model_len, "max_model_len_from": why,
-        "gpu_memory_utilization": gpu_memory_utilization,
-        "assumptions": {
-            "engine_dtype": "bfloat16", "block_size": BLOCK_SIZE, "int4_group_size": GROUP_SIZE,
-            "memory": "the target table's memory_gib x 2^30 (a real device reports a little less; the runtime also "
-                      "loses its CUDA context, ~0.5 GiB, not counted)",
-            "activation_reserve": f"1 GiB + max_num_tokens ({MAX_NUM_TOKENS}) x vocab_size x 8 B per GPU "
-                                  "(runtime/engine.py _load_cuda)",
-            "kv_room": "gpu_memory_utilization x memory - weights - activation reserve, in whole blocks",
-            "max_batch": f"KV blocks // ceil(max_model_len / {BLOCK_SIZE}) (the engine also caps running requests at "
-                         f"max_num_seqs, {MAX_NUM_SEQS} by default)",
-            "decode_roofline": "(weights read + KV read at max_model_len context per sequence; batch 1: the KV "
-                               "tokens that fit, when fewer) / memory bandwidth; "
-                               "MoE: a rank reads 1 - (1 - k/E)^batch of its experts (expected)",
-            "allreduce": "2 all-reduces per layer of hidden_size bf16 activations per token, and one after the "
-                         "vocab-parallel embedding lookup: (2 x layers + 1) x hidden x 2 B; a ring sends "
-                         "2 (tp - 1) / tp of it per GPU, timed at half the interconnect's two-way bandwidth, latency "
-                         "not counted; allgather_bytes_per_token: the vocab-parallel LM head's bf16 logits of a "
-                         "sampled token (vocab x 2 B), not in the time",
-        },
-        "plans": [to_json(p) for p in rows],
-        "notes": notes,
+        "engine_dtype": "bfloat16", "block_size": BLOCK_SIZE, "int4_group_size": GROUP_SIZE,
+        "memory": "the target table's memory_gib x 2^30 (a real device reports a little less; the runtime also "
+                  "loses its CUDA context, ~0.5 GiB, not counted)",
+        "activation_reserve": f"1 GiB + max_num_tokens ({MAX_NUM_TOKENS}) x vocab_size x 8 B per GPU "
+                              "(runtime/engine.py _load_cuda)",
+        "kv_room": "gpu_memory_utilization x memory - weights - activation reserve, in whole blocks",
+        "max_batch": f"KV blocks // ceil(max_model_len / {BLOCK_SIZE}) (the engine also caps running requests at "
+                     f"max_num_seqs, {MAX_NUM_SEQS} by default)",
+        "decode_roofline": "(weights read + KV read at max_model_len context per sequence; batch 1: the KV "
+                           "tokens that fit, when fewer) / memory bandwidth; "
+                           "MoE: a rank reads 1 - (1 - k/E)^batch of its experts (expected)",
+        "allreduce": "2 all-reduces per layer of hidden_size bf16 activations per token, and one after the "
+                     "vocab-parallel embedding lookup: (2 x layers + 1) x hidden x 2 B; a ring sends "
+                     "2 (tp - 1) / tp of it per GPU, timed at half the interconnect's two-way bandwidth, latency "
+                     "not counted; allgather_bytes_per_token: the vocab-parallel LM head's bf16 logits of a "
+                     "sampled token (vocab x 2 B), not in the time",
     }
 
 
