@@ -4,7 +4,7 @@ The same checkpoint is built twice, once per route (``BuildOptions(attention="na
 the graphs differ only in the PagedAttention nodes' domain), both engines are loaded in one process,
 and every workload runs on them alternately (native, pyop, native, pyop, ...), so the ratio is
 measured side by side even though this machine's speed drifts. Workloads and rates are
-``llmc.runtime.bench``'s (the ``llmc bench`` definitions): prefill tok/s = P / TTFT for one P-token
+``llmc.bench``'s (the ``llmc bench`` definitions): prefill tok/s = P / TTFT for one P-token
 prompt; decode bB tok/s = B * (N - 1) / (t_N - t_1) for B prompts of 128 tokens and N = 128 new
 tokens each. Each figure is the median of ``--repeats`` runs after a warm-up. Decode is also
 timed step by step (the two engines' steps interleaved one by one, 128 steps each): the median

@@ -1,6 +1,6 @@
 """``llmc bench ENGINE``: prefill, batched decode and a request stream on one engine, with a roofline.
 
-Thin: parses flags into :class:`llmc.runtime.bench.BenchConfig`, runs :func:`llmc.runtime.bench.run`,
+Thin: parses flags into :class:`llmc.bench.config.BenchConfig`, runs :func:`llmc.bench.driver.run`,
 prints a table (or JSON) and optionally saves the JSON.
 """
 
@@ -34,7 +34,7 @@ def _workloads(value: str) -> tuple[str, ...]:
 
 
 def format_table(result: dict) -> str:
-    """The human-readable table of a :class:`~llmc.runtime.bench.BenchResult` (as a dict)."""
+    """The human-readable table of a :class:`~llmc.bench.config.BenchResult` (as a dict)."""
     w, m = result["weights"], result["machine"]
     lines = [f"engine {result['engine']}  ({result['model'].get('quant')}, {result['config']['threads']} threads)",
              f"weights read per step {w['streamed'] / 1e6:.1f} MB (+ {w['row']} B of embedding rows per token), "

@@ -5,7 +5,7 @@ A request names the kernel (module and function), its signature (parameter -> Tr
 ``GPUTarget("cuda", sm, 32)``; Triton's two hidden scratch parameters are checked unused and removed
 from the PTX (:func:`llmc.plugins.paged_attention.aot.strip_hidden_params`), so the entry takes
 exactly the kernel's non-constexpr parameters, in order; ``ptxas`` (shipped with Triton) assembles
-it. The CUDA runtime launches the cubins through the driver (:mod:`llmc.runtime.cuda.kernels`).
+it. The CUDA runtime launches the cubins through the driver (:mod:`llmc.runtime.workers.cuda.kernels`).
 
 A process that runs the Triton interpreter compiles in a child process, as the paged-attention AOT
 compiler does.

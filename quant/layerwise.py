@@ -206,7 +206,7 @@ class KVShape:
     block_size: int
     dtype: str = "float32"
     layers: list[dict] | None = None  # the manifest's kv_cache.layers (per-layer geometry), if any
-    # A hybrid model's recurrent state: the manifest's ``state_cache`` section (llmc.runtime.state_cache), if any.
+    # A hybrid model's recurrent state: the manifest's ``state_cache`` section (llmc.runtime.core.state_cache), if any.
     state: dict | None = None
 
 

@@ -202,6 +202,19 @@ class Engine:
                 old.reset()  # its draft sequences: the requests they followed are gone
             return old
 
+    @property
+    def graphs(self) -> list[str]:
+        """The names of the artifact's further graphs (an encoder beside the language model; llmc.runtime.graphs)."""
+        from llmc.runtime.graphs import graph_entries
+
+        return sorted(graph_entries(self.manifest))
+
+    def graph(self, name: str, threads: int | None = None):
+        """Open the artifact's further graph ``name`` as a :class:`llmc.runtime.graphs.GraphSession`."""
+        from llmc.runtime.graphs import load_graph
+
+        return load_graph(self.path, self.manifest, name, threads)
+
     def draft_model(self) -> DraftModel:
         """This engine's parts that speculation drives when it serves as another engine's draft model."""
         return DraftModel(self.path, self.vocab_size, self._session, self._pool, self._blocks, self._rope_lengths)

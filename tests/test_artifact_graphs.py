@@ -68,8 +68,12 @@ def test_a_second_graph_is_emitted_sealed_and_loaded(tiny_llama, tmp_path):
 
     params = SamplingParams(max_tokens=6, temperature=0.0)
     prompt = [int(t) for t in rng.integers(3, 200, 5)]
-    assert (Engine.load(tmp_path / "both").generate([prompt], params)[0].token_ids
-            == Engine.load(tmp_path / "plain").generate([prompt], params)[0].token_ids)
+    engine = Engine.load(tmp_path / "both")
+    assert engine.generate([prompt], params)[0].token_ids == Engine.load(tmp_path / "plain").generate(
+        [prompt], params)[0].token_ids
+    assert engine.graphs == ["projector"] and Engine.load(tmp_path / "plain").graphs == []
+    (again,) = engine.graph("projector").run({"features": x})
+    np.testing.assert_array_equal(again, got)
 
     # One verify covers every graph's files.
     with open(tmp_path / "both" / entry["model_file"], "ab") as f:

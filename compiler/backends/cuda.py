@@ -3,7 +3,7 @@
 ``emit`` writes into the artifact:
 
 - ``program.json``: the graph after the passes (and quantization) as a flat node list
-  (:mod:`llmc.runtime.cuda.program` defines the format and executes it);
+  (:mod:`llmc.runtime.workers.cuda.program` defines the format and executes it);
 - ``weights.safetensors``: every weight in the layout its op reads, streamed one tensor at a time:
   float weights in the engine dtype (``bfloat16`` by default; ``float32`` for exact parity tests),
   FP8 linears as E4M3 ``[N, K]`` + per-channel scales (``torch._scaled_mm``'s operand), INT4 linears

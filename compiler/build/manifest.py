@@ -70,12 +70,12 @@ def _graph_fields(s: BuildState) -> dict:
             "head_size": traced.head_size,
             "num_heads": traced.num_heads,
             # Layers of other KV geometries (Gemma 4) or sharing an earlier layer's cache: see
-            # llmc.runtime.kv_cache.layer_geometry. num_kv_heads / head_size are then the first layer's.
+            # llmc.runtime.core.kv_cache.layer_geometry. num_kv_heads / head_size are then the first layer's.
             **({"layers": traced.kv_layers} if traced.kv_layers else {}),
         },
-        # Hybrid models: the per-sequence state of their recurrent layers (llmc.runtime.state_cache).
+        # Hybrid models: the per-sequence state of their recurrent layers (llmc.runtime.core.state_cache).
         **({"state_cache": {"dtype": "float32", "arrays": traced.state_layers}} if traced.state_layers else {}),
-        # Multi-LoRA engines: slots, rank, and per linear its graph inputs (llmc.runtime.lora reads it).
+        # Multi-LoRA engines: slots, rank, and per linear its graph inputs (llmc.runtime.lora reads it: adapter.py, slots.py).
         **({"lora": s.lora.to_json()} if s.lora is not None else {}),
     }
 

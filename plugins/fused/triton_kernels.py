@@ -1,6 +1,6 @@
 """Triton kernels that fuse a CUDA engine's small per-layer ops: RMSNorm (with the residual add), rotary, SwiGLU.
 
-Each replaces several torch kernels of :mod:`llmc.runtime.cuda.ops` (an RMSNorm in torch is about
+Each replaces several torch kernels of :mod:`llmc.runtime.workers.cuda.ops` (an RMSNorm in torch is about
 nine launches, a rotary about twelve) with one, and computes exactly what that op computes:
 float32 arithmetic, rounded to the activation dtype where the torch op rounds. On a GPU they run as
 cubins compiled ahead of time (:mod:`llmc.plugins.triton_aot`); on the CPU, under the Triton
