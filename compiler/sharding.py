@@ -425,20 +425,39 @@ _MLA_OPS = {"Reshape", "Transpose", "Split", "Slice", "Concat", "Expand", "Pad",
             "Neg", "Cast", "Identity", "RotaryEmbedding", "RMSNormalization", "PagedAttention", "Unsqueeze"}
 
 
+def _int_values(g: _Graph, name: str) -> list[int]:
+    """The values of the int64 / int32 constant ``name`` (a shape, split sizes, axes)."""
+    w = g.weights[name]
+    return [int(v) for v in np.frombuffer(w.produce(), np.int64 if w.dtype == "I64" else np.int32)]
+
+
 def _mla_rank(g: _Graph, nodes: list[dict], m: _MlaBlock, closer: int, q_heads: list[int], h: int, world: int,
               cut, new_weight) -> None:
     """Rewrite one latent-attention block for the rank that owns ``q_heads``: the split openers' head columns,
     head counts in shapes and attributes, the closer's rows of those heads."""
-    def const(name: str) -> list[int]:
-        w = g.weights[name]
-        return [int(v) for v in np.frombuffer(w.produce(), np.int64 if w.dtype == "I64" else np.int32)]
+    dims = _mla_openers(g, nodes, m, q_heads, h, world, cut, new_weight)
+    c = nodes[closer]
+    rows = _in_width(g, closer)
+    if rows % h:
+        raise UnsupportedError(f"--tp {world}: {c['inputs'][1]}: {rows} rows are not {h} heads' worth; build with "
+                               "--tp 1")
+    dims.add(rows // h)
+    dims.add(int(g.nodes[m.attention]["attrs"]["head_size"]))
+    for i in m.region + m.broadcasts:
+        _mla_node(g, nodes[i], q_heads, h, world, dims, cut, new_weight)
+    _cut_closer(c, _head_cols(q_heads, rows // h), cut, g, world)
 
-    dims: set[int] = set()  # the per-head widths of the block's values (query/key, key+value, value)
+
+def _mla_openers(g: _Graph, nodes: list[dict], m: _MlaBlock, q_heads: list[int], h: int, world: int, cut,
+                 new_weight) -> set[int]:
+    """Cut the split openers to the rank's head columns (their latent parts whole); returns the per-head widths
+    of the block's values (query/key, key+value, value) seen on the way."""
+    dims: set[int] = set()
     for o in m.split_openers:
         node = nodes[o]
         parts = m.opener_parts[o]
         split = [g.producer[parts[0]]] if parts[0] != node["outputs"][0] else []
-        sizes = const(g.nodes[split[0]]["inputs"][1]) if split else [_out_width(g, o)]
+        sizes = _int_values(g, g.nodes[split[0]]["inputs"][1]) if split else [_out_width(g, o)]
         index, local, offset = [], [], 0
         for part, size in zip(parts, sizes, strict=True):
             if m.parts.get(part):
@@ -457,68 +476,70 @@ def _mla_rank(g: _Graph, nodes: list[dict], m: _MlaBlock, closer: int, q_heads: 
             sn = nodes[split[0]]
             sn["inputs"][1] = new_weight(sn["inputs"][1], f"h{q_heads[0]}", "I64", (len(local),),
                                          _consts("I64", local))
-    c = nodes[closer]
-    rows = _in_width(g, closer)
-    if rows % h:
-        raise UnsupportedError(f"--tp {world}: {c['inputs'][1]}: {rows} rows are not {h} heads' worth; build with "
-                               "--tp 1")
-    dims.add(rows // h)
-    dims.add(int(g.nodes[m.attention]["attrs"]["head_size"]))
+    return dims
+
+
+def _mla_node(g: _Graph, n: dict, q_heads: list[int], h: int, world: int, dims: set[int], cut, new_weight) -> None:
+    """Rewrite one node of a latent-attention block for the rank's heads, or refuse one that may act across
+    heads."""
+    op = n["op"]
     local_h = len(q_heads)
-    for i in m.region + m.broadcasts:
-        n = nodes[i]
-        op = n["op"]
-        if op not in _MLA_OPS:
-            raise UnsupportedError(f"--tp {world}: node {op} ({n['outputs'][0]}) inside a latent-attention block has "
-                                   "no per-rank form yet; build with --tp 1")
-        if op in ("Reshape", "Expand"):
-            shape = const(n["inputs"][1]) if n["inputs"][1] in g.weights else None
-            if shape is None:
-                raise UnsupportedError(f"--tp: {op.lower()} {n['outputs'][0]} takes a computed shape; build with "
-                                       "--tp 1")
-            new = list(shape)
-            at = [j for j, v in enumerate(shape) if v == h]
-            if op == "Expand":  # the rotary key [1, 1, T, D] widened to [1, heads, T, D]
-                if len(at) > 1:
-                    raise UnsupportedError(f"--tp: expand {n['outputs'][0]} to {shape}: which axis holds the {h} "
-                                           "heads is ambiguous; build with --tp 1")
-                if at:
-                    new[at[0]] = local_h
-            elif len(shape) >= 2 and shape[-2] == h and shape[-1] in dims:  # [.., heads, head dim]
-                new[-2] = local_h
-            elif shape and any(shape[-1] == h * d for d in dims):  # [.., heads x head dim]
-                new[-1] = shape[-1] // h * local_h
-            elif at or any(v == h * d for v in shape for d in dims):
-                raise UnsupportedError(f"--tp: reshape {n['outputs'][0]} to {shape} has no per-rank form; build "
+    if op not in _MLA_OPS:
+        raise UnsupportedError(f"--tp {world}: node {op} ({n['outputs'][0]}) inside a latent-attention block has "
+                               "no per-rank form yet; build with --tp 1")
+    if op in ("Reshape", "Expand"):
+        _mla_shape(g, n, h, local_h, dims, new_weight)
+    elif op in ("Slice", "Split", "Concat", "Gather"):  # along the head dim (last) or the batch axis only
+        axes = (_int_values(g, n["inputs"][3]) if op == "Slice" and len(n["inputs"]) > 3 and n["inputs"][3] else
+                [int(n["attrs"].get("axis", 0))])
+        ok = all(a in (-1, 3) for a in axes) if op != "Gather" else axes == [0]
+        if not ok:
+            raise UnsupportedError(f"--tp: {op} {n['outputs'][0]} along axis {axes} may cross heads; build with "
+                                   "--tp 1")
+    elif op == "RotaryEmbedding" and int(n["attrs"].get("num_heads", 0)):
+        n["attrs"]["num_heads"] = int(n["attrs"]["num_heads"]) // h * local_h
+    elif op == "RMSNormalization":
+        scale = g.weights.get(n["inputs"][1])
+        if scale is not None and scale.shape and scale.shape[-1] not in dims:
+            raise UnsupportedError(f"--tp {world}: {n['inputs'][1]} normalizes across heads; build with --tp 1")
+    elif op == "PagedAttention":
+        n["attrs"]["num_heads"] = n["attrs"]["num_kv_heads"] = local_h
+        if len(n["inputs"]) > 7 and n["inputs"][7]:
+            n["inputs"][7] = cut(n["inputs"][7], 0, np.asarray(q_heads, np.int64), f"h{q_heads[0]}")
+    elif op in ("Mul", "Add", "Sub"):
+        for v in n["inputs"]:
+            w = g.weights.get(v)
+            if w is not None and w.shape and int(np.prod(w.shape)) > 1 and w.shape[-1] not in dims:
+                raise UnsupportedError(f"--tp {world}: {v} spans the heads of a latent-attention block; build "
                                        "with --tp 1")
-            if new != shape:
-                n["inputs"][1] = new_weight(n["inputs"][1], "x".join(map(str, new)), g.weights[n["inputs"][1]].dtype,
-                                            (len(new),), _consts(g.weights[n["inputs"][1]].dtype, new))
-        elif op in ("Slice", "Split", "Concat", "Gather"):  # along the head dim (last) or the batch axis only
-            axes = (const(n["inputs"][3]) if op == "Slice" and len(n["inputs"]) > 3 and n["inputs"][3] else
-                    [int(n["attrs"].get("axis", 0))])
-            ok = all(a in (-1, 3) for a in axes) if op != "Gather" else axes == [0]
-            if not ok:
-                raise UnsupportedError(f"--tp: {op} {n['outputs'][0]} along axis {axes} may cross heads; build with "
-                                       "--tp 1")
-        elif op == "RotaryEmbedding" and int(n["attrs"].get("num_heads", 0)):
-            n["attrs"]["num_heads"] = int(n["attrs"]["num_heads"]) // h * local_h
-        elif op == "RMSNormalization":
-            scale = g.weights.get(n["inputs"][1])
-            if scale is not None and scale.shape and scale.shape[-1] not in dims:
-                raise UnsupportedError(f"--tp {world}: {n['inputs'][1]} normalizes across heads; build with --tp 1")
-        elif op == "PagedAttention":
-            n["attrs"]["num_heads"] = n["attrs"]["num_kv_heads"] = local_h
-            if len(n["inputs"]) > 7 and n["inputs"][7]:
-                n["inputs"][7] = cut(n["inputs"][7], 0, np.asarray(q_heads, np.int64), f"h{q_heads[0]}")
-        elif op in ("Mul", "Add", "Sub"):
-            for v in n["inputs"]:
-                w = g.weights.get(v)
-                if w is not None and w.shape and int(np.prod(w.shape)) > 1 and w.shape[-1] not in dims:
-                    raise UnsupportedError(f"--tp {world}: {v} spans the heads of a latent-attention block; build "
-                                           "with --tp 1")
-        n["attrs"].pop("kernel", None)  # fused kernels were compiled for all heads: torch runs them
-    _cut_closer(c, _head_cols(q_heads, rows // h), cut, g, world)
+    n["attrs"].pop("kernel", None)  # fused kernels were compiled for all heads: torch runs them
+
+
+def _mla_shape(g: _Graph, n: dict, h: int, local_h: int, dims: set[int], new_weight) -> None:
+    """A Reshape's or Expand's constant shape with the block's ``h`` heads replaced by the rank's ``local_h``."""
+    op = n["op"]
+    shape = _int_values(g, n["inputs"][1]) if n["inputs"][1] in g.weights else None
+    if shape is None:
+        raise UnsupportedError(f"--tp: {op.lower()} {n['outputs'][0]} takes a computed shape; build with "
+                               "--tp 1")
+    new = list(shape)
+    at = [j for j, v in enumerate(shape) if v == h]
+    if op == "Expand":  # the rotary key [1, 1, T, D] widened to [1, heads, T, D]
+        if len(at) > 1:
+            raise UnsupportedError(f"--tp: expand {n['outputs'][0]} to {shape}: which axis holds the {h} "
+                                   "heads is ambiguous; build with --tp 1")
+        if at:
+            new[at[0]] = local_h
+    elif len(shape) >= 2 and shape[-2] == h and shape[-1] in dims:  # [.., heads, head dim]
+        new[-2] = local_h
+    elif shape and any(shape[-1] == h * d for d in dims):  # [.., heads x head dim]
+        new[-1] = shape[-1] // h * local_h
+    elif at or any(v == h * d for v in shape for d in dims):
+        raise UnsupportedError(f"--tp: reshape {n['outputs'][0]} to {shape} has no per-rank form; build "
+                               "with --tp 1")
+    if new != shape:
+        n["inputs"][1] = new_weight(n["inputs"][1], "x".join(map(str, new)), g.weights[n["inputs"][1]].dtype,
+                                    (len(new),), _consts(g.weights[n["inputs"][1]].dtype, new))
 
 
 def _in_width(g: _Graph, i: int) -> int:
@@ -531,144 +552,190 @@ def _in_width(g: _Graph, i: int) -> int:
     return int(w.shape[0])
 
 
+@dataclass
+class _RankWeights:
+    """One rank's weights while its program is rewritten: the graph's, plus the cuts and constants made for it,
+    and the bytes of the cuts."""
+
+    g: _Graph
+    weights: dict
+    sharded_bytes: int = 0
+
+    def new_weight(self, base: str, tag: str, dtype: str, shape, produce, kind: str = "rank") -> str:
+        name = f"{base}@{kind}{tag}"  # @shard: a cut of a weight; @rank: a constant rewritten for this rank
+        self.weights[name] = ShardedWeight(name, dtype, tuple(int(s) for s in shape), produce)
+        return name
+
+    def cut(self, name: str, axis: int, index: np.ndarray, tag: str) -> str:
+        w = self.g.weights[name]
+        shape = list(w.shape)
+        shape[axis] = len(index)
+        out = self.new_weight(name, tag, w.dtype, shape, _cut(w.produce, w.dtype, tuple(w.shape), axis, index),
+                              "shard")
+        self.sharded_bytes += int(np.prod(shape)) * _ST_SIZE[w.dtype]
+        return out
+
+
+@dataclass
+class _RankShare:
+    """What one rank keeps of a block's values: per value, its global feature indices on this rank (``cols``, of
+    the flattened last dim), that dim's global width and which attention input it is (``role``)."""
+
+    r: int
+    world: int
+    h: int  # query heads of the whole model
+    kv: int  # KV heads of the whole model
+    q_heads: list[int]
+    kv_heads: list[int]
+    cols: dict[str, np.ndarray] = field(default_factory=dict)
+    width: dict[str, int] = field(default_factory=dict)
+    role: dict[str, str] = field(default_factory=dict)
+
+
 def _rank(g: _Graph, blocks, moe, mla, shared, r: int, world: int, h: int, kv: int, experts: str,
           vocab: _Vocab) -> RankProgram:
     nodes = [dict(n, inputs=list(n["inputs"]), outputs=list(n["outputs"]), attrs=dict(n["attrs"])) for n in g.nodes]
-    weights = dict(g.weights)
-    cols: dict[str, np.ndarray] = {}  # value -> its global feature indices on this rank (flattened last dim)
-    width: dict[str, int] = {}  # value -> global width of the flattened last dim
-    role: dict[str, str] = {}
+    rw = _RankWeights(g, dict(g.weights))
+    cut, new_weight = rw.cut, rw.new_weight
     q_heads = list(range(r * h // world, (r + 1) * h // world))
     kv_heads = ([r * kv // world + i for i in range(kv // world)] if kv >= world else [r // (world // kv)])
+    share = _RankShare(r, world, h, kv, q_heads, kv_heads)
     inserted: list[tuple[int, dict]] = []
-    sharded_bytes = 0
-
-    def new_weight(base: str, tag: str, dtype: str, shape, produce, kind: str = "rank") -> str:
-        name = f"{base}@{kind}{tag}"  # @shard: a cut of a weight; @rank: a constant rewritten for this rank
-        weights[name] = ShardedWeight(name, dtype, tuple(int(s) for s in shape), produce)
-        return name
-
-    def cut(name: str, axis: int, index: np.ndarray, tag: str) -> str:
-        nonlocal sharded_bytes
-        w = g.weights[name]
-        shape = list(w.shape)
-        shape[axis] = len(index)
-        out = new_weight(name, tag, w.dtype, shape, _cut(w.produce, w.dtype, tuple(w.shape), axis, index), "shard")
-        sharded_bytes += int(np.prod(shape)) * _ST_SIZE[w.dtype]
-        return out
 
     for openers, interior, closer in blocks:
         if closer in mla:
             _mla_rank(g, nodes, mla[closer], closer, q_heads, h, world, cut, new_weight)
             _all_reduce_after(nodes, closer, inserted)
             continue
-        # which attention input each opener output (or part of its Split) feeds
         for o in openers:
-            node = nodes[o]
-            y = node["outputs"][0]
-            fused = y  # the fused output the Split reads: after the bias Add of a linear with a bias (qwen2)
-            users = [u for u in g.users.get(y, []) if u in interior]
-            if len(users) == 1 and nodes[users[0]]["op"] == "Add" and any(v in g.weights for v in
-                                                                          nodes[users[0]]["inputs"]):
-                fused = nodes[users[0]]["outputs"][0]
-            split = [u for u in g.users.get(fused, []) if nodes[u]["op"] == "Split" and u in interior]
-            parts = nodes[split[0]]["outputs"] if split else [y]
-            if split:
-                sizes = [int(v) for v in np.frombuffer(g.weights[nodes[split[0]]["inputs"][1]].produce(), np.int64)]
-            else:
-                sizes = [_out_width(g, o)]
-            part_cols, offset = [], 0
-            for part, size in zip(parts, sizes, strict=True):
-                which = _role(g, part, interior)
-                d = None
-                if which in ("q", "k", "v"):
-                    d = size // (h if which == "q" else kv)
-                    local = _head_cols(q_heads if which == "q" else kv_heads, d)
-                else:
-                    if size % world:
-                        raise UnsupportedError(f"--tp {world}: linear {node['inputs'][1]}: {size} output columns do "
-                                               f"not divide into {world} ranks")
-                    local = np.arange(r * size // world, (r + 1) * size // world, dtype=np.int64)
-                cols[part], width[part], role[part] = local, size, which
-                part_cols.append(local + offset)
-                offset += size
-            all_cols = np.concatenate(part_cols)
-            _cut_opener(node, all_cols, cut, g, world)
-            cols[y], width[y], role[y] = all_cols, offset, "packed"
-            if split:
-                sn = nodes[split[0]]
-                sn["inputs"][1] = new_weight(sn["inputs"][1], f"r{r}", "I64", (len(sizes),),
-                                             _consts("I64", [len(cols[p]) for p in parts]))
-        # the interior, in program order
-        for i in sorted(interior):
-            n = nodes[i]
-            op = n["op"]
-            ins = [v for v in n["inputs"] if v in cols]
-            if op == "Split":
-                continue  # its parts were assigned with the opener
-            if op not in _ELEMENTWISE | _HANDLED:
-                raise UnsupportedError(f"--tp {world}: node {op} ({n['outputs'][0]}) sits between a column-parallel "
-                                       "and a row-parallel linear and has no per-rank form yet; build with --tp 1")
-            src = ins[0]
-            if op == "Gather" and (int(n["attrs"].get("axis", 0)) != 0 or n["inputs"][1] not in g.weights):
-                raise UnsupportedError(f"--tp {world}: gather {n['outputs'][0]} inside a block picks along a sharded "
-                                       "axis; build with --tp 1")
-            if op == "Reshape":
-                n["inputs"][1] = _reshape(n, g, cols[src], width[src], role[src], h, kv, r, new_weight)
-            elif op == "RotaryEmbedding":
-                n["attrs"]["num_heads"] = int(n["attrs"]["num_heads"]) * len(cols[src]) // width[src]
-            elif op == "RMSNormalization":
-                scale = g.weights.get(n["inputs"][1])
-                if scale is not None and scale.shape and scale.shape[-1] == width[src] != len(cols[src]):
-                    raise UnsupportedError(f"--tp {world}: {n['inputs'][1]} normalizes over all heads at once (a "
-                                           "norm across the sharded width needs an all-reduce of its own); build with "
-                                           "--tp 1")
-            elif op == "PagedAttention":
-                n["attrs"]["num_heads"] = len(q_heads)
-                n["attrs"]["num_kv_heads"] = len(kv_heads)
-                if len(n["inputs"]) > 7 and n["inputs"][7]:
-                    n["inputs"][7] = cut(n["inputs"][7], 0, np.asarray(q_heads, np.int64), f"r{r}")
-                q = n["inputs"][0]
-                cols[n["outputs"][0]], width[n["outputs"][0]], role[n["outputs"][0]] = cols[q], width[q], "o"
-                n["attrs"].pop("kernel", None)
-                continue
-            else:  # elementwise: slice constants that span the feature dim
-                for j, v in enumerate(n["inputs"]):
-                    w = g.weights.get(v)
-                    if w is not None and w.shape and w.shape[-1] == width[src] and width[src] > 1:
-                        n["inputs"][j] = cut(v, len(w.shape) - 1, cols[src], f"r{r}")
-            n["attrs"].pop("kernel", None)  # fused kernels were compiled for the full width: torch runs them
-            for o in n["outputs"]:
-                cols[o], width[o], role[o] = cols[src], width[src], role[src]
+            _shard_opener(g, nodes, o, interior, share, rw)
+        _shard_interior(g, nodes, interior, share, rw)
         # the closer: this rank's rows, then the all-reduce of the partial sums
         c = nodes[closer]
         x = c["inputs"][0]
-        _cut_closer(c, cols[x], cut, g, world)
+        _cut_closer(c, share.cols[x], cut, g, world)
         if closer not in shared:  # a shared expert's partial sum joins the routed experts' all-reduce
             _all_reduce_after(nodes, closer, inserted)
     for a, b, v in moe:  # one all-reduce of the weighted sum of this rank's share of the experts
-        if experts == "whole":
-            _place_experts(g, nodes, a, b, r, world, cut, new_weight, inserted)
-        else:  # every expert keeps 1/N of its intermediate columns
-            up = g.weights[nodes[a]["inputs"][0]]
-            i = int(up.shape[1]) // 2
-            if i % world:
-                raise UnsupportedError(f"--tp {world}: {nodes[a]['inputs'][0]}: {i} intermediate columns do not "
-                                       f"divide into {world} ranks")
-            local = np.arange(r * i // world, (r + 1) * i // world, dtype=np.int64)
-            nodes[a]["inputs"][0] = cut(nodes[a]["inputs"][0], 1, np.concatenate([local, local + i]), f"r{r}")
-            nodes[b]["inputs"][0] = cut(nodes[b]["inputs"][0], 2, local, f"r{r}")
-            for n in nodes[a:b]:
-                n["attrs"].pop("kernel", None)  # the fused activation was compiled for the full width
-        p = g.producer[v]
-        nodes[p]["outputs"][nodes[p]["outputs"].index(v)] = f"{v}@partial"
-        inserted.append((p, {"op": ALL_REDUCE, "inputs": [f"{v}@partial"], "outputs": [v], "attrs": {}}))
+        _shard_moe(g, nodes, a, b, v, r, world, experts, rw, inserted)
     _vocab_rank(g, nodes, vocab, r, world, cut, new_weight, inserted)
     # after node ``at``, in the order they were added (a list: several nodes in a row)
     for at, new in sorted(inserted, key=lambda t: t[0], reverse=True):
         nodes[at + 1:at + 1] = new if isinstance(new, list) else [new]
     used = {v for n in nodes for v in n["inputs"] if v}
-    return RankProgram(r, nodes, {k: w for k, w in weights.items() if k in used}, sharded_bytes)
+    return RankProgram(r, nodes, {k: w for k, w in rw.weights.items() if k in used}, rw.sharded_bytes)
+
+
+def _shard_opener(g: _Graph, nodes: list[dict], o: int, interior: set[int], share: _RankShare,
+                  rw: _RankWeights) -> None:
+    """Cut column-parallel opener ``o`` to the rank's columns: by heads for the parts that feed attention's query,
+    key or value, by equal shares for the rest; its Split's sizes rewritten to the rank's."""
+    r, world, h, kv = share.r, share.world, share.h, share.kv
+    cols, width, role = share.cols, share.width, share.role
+    node = nodes[o]
+    y = node["outputs"][0]
+    fused = y  # the fused output the Split reads: after the bias Add of a linear with a bias (qwen2)
+    users = [u for u in g.users.get(y, []) if u in interior]
+    if len(users) == 1 and nodes[users[0]]["op"] == "Add" and any(v in g.weights for v in
+                                                                  nodes[users[0]]["inputs"]):
+        fused = nodes[users[0]]["outputs"][0]
+    split = [u for u in g.users.get(fused, []) if nodes[u]["op"] == "Split" and u in interior]
+    parts = nodes[split[0]]["outputs"] if split else [y]
+    if split:
+        sizes = [int(v) for v in np.frombuffer(g.weights[nodes[split[0]]["inputs"][1]].produce(), np.int64)]
+    else:
+        sizes = [_out_width(g, o)]
+    part_cols, offset = [], 0
+    for part, size in zip(parts, sizes, strict=True):
+        which = _role(g, part, interior)
+        d = None
+        if which in ("q", "k", "v"):
+            d = size // (h if which == "q" else kv)
+            local = _head_cols(share.q_heads if which == "q" else share.kv_heads, d)
+        else:
+            if size % world:
+                raise UnsupportedError(f"--tp {world}: linear {node['inputs'][1]}: {size} output columns do "
+                                       f"not divide into {world} ranks")
+            local = np.arange(r * size // world, (r + 1) * size // world, dtype=np.int64)
+        cols[part], width[part], role[part] = local, size, which
+        part_cols.append(local + offset)
+        offset += size
+    all_cols = np.concatenate(part_cols)
+    _cut_opener(node, all_cols, rw.cut, g, world)
+    cols[y], width[y], role[y] = all_cols, offset, "packed"
+    if split:
+        sn = nodes[split[0]]
+        sn["inputs"][1] = rw.new_weight(sn["inputs"][1], f"r{r}", "I64", (len(sizes),),
+                                        _consts("I64", [len(cols[p]) for p in parts]))
+
+
+def _shard_interior(g: _Graph, nodes: list[dict], interior: set[int], share: _RankShare, rw: _RankWeights) -> None:
+    """Rewrite a block's nodes between its openers and its closer, in program order, for the rank's share: head
+    counts, reshape shapes, constants that span the sharded width; refuse what has no per-rank form."""
+    r, world, h, kv = share.r, share.world, share.h, share.kv
+    cols, width, role = share.cols, share.width, share.role
+    for i in sorted(interior):
+        n = nodes[i]
+        op = n["op"]
+        ins = [v for v in n["inputs"] if v in cols]
+        if op == "Split":
+            continue  # its parts were assigned with the opener
+        if op not in _ELEMENTWISE | _HANDLED:
+            raise UnsupportedError(f"--tp {world}: node {op} ({n['outputs'][0]}) sits between a column-parallel "
+                                   "and a row-parallel linear and has no per-rank form yet; build with --tp 1")
+        src = ins[0]
+        if op == "Gather" and (int(n["attrs"].get("axis", 0)) != 0 or n["inputs"][1] not in g.weights):
+            raise UnsupportedError(f"--tp {world}: gather {n['outputs'][0]} inside a block picks along a sharded "
+                                   "axis; build with --tp 1")
+        if op == "Reshape":
+            n["inputs"][1] = _reshape(n, g, cols[src], width[src], role[src], h, kv, r, rw.new_weight)
+        elif op == "RotaryEmbedding":
+            n["attrs"]["num_heads"] = int(n["attrs"]["num_heads"]) * len(cols[src]) // width[src]
+        elif op == "RMSNormalization":
+            scale = g.weights.get(n["inputs"][1])
+            if scale is not None and scale.shape and scale.shape[-1] == width[src] != len(cols[src]):
+                raise UnsupportedError(f"--tp {world}: {n['inputs'][1]} normalizes over all heads at once (a "
+                                       "norm across the sharded width needs an all-reduce of its own); build with "
+                                       "--tp 1")
+        elif op == "PagedAttention":
+            n["attrs"]["num_heads"] = len(share.q_heads)
+            n["attrs"]["num_kv_heads"] = len(share.kv_heads)
+            if len(n["inputs"]) > 7 and n["inputs"][7]:
+                n["inputs"][7] = rw.cut(n["inputs"][7], 0, np.asarray(share.q_heads, np.int64), f"r{r}")
+            q = n["inputs"][0]
+            cols[n["outputs"][0]], width[n["outputs"][0]], role[n["outputs"][0]] = cols[q], width[q], "o"
+            n["attrs"].pop("kernel", None)
+            continue
+        else:  # elementwise: slice constants that span the feature dim
+            for j, v in enumerate(n["inputs"]):
+                w = g.weights.get(v)
+                if w is not None and w.shape and w.shape[-1] == width[src] and width[src] > 1:
+                    n["inputs"][j] = rw.cut(v, len(w.shape) - 1, cols[src], f"r{r}")
+        n["attrs"].pop("kernel", None)  # fused kernels were compiled for the full width: torch runs them
+        for o in n["outputs"]:
+            cols[o], width[o], role[o] = cols[src], width[src], role[src]
+
+
+def _shard_moe(g: _Graph, nodes: list[dict], a: int, b: int, v: str, r: int, world: int, experts: str,
+               rw: _RankWeights, inserted: list) -> None:
+    """The rank's share of one MoE layer's experts (whole experts, or each expert's intermediate columns), then
+    the all-reduce of their weighted sum ``v``."""
+    if experts == "whole":
+        _place_experts(g, nodes, a, b, r, world, rw.cut, rw.new_weight, inserted)
+    else:  # every expert keeps 1/N of its intermediate columns
+        up = g.weights[nodes[a]["inputs"][0]]
+        i = int(up.shape[1]) // 2
+        if i % world:
+            raise UnsupportedError(f"--tp {world}: {nodes[a]['inputs'][0]}: {i} intermediate columns do not "
+                                   f"divide into {world} ranks")
+        local = np.arange(r * i // world, (r + 1) * i // world, dtype=np.int64)
+        nodes[a]["inputs"][0] = rw.cut(nodes[a]["inputs"][0], 1, np.concatenate([local, local + i]), f"r{r}")
+        nodes[b]["inputs"][0] = rw.cut(nodes[b]["inputs"][0], 2, local, f"r{r}")
+        for n in nodes[a:b]:
+            n["attrs"].pop("kernel", None)  # the fused activation was compiled for the full width
+    p = g.producer[v]
+    nodes[p]["outputs"][nodes[p]["outputs"].index(v)] = f"{v}@partial"
+    inserted.append((p, {"op": ALL_REDUCE, "inputs": [f"{v}@partial"], "outputs": [v], "attrs": {}}))
 
 
 EXPERT_LAYOUT = {"split": "each expert's intermediate columns split (router replicated)",
