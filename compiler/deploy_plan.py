@@ -15,7 +15,7 @@ tensor-parallel degree, :func:`plan` gives per GPU:
 - for N > 1, the all-reduce bytes per decode token.
 
 Units: bytes (B), seconds (s), bandwidth in GB/s (1e9 B/s). What each recipe stores (the CUDA engine's layouts,
-``compiler/backends/cuda.py``, after ``quant/graph.py`` in its ``qdq`` form, which GPU builds use):
+``compiler/backends/cuda.py``, after ``passes/quantize.py`` in its ``qdq`` form, which GPU builds use):
 
 - every float weight in the engine dtype, bfloat16 (2 B);
 - ``fp8``: linears (the LM head too) as E4M3 (1 B/weight) + one float32 scale per output channel + a float32

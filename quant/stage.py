@@ -108,7 +108,7 @@ class QuantStage:
                  f"({r.calib_data or 'built-in pydoc text'}, seed {r.seed}) on the {device.upper()}")
         if self.params is None:
             raise RuntimeError("QuantStage(params=...) is needed to calibrate")
-        # The CPU form stores the LM head apart from the INT4 format (quant.graph: INT8 or full precision) unless
+        # The CPU form stores the LM head apart from the INT4 format (passes/quantize.py: INT8 or full precision) unless
         # --lm-head int4: its AWQ search (a 1B model's: ~30 s) would be thrown away.
         head = not (r.format is not None and r.format.family == "int4" and self.form == "cpu" and r.lm_head != "int4")
         # INT4 weights wait on disk for the graph pass, a layer at a time (removed with the stage).
@@ -119,7 +119,7 @@ class QuantStage:
                        spill_dir=self._spill)
 
     def _run(self, model: ir.Model) -> dict[str, int]:
-        from llmc.quant.graph import quantize_model
+        from llmc.passes.quantize import quantize_model
 
         self.reference = model.clone()
         t = time.perf_counter()

@@ -15,7 +15,7 @@ def assert_int4_weights_dequantize_to(engine_dir: str | Path, reference: dict[st
     import onnx
     from onnx import numpy_helper
 
-    from llmc.quant.graph import members_of
+    from llmc.passes.quantize import members_of
 
     m = onnx.load(str(Path(engine_dir) / "model.onnx"))
     inits = {t.name: numpy_helper.to_array(t) for t in m.graph.initializer}

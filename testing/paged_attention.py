@@ -64,7 +64,7 @@ def check_case(inputs, caches, attrs, *, atol: dict, act="fp32", cache="fp32", s
     rounded = dict(ref_in)  # the K/V values the kernel receives (before any FP8 round trip)
     if fp8_scales is not None:
         # FP8: the caches hold E4M3 codes; the reference sees their values, and new K/V after the Q/DQ
-        # round trip the CPU graph applies (quant/graph.py: QuantizeLinear/DequantizeLinear, saturating).
+        # round trip the CPU graph applies (passes/quantize.py: QuantizeLinear/DequantizeLinear, saturating).
         ks, vs = fp8_scales
         codes = [torch.from_numpy(E4M3.encode(c.numpy() * 0.5)) for c in (k0, v0)]  # any valid codes
         k_ker, v_ker = codes[0].clone(), codes[1].clone()

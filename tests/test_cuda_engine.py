@@ -146,8 +146,8 @@ def test_the_engine_samples_on_the_device_with_the_host_samplers_tokens(engines)
 
 
 def test_decode_step_profile_names_where_the_time_goes_and_leaves_the_engine_as_it_was(engines):
-    """llmc.runtime.workers.cuda.step_profile (gpu_check --profile): torch.profiler over decode steps of the CUDA engine (here
-    its torch program on the CPU: op self times), per kernel and per kind of work; the requests it ran are
+    """llmc.runtime.workers.cuda.step_profile (gpu_check --profile): torch.profiler over decode steps of the CUDA engine
+    (here its torch program on the CPU: op self times), per kernel and per kind of work; the requests it ran are
     cancelled, so the engine then generates as before. A CPU (ONNX Runtime) engine is refused in one line."""
     from llmc.runtime.workers.cuda.step_profile import format_profile, profile_decode
 
@@ -279,8 +279,8 @@ def test_int4_linear_equals_dequantize_then_matmul(symmetric):
     import torch
 
     from llmc.compiler.backends.cuda import _pack_int4
+    from llmc.passes.quantize import _int4_arrays
     from llmc.quant import int4
-    from llmc.quant.graph import _int4_arrays
     from llmc.runtime.workers.cuda.ops import dequantize, int4_linear
 
     rng = np.random.default_rng()

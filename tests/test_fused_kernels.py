@@ -91,9 +91,9 @@ def test_int4_matmul_kernel_equals_the_torch_op(symmetric, m, n, k, g):
     import numpy as np
 
     from llmc.compiler.backends.cuda import _pack_int4
+    from llmc.passes.quantize import _int4_arrays
     from llmc.plugins.fused import requests
     from llmc.quant import int4
-    from llmc.quant.graph import _int4_arrays
 
     rng = np.random.default_rng()
     q = int4.quantize_rtn(rng.standard_normal((n, k)).astype(np.float32), g, symmetric)

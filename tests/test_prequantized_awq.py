@@ -160,7 +160,7 @@ def _matmulnbits_weights(model_path: Path) -> dict[str, np.ndarray]:
 
 
 def _assert_weights_exact(got: dict[str, np.ndarray], reference: dict[str, np.ndarray]) -> None:
-    from llmc.quant.graph import members_of
+    from llmc.passes.quantize import members_of
 
     seen = 0
     for name, w in got.items():

@@ -146,8 +146,8 @@ def test_op_matches_reference_for_every_rows_per_expert(isa, mxfp4_isa):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_torch_op_matches_reference(dtype):
-    """The CUDA engine's Mxfp4MoEMatMul (runtime/workers/cuda/ops.py, run here on the CPU): float32 to rounding; bfloat16
-    (its weights decode exactly, the activations and sums are bfloat16) to bfloat16's precision."""
+    """The CUDA engine's Mxfp4MoEMatMul (runtime/workers/cuda/ops.py, run here on the CPU): float32 to rounding;
+    bfloat16 (its weights decode exactly, the activations and sums are bfloat16) to bfloat16's precision."""
     import torch
 
     from llmc.runtime.workers.cuda.ops import OPS

@@ -20,8 +20,9 @@ from click.testing import CliRunner
 
 from llmc.cli.main import cli
 from llmc.compiler.verify import KVShape, random_step, run_graph
+from llmc.passes import quantize as graph
 from llmc.passes.lazy import constant_of
-from llmc.quant import graph, int4
+from llmc.quant import int4
 from llmc.quant.recipe import QuantRecipe
 from llmc.testing.checkpoints import TINY_CONFIGS
 

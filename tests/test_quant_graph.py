@@ -12,7 +12,8 @@ import onnx_ir as ir
 import pytest
 
 from llmc.compiler.verify import KVShape, random_step, run_graph
-from llmc.quant import fp8, graph, int4, int8, nvfp4
+from llmc.passes import quantize as graph
+from llmc.quant import fp8, int4, int8, nvfp4
 from llmc.quant.collect import CalibrationResult, LinearQuant
 from llmc.quant.minifloat import E4M3
 from llmc.quant.recipe import QuantRecipe

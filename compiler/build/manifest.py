@@ -75,7 +75,7 @@ def _graph_fields(s: BuildState) -> dict:
         },
         # Hybrid models: the per-sequence state of their recurrent layers (llmc.runtime.core.state_cache).
         **({"state_cache": {"dtype": "float32", "arrays": traced.state_layers}} if traced.state_layers else {}),
-        # Multi-LoRA engines: slots, rank, and per linear its graph inputs (llmc.runtime.lora reads it: adapter.py, slots.py).
+        # Multi-LoRA engines: slots, rank, and per linear its graph inputs (read by llmc.runtime.lora).
         **({"lora": s.lora.to_json()} if s.lora is not None else {}),
     }
 
