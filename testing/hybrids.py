@@ -50,23 +50,40 @@ HYBRID_CONFIGS = {
 }
 
 
+# The layouts of the released checkpoints, tiny: Qwen3.5 and Qwen3-Next repeat three Gated DeltaNet layers then one
+# full-attention layer; Falcon-H1 as its config class sets Mamba2 up (one group, 8-wide heads, d_ssm = heads x
+# head_dim), sized down; LFM2 as above. The families whose lowering leans on transformers' internals, built at both
+# ends of the declared transformers range (llmc.testing.hybrid_match).
+_RELEASED_GDN = dict(_GDN, layer_types=["linear_attention"] * 3 + ["full_attention"])
+RELEASED_LAYOUTS = {
+    "qwen3_5_text": _RELEASED_GDN,
+    "qwen3_next": dict(HYBRID_CONFIGS["qwen3_next"], layer_types=_RELEASED_GDN["layer_types"]),
+    "falcon_h1": dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=16, max_position_embeddings=512, mamba_n_heads=8,
+                      mamba_d_ssm=64, mamba_d_state=16, mamba_chunk_size=16),
+    "lfm2": HYBRID_CONFIGS["lfm2"],
+}
+
+
 # Vocabulary of a fixture written with a tokenizer (llmc.testing.corpus's BPE needs at least 260 entries).
 TOKENIZER_VOCAB = 512
 
 
 def write_hybrid(model_type: str, out: Path, seed: int = 0, *, tokenizer: bool = False, std: float = 0.2,
-                 centred_norms: bool = False):
+                 centred_norms: bool = False, fields: dict | None = None):
     """Write a random tiny ``model_type`` checkpoint to ``out``; returns the transformers model (float32, eval).
 
     ``tokenizer``: also write the pydoc BPE tokenizer (vocabulary :data:`TOKENIZER_VOCAB`, its special ids), which
     quantized builds need (calibration and the accuracy report run on text). ``std``: the matrices' init spread
     (0.15 is what ``llmc.testing.checkpoints.write_tiny_model`` draws; wider makes sharper next-token
     distributions). ``centred_norms``: norms that scale by ``1 + weight`` (Qwen3.5, Qwen3-Next) get weights around 0,
-    as ``write_tiny_model`` draws Gemma's (else around 1: every such norm doubles its input)."""
+    as ``write_tiny_model`` draws Gemma's (else around 1: every such norm doubles its input). ``fields``: the config's
+    fields instead of :data:`HYBRID_CONFIGS`' (e.g. :data:`RELEASED_LAYOUTS`')."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    fields = dict(HYBRID_CONFIGS[model_type], bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    fields = dict(HYBRID_CONFIGS[model_type] if fields is None else fields, bos_token_id=1, eos_token_id=2,
+                  pad_token_id=0)
     if tokenizer:
         from llmc.testing.corpus import save_tokenizer, train_bpe_tokenizer
 

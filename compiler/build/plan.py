@@ -10,6 +10,7 @@ from llmc.compiler.backends.protocol import Backend
 from llmc.compiler.backends.registry import CudaBackend, backend_for
 from llmc.compiler.build.options import BuildOptions, validate
 from llmc.compiler.targets import TARGETS, Target, get_target
+from llmc.compiler.versions import check_transformers
 from llmc.errors import LlmcError, UnsupportedError
 from llmc.quant import recipe as quant_recipe
 
@@ -40,6 +41,7 @@ def uses_cuda_engine(options: BuildOptions, target: Target) -> bool:
 def make_plan(out_dir: str | Path, options: BuildOptions) -> Plan:
     """Every check on options and output that needs no checkpoint, before any work."""
     out = Path(out_dir)
+    check_transformers()  # the engine follows transformers' classes: only the versions CI runs, before any work
     validate(options)
     quant_recipe.check_target(options.quant, options.target, TARGETS)  # before get_target: name the constraint
     # A concrete calibration device before the recipe enters the cache key: GPU and CPU statistics differ in
