@@ -15,9 +15,9 @@ from pathlib import Path
 
 # Folders of the llmc package whose sources decide what a build emits. The runtime is not
 # among them (it reads artifacts, it does not shape them) except the artifact format module,
-# which defines the manifest. build_cache/ and cli/ only move artifacts around. testing/corpus.py
+# which defines the manifest. build_cache/ and cli/ only move artifacts around. quant/corpus.py
 # pins (by sha256) the built-in calibration text, which shapes quantized engines.
-ENGINE_SHAPING_SOURCES = ("compiler", "passes", "quant", "plugins", "runtime/artifact.py", "testing/corpus.py")
+ENGINE_SHAPING_SOURCES = ("compiler", "passes", "quant", "plugins", "runtime/artifact.py")
 _SOURCE_SUFFIXES = {".py", ".cpp", ".cc", ".h", ".hpp", ".cu", ".json"}
 
 

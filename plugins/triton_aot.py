@@ -25,7 +25,7 @@ def _compile_here(req: dict, sm: int) -> dict:
     import triton
     from triton.backends.compiler import GPUTarget
 
-    from llmc.plugins.paged_attention.aot import strip_hidden_params
+    from llmc.plugins.paged_attention.aot import no_line_info, strip_hidden_params
 
     fn = getattr(importlib.import_module(req["module"]), req["fn"])
     signature = dict(req["signature"])
@@ -33,8 +33,9 @@ def _compile_here(req: dict, sm: int) -> dict:
     divisible = set(req.get("divisible", ()))
     attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(signature) if name in divisible}
     src = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
-    compiled = triton.compile(src, target=GPUTarget("cuda", sm, 32),
-                              options={"num_warps": req.get("num_warps", 4), "num_stages": req.get("num_stages", 2)})
+    with no_line_info():  # cubins the same wherever llmc is installed (paged_attention.aot.NO_LINE_INFO)
+        compiled = triton.compile(src, target=GPUTarget("cuda", sm, 32), options={
+            "num_warps": req.get("num_warps", 4), "num_stages": req.get("num_stages", 2)})
     md = compiled.metadata
     if getattr(md, "global_scratch_size", 0) or getattr(md, "profile_scratch_size", 0):
         raise RuntimeError(f"{req['fn']}: needs scratch memory, which an AOT launch does not provide")
@@ -47,15 +48,13 @@ def _compile_here(req: dict, sm: int) -> dict:
 
 def compile_requests(requests: list[dict], sm: int) -> list[dict]:
     """Compile every request for ``sm``; each result: ``name``, ``ptx``, ``shared_mem``, ``num_warps``, ``target``."""
-    from llmc.plugins.paged_attention.aot import _needs_child
+    from llmc.plugins.paged_attention.aot import _needs_child, compile_env
 
     if not requests:
         return []
     if not _needs_child():
         return [_compile_here(r, sm) for r in requests]
-    import os
-
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env = compile_env()
     proc = subprocess.run([sys.executable, "-m", "llmc.plugins.triton_aot", "--sm", str(sm)],
                           input=json.dumps(requests), env=env, capture_output=True, text=True)
     if proc.returncode != 0:

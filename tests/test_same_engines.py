@@ -121,23 +121,28 @@ def test_engine_files_are_byte_identical(name, recorded, tmp_path_factory, monke
 
 
 @pytest.mark.slow
-def test_engines_hold_no_install_paths(recorded, tmp_path_factory):
-    """The graph is the same wherever llmc is installed: no source path (and line) of llmc or its libraries."""
+@pytest.mark.parametrize("name,files", [("default-cpu-fp32", "model.onnx"), ("tiny-h100-bf16", "kernels/*.cubin")])
+def test_engines_hold_no_install_paths(name, files, recorded, tmp_path_factory):
+    """The engine is the same wherever llmc is installed: neither the graph (torch.onnx's stack traces) nor the
+    kernels (Triton's line tables) name a source path of llmc or its libraries."""
     root = _root(tmp_path_factory)
     from filelock import FileLock
 
-    with FileLock(str(root / "default-cpu-fp32.lock")):
-        if not (root / "default-cpu-fp32" / "model.onnx").exists():
-            _build("default-cpu-fp32", root)
-        model = (root / "default-cpu-fp32" / "model.onnx").read_bytes()
+    with FileLock(str(root / f"{name}.lock")):
+        if not (root / name / "manifest.json").exists():
+            _build(name, root)
+        blobs = {p.name: p.read_bytes() for p in sorted((root / name).glob(files))}
+    assert blobs
     import transformers
+    import triton
 
     import llmc
 
-    for package in (llmc, transformers):
+    for package in (llmc, transformers, triton):
         where = str(Path(package.__file__).parent).encode()
-        assert where not in model, f"model.onnx names {where!r}"
-    assert b"pkg.torch.onnx.stack_trace" not in model
+        for file, blob in blobs.items():
+            assert where not in blob, f"{name}/{file} names {where!r}"
+    assert not any(b"pkg.torch.onnx.stack_trace" in blob for blob in blobs.values())
 
 
 def _record() -> None:

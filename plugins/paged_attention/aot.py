@@ -24,6 +24,7 @@ the interpreter (the test suite) compiles in a child process instead (:func:`com
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -114,6 +115,31 @@ def strip_hidden_params(ptx: str, name: str, visible: int) -> str:
     return ptx[: m.start(2)] + "\n\t" + kept + "\n" + ptx[m.end(2):]
 
 
+# Kernels are compiled without source line tables: those name the absolute path of the installed llmc and Triton,
+# so one build made from two install locations (a venv, a container, a CI checkout) gave different cubins, and
+# different engines. (A profiler then shows no source lines for llmc's kernels.)
+NO_LINE_INFO = "TRITON_DISABLE_LINE_INFO"
+
+
+def compile_env() -> dict[str, str]:
+    """The environment of a child process that compiles kernels: no interpreter, no line tables."""
+    return {**{k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}, NO_LINE_INFO: "1"}
+
+
+@contextlib.contextmanager
+def no_line_info():
+    """Compile in this process without line tables (see :data:`NO_LINE_INFO`)."""
+    old = os.environ.get(NO_LINE_INFO)
+    os.environ[NO_LINE_INFO] = "1"
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ[NO_LINE_INFO]
+        else:
+            os.environ[NO_LINE_INFO] = old
+
+
 def _triton_compile(fn, cfg, target):
     import triton
 
@@ -123,7 +149,9 @@ def _triton_compile(fn, cfg, target):
     # rows are whole heads): lets Triton vectorise loads, as its JIT does after checking.
     attrs = {(i,): [["tt.divisibility", 16]] for i, v in enumerate(signature.values()) if v.startswith("*")}
     src = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
-    return triton.compile(src, target=target, options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+    with no_line_info():
+        return triton.compile(src, target=target,
+                              options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
 
 
 def _compile_here(cfg, sm: int) -> AotKernel:
@@ -179,7 +207,7 @@ def compile_ptx(cfg, sms: tuple[int, ...] | list[int]) -> list[AotKernel]:
             raise ValueError(f"sm_{sm}: not a target llmc builds kernels for ({', '.join(map(str, SUPPORTED_SMS))})")
     if not _needs_child():
         return [_compile_here(cfg, sm) for sm in sms]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env = compile_env()
     request = json.dumps({"config": dataclasses.asdict(cfg), "sms": list(sms)})
     proc = subprocess.run([sys.executable, "-m", "llmc.plugins.paged_attention.aot", "--request", request],
                           env=env, capture_output=True, text=True)
@@ -196,7 +224,7 @@ def compile_many(cfgs: list, sm: int) -> list[AotKernel]:
         return []
     if not _needs_child():
         return [_compile_here(cfg, sm) for cfg in cfgs]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env = compile_env()
     request = json.dumps({"configs": [dataclasses.asdict(c) for c in cfgs], "sms": [sm]})
     proc = subprocess.run([sys.executable, "-m", "llmc.plugins.paged_attention.aot", "--request", request],
                           env=env, capture_output=True, text=True)
