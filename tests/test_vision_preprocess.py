@@ -188,6 +188,16 @@ def test_family_chosen_by_processor_class_then_model_type():
         processor_for("bert", {})
 
 
+def test_qwen_pixel_bounds_in_any_spelling():
+    """min/max pixels given at the top level or inside size override the default bounds; a size without them
+    is refused in one line."""
+    expected = {"shortest_edge": 1024, "longest_edge": 4096}
+    assert processor_for("qwen2_5_vl", {"min_pixels": 1024, "max_pixels": 4096}).config.size == expected
+    assert processor_for("qwen2_5_vl", {"size": {"min_pixels": 1024, "max_pixels": 4096}}).config.size == expected
+    with pytest.raises(LlmcError, match="shortest_edge and longest_edge"):
+        processor_for("qwen2_5_vl", {"size": {"height": 224, "width": 224}})
+
+
 def _png_header_only(width: int, height: int) -> bytes:
     """A PNG that claims width x height pixels in a few dozen bytes: a decompression bomb's header."""
     def chunk(kind: bytes, data: bytes) -> bytes:

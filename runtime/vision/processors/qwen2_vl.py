@@ -31,12 +31,14 @@ def adapt(raw: dict[str, Any]) -> dict[str, Any]:
     """Older Qwen configs give ``min_pixels`` / ``max_pixels``; they override ``size`` as the class's __init__ does."""
     raw = dict(raw)
     size = dict(raw.get("size") or DEFAULTS["size"])
-    if raw.get("min_pixels") is not None:
-        size["shortest_edge"] = raw["min_pixels"]
-        size.pop("min_pixels", None)
-    if raw.get("max_pixels") is not None:
-        size["longest_edge"] = raw["max_pixels"]
-        size.pop("max_pixels", None)
+    for pixels, edge in (("min_pixels", "shortest_edge"), ("max_pixels", "longest_edge")):
+        value = raw.get(pixels) if raw.get(pixels) is not None else size.get(pixels)
+        size.pop(pixels, None)
+        if value is not None:
+            size[edge] = value
+    if not size.get("shortest_edge") or not size.get("longest_edge"):
+        raise LlmcError(f"image processor: Qwen's size needs shortest_edge and longest_edge (min and max pixels), "
+                        f"got {size}")
     raw["size"] = size
     return raw
 
