@@ -252,6 +252,9 @@ def test_processor_refusals_are_one_line():
     assert "\n" not in str(info.value)
     with pytest.raises(LlmcError, match="no images"):
         qwen([])
+    clip = processor_for("llava", {"image_processor_type": "CLIPImageProcessor"})
+    with pytest.raises(LlmcError, match="aspect ratio is too extreme"):
+        clip([np.zeros((1, 300_000, 3), np.uint8)])
 
 
 def test_exif_orientation_applied_to_files():

@@ -16,6 +16,10 @@ from PIL import Image
 
 from llmc.errors import LlmcError
 
+# A resize target no processor reaches from a sane image: a 2x3000 strip resized to a 336 shortest edge would be
+# 336x504000 (0.5 GB of pixels) before its centre crop.
+MAX_RESIZED_PIXELS = 64 * 1024 * 1024
+
 
 @dataclass
 class ImageFeatures:
@@ -31,9 +35,9 @@ class ImageFeatures:
 
 def resize(image: np.ndarray, height: int, width: int, resample: int) -> np.ndarray:
     """``uint8 [H, W, 3]`` to ``uint8 [height, width, 3]`` with PIL filter ``resample``."""
-    if height <= 0 or width <= 0:
-        raise LlmcError(f"image of {image.shape[1]}x{image.shape[0]} pixels resizes to {width}x{height}: "
-                        "too small or too thin for this model's processor")
+    if height <= 0 or width <= 0 or height * width > MAX_RESIZED_PIXELS:
+        raise LlmcError(f"image of {image.shape[1]}x{image.shape[0]} pixels resizes to {width}x{height} for this "
+                        "model's processor: its aspect ratio is too extreme; crop or pad it")
     resized = Image.fromarray(image).resize((width, height), resample=resample)
     return np.asarray(resized)
 
