@@ -205,6 +205,10 @@ def _quant_options(f):
                    "they are (float32, exact) or quantized to 8 bits per 32 values (int8: llama.cpp's MXFP4 x Q8_0 "
                    "trade, 2-3x faster expert matmuls, not exact; fast with AVX-512 VNNI and VBMI, else a scalar "
                    "loop).")
+@click.option("--text-only", is_flag=True,
+              help="Vision-language checkpoints (Qwen3.5, Gemma 3/4, Mistral 3, Llama 4, LLaVA, ...): build the "
+                   "text model alone from the wrapper's own weights, leaving the encoders out (the manifest records "
+                   "it). Without it such a checkpoint is refused until llmc compiles its encoders.")
 @click.option("--force", is_flag=True, help="Replace the output directory if it exists (only once the build succeeds).")
 @click.option("--cache-dir", type=click.Path(path_type=Path), default=None,
               help="Build cache directory [default: $LLMC_CACHE_DIR, else $XDG_CACHE_HOME/llmc or ~/.cache/llmc].")
@@ -228,7 +232,8 @@ def _quant_options(f):
 def build(checkpoint: Path, output: Path, disabled_passes: tuple[str, ...], verify_passes: bool, target: str,
           gpu: str | None, engine_kind: str, engine_dtype: str, max_batch_size: int | None,
           max_num_tokens: int | None, max_seq_len: int | None,
-          block_size: int, tp: int, ep: bool, mxfp4_activations: str, force: bool, cache_dir: Path | None,
+          block_size: int, tp: int, ep: bool, mxfp4_activations: str, text_only: bool, force: bool,
+          cache_dir: Path | None,
           no_cache: bool,
           max_memory: str | None,
           lora_slots: int, max_lora_rank: int, lora_targets: str,
@@ -264,6 +269,7 @@ def build(checkpoint: Path, output: Path, disabled_passes: tuple[str, ...], veri
                            max_batch_size=max_batch_size, max_num_tokens=max_num_tokens, max_seq_len=max_seq_len,
                            engine=engine_kind, dtype=engine_dtype, max_memory=limit, lora_slots=lora_slots,
                            max_lora_rank=max_lora_rank, tp=tp, ep=ep, mxfp4_activations=mxfp4_activations,
+                           text_only=text_only,
                            lora_targets=tuple(t.strip() for t in lora_targets.split(",") if t.strip()))
     try:
         try:

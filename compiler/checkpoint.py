@@ -97,10 +97,14 @@ class Checkpoint:
 
 
 def _is_causal_lm(model_type: str) -> bool:
-    """Whether transformers has a causal-LM class for ``model_type`` (the generic path may trace it)."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    """Whether transformers has a causal-LM class for ``model_type``, or an image-text-to-text one whose text model
+    the generic path traces inside the wrapper (compiler/multimodal.py)."""
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
+    )
 
-    return model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    return model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
 
 
 def is_tested(model_type: str) -> bool:

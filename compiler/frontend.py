@@ -182,10 +182,22 @@ class _PatchedRecurrent:
         _CURRENT_LAYER.clear()
 
 
+def _auto_class(checkpoint: Checkpoint):
+    """transformers' auto class the model is built with: a vision-language wrapper as itself (its weights named as
+    the checkpoint stores them, traced on text: compiler/multimodal.py), any other model as a causal LM."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    from llmc.compiler import multimodal
+
+    return AutoModelForImageTextToText if multimodal.is_wrapper(checkpoint.config) else AutoModelForCausalLM
+
+
 def _build_module(checkpoint: Checkpoint, compute_dtype: str):
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
     from transformers.initialization import no_init_weights
+
+    from llmc.compiler import multimodal
 
     attention_hook.register()
     try:
@@ -209,9 +221,8 @@ def _build_module(checkpoint: Checkpoint, compute_dtype: str):
         # transformers custom op no exporter knows). Set for every model, whatever its config calls its experts
         # (num_experts, moe_num_experts, ...): a model without experts ignores it.
         extra = {"experts_implementation": "batched_mm"}
-        hf = AutoModelForCausalLM.from_config(
-            config, dtype=getattr(torch, compute_dtype), attn_implementation=ATTN_IMPLEMENTATION, **extra
-        )
+        hf = _auto_class(checkpoint).from_config(config, dtype=getattr(torch, compute_dtype),
+                                                 attn_implementation=ATTN_IMPLEMENTATION, **extra)
     hf.eval()
     alibi_attention.install(hf)  # bloom, mpt: attention computed inline, with ALiBi
     llama4_text.install(hf)  # llama4: chunked local attention, NoPE temperature tuning, complex rotary
@@ -256,7 +267,9 @@ def _build_module(checkpoint: Checkpoint, compute_dtype: str):
             return logits.float()
 
     takes_logits_to_keep = "logits_to_keep" in inspect.signature(hf.forward).parameters
-    return config, hf, PackedCausalLM(hf).eval(), rope
+    # The geometry the engine is laid out by is the text model's (a wrapper's own config nests it).
+    text_config = config.get_text_config() if multimodal.is_wrapper(checkpoint.config) else config
+    return text_config, hf, PackedCausalLM(hf).eval(), rope
 
 
 @dataclass

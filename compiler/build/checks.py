@@ -128,5 +128,15 @@ def carry_mxfp4(ckpt: Checkpoint, plan: Plan) -> None:
                                "--mxfp4-activations out")
 
 
+def check_encoders(ckpt: Checkpoint, plan: Plan) -> None:
+    """A vision-language checkpoint: its encoders are not compiled yet, so only --text-only builds it (exit 3)."""
+    from llmc.compiler import multimodal
+
+    multimodal.refuse_encoders(ckpt.config, ckpt.model_type, ckpt.path / "config.json", plan.options.text_only)
+    if plan.options.text_only and not multimodal.encoders(ckpt.config):
+        raise LlmcError(f"{ckpt.path / 'config.json'}: --text-only builds the text model of a vision-language "
+                        f"checkpoint, and model_type {ckpt.model_type!r} has no encoder; leave --text-only out")
+
+
 # The check stage, in order.
-CHECKS = (plan_memory, check_hybrid, check_tp, carry_int4, carry_mxfp4)
+CHECKS = (plan_memory, check_encoders, check_hybrid, check_tp, carry_int4, carry_mxfp4)

@@ -77,7 +77,15 @@ def _graph_fields(s: BuildState) -> dict:
         **({"state_cache": {"dtype": "float32", "arrays": traced.state_layers}} if traced.state_layers else {}),
         # Multi-LoRA engines: slots, rank, and per linear its graph inputs (read by llmc.runtime.lora).
         **({"lora": s.lora.to_json()} if s.lora is not None else {}),
+        # A vision-language checkpoint built --text-only: which wrapper, and the encoders left out.
+        **({"multimodal": _multimodal(ckpt.config)} if options.text_only else {}),
     }
+
+
+def _multimodal(config: dict) -> dict:
+    from llmc.compiler.multimodal import manifest_entry
+
+    return manifest_entry(config)
 
 
 def fields(s: BuildState) -> tuple[dict, dict]:

@@ -78,6 +78,9 @@ class BuildOptions:
     # MXFP4 checkpoints, CPU engine: "float32" (exact: the rows times the codes' values) or "int8" (opt-in, not
     # exact: the rows quantized to 8 bits per 32-block, integer dot products, llama.cpp's MXFP4 x Q8_0 trade).
     mxfp4_activations: str = "float32"
+    # Vision-language checkpoints (compiler/multimodal.py): build the text model alone, leaving the encoders out
+    # (--text-only; recorded in the manifest). Without it such a checkpoint is refused until its encoders compile.
+    text_only: bool = False
 
 
 @dataclass
@@ -137,6 +140,8 @@ def canonical_recipe(options: BuildOptions) -> dict:
         del recipe["tp"]
     if options.mxfp4_activations == "float32":  # the keys of exact builds stay what they were before the option
         del recipe["mxfp4_activations"]
+    if not options.text_only:  # the keys of other builds stay what they were before the option
+        del recipe["text_only"]
     if not options.ep:
         del recipe["ep"]
     else:

@@ -1,0 +1,105 @@
+"""Tiny random vision-language checkpoints of the wrappers the 2026 flagships ship as (issue 49).
+
+Each is made from transformers' own config and ``AutoModelForImageTextToText`` class of its model type, with the
+released models' layer order at small widths (Qwen3.5: linear-attention layers before a full-attention one; Gemma 3
+and 4: sliding layers before a global one; Llama 4: MoE layers), and saved with ``save_pretrained`` (the tensor
+names the hub's checkpoints carry). Weights are drawn wider than transformers' initializer so that greedy tokens
+are not decided by near-ties.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+_T = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+          head_dim=16, vocab_size=512, max_position_embeddings=512, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+_V = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2)
+_QWEN_VISION = dict(hidden_size=32, intermediate_size=64, depth=2, num_heads=2, out_hidden_size=64, patch_size=16,
+                    spatial_merge_size=2, temporal_patch_size=2)
+
+# model type -> (config fields, what the family's text model has that matters)
+VLM_CONFIGS: dict[str, tuple[dict, str]] = {
+    "qwen3_5": (dict(text_config=dict(_T, num_hidden_layers=4,
+                                      layer_types=["linear_attention"] * 3 + ["full_attention"],
+                                      linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                                      linear_value_head_dim=16, linear_conv_kernel_dim=4),
+                     vision_config=_QWEN_VISION),
+                "Gated DeltaNet layers then a full-attention layer, M-RoPE"),
+    "qwen3_vl": (dict(text_config=dict(_T, rope_scaling=dict(rope_type="default", mrope_section=[2, 3, 3],
+                                                             mrope_interleaved=True)),
+                      vision_config=dict(_QWEN_VISION, deepstack_visual_indexes=[0])),
+                 "interleaved M-RoPE, deepstack"),
+    "gemma3": (dict(text_config=dict(_T, num_hidden_layers=3, sliding_window=16,
+                                     layer_types=["sliding_attention", "sliding_attention", "full_attention"]),
+                    vision_config=dict(_V, image_size=64, patch_size=16), mm_tokens_per_image=4,
+                    boi_token_index=500, eoi_token_index=501, image_token_index=502),
+               "sliding + global layers, (1 + w) norms, scaled embeddings"),
+    "gemma4": (dict(text_config=dict(_T, num_hidden_layers=3, sliding_window=16, global_head_dim=32,
+                                     layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+                                     hidden_size_per_layer_input=8, vocab_size_per_layer_input=512),
+                    vision_config=dict(_V, head_dim=16), boi_token_id=500, eoi_token_id=501, image_token_id=502,
+                    video_token_id=503, boa_token_id=504,
+                    eoa_token_index=505, audio_token_id=506),
+               "per-layer head sizes, per-layer input embeddings"),
+    "mistral3": (dict(text_config=dict(_T, model_type="mistral"),
+                      vision_config=dict(_V, model_type="pixtral", head_dim=16, image_size=64, patch_size=16),
+                      image_token_index=502),
+                 "Mistral text model"),
+    "llama4": (dict(text_config=dict(_T, intermediate_size_mlp=128, num_local_experts=2, num_experts_per_tok=1,
+                                     interleave_moe_layer_step=1, attention_chunk_size=16),
+                    vision_config=dict(_V, image_size=64, patch_size=16, vision_output_dim=64,
+                                       projector_input_dim=64, projector_output_dim=64),
+                    image_token_index=502),
+               "MoE layers, chunked local attention, NoPE layers"),
+    "llava": (dict(text_config=dict(_T, model_type="llama"),
+                   vision_config=dict(_V, model_type="clip_vision_model", image_size=64, patch_size=16,
+                                      projection_dim=32),
+                   image_token_index=502),
+              "Llama text model behind a CLIP encoder"),
+    "idefics3": (dict(text_config=dict(_T, model_type="llama"), vision_config=dict(_V, image_size=64, patch_size=16),
+                      image_token_id=502),
+                 "Llama text model behind a SigLIP encoder with pixel shuffle"),
+}
+
+
+def _centred(module) -> bool:
+    from llmc.testing.hybrids import _scales_by_one_plus_weight
+
+    return _scales_by_one_plus_weight(module)
+
+
+def write_tiny_vlm(model_type: str, out: str | Path, *, seed: int = 0, std: float = 0.15):
+    """Write a random tiny ``model_type`` vision-language checkpoint to ``out``; returns the transformers model
+    (float32, eval). Matrices ~ N(0, std) (embeddings 0.08), norms around 1 (around 0 where they scale by
+    ``1 + weight``)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    fields, _ = VLM_CONFIGS[model_type]
+    cfg = AutoConfig.for_model(model_type, **fields)
+    torch.manual_seed(seed)
+    hf = AutoModelForImageTextToText.from_config(cfg).eval()
+    centred = {id(m.weight) for m in hf.modules() if _centred(m)}
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.08 if "embed" in name else std)
+            elif id(p) in centred:
+                p.uniform_(-0.2, 0.2)
+            elif not name.endswith(("A_log", "dt_bias")):
+                p.uniform_(0.8, 1.2)
+    hf.save_pretrained(out)
+    return hf
+
+
+def text_greedy(hf, prompts, new_tokens: int) -> list[list[int]]:
+    """The multimodal model's own greedy continuation of each text-only prompt (alone, no EOS)."""
+    import torch
+
+    refs = []
+    for p in prompts:
+        with torch.no_grad():
+            refs.append(hf.generate(input_ids=torch.tensor([list(p)]), max_new_tokens=new_tokens,
+                                    min_new_tokens=new_tokens, do_sample=False, eos_token_id=None,
+                                    pad_token_id=0)[0, len(p):].tolist())
+    return refs

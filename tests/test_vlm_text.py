@@ -1,0 +1,53 @@
+"""Vision-language checkpoints as they ship (issue 49 item 1): the text model of each wrapper, built from the
+wrapper's own modules and weights with --text-only, decodes exactly as transformers' multimodal model does on text;
+without --text-only the build is refused before any work, naming the encoders it would leave out."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from llmc.compiler.build import BuildOptions, build
+from llmc.errors import LlmcError, UnsupportedError
+from llmc.runtime import Engine, SamplingParams
+from llmc.testing.greedy import PROMPTS
+from llmc.testing.vlm import VLM_CONFIGS, text_greedy, write_tiny_vlm
+
+
+@pytest.mark.parametrize("model_type", sorted(VLM_CONFIGS))
+def test_text_model_of_the_wrapper_matches_transformers(model_type, tmp_path):
+    hf = write_tiny_vlm(model_type, tmp_path / "ckpt", seed=11)
+    with pytest.raises(UnsupportedError, match="--text-only"):
+        build(tmp_path / "ckpt", tmp_path / "refused", BuildOptions())
+    assert not (tmp_path / "refused").exists()
+
+    built = build(tmp_path / "ckpt", tmp_path / "engine", BuildOptions(text_only=True))
+    section = built.manifest["multimodal"]
+    assert section["text_only"] is True and section["wrapper"] == type(hf).__name__
+    assert "vision_config" in section["encoders_left_out"]
+    engine = Engine.load(tmp_path / "engine")
+    outs = engine.generate([list(p) for p in PROMPTS], SamplingParams(max_tokens=32, ignore_eos=True))
+    assert [o.token_ids for o in outs] == text_greedy(hf, PROMPTS, 32)
+
+
+def test_text_only_on_a_text_model_is_a_bad_flag(tiny_llama, tmp_path):
+    with pytest.raises(LlmcError, match="has no encoder"):
+        build(tiny_llama, tmp_path / "e", BuildOptions(text_only=True))
+
+
+def test_cli_text_only_flag_and_manifest(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    llmc = str(Path(sys.executable).parent / "llmc")
+    write_tiny_vlm("llava", tmp_path / "ckpt", seed=2)
+    refused = subprocess.run([llmc, "build", str(tmp_path / "ckpt"), "-o", str(tmp_path / "e"), "--json"],
+                             capture_output=True, text=True)
+    assert refused.returncode == 3 and "--text-only" in refused.stdout + refused.stderr
+    ok = subprocess.run([llmc, "build", str(tmp_path / "ckpt"), "-o", str(tmp_path / "e"), "--json", "--text-only"],
+                        capture_output=True, text=True)
+    assert ok.returncode == 0, ok.stderr
+    manifest = json.loads((tmp_path / "e" / "manifest.json").read_text())
+    assert manifest["multimodal"]["wrapper"] == "LlavaForConditionalGeneration"
