@@ -22,6 +22,17 @@ SUPPORTED_MODEL_TYPES = (
     "qwen3_moe",
 )
 
+# How many of transformers' causal-LM model types the family sweep (scripts/family_sweep.py) builds into engines that
+# match transformers: docs/family_sweep.json's "match" rows (tests/test_family_sweep.py holds the two equal).
+SWEEP_MATCHES = 131
+
+
+def supported_text() -> str:
+    """What refusals say llmc builds: what the family sweep proves, not a fixed list."""
+    return (f"{SWEEP_MATCHES} model types match transformers in llmc's family sweep (docs/family_sweep.md), among "
+            f"them {', '.join(SUPPORTED_MODEL_TYPES)}")
+
+
 # Architectures whose layers keep recurrent state (state-space, linear attention, convolution caches): the
 # KV design has pages of keys and values only, so they are refused before any work.
 RECURRENT_MODEL_TYPES = (
@@ -164,11 +175,11 @@ def _read_config(cfg_path: Path) -> dict:
     model_type = config.get("model_type")
     if model_type is None:
         raise LlmcError(
-            f"{cfg_path}: field 'model_type' is missing; add it (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
+            f"{cfg_path}: field 'model_type' is missing; add it ({supported_text()})"
         )
     if not isinstance(model_type, str):
         raise LlmcError(f"{cfg_path}: field 'model_type' is {json.dumps(model_type)}; it must be a string naming "
-                        f"the architecture (supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
+                        f"the architecture ({supported_text()})")
     check_field_types(config, cfg_path)
     return config
 
@@ -188,7 +199,7 @@ def _check_model_type(config: dict, cfg_path: Path) -> None:
             f"{cfg_path}: model_type {model_type!r} keeps recurrent state between tokens ({why}: {mechanism}); "
             f"llmc's state pool runs {', '.join(sorted(set(HYBRID_MODEL_TYPES.values())))} "
             f"({', '.join(HYBRID_MODEL_TYPES)}) but does not lower these yet, so it cannot build this model. "
-            f"Supported model types: {', '.join(SUPPORTED_MODEL_TYPES)}"
+            f"{supported_text()}"
         )
     if model_type not in SUPPORTED_MODEL_TYPES:
         from llmc.compiler.mechanisms import refuse_unlowered
@@ -196,8 +207,8 @@ def _check_model_type(config: dict, cfg_path: Path) -> None:
         refuse_unlowered(config, model_type, cfg_path)
     if model_type not in SUPPORTED_MODEL_TYPES and not _is_causal_lm(model_type):
         raise UnsupportedError(
-            f"{cfg_path}: model_type {model_type!r} is not supported; supported model types: "
-            f"{', '.join(SUPPORTED_MODEL_TYPES)}"
+            f"{cfg_path}: model_type {model_type!r} has no causal-LM class in transformers, so llmc cannot build it; "
+            f"{supported_text()}"
         )
 
     if model_type not in TESTED_MODEL_TYPES:

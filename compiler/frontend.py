@@ -351,7 +351,7 @@ def trace(checkpoint: Checkpoint, compute_dtype: str = "float32") -> TracedModel
     except LlmcError:
         raise
     except Exception as exc:  # a supported family failing here is llmc's bug (exit 70); another is a refusal
-        from llmc.compiler.checkpoint import SUPPORTED_MODEL_TYPES
+        from llmc.compiler.checkpoint import SUPPORTED_MODEL_TYPES, supported_text
 
         if checkpoint.model_type in SUPPORTED_MODEL_TYPES:
             raise
@@ -361,10 +361,10 @@ def trace(checkpoint: Checkpoint, compute_dtype: str = "float32") -> TracedModel
         if isinstance(root, LlmcError):  # raised inside the traced forward (llmc's attention), wrapped by the tracer
             raise type(root)(f"{checkpoint.path}: model_type {checkpoint.model_type!r}: {root}") from None
         first = (str(root).strip().splitlines() or [""])[0][:300]
-        raise UnsupportedError(_untraceable(checkpoint, root, first, SUPPORTED_MODEL_TYPES)) from None
+        raise UnsupportedError(_untraceable(checkpoint, root, first, supported_text())) from None
 
 
-def _untraceable(checkpoint: Checkpoint, root: BaseException, first: str, supported) -> str:
+def _untraceable(checkpoint: Checkpoint, root: BaseException, first: str, supported: str) -> str:
     """The refusal of a family the generic path cannot trace: the mechanism (compiler/mechanisms.py) and the
     module where tracing stopped, where they can be told; the tracer's own words otherwise."""
     from llmc.compiler.mechanisms import name_mechanism
@@ -373,7 +373,7 @@ def _untraceable(checkpoint: Checkpoint, root: BaseException, first: str, suppor
     mechanism = name_mechanism(checkpoint.config, classes, first)
     cause = f"{type(root).__name__}: {first}"
     head = f"{checkpoint.path}: model_type {checkpoint.model_type!r}"
-    tail = f"Supported model types: {', '.join(supported)}"
+    tail = f"{supported[0].upper()}{supported[1:]}"
     if mechanism:
         seen = f"seen in {where}; " if where else ""
         return f"{head}: llmc does not lower {mechanism} ({seen}tracing stopped with {cause}). {tail}"

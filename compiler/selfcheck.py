@@ -30,6 +30,7 @@ from pathlib import Path
 
 import llmc
 from llmc import scratch
+from llmc.compiler.twin_fault import TransformersFailed, blame, in_transformers
 from llmc.errors import LlmcError, UnsupportedError, os_fault, os_fault_errno
 
 LOGPROB_ATOL = 2e-3  # nats; float32 engines agree with transformers to ~1e-5
@@ -87,7 +88,10 @@ def shrink_config(config: dict) -> dict:
         c[hkey] = new_heads
         if kvkey:
             c[kvkey] = new_kv
-        c[wkey] = new_heads * new_dim if c.get("head_dim") is None else max(32, new_heads * new_dim // 2)
+        # Where heads x head_dim is the width (Helium's o_proj is hidden x hidden) the twin keeps it so; where the
+        # config sets them apart (Gemma), the twin keeps them apart.
+        tied = c.get("head_dim") is None or heads * c["head_dim"] == width
+        c[wkey] = new_heads * new_dim if tied else max(32, new_heads * new_dim // 2)
         if c.get("head_dim") is not None:
             c["head_dim"] = new_dim
     for key in ("intermediate_size", "n_inner", "ffn_dim"):
@@ -119,12 +123,21 @@ def shrink_config(config: dict) -> dict:
     if isinstance(layers, int) and layers > 0:
         c = _keep_layers_of_each_kind(c, lkey, layers)
     _shrink_per_layer_config(c, config)
+    _shrink_linear_attention(c)
     _shrink_mamba(c)
     if isinstance(c.get("hidden_size_per_layer_input"), int) and c["hidden_size_per_layer_input"] > 8:
         c["hidden_size_per_layer_input"] = 8  # Gemma 4's per-layer input embeddings: a width
     if isinstance(c.get("sliding_window"), int) and c["sliding_window"] > 24:
         c["sliding_window"] = 24
     return c
+
+
+def cut_like_twin(config: dict) -> dict:
+    """``config`` at its own sizes, cut to the layers its twin keeps (what transformers is tried on, on the meta
+    device, when it cannot run the twin: compiler/twin_fault.py)."""
+    c = {k: v for k, v in config.items() if k not in _SIZE_ONLY}
+    lkey, layers = _pick(c, "num_hidden_layers", "n_layer", "num_layers")
+    return _keep_layers_of_each_kind(c, lkey, layers) if isinstance(layers, int) and layers > 0 else c
 
 
 def _keep_layers_of_each_kind(c: dict, lkey: str, layers: int) -> dict:
@@ -195,6 +208,36 @@ def cut_layers(config: dict, lkey: str, n: int, picked: list[int] | None = None)
     return c
 
 
+def _shrink_linear_attention(c: dict) -> None:
+    """Gated DeltaNet heads (Qwen3.5, Qwen3-Next): at most 2 key heads, value heads a multiple of them as in the
+    config (each key head serves value_heads / key_heads value heads), head sizes at most 16."""
+    kh, vh = c.get("linear_num_key_heads"), c.get("linear_num_value_heads")
+    if isinstance(kh, int) and isinstance(vh, int) and kh > 0 and vh % kh == 0:
+        c["linear_num_key_heads"] = min(kh, 2)
+        c["linear_num_value_heads"] = c["linear_num_key_heads"] * min(vh // kh, 2)
+    for key in ("linear_key_head_dim", "linear_value_head_dim"):
+        if isinstance(c.get(key), int) and c[key] > 16:
+            c[key] = 16
+
+
+def _shrink_mamba_heads(c: dict, heads_key: str, dim_key: str, groups_key: str, inner_key: str | None) -> None:
+    """Mamba2 heads whose inner width is their own (Falcon-H1's mamba_d_ssm, Nemotron-H's heads x head_dim): at
+    most 8 heads, a multiple of at most 2 groups, heads of at most 16 channels, inner = heads x head_dim."""
+    heads, inner = c.get(heads_key), c.get(inner_key) if inner_key else None
+    dim = c.get(dim_key)
+    if not isinstance(heads, int) or heads <= 0:
+        return
+    if not isinstance(dim, int):  # Falcon-H1's "auto": inner / heads
+        dim = inner // heads if isinstance(inner, int) else None
+    if dim is None:
+        return
+    groups = max(1, min(int(c.get(groups_key) or 1), 2))
+    new_heads = min(heads, 8)
+    c.update({heads_key: new_heads if new_heads % groups == 0 else 8, groups_key: groups, dim_key: min(dim, 16)})
+    if inner_key:
+        c[inner_key] = c[heads_key] * c[dim_key]
+
+
 def _shrink_mamba(c: dict) -> None:
     """Mamba2 widths the twin's smaller hidden size must still satisfy (Bamba, Granite-4 hybrid: mamba_n_heads *
     mamba_d_head = mamba_expand * hidden_size, heads a multiple of the groups), and a small SSM state."""
@@ -207,6 +250,10 @@ def _shrink_mamba(c: dict) -> None:
             c.update(mamba_n_heads=heads, mamba_n_groups=groups)
             if isinstance(c.get("mamba_d_head"), int):
                 c["mamba_d_head"] = inner // heads
+    if isinstance(c.get("mamba_d_ssm"), int):
+        _shrink_mamba_heads(c, "mamba_n_heads", "mamba_d_head", "mamba_n_groups", "mamba_d_ssm")
+    if isinstance(c.get("mamba_num_heads"), int) and "n_groups" in c:
+        _shrink_mamba_heads(c, "mamba_num_heads", "mamba_head_dim", "n_groups", None)
     for key in ("mamba_d_state", "ssm_state_size"):
         if isinstance(c.get(key), int) and c[key] > 16:
             c[key] = 16
@@ -251,9 +298,9 @@ def write_twin(config: dict, out: Path, seed: int = 0) -> Path:
 
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps({**config, "torch_dtype": "float32"}))
-    cfg = AutoConfig.from_pretrained(out)
+    cfg = in_transformers("instantiate", AutoConfig.from_pretrained, out)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    model = in_transformers("instantiate", AutoModelForCausalLM.from_config, cfg, dtype=torch.float32).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() >= 2:
@@ -272,7 +319,7 @@ def compare(engine_dir: Path, twin_dir: Path, cuda: bool, seed: int = 0) -> tupl
 
     from llmc.runtime import Engine, SamplingParams
 
-    hf = AutoModelForCausalLM.from_pretrained(twin_dir, dtype=torch.float32).eval()
+    hf = in_transformers("forward", AutoModelForCausalLM.from_pretrained, twin_dir, dtype=torch.float32).eval()
     engine = Engine.load(engine_dir, device="cpu" if cuda else None, kv_cache_tokens=512, verify=False)
     rng = np.random.default_rng(seed)
     vocab = min(engine.vocab_size, int(hf.config.vocab_size))
@@ -281,7 +328,8 @@ def compare(engine_dir: Path, twin_dir: Path, cuda: bool, seed: int = 0) -> tupl
         prompt = rng.integers(1, vocab, n).tolist()
         out = engine.generate([prompt], SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0))[0]
         with torch.no_grad():
-            ref = torch.log_softmax(hf(torch.tensor([prompt + out.token_ids])).logits[0].double(), -1)
+            ref = torch.log_softmax(in_transformers("forward", hf, torch.tensor([prompt + out.token_ids]))
+                                    .logits[0].double(), -1)
         for i, (tok, lp) in enumerate(zip(out.token_ids, out.logprobs, strict=True)):
             want = float(ref[n - 1 + i, tok])
             err = abs(want - float(lp[tok]))
@@ -292,7 +340,7 @@ def compare(engine_dir: Path, twin_dir: Path, cuda: bool, seed: int = 0) -> tupl
     ids = rng.integers(1, vocab, max(PROMPT_LENGTHS)).tolist()
     got = engine.score(ids)
     with torch.no_grad():
-        want = hf(torch.tensor([ids])).logits[0].numpy()
+        want = in_transformers("forward", hf, torch.tensor([ids])).logits[0].numpy()
     rel = float(np.abs(got[:, :want.shape[1]] - want).max() / max(1e-6, float(np.abs(want).max())))
     if not rel <= LOGIT_RTOL:
         return worst_lp, rel, f"prefill logits differ from transformers' by {rel:.3g} of their range"
@@ -345,7 +393,7 @@ def diagnose(twin: dict, ckpt: Path, tmp: Path, build_twin, cuda: bool) -> tuple
         if last is None:  # no layer count this check can cut (mbart's decoder_layers): say what is known
             return "; the traced graph already differs (its layers could not be cut to find the first)", None
         return f"; the traced graph already differs, first in decoder layer {last} or after the last layer", last
-    except LlmcError as exc:
+    except (LlmcError, TransformersFailed) as exc:
         log.debug("self-check diagnosis stopped: %s", exc)
         return "", None
 
@@ -413,6 +461,8 @@ def run(config: dict, model_type: str, build_twin, lowering: dict, toolchain: di
     hf_logging.disable_progress_bar()  # the twin's save/load bars are not the user's build progress
     try:
         return _run_twin(twin, model_type, key, record, build_twin, cuda, cacheable, t0)
+    except TransformersFailed as failed:  # the user's config (exit 2) or llmc's shrinking of it (exit 70)
+        raise blame(failed, config, cut_like_twin(config), twin, model_type) from None
     except Exception as exc:
         fault = _scratch_fault(exc)
         if fault is None:
@@ -451,18 +501,7 @@ def _run_twin(twin: dict, model_type: str, key: str, record: Path | None, build_
               t0: float) -> SelfCheckResult:
     with tempfile.TemporaryDirectory(prefix=SCRATCH_PREFIX) as tmp:
         mark_scratch(Path(tmp))
-        try:
-            ckpt = write_twin(twin, Path(tmp) / "twin")
-        except Exception as exc:
-            if isinstance(exc, OSError) or _scratch_fault(exc) is not None:
-                raise
-            # transformers refuses the shrunk config (sizes this family ties together that llmc shrinks apart):
-            # without a twin the build cannot prove itself, so it stops, saying why.
-            reason = " ".join(f"{type(exc).__name__}: {exc}".split())[:300]
-            raise UnsupportedError(
-                f"architecture self-check for model_type {model_type!r}: llmc cannot make a small random twin of this "
-                f"config ({reason}); the family ties sizes together that the self-check shrinks apart, and llmc "
-                "stops rather than write an engine it has not checked") from None
+        ckpt = write_twin(twin, Path(tmp) / "twin")
         engine_dir = Path(tmp) / "engine"
         quiet = logging.getLogger("llmc")
         level = quiet.level

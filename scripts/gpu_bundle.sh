@@ -3,10 +3,10 @@
 #
 # The device machine (one H100/H200; /work/.library/device/KINDS.md lists its image) has torch, Triton, onnx,
 # onnx-ir, onnxscript, onnxruntime, ml_dtypes, safetensors, tokenizers and pybind11, but transformers 5.17 and
-# huggingface_hub 1.x, older than llmc needs (transformers >= 5.24), and it reaches no package index. This fetches
-# the versions installed here (so the GPU run traces with what CI tested), for CPython 3.12 manylinux x86-64, into
-# .whl/ (kept out of git through .git/info/exclude), and checks the total stays under the device tool's 64 MiB
-# carry limit. On the device, install them before anything imports transformers:
+# huggingface_hub 1.x, older than llmc builds with (pyproject.toml: transformers 5.25.x), and it reaches no package
+# index. This fetches the versions installed here (so the GPU run traces with what CI tested), for CPython 3.12
+# manylinux x86-64, into .whl/ (kept out of git through .git/info/exclude), and checks the total stays under the
+# device tool's 64 MiB carry limit. On the device, install them before anything imports transformers:
 #
 #     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
 #     export PYTHONPATH=/tmp/site

@@ -141,3 +141,17 @@ def test_attention_outside_attention_interface_is_refused_naming_it(tmp_path):
     msg = str(exc.value)
     assert "llmc does not lower attention computed inside the family's own attention modules" in msg, msg
     assert "seen in layer 0's attn (Attention)" in msg and "\n" not in msg
+
+
+def test_refusals_name_what_the_sweep_proves():
+    """The count refusals give (compiler.checkpoint.supported_text) is docs/family_sweep.json's, and no refusal
+    lists a fixed set of "supported model types" any more."""
+    from llmc.compiler.checkpoint import SWEEP_MATCHES, supported_text
+
+    root = SCRIPT.parent.parent
+    rows = json.loads((root / "docs" / "family_sweep.json").read_text())["rows"]
+    assert SWEEP_MATCHES == sum(r["outcome"] == "match" for r in rows.values())
+    assert f"{SWEEP_MATCHES} model types match transformers" in supported_text()
+    assert "docs/family_sweep.md" in supported_text()
+    for path in (root / "compiler").rglob("*.py"):
+        assert "supported model types" not in path.read_text().lower(), path

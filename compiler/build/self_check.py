@@ -17,7 +17,7 @@ from llmc.compiler import artifact
 from llmc.compiler.build.options import canonical_recipe
 from llmc.compiler.build.plan import Plan
 from llmc.compiler.checkpoint import Checkpoint
-from llmc.errors import UnsupportedError
+from llmc.errors import LlmcError, UnsupportedError
 from llmc.quant.recipe import QuantRecipe
 
 Progress = Callable[[str], None]
@@ -66,11 +66,19 @@ def run(ckpt: Checkpoint, plan: Plan, say: Progress, build: BuildFn, lookup_only
 
 
 def child(ckpt: Checkpoint, plan: Plan, build: BuildFn) -> tuple[str, object]:
-    """The self-check in a worker process: ("ok", SelfCheckResult) or ("refused", message)."""
+    """The self-check in a worker process: ("ok", SelfCheckResult), ("refused", message) (exit 3), ("error",
+    (message, exit code)) (another LlmcError: transformers rejects the config) or ("bug", message) (a twin
+    transformers cannot run: compiler/twin_fault.py)."""
+    from llmc.compiler.twin_fault import TwinBug
+
     try:
         return "ok", run(ckpt, plan, lambda _msg: None, build)
     except UnsupportedError as exc:
         return "refused", str(exc)
+    except LlmcError as exc:
+        return "error", (str(exc), exc.exit_code)
+    except TwinBug as exc:
+        return "bug", str(exc)
 
 
 class PendingSelfCheck:
@@ -137,4 +145,10 @@ class PendingSelfCheck:
             shutil.rmtree(self._files, ignore_errors=True)
         if status == "refused":
             raise UnsupportedError(payload)
+        if status == "error":
+            raise LlmcError(payload[0], exit_code=payload[1])
+        if status == "bug":
+            from llmc.compiler.twin_fault import TwinBug
+
+            raise TwinBug(payload)
         return payload
