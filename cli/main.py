@@ -110,8 +110,11 @@ def _print_passes(ctx: click.Context, _param, value: bool) -> None:
         row(name, "recipe", description)
     for backend in BACKENDS:
         click.echo(f"backend lowering: {backend.name} (when the engine is emitted):")
-        for p in backend.lowering_passes(BuildOptions(), None):
+        lowering = backend.lowering_passes(BuildOptions(), None)
+        for p in lowering:
             row(p.name, "fusion" if p.fusion else "lowering", p.description)
+        if not lowering:
+            click.echo("  (no graph rewrite: the engine's program is written op by op from the optimised graph)")
     ctx.exit(0)
 
 
