@@ -14,7 +14,7 @@ import inspect
 import logging
 import re
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import onnx_ir as ir
@@ -63,6 +63,11 @@ class TracedModel:
     # decoder layer, the kind of state and one slot's shape (the manifest's ``state_cache.arrays``); None
     # without such layers. ``num_layers`` then counts the attention layers (the KV pool's).
     state_layers: list[dict] | None = None
+    # An image build (compiler/vision_encoder.py): further graphs of the artifact (name -> graph), what the
+    # manifest records of its images, and the image processor the runtime reproduces.
+    graphs: dict[str, ir.Model] = field(default_factory=dict)
+    images: object = None  # llmc.compiler.vision_encoder.ImageSpec
+    image_processor: object = None  # llmc.runtime.vision.ImageProcessor
 
 
 # The state arrays the recurrent ops of the current trace asked for, in order (a node's state_idx is its index).
@@ -242,7 +247,7 @@ def _build_module(checkpoint: Checkpoint, compute_dtype: str):
             self.inner = inner
 
         def forward(self, input_ids, positions, slot_mapping, block_tables, context_lens, query_start_loc,
-                    logits_indices, rope_lengths=None, state_slots=None):
+                    logits_indices, rope_lengths=None, state_slots=None, image_embeds=None, image_rows=None):
             if rope is not None:
                 rope.lengths = rope_lengths
             paging = dict(slot_mapping=slot_mapping, block_tables=block_tables, context_lens=context_lens,
@@ -252,8 +257,10 @@ def _build_module(checkpoint: Checkpoint, compute_dtype: str):
             position_tables.STEP["positions"] = positions
             try:
                 keep = dict(logits_to_keep=logits_indices) if takes_logits_to_keep else {}
+                tokens = dict(input_ids=input_ids[None]) if image_rows is None else \
+                    dict(inputs_embeds=_with_images(self.inner, input_ids, image_embeds, image_rows)[None])
                 out = self.inner(
-                    input_ids=input_ids[None],
+                    **tokens,
                     position_ids=positions[None],
                     use_cache=False,
                     **keep,
@@ -270,6 +277,13 @@ def _build_module(checkpoint: Checkpoint, compute_dtype: str):
     # The geometry the engine is laid out by is the text model's (a wrapper's own config nests it).
     text_config = config.get_text_config() if multimodal.is_wrapper(checkpoint.config) else config
     return text_config, hf, PackedCausalLM(hf).eval(), rope
+
+
+def _with_images(hf, input_ids, image_embeds, image_rows):
+    """The step's token embeddings ``[T, hidden]`` with rows ``image_rows`` ``[M]`` replaced by ``image_embeds``
+    ``[M, hidden]`` (the image features at their placeholder tokens, as the wrapper's masked_scatter places them)."""
+    embeds = hf.get_input_embeddings()(input_ids)
+    return embeds.index_put((image_rows,), image_embeds.to(embeds.dtype))
 
 
 @dataclass
@@ -335,11 +349,14 @@ def _param_name(graph_name: str) -> str:
     return graph_name[len(WRAPPER_PREFIX):] if graph_name.startswith(WRAPPER_PREFIX) else graph_name
 
 
-def trace(checkpoint: Checkpoint, compute_dtype: str = "float32") -> TracedModel:
+def trace(checkpoint: Checkpoint, compute_dtype: str = "float32",
+          image_size: tuple[int, int] | None = None) -> TracedModel:
     """Trace ``checkpoint`` into an ``onnx_ir.Model`` whose weights are lazily bound to the safetensors.
 
     ``compute_dtype`` is the dtype of the graph (weights are converted on write when it differs
-    from the checkpoint's storage dtype).
+    from the checkpoint's storage dtype). ``image_size`` (pixels, the image processor's output): an image build,
+    whose vision encoder is traced into a second graph (``TracedModel.graphs``) and whose language model takes
+    image embeddings (compiler/vision_encoder.py).
     """
     import torch
 
@@ -347,7 +364,7 @@ def trace(checkpoint: Checkpoint, compute_dtype: str = "float32") -> TracedModel
 
     onnx_schema.register()
     try:
-        return _trace(checkpoint, compute_dtype, torch, torch_op)
+        return _trace(checkpoint, compute_dtype, torch, torch_op, image_size)
     except LlmcError:
         raise
     except Exception as exc:  # a supported family failing here is llmc's bug (exit 70); another is a refusal
@@ -413,7 +430,8 @@ def failing_module(exc: BaseException) -> tuple[str | None, list[str]]:
     return f"{path} ({type(inner).__name__})", classes
 
 
-def _trace(checkpoint: Checkpoint, compute_dtype: str, torch, torch_op) -> TracedModel:
+def _trace(checkpoint: Checkpoint, compute_dtype: str, torch, torch_op,
+           image_size: tuple[int, int] | None = None) -> TracedModel:
     config, hf, module, rope = _build_module(checkpoint, compute_dtype)
     sinks = [n for n, _ in hf.named_parameters() if n.rsplit(".", 1)[-1] in ("sinks", "sink")]
     # Every checkpoint tensor bound or known unused, every weight found with its shape: before tracing.
@@ -421,7 +439,8 @@ def _trace(checkpoint: Checkpoint, compute_dtype: str, torch, torch_op) -> Trace
     account(checkpoint, binding)
 
     recurrent = _recurrent_modules(hf)
-    example, kwargs, dynamic, inputs = _example_inputs(torch, config, rope is not None, bool(recurrent))
+    example, kwargs, dynamic, inputs = _example_inputs(torch, config, rope is not None, bool(recurrent),
+                                                       image_size is not None)
     logging.getLogger("torch.onnx").setLevel(logging.ERROR)
     ATTENTION_SHAPES.clear()
     KV_OWNERS.clear()
@@ -432,6 +451,7 @@ def _trace(checkpoint: Checkpoint, compute_dtype: str, torch, torch_op) -> Trace
     _refuse_unused_sinks(checkpoint, hf, sinks)
     _refuse_static_shapes(checkpoint, model)
     _bind_initializers(checkpoint, model, module, binding, compute_dtype)
+    graphs, images = _vision_graphs(checkpoint, hf, binding, compute_dtype, image_size) if image_size else ({}, None)
     attention_module = _first_attention_module(hf)
     del hf, module, program, binding
     KV_OWNERS.clear()
@@ -450,14 +470,30 @@ def _trace(checkpoint: Checkpoint, compute_dtype: str, torch, torch_op) -> Trace
         rope_recompute_at=rope.threshold if rope is not None else None,
         kv_layers=kv_layers,
         state_layers=state_layers,
+        graphs=graphs,
+        images=images,
     )
 
 
-def _example_inputs(torch, config, longrope: bool, recurrent: bool) -> tuple[tuple, dict, dict, tuple[str, ...]]:
+def _vision_graphs(checkpoint: Checkpoint, hf, binding, compute_dtype: str, image_size: tuple[int, int]):
+    """The vision encoder traced into its own graph (compiler/vision_encoder.py), bound like the text model."""
+    import torch
+
+    from llmc.compiler import vision_encoder
+
+    def bind_encoder(model: ir.Model, module) -> None:
+        _bind_initializers(checkpoint, model, module, binding, compute_dtype)
+
+    encoder = vision_encoder.trace(torch, hf, image_size, OPSET, bind_encoder)
+    return {vision_encoder.ENCODER_GRAPH: encoder}, vision_encoder.spec_of(hf.config, image_size)
+
+
+def _example_inputs(torch, config, longrope: bool, recurrent: bool,
+                    images: bool = False) -> tuple[tuple, dict, dict, tuple[str, ...]]:
     """The example step torch.export traces, its keyword inputs, the dynamic dimensions and the graph's input names.
 
-    Eleven tokens of three sequences (block tables ``[3, 5]``, 2 logits rows), plus ``rope_lengths`` for longrope
-    and ``state_slots`` for hybrid models."""
+    Eleven tokens of three sequences (block tables ``[3, 5]``, 2 logits rows), plus ``rope_lengths`` for longrope,
+    ``state_slots`` for hybrid models and six image rows for image builds."""
     # Small, pairwise distinct sizes so that torch.export keeps every dimension symbolic.
     tokens, seqs, max_blocks = 11, 3, 5
     example = (
@@ -489,6 +525,13 @@ def _example_inputs(torch, config, longrope: bool, recurrent: bool) -> tuple[tup
         kwargs[STATE_SLOTS] = torch.tensor([2, 0, 1])
         dynamic[STATE_SLOTS] = {0: s}
         inputs = (*inputs, STATE_SLOTS)
+    if images:  # rows of the packed step whose embedding an image's features replace (compiler/vision_encoder.py)
+        m = torch.export.Dim("image_rows")
+        kwargs["image_embeds"] = torch.randn(6, config.hidden_size)
+        kwargs["image_rows"] = torch.tensor([1, 2, 3, 8, 9, 10])
+        dynamic["image_embeds"] = {0: m}
+        dynamic["image_rows"] = {0: m}
+        inputs = (*inputs, "image_embeds", "image_rows")
     return example, kwargs, dynamic, inputs
 
 

@@ -35,6 +35,7 @@ from llmc.runtime.core.request import Request
 from llmc.runtime.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from llmc.runtime.core.state_cache import StatePool
 from llmc.runtime.core.step import Stepper
+from llmc.runtime.image_inputs import ImageInputs
 from llmc.runtime.loaders.common import EngineParts, LoadOptions, max_model_len
 from llmc.runtime.lora import requests as lora_requests
 from llmc.runtime.lora.adapter import LoraSpec
@@ -50,6 +51,8 @@ from llmc.runtime.tokenizer import Tokenizer
 from llmc.runtime.workers.ort.session import OrtSession
 
 Prompt = str | Sequence[int]
+# Images of one prompt (paths, encoded bytes, or uint8 [H, W, 3] arrays), in the order of its image placeholders.
+Images = Sequence[str | Path | bytes | np.ndarray]
 # Re-exported for ``from llmc.runtime import ...``: the outputs are the engine's API.
 __all__ = ["Engine", "EngineStats", "GenerationOutput", "Prompt", "RequestOutput", "StreamEvent"]
 
@@ -98,6 +101,9 @@ class Engine:
         # One step's work (scheduling, the worker, sampling, booking tokens): llmc.runtime.core.step.
         self._stepper = Stepper(self.scheduler, session, pool, blocks, state, self.lora, lora_feed, eos_ids,
                                 tokenizer, self._rope_lengths)
+        # An engine built with its vision encoder: images' processor, encoder and cache (runtime/image_inputs.py).
+        self.images: ImageInputs | None = ImageInputs.of(path, manifest)
+        self._stepper.images = self.images
 
     @property
     def speculator(self) -> Speculator | None:
@@ -243,8 +249,12 @@ class Engine:
 
     # -- requests ---------------------------------------------------------------------------------
 
-    def submit(self, prompt: Prompt, params: SamplingParams | None = None, *, request_id: str | None = None) -> str:
+    def submit(self, prompt: Prompt, params: SamplingParams | None = None, *, request_id: str | None = None,
+               images: Images | None = None) -> str:
         """Queue one request (text or token ids); returns its id. It runs as :meth:`step` is called.
+
+        ``images`` (an engine built with its vision encoder): one per image placeholder token of the prompt, in
+        order; each placeholder becomes the image's tokens (``manifest["multimodal"]``).
 
         Its tokens come back in the outputs of :meth:`step`; :meth:`result` returns its output so far,
         and, once it finished, returns it one last time. Raises ``LlmcError`` for a bad prompt, a
@@ -252,15 +262,21 @@ class Engine:
         a full waiting queue.
         """
         with self._lock:
-            rid = self._submit(prompt, params, request_id, "prompt").request_id
+            rid = self._submit(prompt, params, request_id, "prompt", images).request_id
             self._stepper.retain.add(rid)
             return rid
 
     def _submit(self, prompt: Prompt, params: SamplingParams | None, request_id: str | None,
-                label: str) -> Request:
+                label: str, images: Images | None = None) -> Request:
         params = params or SamplingParams()
         lora_key = lora_requests.request_key(self.lora, self.path, params, label)
         ids = self._tokenize(prompt, label)
+        spans, image_key = None, 0
+        if images:
+            if self.images is None:
+                raise LlmcError(f"{label}: {len(images)} images, but the engine at {self.path} takes no images (a "
+                                "text model, or a vision-language model built --text-only)")
+            ids, spans, image_key = self.images.expand(ids, images, label)
         if params.stop and self.tokenizer is None:
             raise LlmcError(f"{label}: stop strings need the engine's tokenizer.json; use stop_token_ids instead")
         if self.max_model_len and len(ids) + params.max_tokens > self.max_model_len:
@@ -278,7 +294,7 @@ class Engine:
                 seq_id=seq_id, prompt_len=len(ids), tokens=list(ids), params=params,
                 arrival_time=time.perf_counter(), rng=np.random.default_rng(seed),
                 logprobs=[] if params.logprobs is not None else None,
-                text="" if params.stop else None, lora_key=lora_key,
+                text="" if params.stop else None, lora_key=lora_key, image_spans=spans, image_key=image_key,
             )
             if self.speculator is not None and params.speculative:
                 req.spec = self.speculator.new_state()
@@ -331,10 +347,11 @@ class Engine:
 
     # -- batch ------------------------------------------------------------------------------------
 
-    def generate(self, prompts: Prompt | list[Prompt],
-                 params: SamplingParams | list[SamplingParams] | None = None) -> list[GenerationOutput]:
-        """Generate for every prompt (text, or a list of token ids), batched continuously; outputs in order."""
-        reqs = self._submit_all(prompts, params)
+    def generate(self, prompts: Prompt | list[Prompt], params: SamplingParams | list[SamplingParams] | None = None,
+                 *, images: list[Images | None] | None = None) -> list[GenerationOutput]:
+        """Generate for every prompt (text, or a list of token ids), batched continuously; outputs in order.
+        ``images``: one list per prompt (None or [] for a prompt without images), see :meth:`submit`."""
+        reqs = self._submit_all(prompts, params, images)
         try:
             while any(not r.finished for r in reqs):
                 self.step()
@@ -344,16 +361,19 @@ class Engine:
                     self.cancel(r.request_id)
         return [self._output(r) for r in reqs]
 
-    def _submit_all(self, prompts, params) -> list[Request]:
+    def _submit_all(self, prompts, params, images=None) -> list[Request]:
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int | np.integer)):
             prompts = [prompts]
         plist = params if isinstance(params, list) else [params] * len(prompts)
         if len(plist) != len(prompts):
             raise LlmcError(f"generate: {len(prompts)} prompts but {len(plist)} SamplingParams; pass one or one each")
+        ilist = [None] * len(prompts) if images is None else list(images)
+        if len(ilist) != len(prompts):
+            raise LlmcError(f"generate: {len(prompts)} prompts but {len(ilist)} image lists; pass one per prompt")
         reqs: list[Request] = []
         try:
-            for i, (p, sp) in enumerate(zip(prompts, plist, strict=True)):
-                reqs.append(self._submit(p, sp, None, f"prompt {i}"))
+            for i, (p, sp, im) in enumerate(zip(prompts, plist, ilist, strict=True)):
+                reqs.append(self._submit(p, sp, None, f"prompt {i}", im))
         except BaseException:
             for r in reqs:  # all or nothing
                 self.cancel(r.request_id)
@@ -387,14 +407,14 @@ class Engine:
 
     # -- streaming --------------------------------------------------------------------------------
 
-    def stream(self, prompts: Prompt | list[Prompt],
-               params: SamplingParams | list[SamplingParams] | None = None) -> Iterator[StreamEvent]:
+    def stream(self, prompts: Prompt | list[Prompt], params: SamplingParams | list[SamplingParams] | None = None,
+               *, images: list[Images | None] | None = None) -> Iterator[StreamEvent]:
         """Yield a :class:`StreamEvent` per generated token of every prompt, as steps produce them.
 
         Other submitted requests keep running in the same steps. Closing the iterator early cancels
-        the requests it still has in flight.
+        the requests it still has in flight. ``images``: as in :meth:`generate`.
         """
-        reqs = self._submit_all(prompts, params)
+        reqs = self._submit_all(prompts, params, images)
         index = {r.request_id: i for i, r in enumerate(reqs)}
         texts = TextDeltas(self.tokenizer, reqs)
         pending = set(index)
@@ -555,6 +575,8 @@ class Engine:
                     self.lora.bind(feeds, [0], [n], self._stepper.lora_feed)
                 if self._state is not None:  # a slot of its own; the whole sequence is this step's: a fresh state
                     feeds["state_slots"] = np.asarray([self._state.slot_of(_SCORE_SEQ)], np.int64)
+                if self.images is not None:  # text only
+                    feeds.update(self.images.empty())
                 return self._session.run(feeds, self._pool, state=self._stepper.state_arrays())
             finally:
                 self._blocks.free(blocks)

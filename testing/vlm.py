@@ -103,3 +103,36 @@ def text_greedy(hf, prompts, new_tokens: int) -> list[list[int]]:
                                     min_new_tokens=new_tokens, do_sample=False, eos_token_id=None,
                                     pad_token_id=0)[0, len(p):].tolist())
     return refs
+
+
+# model type -> (transformers' PIL image processor class, its settings at the tiny encoder's image size)
+VLM_PROCESSORS: dict[str, tuple[str, dict]] = {
+    "llava": ("CLIPImageProcessorPil", dict(size={"shortest_edge": 64}, crop_size={"height": 64, "width": 64})),
+}
+
+
+def write_processor(model_type: str, out: str | Path):
+    """Save transformers' own image processor of ``model_type`` beside a tiny checkpoint (its
+    ``preprocessor_config.json``); returns it. The PIL processors: torchvision is not installed beside the CPU torch."""
+    import transformers
+
+    name, settings = VLM_PROCESSORS[model_type]
+    processor = getattr(transformers, name)(**settings)
+    processor.save_pretrained(out)
+    return processor
+
+
+def random_image(rng, size: tuple[int, int] = (48, 80)) -> bytes:
+    """A fresh random RGB image ``size`` (height, width) as PNG bytes: smooth gradients plus noise."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    h, w = size
+    y, x = np.mgrid[0:h, 0:w]
+    base = rng.uniform(0, 255, 3) + rng.uniform(-2, 2, 3) * (x[..., None] + y[..., None])
+    pixels = np.clip(base + rng.normal(0, 25, (h, w, 3)), 0, 255).astype(np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, format="PNG")
+    return buf.getvalue()

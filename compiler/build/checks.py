@@ -129,10 +129,16 @@ def carry_mxfp4(ckpt: Checkpoint, plan: Plan) -> None:
 
 
 def check_encoders(ckpt: Checkpoint, plan: Plan) -> None:
-    """A vision-language checkpoint: its encoders are not compiled yet, so only --text-only builds it (exit 3)."""
-    from llmc.compiler import multimodal
+    """A vision-language checkpoint: a family whose images llmc places (compiler/vision_encoder.py) builds with its
+    vision encoder, with what that combines with so far; any other only --text-only (exit 3)."""
+    from llmc.compiler import multimodal, vision_encoder
 
-    multimodal.refuse_encoders(ckpt.config, ckpt.model_type, ckpt.path / "config.json", plan.options.text_only)
+    cfg_path = ckpt.path / "config.json"
+    if vision_encoder.builds_images(ckpt.config, plan.options.text_only):
+        vision_encoder.refuse_options(cfg_path, ckpt.model_type, plan.options,
+                                      plan.backend.gpu or plan.target.sm is not None)
+        return
+    multimodal.refuse_encoders(ckpt.config, ckpt.model_type, cfg_path, plan.options.text_only)
     if plan.options.text_only and not multimodal.encoders(ckpt.config):
         raise LlmcError(f"{ckpt.path / 'config.json'}: --text-only builds the text model of a vision-language "
                         f"checkpoint, and model_type {ckpt.model_type!r} has no encoder; leave --text-only out")

@@ -78,14 +78,20 @@ def _graph_fields(s: BuildState) -> dict:
         # Multi-LoRA engines: slots, rank, and per linear its graph inputs (read by llmc.runtime.lora).
         **({"lora": s.lora.to_json()} if s.lora is not None else {}),
         # A vision-language checkpoint built --text-only: which wrapper, and the encoders left out.
-        **({"multimodal": _multimodal(ckpt.config)} if options.text_only else {}),
+        # or with its vision encoder: the placeholder token, tokens per image, the encoder graph.
+        **({"multimodal": _multimodal(ckpt.config, traced)} if options.text_only or traced.images else {}),
     }
 
 
-def _multimodal(config: dict) -> dict:
-    from llmc.compiler.multimodal import manifest_entry
+def _multimodal(config: dict, traced) -> dict:
+    from llmc.compiler.multimodal import image_text_class, manifest_entry
 
-    return manifest_entry(config)
+    if traced.images is None:
+        return manifest_entry(config)
+    from llmc.compiler.vision_encoder import manifest_entry as image_entry
+    from llmc.runtime.vision.config import ARTIFACT_FILE
+
+    return image_entry(image_text_class(str(config.get("model_type"))), traced.images, ARTIFACT_FILE)
 
 
 def fields(s: BuildState) -> tuple[dict, dict]:

@@ -60,11 +60,15 @@ def trace(s: BuildState) -> None:
     """The checkpoint's own transformers classes traced into an ONNX IR graph (compiler/frontend.py)."""
     from llmc.compiler.frontend import trace as trace_model
     from llmc.compiler.provenance import strip_source_locations
+    from llmc.compiler.vision_encoder import fixed_size
 
     options, backend = s.plan.options, s.plan.backend
     s.phase("trace with torch.export", 2)
     t = time.perf_counter()
-    s.traced = trace_model(s.ckpt, compute_dtype=COMPUTE_DTYPE)
+    processor = _image_processor(s)
+    s.traced = trace_model(s.ckpt, compute_dtype=COMPUTE_DTYPE,
+                           image_size=fixed_size(processor.config, s.ckpt.path) if processor is not None else None)
+    s.traced.image_processor = processor
     strip_source_locations(s.traced.model)  # install paths and line numbers: engines the same wherever built
     if options.lora_slots:  # before any fusion: each linear is still MatMul(x, Transpose(W))
         from llmc.passes import recipe
@@ -84,6 +88,24 @@ def trace(s: BuildState) -> None:
     s.timings["trace"] = time.perf_counter() - t
     s.nodes_traced = sum(1 for _ in s.traced.model.graph)
     kill_point("after-trace")
+
+
+def _image_processor(s: BuildState):
+    """An image build's image processor (llmc.runtime.vision): the checkpoint's own JSON, else the family's
+    defaults at the encoder's image size (said in the progress lines); None for other builds."""
+    from llmc.compiler import vision_encoder
+
+    config = s.ckpt.config
+    if not vision_encoder.builds_images(config, s.plan.options.text_only):
+        return None
+    from llmc.runtime.vision import processor_for, read_checkpoint_json
+
+    raw = read_checkpoint_json(s.ckpt.path)
+    if raw is None:
+        side = int(config["vision_config"].get("image_size", 224))
+        raw = {"size": {"shortest_edge": side}, "crop_size": {"height": side, "width": side}}
+        s.say(f"      images: no preprocessor_config.json: {s.ckpt.model_type}'s default processor at {side}x{side}")
+    return processor_for(s.ckpt.model_type, raw)
 
 
 def _verifier(s: BuildState):
@@ -168,6 +190,8 @@ def emit(s: BuildState) -> None:
         import onnx_ir as ir
 
         s.graphs[name] = backend.emit_graph(name, ir.load(path), s.dest)
+    for name, graph in s.traced.graphs.items():  # graphs the trace made beside the language model (an encoder)
+        s.graphs[name] = backend.emit_graph(name, graph, s.dest)
     s.timings["emit"] = time.perf_counter() - t
     kill_point("after-emit")
 
@@ -179,6 +203,10 @@ def write(s: BuildState) -> None:
 
     s.phase("write artifact", 5)
     copied = artifact.copy_tokenizer(s.ckpt.path, s.dest)
+    if s.traced.image_processor is not None:  # what the runtime's image processor reproduces (llmc.runtime.vision)
+        from llmc.runtime.vision import write_config
+
+        write_config(s.traced.image_processor.config, s.dest)
     s.report = report(s, copied)
     artifact.write_json(s.dest / "report.json", s.report)
     s.fields, s.cpu_fields = fields(s)

@@ -52,6 +52,17 @@ class Request:
     # key, which roots its blocks' hash chain so that the prefix cache never mixes adapters' KV.
     lora_slot: int = 0
     lora_key: int = 0
+    # Images (llmc.runtime.image_inputs): each image's span of tokens and its features, and the key of its images'
+    # content, which roots the blocks' hash chain beside the adapter's (other images: other blocks).
+    image_spans: list | None = None
+    image_key: int = 0
+
+    @property
+    def cache_root(self) -> int:
+        """The root of this request's prefix-cache hash chain: its adapter's key, mixed with its images' key."""
+        if not self.image_key:
+            return self.lora_key
+        return ((self.lora_key * 0x9E3779B97F4A7C15) ^ self.image_key) & ((1 << 63) - 1) or 1
 
     @property
     def prompt_token_ids(self) -> list[int]:

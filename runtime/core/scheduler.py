@@ -312,7 +312,7 @@ class Scheduler:
         skipped: list[Request] = []  # waiting for a LoRA slot: they keep their place, those behind them go on
         while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
             r = self.waiting[0]
-            cached = self.blocks.cached_prefix_tokens(r.tokens, r.lora_key)
+            cached = self.blocks.cached_prefix_tokens(r.tokens, r.cache_root)
             remaining = len(r.tokens) - cached
             n = min(remaining, budget)
             if n < remaining and not cfg.enable_chunked_prefill:
@@ -329,7 +329,7 @@ class Scheduler:
                 if not slot:  # every adapter slot is held by running requests: it waits for one
                     skipped.append(self.waiting.popleft())
                     continue
-            if self.blocks.add_sequence(r.seq_id, r.tokens, n, r.lora_key) < 0:
+            if self.blocks.add_sequence(r.seq_id, r.tokens, n, r.cache_root) < 0:
                 if slot:
                     self.lora.release(slot)
                 break
@@ -354,7 +354,7 @@ class Scheduler:
     def _block_hashes(self, r: Request) -> list[int]:
         """Chained hashes of the blocks of ``r`` the prefix cache can serve (full, before the last token)."""
         if r._hashes is None or r._hashes[0] != len(r.tokens):
-            bs, hashes, parent = self.block_size, [], r.lora_key
+            bs, hashes, parent = self.block_size, [], r.cache_root
             for i in range((len(r.tokens) - 1) // bs):
                 parent = hash_block(parent, r.tokens[i * bs : (i + 1) * bs])
                 hashes.append(parent)

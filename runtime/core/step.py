@@ -38,6 +38,7 @@ class Stepper:
         self.rope_lengths = rope_lengths
         self.speculator: Any = None  # a Speculator, set by the engine
         self.structured: Any = None  # a StructuredRuntime, made by the engine for the first constrained request
+        self.images: Any = None  # an ImageInputs (llmc.runtime.image_inputs) of an engine that takes images
         self.last_schedule: SchedulerOutput | None = None  # the latest step's decisions, for inspection
         self.generated = 0  # tokens generated
         self.busy = 0.0  # seconds in steps
@@ -125,6 +126,8 @@ class Stepper:
                                               [c.num_tokens for c in chunks])
         if state_slots is not None:
             feeds["state_slots"] = state_slots
+        if self.images is not None:
+            feeds.update(self.images.feeds(chunks, qsl))
         return feeds
 
     def _sample_on_device(self, sampling: list, feeds: dict[str, np.ndarray]

@@ -1,0 +1,129 @@
+"""The vision encoder of a vision-language checkpoint, traced into a second graph of the artifact (issue 49 item 2).
+
+The encoder and its projector run as transformers runs them: the wrapper's own ``get_image_features`` on pixel
+values of the image processor's fixed size, traced with torch.export into ``vision_encoder`` (input
+``pixel_values`` float32 ``[1, 3, H, W]``, output ``image_features`` ``[1, tokens per image, text hidden]``), its
+weights bound from the checkpoint by the same binding as the text model's. The language model of such a build takes
+two more inputs (:data:`IMAGE_INPUTS`): the packed step's rows whose token embedding is replaced, and what replaces
+it.
+
+Families whose images llmc places so far: :data:`IMAGE_FAMILIES` (LLaVA: image tokens at the placeholder token, 1-D
+positions, causal attention). Others build ``--text-only``.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import onnx_ir as ir
+
+from llmc.errors import UnsupportedError
+
+ENCODER_GRAPH = "vision_encoder"
+ENCODER_INPUT, ENCODER_OUTPUT = "pixel_values", "image_features"
+IMAGE_EMBEDS, IMAGE_ROWS = "image_embeds", "image_rows"
+IMAGE_INPUTS = (IMAGE_EMBEDS, IMAGE_ROWS)
+# model type -> how its images enter the text model (what the runtime and tests rely on)
+IMAGE_FAMILIES = {"llava": "image tokens at the placeholder token, 1-D positions, causal attention"}
+
+
+@dataclass(frozen=True)
+class ImageSpec:
+    """What an image build records: the placeholder token, the encoder's fixed input size (pixels) and its tokens
+    per image, the text model's width (the embeddings' last dimension)."""
+
+    image_token_id: int
+    image_size: tuple[int, int]
+    tokens_per_image: int
+    hidden_size: int
+
+
+def builds_images(config: dict, text_only: bool) -> bool:
+    """Whether a build of ``config`` compiles its vision encoder (a family llmc places images of, not --text-only)."""
+    return not text_only and config.get("model_type") in IMAGE_FAMILIES and isinstance(config.get("vision_config"),
+                                                                                          dict)
+
+
+def refuse_options(cfg_path: Path, model_type: str, options, gpu: bool) -> None:
+    """What an image build cannot be combined with yet, refused before any work (exit 3), naming it."""
+    head = (f"{cfg_path}: model_type {model_type!r} with its vision encoder (build with --text-only for the text "
+            "model alone)")
+    if gpu:
+        raise UnsupportedError(f"{head}: the encoder graph is built for the CPU engine so far; build with --target cpu")
+    for flag, on in (("--quant", options.quant.enabled), ("--verify-passes", options.verify_passes),
+                     ("--lora-slots", options.lora_slots), ("--tp", options.tp > 1)):
+        if on:
+            raise UnsupportedError(f"{head}: {flag} is not combined with image inputs yet; build without {flag}")
+
+
+def fixed_size(config, checkpoint: Path) -> tuple[int, int]:
+    """The (height, width) in pixels every image has after ``config`` (an ImageProcessorConfig of a fixed-size
+    family: its centre crop, else its resize to a height and width)."""
+    for size, on in ((config.crop_size, config.do_center_crop), (config.size, config.do_resize)):
+        if on and size and "height" in size and "width" in size:
+            return int(size["height"]), int(size["width"])
+    raise UnsupportedError(f"{checkpoint}: the image processor gives images no fixed size (size {config.size}, crop "
+                           f"{config.crop_size}); llmc's LLaVA encoder graph takes one size")
+
+
+def spec_of(hf_config, processor_size: tuple[int, int]) -> ImageSpec:
+    """The image build's figures from the wrapper's config (LLaVA: patches per side squared, the CLS token dropped
+    by the ``default`` feature selection)."""
+    vision = hf_config.vision_config
+    patches = (processor_size[0] // vision.patch_size) * (processor_size[1] // vision.patch_size)
+    tokens = patches + (0 if hf_config.vision_feature_select_strategy == "default" else 1)
+    return ImageSpec(int(hf_config.image_token_id), processor_size, tokens,
+                     int(hf_config.get_text_config().hidden_size))
+
+
+def encoder_module(torch, hf):
+    """The wrapper's ``get_image_features`` as a module of pixel values (``inner`` is the wrapper, so its parameters
+    carry the same ``inner.`` prefix as the text model's)."""
+
+    class VisionEncoder(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, pixel_values):
+            cfg = self.inner.config
+            out = self.inner.get_image_features(pixel_values=pixel_values,
+                                                vision_feature_layer=cfg.vision_feature_layer,
+                                                vision_feature_select_strategy=cfg.vision_feature_select_strategy)
+            feats = out.pooler_output
+            return (torch.stack(list(feats)) if isinstance(feats, list | tuple) else feats).float()
+
+    return VisionEncoder(hf).eval()
+
+
+def trace(torch, hf, size: tuple[int, int], opset: int, bind: Callable[[ir.Model, object], None]) -> ir.Model:
+    """torch.onnx.export (dynamo) of the encoder on one image's ``[1, 3, H, W]`` pixels (the runtime encodes each
+    image on its own, as it caches each by its content; get_image_features' per-image list fixes the count);
+    ``bind`` gives the graph's initializers their checkpoint tensors. The vision tower runs transformers' eager
+    attention (the text model's attention hook is for the paged text attention only)."""
+    module = encoder_module(torch, hf)
+    vision = hf.config.vision_config
+    before = vision._attn_implementation
+    vision._attn_implementation = "eager"
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            program = torch.onnx.export(
+                module, (torch.zeros(1, 3, *size),), input_names=[ENCODER_INPUT], output_names=[ENCODER_OUTPUT],
+                dynamo=True, opset_version=opset, optimize=False, verbose=False)
+    finally:
+        vision._attn_implementation = before
+    model = program.model
+    bind(model, module)
+    return model
+
+
+def manifest_entry(wrapper: str | None, spec: ImageSpec, processor_file: str) -> dict:
+    """The manifest's ``multimodal`` section of an image build."""
+    return {"wrapper": wrapper, "text_only": False, "encoder_graph": ENCODER_GRAPH,
+            "image_token_id": spec.image_token_id, "tokens_per_image": spec.tokens_per_image,
+            "image_size": list(spec.image_size), "hidden_size": spec.hidden_size, "processor_file": processor_file,
+            "prefix_cache": "blocks keyed by the images' content"}
