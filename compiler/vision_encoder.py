@@ -28,6 +28,9 @@ IMAGE_EMBEDS, IMAGE_ROWS = "image_embeds", "image_rows"
 IMAGE_INPUTS = (IMAGE_EMBEDS, IMAGE_ROWS)
 # model type -> how its images enter the text model (what the runtime and tests rely on)
 IMAGE_FAMILIES = {"llava": "image tokens at the placeholder token, 1-D positions, causal attention"}
+# model type -> what its images need that llmc does not lower yet (refused by name; --text-only builds the text model)
+IMAGES_NOT_YET = {"gemma3": "bidirectional attention among one image's tokens, which llmc's paged attention "
+                            "(causal in every kernel) does not do yet"}
 
 
 @dataclass(frozen=True)
@@ -45,6 +48,13 @@ def builds_images(config: dict, text_only: bool) -> bool:
     """Whether a build of ``config`` compiles its vision encoder (a family llmc places images of, not --text-only)."""
     return not text_only and config.get("model_type") in IMAGE_FAMILIES and isinstance(config.get("vision_config"),
                                                                                           dict)
+
+
+def refuse_family(cfg_path: Path, model_type: str, text_only: bool) -> None:
+    """A family whose images need what llmc does not lower yet (:data:`IMAGES_NOT_YET`): refused by name (exit 3)."""
+    if not text_only and model_type in IMAGES_NOT_YET:
+        raise UnsupportedError(f"{cfg_path}: model_type {model_type!r}: its images need {IMAGES_NOT_YET[model_type]}; "
+                               "build with --text-only for the text model alone")
 
 
 def refuse_options(cfg_path: Path, model_type: str, options, gpu: bool) -> None:

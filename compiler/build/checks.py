@@ -138,6 +138,7 @@ def check_encoders(ckpt: Checkpoint, plan: Plan) -> None:
         vision_encoder.refuse_options(cfg_path, ckpt.model_type, plan.options,
                                       plan.backend.gpu or plan.target.sm is not None)
         return
+    vision_encoder.refuse_family(cfg_path, ckpt.model_type, plan.options.text_only)
     multimodal.refuse_encoders(ckpt.config, ckpt.model_type, cfg_path, plan.options.text_only)
     if plan.options.text_only and not multimodal.encoders(ckpt.config):
         raise LlmcError(f"{ckpt.path / 'config.json'}: --text-only builds the text model of a vision-language "
