@@ -191,6 +191,13 @@ def _match_int4_linear(node: ir.Node) -> tuple | None:
     return x, codes, dq.inputs[1], zp, dq.attributes.get_int("block_size", 0)
 
 
+_FP8_EMITTERS = ("RMSNormalization", "SkipRMSNormalization", "SwiGLU")
+
+
+def _user(use) -> ir.Node:
+    return use.node if hasattr(use, "node") else use[0]
+
+
 def _pack_int4(codes: np.ndarray) -> np.ndarray:
     """``[K, N]`` 4-bit codes (int4 -8..7 or uint4 0..15) -> ``[ceil(K/2), N]`` uint8, row 2i in the low nibble."""
     c = codes.astype(np.int16) & 0x0F
@@ -212,6 +219,10 @@ class _Lowering:
         # the cache itself stores E4M3 codes with those scales (the kernels quantize on write).
         self.kv_fp8: dict[int, tuple] = {}
         self.kernel_requests: dict[str, dict] = {}  # fused-kernel key -> AOT request (llmc.plugins.triton_aot)
+        # FP8 linears' inputs quantized by the node that produces them: that node's id -> the activation scale, and
+        # the ids of the MatMuls fed that way (_fp8_emitters)
+        self.fp8_emitters: dict[int, ir.Value] = {}
+        self.fp8_fed: set[int] = set()
 
     # weights ------------------------------------------------------------------------------------
 
@@ -262,6 +273,7 @@ class _Lowering:
         if self.kv_fp8 and len(self.kv_fp8) != layers:  # one pool, one format: every layer or none
             raise UnsupportedError(f"the CUDA engine needs an FP8 KV cache in every attention layer or none "
                                    f"({len(self.kv_fp8)} of {layers} have one)")
+        self._fp8_emitters()
         dead = self._dead_after_fusion()
         lora = self._lora_sites(dead)
         # Hybrid models: their shape arithmetic becomes constants (llmc.compiler.backends.cuda_fold says why; kept to
@@ -294,8 +306,17 @@ class _Lowering:
             t = _const(w8)
             w_name = self.derived(f"{w8.name}.nk", "float8_e4m3fn", (n, k),
                                   lambda t=t: np.ascontiguousarray(t.numpy().T))
+            attrs = {"mode": "scaled_mm"}
+            if id(node) in self.fp8_fed:  # x arrives as E4M3 codes: the output's dtype is the engine's
+                attrs.update(x_fp8=1, dtype=self.dtype)
+            else:  # one kernel quantizes x on a GPU (the session's Fp8Linear)
+                from llmc.plugins.fused import requests as fk
+
+                req = fk.fp8_quantize_request(k, _TL[self.dtype])
+                self.kernel_requests[req["key"]] = req
+                attrs["quant_kernel"] = req["key"]
             self.emit("Fp8Linear", [x.name, w_name, self.weight(ws, "float32"), self.weight(s, "float32")],
-                      [node.outputs[0].name], {"mode": "scaled_mm"})
+                      [node.outputs[0].name], attrs)
             self.fusions["fp8-linear"] += 1
             return True
         m = _match_int4_linear(node)
@@ -321,6 +342,24 @@ class _Lowering:
             self.fusions["int4-linear"] += 1
             return True
         return False
+
+    def _fp8_emitters(self) -> None:
+        """Fill ``fp8_emitters`` / ``fp8_fed``: an RMSNorm, skip-RMSNorm or SwiGLU whose output's only reader is the
+        ``QuantizeLinear`` of FP8 linears (all fused, one static scale) emits the E4M3 codes itself (its kernel
+        quantizes as it writes), and those linears take the codes."""
+        for node in self.graph:
+            if node.op_type not in _FP8_EMITTERS or not node.outputs:
+                continue
+            uses = [_user(u) for u in node.outputs[0].uses()]
+            if len(uses) != 1 or uses[0].op_type != "QuantizeLinear" or uses[0].inputs[0] is not node.outputs[0]:
+                continue
+            q = uses[0]
+            mats = [_user(m) for dq in q.outputs[0].uses() for m in _user(dq).outputs[0].uses()]
+            if not mats or not all(id(m) in self.fused and (f := _match_fp8_linear(m)) is not None
+                                   and f[0] is node.outputs[0] for m in mats):
+                continue
+            self.fp8_emitters[id(node)] = q.inputs[1]
+            self.fp8_fed.update(id(m) for m in mats)
 
     def _lora_sites(self, dead: set[int]) -> dict[int, tuple]:
         """LoRA slot updates (llmc.passes.lora) -> one ``LoraApply`` node each (the shrink/expand kernels on a
@@ -407,6 +446,9 @@ class _Lowering:
             (k, k_scale), (v, v_scale) = self.kv_fp8[id(node)]
             inputs[1], inputs[2] = k.name, v.name
             attrs.update(k_scale=k_scale, v_scale=v_scale)
+        if id(node) in self.fp8_emitters:  # its output leaves as its FP8 linear's codes (scale: the last input)
+            inputs.append(self.weight(self.fp8_emitters[id(node)], "float32"))
+            attrs["fp8_out"] = 1
         key = self._fused_kernel(node, inputs, attrs)
         if key is not None:
             attrs["kernel"] = key
@@ -428,8 +470,8 @@ class _Lowering:
             w = self.weights.get(scale)
             if w is None:
                 return None
-            req = fk.rms_norm_request(last, float(attrs.get("epsilon", 1e-5)), op == "SkipRMSNormalization", act,
-                                      _ST_TO_TL[w.dtype])
+            make = fk.rms_norm_fp8_request if attrs.get("fp8_out") else fk.rms_norm_request
+            req = make(last, float(attrs.get("epsilon", 1e-5)), op == "SkipRMSNormalization", act, _ST_TO_TL[w.dtype])
         elif op == "RotaryEmbedding":
             heads = int(attrs.get("num_heads", 0))
             if (attrs.get("interleaved", 0) or not heads or last % heads or len(node.inputs) > 3
@@ -438,7 +480,7 @@ class _Lowering:
                 return None
             req = fk.rotary_request(heads, last // heads, act)
         elif op == "SwiGLU":
-            req = fk.swiglu_request(last, act)
+            req = (fk.swiglu_fp8_request if attrs.get("fp8_out") else fk.swiglu_request)(last, act)
         elif op in torch_program.STATE_OPS:
             req = _recurrent_request(node, attrs, act)
             if req is None:

@@ -93,3 +93,38 @@ def int4_matmul_request(n: int, k: int, group: int, has_zero: bool, act: str) ->
                        "HAS_ZERO": bool(has_zero)},
         "num_warps": 4, "divisible": ["q_ptr", "s_ptr", "out_ptr"], "grid_rule": "(cdiv(N, BLOCK_N), SPLIT_K, 1)",
     }
+
+
+FP8_MODULE = "llmc.plugins.fused.fp8_kernels"
+
+
+def rms_norm_fp8_request(n: int, eps: float, skip: bool, act: str, weight: str) -> dict:
+    """RMSNorm (``skip``: the residual add first) whose normalized rows leave as E4M3 codes with a static scale."""
+    base = rms_norm_request(n, eps, skip, act, weight)
+    sig = base["signature"]
+    sig = {"x_ptr": sig["x_ptr"], "skip_ptr": sig["skip_ptr"], "w_ptr": sig["w_ptr"], "scale_ptr": "*fp32",
+           "out_ptr": "*u8", **{k: v for k, v in sig.items() if k not in ("x_ptr", "skip_ptr", "w_ptr", "out_ptr")}}
+    return {**base, "key": "fp8-" + base["key"], "op": "rms_norm_fp8", "module": FP8_MODULE,
+            "fn": "rms_norm_fp8_kernel", "signature": sig}
+
+
+def swiglu_fp8_request(n: int, act: str) -> dict:
+    """silu(gate) * up over rows of ``n``, leaving as E4M3 codes with a static scale."""
+    base = swiglu_request(n, act)
+    return {**base, "key": "fp8-" + base["key"], "op": "swiglu_fp8", "module": FP8_MODULE, "fn": "swiglu_fp8_kernel",
+            "signature": {"g_ptr": f"*{act}", "u_ptr": f"*{act}", "scale_ptr": "*fp32", "out_ptr": "*u8",
+                          "n_rows": "i32", "g_stride": "i32", "u_stride": "i32", "N": "constexpr",
+                          "BLOCK": "constexpr"}}
+
+
+def fp8_quantize_request(n: int, act: str) -> dict:
+    """Rows of ``n`` activations to E4M3 codes with a static scale (an FP8 linear's input where no kernel before it
+    can emit them)."""
+    block = min(SWIGLU_BLOCK, _pow2(n))
+    return {
+        "key": f"fp8_quantize-n{n}-{act}", "op": "fp8_quantize", "module": FP8_MODULE, "fn": "fp8_quantize_kernel",
+        "signature": {"x_ptr": f"*{act}", "scale_ptr": "*fp32", "out_ptr": "*u8", "n_rows": "i32", "x_stride": "i32",
+                      "N": "constexpr", "BLOCK": "constexpr"},
+        "constexprs": {"N": n, "BLOCK": block},
+        "num_warps": 4, "divisible": ["out_ptr"], "grid_rule": "(n_rows, cdiv(N, BLOCK), 1)",
+    }

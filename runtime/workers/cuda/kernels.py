@@ -106,13 +106,31 @@ class InterpretedKernel:
         self._fn[grid](*args, **self._config)
 
 
-def load_kernels(root: Path, entries: list[dict], interpret: bool = False) -> dict[tuple[str, str], object]:
+class RecordedKernel:
+    """A manifest kernel that only records its launches (``log``: (kernel name, grid) per launch); its outputs keep
+    whatever they held. What a device step would launch, counted on the meta device
+    (:mod:`llmc.runtime.workers.cuda.launches`)."""
+
+    def __init__(self, info: KernelInfo, log: list) -> None:
+        self.info = info
+        self.log = log  # anything with append((name, grid))
+
+    def launch(self, grid: tuple[int, int, int], args: list, stream: int) -> None:
+        del args, stream
+        self.log.append((self.info.name, tuple(grid)))
+
+
+def load_kernels(root: Path, entries: list[dict], interpret: bool = False,
+                 record: list | None = None) -> dict[tuple[str, str], object]:
     """Load every kernel of ``engine.kernels``, keyed by (key, variant). ``interpret``: the fused kernels only,
-    as :class:`InterpretedKernel` (attention then runs in torch)."""
+    as :class:`InterpretedKernel` (attention then runs in torch); ``record``: every kernel as a
+    :class:`RecordedKernel` logging into that list."""
     out = {}
     for d in entries:
         info = KernelInfo.from_manifest(d)
-        if interpret:
+        if record is not None:
+            out[(info.key, info.variant)] = RecordedKernel(info, record)
+        elif interpret:
             if "module" in d:
                 out[(info.key, info.variant)] = InterpretedKernel(info, d)
         else:

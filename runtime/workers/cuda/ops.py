@@ -309,9 +309,19 @@ def pad(x, pads, value=None, axes=None, *, mode="constant", **_):
     return (F.pad(x, widths, value=fill),)
 
 
+def fp8_codes(x: torch.Tensor, act_scale: torch.Tensor) -> torch.Tensor:
+    """``E4M3(x / act_scale)``, saturated to ±448: an FP8 linear's input with its static scale (``QuantizeLinear``)."""
+    return (x.float() / act_scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+
+
+def _maybe_fp8(y: torch.Tensor, act_scale: torch.Tensor | None) -> torch.Tensor:
+    # A node the lowering made emit its FP8 linear's input (attribute fp8_out, the scale its last input).
+    return y if act_scale is None else fp8_codes(y, act_scale)
+
+
 @op("SwiGLU")
-def swiglu(gate, up, **_):
-    return (F.silu(gate) * up,)
+def swiglu(gate, up, act_scale=None, **_):
+    return (_maybe_fp8(F.silu(gate) * up, act_scale),)
 
 
 def _rms(x: torch.Tensor, scale: torch.Tensor, eps: float, axis: int) -> torch.Tensor:
@@ -324,15 +334,15 @@ def _rms(x: torch.Tensor, scale: torch.Tensor, eps: float, axis: int) -> torch.T
 
 
 @op("RMSNormalization")
-def rms_norm(x, scale, *, epsilon=1e-5, axis=-1, **_):
-    return (_rms(x, scale, epsilon, axis),)
+def rms_norm(x, scale, act_scale=None, *, epsilon=1e-5, axis=-1, **_):
+    return (_maybe_fp8(_rms(x, scale, epsilon, axis), act_scale),)
 
 
 @op("SkipRMSNormalization")
-def skip_rms_norm(x, skip, scale, *, epsilon=1e-5, **_):
+def skip_rms_norm(x, skip, scale, act_scale=None, *, epsilon=1e-5, **_):
     x, skip = _align(x, skip)
     s = x + skip
-    return _rms(s, scale, epsilon, -1), s
+    return _maybe_fp8(_rms(s, scale, epsilon, -1), act_scale), s
 
 
 @op("LayerNormalization")
@@ -405,22 +415,25 @@ def quantize(x, scale, zero_point=None, *, axis=1, saturate=1, block_size=0, **_
 
 
 @op("Fp8Linear")
-def fp8_linear(x, w8, w_scales, act_scale, *, mode="emulate", **_):
+def fp8_linear(x, w8, w_scales, act_scale, *, mode="emulate", x_fp8=0, dtype=None, **_):
     """``Q/DQ(x, act_scale) @ DQ(w8 [N, K] E4M3, w_scales [N])``: FP8 GEMM with a static activation scale.
 
-    ``mode="scaled_mm"`` runs ``torch._scaled_mm`` on CUDA tensors (sm_89+ tensor cores, float32
-    accumulation, row-wise scales); CPU tensors and ``"emulate"`` compute the same products in float32.
+    ``x_fp8``: ``x`` is already ``E4M3(x / act_scale)`` (the node before emitted the codes) and ``dtype`` names
+    the output's. ``mode="scaled_mm"`` runs ``torch._scaled_mm`` on device tensors (sm_89+ tensor cores, float32
+    accumulation, row-wise scales); CPU tensors and ``"emulate"`` compute the same products in float32. A CUDA session
+    with its kernels runs its own version (prepared scales, the quantize kernel: ``CudaSession``).
     """
     shape = x.shape
+    out_dtype = DTYPES[dtype] if x_fp8 else x.dtype
     x2 = x.reshape(-1, shape[-1])
-    xq = (x2.float() / act_scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    if mode == "scaled_mm" and x.is_cuda:  # tensor cores; elsewhere the same products in float32
+    xq = x2 if x_fp8 else fp8_codes(x2, act_scale)
+    if mode == "scaled_mm" and x.device.type != "cpu":  # tensor cores; on the CPU the same products in float32
         m = x2.shape[0]
         y = torch._scaled_mm(xq, w8.t(), scale_a=act_scale.reshape(1, 1).expand(m, 1).contiguous(),
-                             scale_b=w_scales.reshape(1, -1), out_dtype=x.dtype)
+                             scale_b=w_scales.reshape(1, -1), out_dtype=out_dtype)
     else:
         y = (xq.float() * act_scale) @ (w8.float() * w_scales.reshape(-1, 1)).t()
-    return (y.to(x.dtype).reshape(*shape[:-1], -1),)
+    return (y.to(out_dtype).reshape(*shape[:-1], -1),)
 
 
 @op("LoraApply")

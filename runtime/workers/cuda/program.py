@@ -20,6 +20,7 @@ same on CUDA tensors and on CPU tensors; a CUDA session captures it in CUDA grap
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -71,6 +72,28 @@ def load_weights(root: Path, spec: dict, device: str | torch.device) -> dict[str
         for name in f.keys():  # noqa: SIM118 - safe_open has keys(), not iteration
             out[name] = f.get_tensor(name).to(device, non_blocking=False)
     return out
+
+
+def meta_weights(root: Path, spec: dict, host_numel: int = 64) -> dict[str, torch.Tensor]:
+    """The program's weights on the meta device (shapes and dtypes from the file's header, no data read), except
+    tensors of at most ``host_numel`` elements, read on the CPU: the constants a program reads as shapes and axes."""
+    from safetensors import safe_open
+
+    out = {}
+    with safe_open(str(root / spec["weights_file"]), framework="pt", device="cpu") as f:
+        for name in f.keys():  # noqa: SIM118 - safe_open has keys(), not iteration
+            sl = f.get_slice(name)
+            shape = [int(d) for d in sl.get_shape()]
+            if math.prod(shape) <= host_numel:
+                out[name] = f.get_tensor(name)
+            else:
+                out[name] = torch.empty(shape, dtype=_SAFETENSORS_DTYPES[sl.get_dtype()], device="meta")
+    return out
+
+
+_SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "I64": torch.int64,
+                       "I32": torch.int32, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
+                       "F8_E4M3": torch.float8_e4m3fn}
 
 
 @dataclass
@@ -139,11 +162,37 @@ class Program:
         self._steps = steps
         self._num_slots = len(slots)
 
-    def run(self, feeds: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+    def constants_to(self, device: str | torch.device) -> None:
+        """Move every tensor constant the nodes read to ``device`` (the meta device: what a step would launch,
+        counted with no memory; :mod:`llmc.runtime.workers.cuda.launches`)."""
+        for st in self._steps:
+            st.args = [(kind, v.to(device)) if kind == "const" and isinstance(v, torch.Tensor) else (kind, v)
+                       for kind, v in st.args]
+
+    def prepare(self, op: str, fn: Callable[[list], list]) -> None:
+        """Rewrite the arguments of every ``op`` node once, at load: ``fn`` takes and returns the node's argument list
+        (``("slot", i)``, ``("const", value)`` or ``("none", None)`` each), e.g. to fold constant scales together."""
+        for st, node in zip(self._steps, self.spec["nodes"], strict=True):
+            if node["op"] == op:
+                st.args = fn(list(st.args))
+
+    def constants(self) -> list[torch.Tensor]:
+        """The distinct tensor constants the nodes read (what the program holds in device memory)."""
+        seen: dict[int, torch.Tensor] = {}
+        for st in self._steps:
+            for kind, v in st.args:
+                if kind == "const" and isinstance(v, torch.Tensor):
+                    seen.setdefault(id(v), v)
+        return list(seen.values())
+
+    def run(self, feeds: dict[str, torch.Tensor], on_node: Callable[[int], None] | None = None) -> list[torch.Tensor]:
+        """``on_node(i)``: called before node ``i`` runs (launch counting)."""
         env: list = [None] * self._num_slots
         for i, name in enumerate(self.input_names):
             env[i] = feeds[name]
-        for st in self._steps:
+        for i, st in enumerate(self._steps):
+            if on_node is not None:
+                on_node(i)
             args = [env[v] if kind == "slot" else v for kind, v in st.args]
             results = st.fn(*args, **st.attrs)
             for slot, value in zip(st.outs, results, strict=False):

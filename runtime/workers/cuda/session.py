@@ -31,8 +31,9 @@ from llmc.errors import UnsupportedError
 from llmc.runtime.core.kv_cache import distinct_pairs, layer_geometry
 from llmc.runtime.sampling.sampler import SampleRow
 from llmc.runtime.workers.cuda import kernels as cuda_kernels
-from llmc.runtime.workers.cuda.ops import DTYPES, OPS, paged_attention_torch
-from llmc.runtime.workers.cuda.program import ATTENTION_OP, STATE_OPS, Program, load_weights, read_spec
+from llmc.runtime.workers.cuda.fused_ops import FusedOps
+from llmc.runtime.workers.cuda.ops import DTYPES, paged_attention_torch
+from llmc.runtime.workers.cuda.program import ATTENTION_OP, STATE_OPS, Program, load_weights, meta_weights, read_spec
 from llmc.runtime.workers.cuda.sampler import sample_rows
 
 GRAPH_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -108,15 +109,19 @@ class CudaSession:
         self.input_names = tuple(spec["inputs"])
         self._pool: TorchKVPool | None = None
         on_gpu = self.device.type == "cuda"
+        meta = self.device.type == "meta"  # a dry run: what a GPU would launch, recorded (launches.py)
+        self.launch_log: list = []
         if on_gpu:
             torch.cuda.set_device(self.device)
         if on_gpu:
             self.kernels = cuda_kernels.load_kernels(root, engine.get("kernels", []))
+        elif meta:
+            self.kernels = cuda_kernels.load_kernels(root, engine.get("kernels", []), record=self.launch_log)
         elif interpret_kernels:  # tests: the fused kernels' launch path under the Triton interpreter
             self.kernels = cuda_kernels.load_kernels(root, engine.get("kernels", []), interpret=True)
         else:
             self.kernels = {}
-        self.attention_route = "aot-triton" if on_gpu and self.kernels else "torch"
+        self.attention_route = "aot-triton" if (on_gpu or meta) and self.kernels else "torch"
         if on_gpu and os.environ.get("LLMC_CUDA_ATTENTION") == "torch":  # debugging: the plain-torch attention
             self.kernels, self.attention_route = {}, "torch"
         # layer -> [k_scale, v_scale] of an FP8 cache (ones otherwise), made once: CUDA graphs capture their addresses
@@ -124,10 +129,16 @@ class CudaSession:
             [n["attrs"].get("k_scale", 1.0), n["attrs"].get("v_scale", 1.0)], dtype=torch.float32, device=self.device)
             for n in spec["nodes"] if n["op"] == ATTENTION_OP}
         self._state: list[torch.Tensor] | None = None  # a hybrid model's state pool (allocate_state)
-        overrides = self._fused_overrides() if self.kernels else {}
+        fused = FusedOps(self._fused, self._launch, self.dtype, self.device) if self.kernels else None
+        overrides = fused.overrides() if fused is not None else {}
         if any(n["op"] in STATE_OPS for n in spec["nodes"]):
             overrides.update(self._state_ops())
-        self.program = Program(spec, load_weights(root, spec, self.device), self._attention, overrides)
+        weights = meta_weights(root, spec) if meta else load_weights(root, spec, self.device)
+        self.program = Program(spec, weights, self._attention, overrides)
+        if meta:
+            self.program.constants_to(self.device)
+        if fused is not None:  # the FP8 linears' scales, folded once here (their kernels' scale_b)
+            self.program.prepare("Fp8Linear", fused.prepare_fp8_linear)
         self.cuda_graphs = bool(cuda_graphs and on_gpu and self.kernels)
         self.graph_batches = tuple(b for b in GRAPH_BATCHES if b <= max_graph_batch)
         kv = manifest["kv_cache"]
@@ -207,7 +218,7 @@ class CudaSession:
         extra = [sinks] if sinks is not None else []
         kernel.launch(grid, [query, key, value, slot_mapping, block_tables, context_lens, query_start_loc,
                              k_cache, v_cache, scales, *extra, s, block_tables.shape[1], out, k_cache, v_cache],
-                      torch.cuda.current_stream(self.device).cuda_stream)
+                      self._stream())
         return out
 
     # -- recurrent-state ops (hybrid models) ------------------------------------------------------
@@ -272,87 +283,11 @@ class CudaSession:
     def _fused(self, key: str | None):
         return self.kernels.get((key, "fused")) if key else None
 
+    def _stream(self) -> int:
+        return torch.cuda.current_stream(self.device).cuda_stream if self.device.type == "cuda" else 0
+
     def _launch(self, kernel, grid, args) -> None:
-        stream = torch.cuda.current_stream(self.device).cuda_stream if self.device.type == "cuda" else 0
-        kernel.launch(grid, args, stream)
-
-    def _fused_overrides(self) -> dict:
-        """Program ops that launch a fused AOT kernel where the node names one (attribute ``kernel``), else torch."""
-        def rms(x, scale, *, kernel=None, **attrs):
-            k = self._fused(kernel)
-            if k is None or x.dtype != self.dtype:
-                return OPS["RMSNormalization"](x, scale, **attrs)
-            x = x.contiguous()
-            out = torch.empty_like(x)
-            rows = x.numel() // x.shape[-1]
-            self._launch(k, (rows, 1, 1), [x, x, scale, out, out, rows])
-            return (out,)
-
-        def skip_rms(x, skip, scale, *, kernel=None, **attrs):
-            k = self._fused(kernel)
-            if k is None or x.dtype != self.dtype or skip.dtype != self.dtype:
-                return OPS["SkipRMSNormalization"](x, skip, scale, **attrs)
-            x, skip = x.contiguous(), skip.contiguous()
-            out, total = torch.empty_like(x), torch.empty_like(x)
-            rows = x.numel() // x.shape[-1]
-            self._launch(k, (rows, 1, 1), [x, skip, scale, out, total, rows])
-            return out, total
-
-        def rotary(x, cos, sin, position_ids=None, *, kernel=None, **attrs):
-            k = self._fused(kernel)
-            if (k is None or position_ids is not None or x.dim() == 4 or x.dtype != self.dtype
-                    or cos.dtype != torch.float32
-                    or sin.dtype != torch.float32):
-                return OPS["RotaryEmbedding"](x, cos, sin, position_ids, **attrs)
-            x2 = _rows_view(x)
-            n, heads = x2.shape[0], int(attrs["num_heads"])
-            half = x2.shape[1] // heads // 2
-            cos, sin = cos.contiguous(), sin.contiguous()
-            if cos.numel() != n * half or sin.numel() != n * half:
-                return OPS["RotaryEmbedding"](x, cos, sin, position_ids, **attrs)
-            out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-            self._launch(k, (n, heads, 1), [x2, cos, sin, out, n, x2.stride(0)])
-            return (out,)
-
-        def swiglu(gate, up, *, kernel=None, **attrs):
-            k = self._fused(kernel)
-            if k is None or gate.dtype != self.dtype or up.dtype != self.dtype or gate.shape != up.shape:
-                return OPS["SwiGLU"](gate, up, **attrs)
-            g2, u2 = _rows_view(gate), _rows_view(up)
-            rows, n = g2.shape
-            out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
-            block = k.info.config["BLOCK"]
-            self._launch(k, (rows, -(-n // block), 1), [g2, u2, out, rows, g2.stride(0), u2.stride(0)])
-            return (out,)
-
-        def int4_linear(x, codes, scales, zeros=None, *, kernel=None, **attrs):
-            k = self._fused(kernel)
-            rows = x.numel() // x.shape[-1]
-            if k is None or x.dtype != self.dtype or scales.dtype != self.dtype or rows > k.info.config["BLOCK_M"]:
-                return OPS["Int4Linear"](x, codes, scales, zeros, **attrs)
-            x2 = _rows_view(x)
-            n, split = codes.shape[1], k.info.config["SPLIT_K"]
-            out = torch.empty((split, rows, n) if split > 1 else (rows, n),
-                              dtype=torch.float32 if split > 1 else x.dtype, device=x.device)
-            self._launch(k, (-(-n // k.info.config["BLOCK_N"]), split, 1),
-                         [x2, codes, scales, zeros if zeros is not None else codes, out, rows, x2.stride(0)])
-            y = out.sum(0).to(x.dtype) if split > 1 else out
-            return (y.reshape(*x.shape[:-1], n),)
-
-        def lora(y, x, a, b, slots, *, shrink_kernel=None, expand_kernel=None, **attrs):
-            ks, ke = self._fused(shrink_kernel), self._fused(expand_kernel)
-            if ks is None or ke is None or {x.dtype, y.dtype, a.dtype, b.dtype} != {self.dtype}:
-                return OPS["LoraApply"](y, x, a, b, slots, **attrs)
-            x2, y2 = _rows_view(x), _rows_view(y)
-            t, n, rank = x2.shape[0], y2.shape[1], int(attrs["rank"])
-            u = torch.empty((t, rank), dtype=torch.float32, device=x.device)
-            self._launch(ks, (t, 1, 1), [x2, a, slots, u, t, x2.stride(0)])
-            out = torch.empty((t, n), dtype=y.dtype, device=y.device)
-            self._launch(ke, (t, -(-n // ke.info.config["BLOCK_N"]), 1), [u, b, slots, y2, out, t, y2.stride(0)])
-            return (out.reshape(y.shape),)
-
-        return {"RMSNormalization": rms, "SkipRMSNormalization": skip_rms, "RotaryEmbedding": rotary,
-                "SwiGLU": swiglu, "Int4Linear": int4_linear, "LoraApply": lora}
+        kernel.launch(grid, args, self._stream())
 
     # -- steps ------------------------------------------------------------------------------------
 
@@ -471,9 +406,3 @@ class CudaSession:
 
     def set_attention_threads(self, n: int) -> None:  # the CPU kernel's threads: nothing to set here
         del n
-
-
-def _rows_view(t: torch.Tensor) -> torch.Tensor:
-    """A ``[rows, n]`` view of ``t`` with unit inner stride, copying only where it must."""
-    t2 = t.reshape(-1, t.shape[-1]) if t.dim() != 2 else t
-    return t2 if t2.stride(-1) == 1 else t2.contiguous()

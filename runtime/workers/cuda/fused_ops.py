@@ -1,0 +1,161 @@
+"""The CUDA session's versions of program ops that launch an AOT kernel: RMSNorm (+ residual), rotary, SwiGLU (each
+optionally emitting an FP8 linear's input), the FP8 and INT4 linears, LoRA.
+
+Each runs the kernel its node names (attribute ``kernel``; the FP8 linear's ``quant_kernel``) where the session
+loaded it and the inputs are what the kernel was compiled for, and otherwise the torch op of
+:mod:`llmc.runtime.workers.cuda.ops`, which computes the same values.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from llmc.runtime.workers.cuda.ops import OPS, fp8_codes
+
+# rows of the ones that stand for the FP8 linears' per-row activation scale (the scale is folded into the weight's):
+# a decode graph of up to this many rows never grows the buffer while it is captured
+_ONES_ROWS = 256
+
+
+class FusedOps:
+    """``fused(key)``: the loaded kernel of that key or None; ``launch(kernel, grid, args)`` on the session's stream."""
+
+    def __init__(self, fused: Callable, launch: Callable, dtype: torch.dtype, device: torch.device) -> None:
+        self._fused, self._launch, self.dtype, self.device = fused, launch, dtype, device
+        self._ones = torch.ones((_ONES_ROWS, 1), dtype=torch.float32, device=device)
+        self._old_ones: list[torch.Tensor] = []  # graphs captured before a growth still read these
+
+    def overrides(self) -> dict[str, Callable]:
+        return {"RMSNormalization": self.rms, "SkipRMSNormalization": self.skip_rms, "RotaryEmbedding": self.rotary,
+                "SwiGLU": self.swiglu, "Int4Linear": self.int4_linear, "LoraApply": self.lora,
+                "Fp8Linear": self.fp8_linear}
+
+    @staticmethod
+    def prepare_fp8_linear(args: list) -> list:
+        """An ``Fp8Linear`` node's constants, once at load: the activation scale folded into the weight's per-channel
+        scales (``[1, N]`` float32, ``torch._scaled_mm``'s ``scale_b``), which replace them."""
+        x, w8, w_scales, act_scale = args[:4]
+        if w_scales[0] != "const" or act_scale[0] != "const":
+            return args
+        return [x, w8, ("const", (w_scales[1].float() * act_scale[1].float()).reshape(1, -1)), act_scale, *args[4:]]
+
+    def _codes_out(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.empty(x.shape, dtype=torch.uint8, device=x.device)
+
+    def rms(self, x, scale, act_scale=None, *, kernel=None, fp8_out=0, **attrs):
+        k = self._fused(kernel)
+        if k is None or x.dtype != self.dtype:
+            return OPS["RMSNormalization"](x, scale, act_scale, **attrs)
+        x = x.contiguous()
+        rows = x.numel() // x.shape[-1]
+        if fp8_out:
+            out = self._codes_out(x)
+            self._launch(k, (rows, 1, 1), [x, x, scale, act_scale, out, x, rows])
+            return (out.view(torch.float8_e4m3fn),)
+        out = torch.empty_like(x)
+        self._launch(k, (rows, 1, 1), [x, x, scale, out, out, rows])
+        return (out,)
+
+    def skip_rms(self, x, skip, scale, act_scale=None, *, kernel=None, fp8_out=0, **attrs):
+        k = self._fused(kernel)
+        if k is None or x.dtype != self.dtype or skip.dtype != self.dtype:
+            return OPS["SkipRMSNormalization"](x, skip, scale, act_scale, **attrs)
+        x, skip = x.contiguous(), skip.contiguous()
+        total = torch.empty_like(x)
+        rows = x.numel() // x.shape[-1]
+        if fp8_out:
+            out = self._codes_out(x)
+            self._launch(k, (rows, 1, 1), [x, skip, scale, act_scale, out, total, rows])
+            return out.view(torch.float8_e4m3fn), total
+        out = torch.empty_like(x)
+        self._launch(k, (rows, 1, 1), [x, skip, scale, out, total, rows])
+        return out, total
+
+    def rotary(self, x, cos, sin, position_ids=None, *, kernel=None, **attrs):
+        k = self._fused(kernel)
+        if (k is None or position_ids is not None or x.dim() == 4 or x.dtype != self.dtype
+                or cos.dtype != torch.float32 or sin.dtype != torch.float32):
+            return OPS["RotaryEmbedding"](x, cos, sin, position_ids, **attrs)
+        x2 = rows_view(x)
+        n, heads = x2.shape[0], int(attrs["num_heads"])
+        half = x2.shape[1] // heads // 2
+        cos, sin = cos.contiguous(), sin.contiguous()
+        if cos.numel() != n * half or sin.numel() != n * half:
+            return OPS["RotaryEmbedding"](x, cos, sin, position_ids, **attrs)
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        self._launch(k, (n, heads, 1), [x2, cos, sin, out, n, x2.stride(0)])
+        return (out,)
+
+    def swiglu(self, gate, up, act_scale=None, *, kernel=None, fp8_out=0, **attrs):
+        k = self._fused(kernel)
+        if k is None or gate.dtype != self.dtype or up.dtype != self.dtype or gate.shape != up.shape:
+            return OPS["SwiGLU"](gate, up, act_scale, **attrs)
+        g2, u2 = rows_view(gate), rows_view(up)
+        rows, n = g2.shape
+        grid = (rows, -(-n // k.info.config["BLOCK"]), 1)
+        if fp8_out:
+            out = self._codes_out(gate)
+            self._launch(k, grid, [g2, u2, act_scale, out, rows, g2.stride(0), u2.stride(0)])
+            return (out.view(torch.float8_e4m3fn),)
+        out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+        self._launch(k, grid, [g2, u2, out, rows, g2.stride(0), u2.stride(0)])
+        return (out,)
+
+    def _ones_rows(self, m: int) -> torch.Tensor:
+        if m > self._ones.shape[0]:  # a long prefill (eager): grow, keeping what captured graphs read
+            self._old_ones.append(self._ones)
+            self._ones = torch.ones((1 << (m - 1).bit_length(), 1), dtype=torch.float32, device=self.device)
+        return self._ones[:m]
+
+    def fp8_linear(self, x, w8, ab_scale, act_scale, *, x_fp8=0, quant_kernel=None, **_):
+        """``E4M3(x / s) @ w8ᵀ`` scaled by ``ab_scale = s * w_scales`` (prepare_fp8_linear): one ``torch._scaled_mm``
+        (cuBLASLt) with unit row scales, after the quantize kernel where the node before did not emit the codes."""
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        if not x_fp8:
+            k = self._fused(quant_kernel)
+            if k is None or x.dtype != self.dtype:
+                x2 = fp8_codes(x2, act_scale)
+            else:
+                x2 = rows_view(x2)
+                codes = torch.empty(x2.shape, dtype=torch.uint8, device=x.device)
+                rows, n = x2.shape
+                self._launch(k, (rows, -(-n // k.info.config["BLOCK"]), 1), [x2, act_scale, codes, rows, x2.stride(0)])
+                x2 = codes.view(torch.float8_e4m3fn)
+        m = x2.shape[0]
+        y = torch._scaled_mm(x2, w8.t(), scale_a=self._ones_rows(m), scale_b=ab_scale, out_dtype=self.dtype)
+        return (y.reshape(*shape[:-1], -1),)
+
+    def int4_linear(self, x, codes, scales, zeros=None, *, kernel=None, **attrs):
+        k = self._fused(kernel)
+        rows = x.numel() // x.shape[-1]
+        if k is None or x.dtype != self.dtype or scales.dtype != self.dtype or rows > k.info.config["BLOCK_M"]:
+            return OPS["Int4Linear"](x, codes, scales, zeros, **attrs)
+        x2 = rows_view(x)
+        n, split = codes.shape[1], k.info.config["SPLIT_K"]
+        out = torch.empty((split, rows, n) if split > 1 else (rows, n),
+                          dtype=torch.float32 if split > 1 else x.dtype, device=x.device)
+        self._launch(k, (-(-n // k.info.config["BLOCK_N"]), split, 1),
+                     [x2, codes, scales, zeros if zeros is not None else codes, out, rows, x2.stride(0)])
+        y = out.sum(0).to(x.dtype) if split > 1 else out
+        return (y.reshape(*x.shape[:-1], n),)
+
+    def lora(self, y, x, a, b, slots, *, shrink_kernel=None, expand_kernel=None, **attrs):
+        ks, ke = self._fused(shrink_kernel), self._fused(expand_kernel)
+        if ks is None or ke is None or {x.dtype, y.dtype, a.dtype, b.dtype} != {self.dtype}:
+            return OPS["LoraApply"](y, x, a, b, slots, **attrs)
+        x2, y2 = rows_view(x), rows_view(y)
+        t, n, rank = x2.shape[0], y2.shape[1], int(attrs["rank"])
+        u = torch.empty((t, rank), dtype=torch.float32, device=x.device)
+        self._launch(ks, (t, 1, 1), [x2, a, slots, u, t, x2.stride(0)])
+        out = torch.empty((t, n), dtype=y.dtype, device=y.device)
+        self._launch(ke, (t, -(-n // ke.info.config["BLOCK_N"]), 1), [u, b, slots, y2, out, t, y2.stride(0)])
+        return (out.reshape(y.shape),)
+
+
+def rows_view(t: torch.Tensor) -> torch.Tensor:
+    """A ``[rows, n]`` view of ``t`` with unit inner stride, copying only where it must."""
+    t2 = t.reshape(-1, t.shape[-1]) if t.dim() != 2 else t
+    return t2 if t2.stride(-1) == 1 else t2.contiguous()
