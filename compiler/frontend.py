@@ -188,13 +188,11 @@ class _PatchedRecurrent:
 
 
 def _auto_class(checkpoint: Checkpoint):
-    """transformers' auto class the model is built with: a vision-language wrapper as itself (its weights named as
-    the checkpoint stores them, traced on text: compiler/multimodal.py), any other model as a causal LM."""
-    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+    """transformers' auto class the model is built with (compiler/multimodal.py: a vision-language wrapper as
+    itself, traced on text)."""
+    from llmc.compiler.multimodal import auto_class
 
-    from llmc.compiler import multimodal
-
-    return AutoModelForImageTextToText if multimodal.is_wrapper(checkpoint.config) else AutoModelForCausalLM
+    return auto_class(checkpoint.config)
 
 
 def _build_module(checkpoint: Checkpoint, compute_dtype: str):

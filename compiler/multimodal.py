@@ -40,6 +40,14 @@ def is_wrapper(config: dict) -> bool:
     return image_text_class(str(config.get("model_type"))) is not None and isinstance(config.get("text_config"), dict)
 
 
+def auto_class(config: dict):
+    """transformers' auto class a model of ``config`` is built with: a vision-language wrapper as itself (its weights
+    named as the checkpoint stores them), any other model as a causal LM."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText if is_wrapper(config) else AutoModelForCausalLM
+
+
 def refuse_encoders(config: dict, model_type: str, cfg_path: Path, text_only: bool) -> None:
     """Refuse (exit 3) a vision-language checkpoint whose encoders would be dropped silently: without
     ``--text-only`` its encoders must be compiled, which llmc does not do yet."""

@@ -73,7 +73,38 @@ def _pick(c: dict, *names, default=None):
 
 
 def shrink_config(config: dict) -> dict:
-    """A small config with the same semantics as ``config`` (a ``config.json`` dict)."""
+    """A small config with the same semantics as ``config`` (a ``config.json`` dict). A vision-language wrapper's
+    text model is shrunk as any text model, and its encoders to one layer each, their widths kept (the twin is built
+    and checked on text: compiler/multimodal.py)."""
+    from llmc.compiler import multimodal
+
+    if not multimodal.is_wrapper(config):
+        return _shrink_flat(config)
+    text = _shrink_flat(config["text_config"])
+    out = {**config, "text_config": text}
+    for field in multimodal.encoders(config):
+        out[field] = _one_layer_encoder(config[field], config["text_config"], text)
+    return out
+
+
+def _one_layer_encoder(enc: dict, text: dict, twin_text: dict) -> dict:
+    """An encoder config cut to one layer; its output widths that meet the text model follow the twin's width."""
+    c = dict(enc)
+    for key in ("num_hidden_layers", "depth", "num_layers"):
+        if isinstance(c.get(key), int) and c[key] > 1:
+            c[key] = 1
+    for key in ("deepstack_visual_indexes",):
+        if isinstance(c.get(key), list):
+            c[key] = [i for i in c[key] if i < 1][:1]
+    width, twin_width = text.get("hidden_size"), twin_text.get("hidden_size")
+    for key in ("out_hidden_size", "projector_output_dim", "vision_output_dim", "text_hidden_size"):
+        if c.get(key) == width and width is not None:
+            c[key] = twin_width
+    return c
+
+
+def _shrink_flat(config: dict) -> dict:
+    """:func:`shrink_config` of a config without a nested text model."""
     c = {k: v for k, v in config.items() if k not in _SIZE_ONLY}
     hkey, heads = _pick(c, "num_attention_heads", "n_head", "num_heads")
     wkey, width = _pick(c, *_WIDTH_FIELDS)
@@ -291,16 +322,23 @@ def check_key(model_type: str, twin: dict, lowering: dict, toolchain: dict, sour
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
+def _auto(config: dict):
+    """transformers' auto class of the twin: the wrapper's own for a vision-language config (as the build)."""
+    from llmc.compiler.multimodal import auto_class
+
+    return auto_class(config)
+
+
 def write_twin(config: dict, out: Path, seed: int = 0) -> Path:
     """Write a random checkpoint of ``config`` to ``out`` (weights drawn so that logits are not flat)."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps({**config, "torch_dtype": "float32"}))
     cfg = in_transformers("instantiate", AutoConfig.from_pretrained, out)
     torch.manual_seed(seed)
-    model = in_transformers("instantiate", AutoModelForCausalLM.from_config, cfg, dtype=torch.float32).eval()
+    model = in_transformers("instantiate", _auto(config).from_config, cfg, dtype=torch.float32).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() >= 2:
@@ -315,14 +353,14 @@ def compare(engine_dir: Path, twin_dir: Path, cuda: bool, seed: int = 0) -> tupl
     """(max |logprob error| over generated tokens, max relative logit error of one prefill, failure or None)."""
     import numpy as np
     import torch
-    from transformers import AutoModelForCausalLM
 
     from llmc.runtime import Engine, SamplingParams
 
-    hf = in_transformers("forward", AutoModelForCausalLM.from_pretrained, twin_dir, dtype=torch.float32).eval()
+    auto = _auto(json.loads((twin_dir / "config.json").read_text()))
+    hf = in_transformers("forward", auto.from_pretrained, twin_dir, dtype=torch.float32).eval()
     engine = Engine.load(engine_dir, device="cpu" if cuda else None, kv_cache_tokens=512, verify=False)
     rng = np.random.default_rng(seed)
-    vocab = min(engine.vocab_size, int(hf.config.vocab_size))
+    vocab = min(engine.vocab_size, int(hf.config.get_text_config().vocab_size))
     worst_lp = 0.0
     for n in PROMPT_LENGTHS:
         prompt = rng.integers(1, vocab, n).tolist()
@@ -403,11 +441,12 @@ def layer_modules(twin_dir: Path, layer: int) -> tuple[str | None, list[str], li
     (``"self_attn: DiffLlamaAttention"``, ...) and the classes of every module deeper inside it (a mechanism can sit
     below the attention module: Zaya's ZayaCCAProjection), read from a model built on the meta device (no weights)."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     try:
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(twin_dir))
+            auto = _auto(json.loads((twin_dir / "config.json").read_text()))
+            model = auto.from_config(AutoConfig.from_pretrained(twin_dir))
     except Exception:  # noqa: BLE001 - naming is best effort; the check's verdict stands without it
         return None, [], []
     found = re.compile(rf"(?:^|\.)(?:layers|h|layer|blocks)\.{layer}$")

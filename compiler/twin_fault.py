@@ -64,14 +64,16 @@ def run_on_meta(config: dict, stage: str) -> BaseException | None:
     """Build ``config``'s model on the meta device and, for the ``forward`` stage, run a 5-token forward; the
     exception transformers raised, or None."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
+
+    from llmc.compiler.multimodal import auto_class
 
     try:
         with tempfile.TemporaryDirectory(prefix="llmc-twin-fault-") as tmp:
             (Path(tmp) / "config.json").write_text(json.dumps({**config, "torch_dtype": "float32"}))
             cfg = AutoConfig.from_pretrained(tmp)
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+            model = auto_class(config).from_config(cfg, dtype=torch.float32).eval()
             if stage == "forward":
                 with torch.no_grad():
                     model(torch.ones((1, 5), dtype=torch.long))

@@ -54,3 +54,40 @@ def test_cli_text_only_flag_and_manifest(tmp_path):
     assert ok.returncode == 0, ok.stderr
     manifest = json.loads((tmp_path / "e" / "manifest.json").read_text())
     assert manifest["multimodal"]["wrapper"] == "Idefics3ForConditionalGeneration"
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_5", "gemma3"])
+def test_text_only_build_passes_the_self_check(model_type, tmp_path, monkeypatch):
+    """A user's build runs the self-check: the twin of a wrapper is the wrapper (text model shrunk, encoders cut to
+    one layer) and must match transformers on text."""
+    monkeypatch.setenv("LLMC_SELF_CHECK", "1")
+    monkeypatch.setenv("LLMC_CACHE_DIR", str(tmp_path / "cache"))
+    write_tiny_vlm(model_type, tmp_path / "ckpt", seed=5)
+    built = build(tmp_path / "ckpt", tmp_path / "engine", BuildOptions(text_only=True))
+    assert built.report["self_check"]["result"] == "passed"
+    assert built.build_info["self_check"]["status"] == "passed"
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_5", "gemma3", "llama4"])
+def test_twins_of_released_size_wrappers_run_in_transformers(model_type):
+    """transformers' own default config of the wrapper (released sizes) shrinks into a twin transformers builds and
+    runs on text, the encoders' output widths following the twin's text width."""
+    import torch
+    from transformers import AutoConfig
+
+    from llmc.compiler.multimodal import auto_class
+    from llmc.compiler.selfcheck import shrink_config
+
+    config = AutoConfig.for_model(model_type).to_dict()
+    twin = shrink_config(config)
+    assert twin["text_config"]["hidden_size"] < config["text_config"]["hidden_size"]
+    cfg = AutoConfig.for_model(model_type, **{k: v for k, v in twin.items() if k != "model_type"})
+    cfg.text_config.vocab_size = 256  # the twin keeps the vocabulary; a small one keeps this test quick
+    with torch.device("meta"):
+        model = auto_class(twin).from_config(cfg)
+    assert sum(p.numel() for p in model.parameters()) < 400e6
+    del model
+    tiny = auto_class(twin).from_config(cfg).eval()
+    with torch.no_grad():
+        logits = tiny(input_ids=torch.tensor([[5, 6, 7]])).logits
+    assert logits.shape == (1, 3, 256) and torch.isfinite(logits).all()
