@@ -421,6 +421,23 @@ def verify(engine: Path, as_json: bool, integrity_only: bool) -> None:
     sys.exit(0 if result.ok else 1)
 
 
+def _echo_cuda_kernels(engine: Path, manifest: dict) -> None:
+    """A CUDA engine's kernels per decoder layer in one decode step, counted on torch's meta device (no GPU, no
+    weights read: llmc.runtime.workers.cuda.launches)."""
+    if manifest.get("parallel"):
+        click.echo("kernels     not counted for tensor-parallel engines")
+        return
+    try:
+        from llmc.runtime.workers.cuda.launches import decode_structure
+
+        structure = decode_structure(engine, manifest, batch=1)
+    except Exception as e:  # noqa: BLE001 - inspect shows what it can
+        click.echo(f"kernels     not counted: {type(e).__name__}: {e}")
+        return
+    for line in structure.summary():
+        click.echo(line)
+
+
 @cli.command()
 @click.argument("engine", type=click.Path(path_type=Path))
 @click.option("--json", "as_json", is_flag=True, help="Print manifest and report as one JSON object.")
@@ -483,6 +500,8 @@ def inspect(engine: Path, as_json: bool) -> None:
         click.echo(f"  pass      {p['pass']}: {stats}")
     for name, n in report.get("backend_fusions", {}).items():  # fused while the engine was written
         click.echo(f"  backend   {name}: matches={n}")
+    if manifest["engine"].get("backend") == "cuda":
+        _echo_cuda_kernels(engine, manifest)
     check = report.get("self_check")
     if check:  # engines built before the self-check existed have none
         twin = check.get("twin_config") or {}

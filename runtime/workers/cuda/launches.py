@@ -34,8 +34,8 @@ _NO_KERNEL = frozenset({
     "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "lift_fresh", "view_as_real",
     "view_as_complex", "_view", "set_", "resize_"})
 # aten ops that read device values on the host (or whose output shape depends on them)
-_SYNCS = frozenset({"_local_scalar_dense", "nonzero", "masked_select", "unique", "_unique2", "unique_consecutive",
-                    "equal", "is_nonzero", "repeat_interleave_tensor"})
+_SYNCS = frozenset({"item", "_local_scalar_dense", "nonzero", "masked_select", "unique", "_unique2",
+                    "unique_consecutive", "equal", "is_nonzero", "repeat_interleave_tensor"})
 _LAYER_WEIGHT = re.compile(r"layers\.(\d+)\.")
 
 
@@ -65,7 +65,7 @@ class DecodeStructure:
     device_weight_bytes: int = 0  # bytes of the tensors the program holds on the device
     weights_file_bytes: int = 0  # bytes of the tensors in the weights file
     weight_bytes_by_dtype: dict[str, int] = field(default_factory=dict)
-    largest_write: int = 0  # elements of the largest tensor a kernel writes in the step
+    largest_writes: dict[int, int] = field(default_factory=dict)  # node -> elements of the largest tensor it writes
     aot_kernels: bool = False  # the engine has its AOT kernels (a GPU session captures decode in CUDA graphs)
 
     @property
@@ -84,7 +84,7 @@ class DecodeStructure:
         lines = [f"kernels     decode step (batch {self.batch}): {sum(self.per_layer) + self.outside} launches = "
                  f"{self.layers} layers × {steady} (per layer: {', '.join(map(str, self.per_layer))}) "
                  f"+ {self.outside} outside the layers",
-                 f"  layer     {by_op}",
+                 f"  per layer {by_op} (layer {self.layers - 1})",
                  f"  weights   {self.device_weight_bytes:,} bytes on the device ("
                  + ", ".join(f"{d} {b:,}" for d, b in sorted(self.weight_bytes_by_dtype.items()))
                  + f"); weights file {self.weights_file_bytes:,}",
@@ -107,7 +107,7 @@ class _Recorder(TorchDispatchMode):
         self.kernels: list[tuple[int, str]] = []
         self.syncs: list[str] = []
         self.copies: list[str] = []
-        self.largest = 0
+        self.largest: dict[int, int] = {}
 
     def at_node(self, i: int) -> None:
         self.node = i
@@ -123,14 +123,21 @@ class _Recorder(TorchDispatchMode):
         if name in _SYNCS and "meta" in devices:
             self.syncs.append(f"node {self.node}: aten.{name}")
             raise HostSync(f"node {self.node} reads a device value on the host (aten.{name})")
-        out = func(*args, **kwargs)
+        try:
+            out = func(*args, **kwargs)
+        except (RuntimeError, NotImplementedError) as e:  # a meta tensor's data was asked for: the host needs it
+            if "meta" not in str(e):
+                raise
+            self.syncs.append(f"node {self.node}: aten.{name} ({e})")
+            raise HostSync(f"node {self.node} needs device data on the host (aten.{name})") from e
         outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
         out_devices = {t.device.type for t in outs}
         if len(devices | out_devices) > 1 and (name in ("_to_copy", "copy_", "to") or "cpu" in out_devices):
             self.copies.append(f"node {self.node}: aten.{name} between host and device")
         elif "meta" in devices | out_devices and name not in _NO_KERNEL:
             self.kernels.append((self.node, f"aten.{name}"))
-            self.largest = max([self.largest, *(t.numel() for t in outs if t.device.type == "meta")])
+            self.largest[self.node] = max([self.largest.get(self.node, 0),
+                                           *(t.numel() for t in outs if t.device.type == "meta")])
         return out
 
 
@@ -197,5 +204,5 @@ def _structure(root: Path, session, rec: _Recorder, batch: int) -> DecodeStructu
         batch=batch, layers=num_layers, per_layer=[per.get(i, 0) for i in range(num_layers)], outside=per.get(None, 0),
         launches=launches, node_layers=layers_of, host_syncs=rec.syncs, host_copies=rec.copies,
         device_weight_bytes=sum(by_dtype.values()), weights_file_bytes=weights_file_bytes(root / spec["weights_file"]),
-        weight_bytes_by_dtype=dict(by_dtype), largest_write=rec.largest,
+        weight_bytes_by_dtype=dict(by_dtype), largest_writes=rec.largest,
         aot_kernels=any(v != "fused" for _, v in session.kernels))

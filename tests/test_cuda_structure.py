@@ -1,0 +1,129 @@
+"""The structure of a CUDA engine's decode step, per recipe, checked with no GPU (issue 51 item 5).
+
+One decode step of a tiny llama's CUDA program is counted as a GPU runs it (llmc.runtime.workers.cuda.launches: the
+session on torch's meta device, the AOT kernels recording their launches, a dispatch mode recording every aten op
+that launches a kernel): at most a stated number of kernel launches per decoder layer; quantized weights held
+packed on the device (the device bytes are the weights file's, no dequantized copy held or written in the step);
+no host synchronisation and no host copy inside the step, so the session captures it in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from llmc.cli.main import cli
+from llmc.compiler.build import BuildOptions, build
+from llmc.quant.recipe import QuantRecipe
+from llmc.runtime.workers.cuda.launches import decode_structure
+from llmc.runtime.workers.cuda.ops import OPS
+
+# Launches per decoder layer of a decode step (batch 1, the tiny llama: packed QKV and gate/up projections).
+# bf16: 2 RMSNorms (the first adds the residual), QKV, 2 rotaries (q, k), attention (writes K/V too), o_proj,
+#   gate/up, SwiGLU, down_proj.
+# fp8: the same kernels, the norms and SwiGLU writing E4M3 codes, each linear one torch._scaled_mm, plus one
+#   quantize kernel before o_proj (attention's output).
+# int4 (groups of 32: K = 64 splits in two): each linear the W4A16 kernel + the sum of its two float32 split-K
+#   partials + the cast to the engine dtype (3 launches); int4-awq: + AWQ's input scale (a Mul before down_proj).
+BOUNDS = {"bf16": 10, "fp8": 11, "int4": 18, "int4-awq": 19}
+RECIPES = {"bf16": None,
+           "fp8": QuantRecipe(quant="fp8", calib_samples=4, calib_seq_len=32),
+           "int4": QuantRecipe(quant="int4", group_size=32),
+           "int4-awq": QuantRecipe(quant="int4-awq", group_size=32, calib_samples=4, calib_seq_len=32)}
+QUANTIZED = {"fp8": ("Fp8Linear", torch.float8_e4m3fn, "F8_E4M3"), "int4": ("Int4Linear", torch.uint8, "U8"),
+             "int4-awq": ("Int4Linear", torch.uint8, "U8")}
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory, tiny_llama):
+    out = tmp_path_factory.mktemp("cuda-structure")
+    built = {}
+    for name, recipe in RECIPES.items():
+        kw = {"quant": recipe} if recipe is not None else {}
+        r = build(tiny_llama, out / name, BuildOptions(target="h100", **kw))
+        built[name] = (r.out_dir, r.manifest)
+    return built
+
+
+def _file_tensors(path) -> dict[str, tuple[str, list[int]]]:
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        return {k: (f.get_slice(k).get_dtype(), f.get_slice(k).get_shape()) for k in f.keys()}  # noqa: SIM118
+
+
+def _linear_shapes(root, op: str) -> dict[int, tuple[int, int]]:
+    """Program node index -> (K, N) of each ``op`` node's weight."""
+    spec = json.loads((root / "program.json").read_text())
+    tensors = _file_tensors(root / "weights.safetensors")
+    out = {}
+    for i, n in enumerate(spec["nodes"]):
+        if n["op"] == op:
+            a, b = tensors[n["inputs"][1]][1]
+            out[i] = (b, a) if op == "Fp8Linear" else (n["attrs"]["k"], b)  # E4M3 [N, K]; INT4 [K/2, N]
+    assert out
+    return out
+
+
+def _dequantizes(s, root, op: str) -> bool:
+    """Whether an ``op`` node writes a tensor larger than its rows (``batch`` x max(K, N)): a dequantized weight."""
+    return any(s.largest_writes.get(i, 0) > s.batch * max(k, n) for i, (k, n) in _linear_shapes(root, op).items())
+
+
+@pytest.mark.parametrize("recipe", sorted(RECIPES))
+def test_decode_step_launches_at_most_the_stated_kernels_per_layer(engines, recipe):
+    root, manifest = engines[recipe]
+    s = decode_structure(root, manifest, batch=1)
+    assert s.layers == manifest["kv_cache"]["num_layers"] == 2
+    assert max(s.per_layer) <= BOUNDS[recipe], (s.per_layer, s.kernels_by_op(1))
+    assert len(set(s.per_layer)) == 1  # every layer the same
+    assert s.kernels_by_op(1).get("PagedAttention") == 1  # the AOT attention kernel, one launch
+
+
+@pytest.mark.parametrize("recipe", sorted(RECIPES))
+def test_decode_step_is_capture_safe_and_the_session_captures_it(engines, recipe):
+    root, manifest = engines[recipe]
+    for batch in (1, 16):
+        s = decode_structure(root, manifest, batch=batch)
+        assert s.host_syncs == [] and s.host_copies == []
+        assert s.aot_kernels and s.capture_safe  # a GPU session replays decode from CUDA graphs
+
+
+@pytest.mark.parametrize("recipe", sorted(QUANTIZED))
+def test_quantized_weights_stay_packed_on_the_device(engines, recipe):
+    root, manifest = engines[recipe]
+    op, dtype, st = QUANTIZED[recipe]
+    s = decode_structure(root, manifest, batch=1)
+    # the device holds the weights file's tensors (less a few host-side shape constants), nothing more
+    assert s.weights_file_bytes - 1024 <= s.device_weight_bytes <= s.weights_file_bytes
+    packed = sum(torch.Size(shape).numel() for d, shape in _file_tensors(root / "weights.safetensors").values()
+                 if d == st)
+    assert s.weight_bytes_by_dtype[str(dtype).removeprefix("torch.")] == packed
+    # and no kernel of a decode step writes a dequantized weight (up to the W4A16 kernel's 16 rows)
+    for batch in (1, 16):
+        assert not _dequantizes(decode_structure(root, manifest, batch=batch), root, op)
+
+
+def test_the_counter_sees_a_dequantized_weight_and_a_host_sync(engines, monkeypatch):
+    """The checks above can fail: past the W4A16 kernel's 16 rows an INT4 linear dequantizes its weight (written in
+    the step), and an op reading a device value on the host is caught."""
+    root, manifest = engines["int4"]
+    wide = decode_structure(root, manifest, batch=32)
+    assert _dequantizes(wide, root, "Int4Linear")
+    assert max(wide.per_layer) > BOUNDS["int4"]
+    mul = OPS["Mul"]
+    monkeypatch.setitem(OPS, "Mul", lambda a, b, **k: mul(a, b * float(b.reshape(-1)[0].item()), **k))
+    synced = decode_structure(*engines["bf16"], batch=1)
+    assert synced.host_syncs and not synced.capture_safe
+
+
+def test_inspect_prints_the_kernels_per_layer(engines):
+    root, _ = engines["fp8"]
+    r = CliRunner().invoke(cli, ["inspect", str(root)])
+    assert r.exit_code == 0, r.output
+    line = next(x for x in r.output.splitlines() if x.startswith("kernels "))
+    assert f"2 layers × {BOUNDS['fp8']}" in line, line
+    assert "Fp8Linear 5" in r.output and "captured in CUDA graphs" in r.output
