@@ -1,7 +1,8 @@
 """The ``engine`` section of ``scripts/gpu_check.py``: llmc's CUDA engine on the 1B shape, on this GPU.
 
 Builds the engines here (``benchmarks/peers/make_model.py 1b``: Llama-3.2-1B shape, vocab 8192, random
-weights; ``llmc build --gpu auto`` in bfloat16, ``--quant fp8`` and ``--quant int4-awq``), then measures:
+weights; ``llmc build --gpu auto`` in bfloat16, ``--quant fp8`` and ``--quant int4`` (RTN: fits the budget)),
+then measures:
 
 - parity: greedy tokens of the bf16 engine vs transformers (bf16, same GPU) on 3 prompts x 32 tokens;
   at a first divergence, the top-2 gap of transformers' logits there (a tie within bf16 rounding or not);
@@ -11,7 +12,7 @@ weights; ``llmc build --gpu auto`` in bfloat16, ``--quant fp8`` and ``--quant in
   ``torch.compile(mode="reduce-overhead")`` at batch 1 when the time budget allows);
 - each decode row's fraction of the HBM roofline: (weight bytes + KV bytes read per step) / step time,
   over this device's measured copy bandwidth;
-- fp8 and int4-awq engines: decode b1 against the bf16 engine.
+- fp8 and int4 engines: decode b1 and b64 against the bf16 engine, right after the bf16 rows (before transformers').
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ ROOT = Path(__file__).resolve().parents[1]
 PROMPT_LEN, NEW_TOKENS, BATCHES, PREFILL_LEN = 128, 128, (1, 8, 64), 2048
 
 
-QUANT_LABEL = {"fp8": "fp8", "int4": "int4-awq"}  # engine key -> what --quant built it
+QUANT_LABEL = {"fp8": "fp8", "int4": "int4"}  # engine key -> what --quant built it (RTN: no calibration)
+QUANT_BATCHES = (1, 64)
 
 
 def _llmc(*args, log: list) -> tuple[int, float, str]:
@@ -209,10 +211,10 @@ def run_engine(budget_s: float, t_start: float, report: dict) -> dict:
     res["engine_dir"] = str(eng["bf16"])  # for the profile section
     # The quantized builds calibrate and score on the CPU: run them while the GPU checks parity.
     # A short calibration and accuracy report: this measures speed, and the last H200 run lost the fp8 build to
-    # the time budget. int4-awq is the format issue 17's figure names (>= 2x the bf16 engine).
+    # the time budget. int4 RTN rather than AWQ: the last H100 run lost the AWQ build to the budget (issue 51).
     # On the CPU: the GPU is busy with the checks below (section "calibration" of gpu_check.py calibrates there).
     short = ["--calib-samples", "8", "--calib-seq-len", "128", "--eval-tokens", "512", "--calib-device", "cpu"]
-    quant_args = {"fp8": ["--quant", "fp8", *short], "int4": ["--quant", "int4-awq", *short]}
+    quant_args = {"fp8": ["--quant", "fp8", *short], "int4": ["--quant", "int4", *short]}
     logs = {q: open(work / f"build-{q}.log", "w+") for q in quant_args}  # noqa: SIM115 - read after wait
     bg = {q: subprocess.Popen([sys.executable, "-m", "llmc.cli.main", "build", str(ckpt), "--gpu", "auto", "-o",
                                str(eng[q]), "--cache-dir", str(cache / q), "-q", *a],
@@ -289,6 +291,10 @@ def run_engine(budget_s: float, t_start: float, report: dict) -> dict:
             rows.append({"who": label, "batch": b, "tok_s": rate,
                          "roofline_frac": rate / b * step_bytes / copy_bw})
             print(rows[-1], flush=True)
+    # The quantized engines next (issue 51: fp8 and int4 against bf16 at batch 1 and 64 first, then the rest).
+    rows += _quant_rows(eng, cfg, rng, prompts, got, copy_bw, {r["batch"]: r["tok_s"] for r in rows
+                                                                if r["who"] == "llmc bf16 (CUDA graphs)"})
+    res["rows"] = rows
     res["sampling"] = _sampling_rows(e, rng, cfg["vocab_size"])
     ids = rng.integers(3, cfg["vocab_size"], PREFILL_LEN).tolist()
     res["prefill_llmc_tok_s"] = _prefill_rate(e, ids)
@@ -327,26 +333,6 @@ def run_engine(budget_s: float, t_start: float, report: dict) -> dict:
         torch.cuda.synchronize()
         res["prefill_transformers_tok_s"] = PREFILL_LEN / (time.perf_counter() - t)
 
-    for q in ("fp8", "int4"):
-        who = f"llmc {QUANT_LABEL[q]}"
-        if not (eng[q] / "manifest.json").is_file():
-            rows.append({"who": who, "batch": 1, "tok_s": None, "error": "build failed or was cut"})
-            continue
-        try:
-            qe = Engine.load(eng[q], kv_cache_tokens=8192)
-            ps = [rng.integers(3, cfg["vocab_size"], PROMPT_LEN).tolist()]
-            _decode_rate(qe, ps, SamplingParams(max_tokens=8, ignore_eos=True))
-            rate = _decode_rate(qe, ps, decode)
-            agree = [o.token_ids for o in qe.generate(prompts, greedy)]
-            rows.append({"who": who, "batch": 1, "tok_s": rate,
-                         "roofline_frac": rate * _weight_bytes(eng[q]) / copy_bw,
-                         "greedy_agree_with_bf16": sum(a == b for x, y in zip(agree, got, strict=True)
-                                                       for a, b in zip(x, y, strict=True)) / (32 * len(prompts))})
-            del qe
-        except Exception as exc:  # noqa: BLE001 - reported, the rest goes on
-            rows.append({"who": who, "batch": 1, "tok_s": None, "error": f"{type(exc).__name__}: {exc}"})
-        print(rows[-1], flush=True)
-    res["rows"] = rows
     if time.time() - t_start < budget_s - 120:
         try:
             t = time.time()
@@ -362,6 +348,40 @@ def run_engine(budget_s: float, t_start: float, report: dict) -> dict:
                      "error": "skipped: time budget"})
     res["ok"] = all(r["identical"] or r.get("tie_within_bf16") for r in parity) and res["graphs_equal_eager"]
     return res
+
+
+def _quant_rows(eng: dict, cfg: dict, rng, prompts: list, got: list, copy_bw: float, bf16: dict) -> list[dict]:
+    """Decode rows of the fp8 and int4 engines at QUANT_BATCHES, each against the bf16 engine at the same batch."""
+    from llmc.runtime import Engine, SamplingParams
+
+    rows = []
+    greedy = SamplingParams(max_tokens=32, ignore_eos=True)
+    decode = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
+    for q in ("fp8", "int4"):
+        who = f"llmc {QUANT_LABEL[q]}"
+        if not (eng[q] / "manifest.json").is_file():
+            rows.append({"who": who, "batch": 1, "tok_s": None, "error": "build failed or was cut"})
+            print(rows[-1], flush=True)
+            continue
+        try:
+            qe = Engine.load(eng[q], kv_cache_tokens=max(QUANT_BATCHES) * (PROMPT_LEN + NEW_TOKENS + 16),
+                             max_num_tokens=max(PREFILL_LEN, max(QUANT_BATCHES) * PROMPT_LEN))
+            agree = [o.token_ids for o in qe.generate(prompts, greedy)]
+            agree_frac = sum(a == b for x, y in zip(agree, got, strict=True)
+                             for a, b in zip(x, y, strict=True)) / (32 * len(prompts))
+            for b in QUANT_BATCHES:
+                ps = [rng.integers(3, cfg["vocab_size"], PROMPT_LEN).tolist() for _ in range(b)]
+                _decode_rate(qe, ps, SamplingParams(max_tokens=8, ignore_eos=True))  # warm: graphs captured
+                rate = _decode_rate(qe, ps, decode)
+                rows.append({"who": who, "batch": b, "tok_s": rate, "vs_bf16": rate / bf16[b] if bf16.get(b) else None,
+                             "roofline_frac": rate / b * _weight_bytes(eng[q]) / copy_bw,
+                             "greedy_agree_with_bf16": agree_frac})
+                print(rows[-1], flush=True)
+            del qe
+        except Exception as exc:  # noqa: BLE001 - reported, the rest goes on
+            rows.append({"who": who, "batch": 1, "tok_s": None, "error": f"{type(exc).__name__}: {exc}"})
+            print(rows[-1], flush=True)
+    return rows
 
 
 def run_profile(report: dict, batches: tuple[int, ...] = (1, 64), steps: int = 10) -> dict:
