@@ -10,6 +10,11 @@ rest of the ``Engine`` API are shared. Imported only when such an engine is load
   batch size (1, 2, 4, ... up to ``max_graph_batch``); prefill and mixed steps run eagerly.
 - ``device="cpu"``: the same program on torch's CPU ops with attention in plain torch: how CI tests
   the lowering and the executor with no GPU.
+- ``device="meta"``: a dry run of what a GPU launches (shapes only, no weights read, the AOT kernels recording
+  their launches): :mod:`.launches` counts a decode step's kernels with it.
+
+The ops that launch the AOT kernels (fused norms, rotary, SwiGLU, the FP8 / INT4 linears, LoRA) are
+:class:`.fused_ops.FusedOps`.
 
 Hybrid models (manifest ``state_cache``): the session owns the state pool too (:meth:`CudaSession.allocate_state`,
 float32 arrays ``[num_slots, ...]`` on the device; the engine's
