@@ -200,16 +200,45 @@ def _cut_lists(section: dict, out: dict) -> None:
                                    for k, v in plc.items() if str(k).isdigit() and int(k) < keep}
 
 
+# Knob variants (``--variants``; rows named ``FAMILY+KNOB``): the same family with a config knob the released
+# checkpoints set differently from the config class's defaults, so that a twin or lowering that ignores it shows.
+VARIANTS = ("head_dim", "untied", "tied", "bias")
+
+
+def _apply_variant(knob: str, defaults: dict, overrides: dict) -> dict:
+    """``overrides`` with ``knob`` turned on; raises CannotInstantiate where the family has no such knob."""
+    merged = {**defaults, **overrides}
+    if knob == "head_dim":  # explicit, = width / heads (Helium-2B: 20 x 128 = 2560), as released configs write it
+        heads, width = merged.get("num_attention_heads"), merged.get("hidden_size")
+        if not (isinstance(heads, int) and isinstance(width, int)) or "head_dim" not in defaults:
+            raise CannotInstantiate("its config has no head_dim knob")
+        return {**overrides, "head_dim": width // heads}
+    if knob in ("untied", "tied"):
+        if "tie_word_embeddings" not in defaults:
+            raise CannotInstantiate("its config has no tie_word_embeddings knob")
+        return {**overrides, "tie_word_embeddings": knob == "tied"}
+    if knob == "bias":
+        keys = [k for k in ("attention_bias", "mlp_bias", "bias", "use_bias") if k in defaults]
+        if not keys:
+            raise CannotInstantiate("its config has no bias knob")
+        return {**overrides, **dict.fromkeys(keys, True)}
+    raise ValueError(f"unknown variant {knob!r}: choose from {', '.join(VARIANTS)}")
+
+
 def tiny_config(model_type: str):
-    """The family's config class at its defaults with every size field small (GENERIC, then FAMILY_OVERRIDES)."""
+    """The family's config class at its defaults with every size field small (GENERIC, then FAMILY_OVERRIDES), and
+    a variant's knob for ``FAMILY+KNOB``."""
     from transformers import AutoConfig
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-    defaults = CONFIG_MAPPING[model_type]().to_dict()
+    family, _, knob = model_type.partition("+")
+    defaults = CONFIG_MAPPING[family]().to_dict()
     overrides = _small(defaults)
-    for k, v in FAMILY_OVERRIDES.get(model_type, {}).items():
+    for k, v in FAMILY_OVERRIDES.get(family, {}).items():
         overrides[k] = {**overrides[k], **v} if isinstance(v, dict) and isinstance(overrides.get(k), dict) else v
-    return AutoConfig.for_model(model_type, **overrides)
+    if knob:
+        overrides = _apply_variant(knob, defaults, overrides)
+    return AutoConfig.for_model(family, **overrides)
 
 
 def write_fixture(model_type: str, out: Path) -> dict:
@@ -528,6 +557,8 @@ def _save(data: dict, json_path: Path, md_path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--families", help="comma-separated model types (default: every causal-LM type)")
+    parser.add_argument("--variants", help=f"comma-separated knobs ({', '.join(VARIANTS)}): each family also built "
+                                           "with each knob turned on, as rows FAMILY+KNOB")
     parser.add_argument("--json", type=Path, default=REPO_ROOT / "docs" / "family_sweep.json")
     parser.add_argument("--md", type=Path, default=REPO_ROOT / "docs" / "family_sweep.md")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per family (default 300)")
@@ -558,7 +589,13 @@ def main(argv: list[str] | None = None) -> int:
 
     every = sweep_order()
     families = args.families.split(",") if args.families else every
-    unknown = [f for f in families if f not in every]
+    if args.variants:
+        knobs = args.variants.split(",")
+        bad_knobs = [k for k in knobs if k not in VARIANTS]
+        if bad_knobs:
+            parser.error(f"--variants: {', '.join(bad_knobs)}: choose from {', '.join(VARIANTS)}")
+        families = [f"{f}+{k}" if k else f for f in families for k in ("", *knobs)]
+    unknown = [f for f in families if f.partition("+")[0] not in every]
     if unknown:
         parser.error(f"--families: {', '.join(unknown)} not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES")
     data = json.loads(args.json.read_text()) if args.json.is_file() else {"meta": {}, "rows": {}}

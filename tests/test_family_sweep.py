@@ -155,3 +155,34 @@ def test_refusals_name_what_the_sweep_proves():
     assert "docs/family_sweep.md" in supported_text()
     for path in (root / "compiler").rglob("*.py"):
         assert "supported model types" not in path.read_text().lower(), path
+
+
+# Knob variants (scripts/family_sweep.py --variants): the family with a knob its released configs set.
+VARIANTS = {
+    "helium+head_dim": ("match", ""),  # explicit head_dim = width / heads, as Helium-2B's config writes it
+    "llama+bias": ("match", ""),  # attention and MLP biases on
+}
+
+
+def test_sweep_knob_variants(tmp_path):
+    out = tmp_path / "sweep.json"
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--families", ",".join(VARIANTS), "--json", str(out),
+                           "--md", str(tmp_path / "sweep.md"), "--timeout", "240", "--jobs", "2"],
+                          capture_output=True, text=True)
+    rows = json.loads(out.read_text())["rows"]
+    table = (tmp_path / "sweep.md").read_text()
+    for name, expected in VARIANTS.items():
+        _check(name, rows[name], expected, table)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_a_knob_the_family_lacks_is_named():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("family_sweep", SCRIPT)
+    sweep = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sweep)
+    with pytest.raises(sweep.CannotInstantiate, match="no bias knob"):
+        sweep._apply_variant("bias", {"hidden_size": 64}, {})
+    assert sweep._apply_variant("head_dim", {"head_dim": None, "num_attention_heads": 4, "hidden_size": 64},
+                                {})["head_dim"] == 16
