@@ -100,6 +100,14 @@ def _bind(host: str, port: int) -> socket.socket:
 @click.option("--kv-events", default=None, metavar="tcp://HOST:PORT",
               help="Publish the prefix cache's changes as vLLM's KV-event stream (ZeroMQ PUB; replay socket on PORT+1; "
                    "behind --replicas replica r uses PORT+2r and PORT+2r+1), for llm-d / Dynamo routers.")
+@click.option("--allowed-local-media-path", default=None, metavar="DIR",
+              type=click.Path(exists=True, file_okay=False, path_type=Path),
+              help="Images given as file:// URLs or paths are read, but only from under DIR (default: none are).")
+@click.option("--allow-remote-images", is_flag=True,
+              help="Fetch http(s) image URLs (size- and time-limited); without it they are answered 400.")
+@click.option("--max-images-per-request", default=4, show_default=True, help="Images one request may carry.")
+@click.option("--max-image-pixels", default=64 * 1024 * 1024, show_default=True, metavar="N",
+              help="Largest image (width x height), checked before it is decoded: a decompression bomb is a 400.")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug"]))
 def serve(engine: Path, host: str, port: int, served_model_name: str | None, api_key: str | None, max_queue: int,
@@ -108,9 +116,12 @@ def serve(engine: Path, host: str, port: int, served_model_name: str | None, api
           num_speculative_tokens: int, tool_call_parser: str | None, reasoning_parser: str | None,
           responses_store_size: int, replicas: int, routing: str, autoscale: str | None, ray_address: str | None,
           target_itl_ms: float | None, kv_events: str | None, log_level: str,
-          lora: tuple[str, ...] = (), allow_runtime_lora: bool = False) -> None:
-    """Serve ENGINE over HTTP with the OpenAI API: /v1/completions, /v1/chat/completions, /v1/models,
-    /tokenize, /detokenize, /health, /ready and Prometheus /metrics.
+          lora: tuple[str, ...] = (), allow_runtime_lora: bool = False, allowed_local_media_path: Path | None = None,
+          allow_remote_images: bool = False, max_images_per_request: int = 4,
+          max_image_pixels: int = 64 * 1024 * 1024) -> None:
+    """Serve ENGINE over HTTP with the OpenAI API: /v1/completions, /v1/chat/completions, /v1/responses,
+    /v1/models, /tokenize, /detokenize, /health, /ready and Prometheus /metrics. A vision-language engine takes
+    images as image_url content parts (data: URLs; local files and http(s) only with the flags below).
 
     \b
       llmc serve engines/m --port 8000
@@ -134,7 +145,8 @@ def serve(engine: Path, host: str, port: int, served_model_name: str | None, api
     target_itl_ms = target_itl_ms or None  # 0: off
     for name, value in (("--max-queue", max_queue), ("--max-n", max_n), ("--drain-timeout", drain_timeout),
                         ("--stall-timeout", stall_timeout), ("--kv-cache-tokens", kv_cache_tokens),
-                        ("--max-num-seqs", max_num_seqs), ("--max-num-tokens", max_num_tokens)):
+                        ("--max-num-seqs", max_num_seqs), ("--max-num-tokens", max_num_tokens),
+                        ("--max-images-per-request", max_images_per_request), ("--max-image-pixels", max_image_pixels)):
         if value is not None:
             _positive(name, value)
     try:
@@ -156,6 +168,9 @@ def serve(engine: Path, host: str, port: int, served_model_name: str | None, api
     if ray_address is not None and replicas == 1 and scale is None:
         raise LlmcError(f"--ray-address {ray_address}: only with --replicas N (N > 1) or --autoscale MIN:MAX; one "
                         "server without them runs here, without Ray")
+    images = dict(allowed_local_media_path=str(allowed_local_media_path) if allowed_local_media_path else None,
+                  allow_remote_images=allow_remote_images, max_images_per_request=max_images_per_request,
+                  max_image_pixels=max_image_pixels)
     if replicas > 1 or scale is not None:
         if lora or allow_runtime_lora:
             raise UnsupportedError("--lora / --allow-runtime-lora: not with --replicas or --autoscale yet (the "
@@ -165,8 +180,8 @@ def serve(engine: Path, host: str, port: int, served_model_name: str | None, api
             max_waiting=max_queue, num_threads=threads or 1, device=device, speculative=spec), dict(
             api_key=api_key, max_queue=max_queue, max_body_size=body_limit, max_n=max_n,
             stall_timeout=stall_timeout, drain_timeout=drain_timeout, tool_call_parser=tool_call_parser,
-            reasoning_parser=reasoning_parser, responses_store_size=responses_store_size, target_itl_ms=target_itl_ms),
-            served_model_name)
+            reasoning_parser=reasoning_parser, responses_store_size=responses_store_size, target_itl_ms=target_itl_ms,
+            **images), served_model_name)
         return
     eng = Engine.load(engine, kv_cache_tokens=kv_cache_tokens, max_num_seqs=max_num_seqs,
                       max_num_tokens=max_num_tokens, max_waiting=max_queue, num_threads=threads, device=device,
@@ -176,7 +191,7 @@ def serve(engine: Path, host: str, port: int, served_model_name: str | None, api
                          max_n=max_n, stall_timeout=stall_timeout, drain_timeout=drain_timeout,
                          tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser,
                          responses_store_size=responses_store_size, allow_runtime_lora=allow_runtime_lora,
-                         target_itl_ms=target_itl_ms)
+                         target_itl_ms=target_itl_ms, **images)
     sock = _bind(host, port)
     bound = sock.getsockname()[1]
     click.echo(f"llmc serve: {name!r} on http://{host}:{bound}/v1 (metrics: /metrics)", err=True)

@@ -10,6 +10,7 @@ conversation renders to the same text as there.
 from __future__ import annotations
 
 import json
+import re
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -73,6 +74,12 @@ class ChatTemplate:
         except jinja2.exceptions.TemplateSyntaxError as exc:  # the engine's file: completions still serve
             self._template = None
             self.error = f"line {exc.lineno}: {exc.message}"
+
+    @property
+    def takes_images(self) -> bool:
+        """Whether the template places images itself: it compares a content part's type with ``'image'``
+        (transformers' multimodal templates); else serve/images.py writes the image token into the text."""
+        return re.search(r"""['"]image['"]""", self.source) is not None
 
     @property
     def takes_tools(self) -> bool:

@@ -42,7 +42,8 @@ class APIError(Exception):
 _UNION_MESSAGES = {
     "prompt": "must be a string, an array of strings, an array of token ids, or an array of arrays of token ids",
     "stop": "must be a string or an array of strings",
-    "content": "must be a string or an array of content parts ({\"type\": \"text\", \"text\": ...})",
+    "content": "must be a string or an array of content parts ({\"type\": \"text\", \"text\": ...} or "
+               "{\"type\": \"image_url\", \"image_url\": {\"url\": ...}})",
 }
 _TYPE_TAGS = {"str", "int", "float", "bool", "none", "list", "dict"}
 

@@ -20,7 +20,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from llmc.errors import LlmcError
 from llmc.runtime import GenerationOutput, SamplingParams
+from llmc.serve import images
 from llmc.serve.errors import APIError
+from llmc.serve.images import ImageRef
 from llmc.serve.loop import Delivery, LoopDead, QueueFull
 from llmc.serve.protocol import ChatCompletionRequest, CompletionRequest
 from llmc.serve.state import ServerState
@@ -56,6 +58,8 @@ class Plan:
     tool_family: str | None = None  # the format calls are parsed from (None: not parsed)
     reasoning: str | None = None  # the reasoning parser (serve/reasoning.py)
     keep_special: bool = False  # decode with special tokens kept: the format's markers are special tokens
+    images: list[ImageRef] = field(default_factory=list)  # the chat's image parts, fetched and decoded by run()
+    image_tokens: int = 0  # prompt tokens the images add once expanded (manifest multimodal.tokens_per_image)
 
     @property
     def parses(self) -> bool:
@@ -227,10 +231,13 @@ def plan_chat(state: ServerState, req: ChatCompletionRequest, body: dict) -> Pla
     if req.chat_template_kwargs is not None and not isinstance(req.chat_template_kwargs, dict):
         raise APIError(400, "chat_template_kwargs: must be an object", param="chat_template_kwargs")
     tool_spec = validate(req.tools, req.tool_choice, req.parallel_tool_calls)
-    prompts = [chat_prompt_ids(state, req.messages, req.add_generation_prompt, req.chat_template_kwargs, tool_spec)]
+    ids, refs = chat_prompt(state, req.messages, req.add_generation_prompt, req.chat_template_kwargs, tool_spec)
+    prompts = [ids]
+    per_image = int((state.engine.manifest.get("multimodal") or {}).get("tokens_per_image") or 1)
+    image_tokens = len(refs) * (per_image - 1)  # each image token becomes the image's tokens
     limit = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     which = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-    max_tokens = _check_lengths(state, prompts, limit, None, which, "messages")
+    max_tokens = _check_lengths(state, [ids + [0] * image_tokens], limit, None, which, "messages")
     top = (req.top_logprobs or 0) if req.logprobs else None
     spec, where = requested(req.response_format, req.structured_outputs)
     reasoning = state.config.reasoning_parser
@@ -252,7 +259,8 @@ def plan_chat(state: ServerState, req: ChatCompletionRequest, body: dict) -> Pla
     return Plan("chat", f"chatcmpl-{uuid.uuid4().hex}", _model_name(state, req), prompts, req.n, params,
                 bool(req.stream), bool(req.stream_options and req.stream_options.include_usage), top,
                 _return_token_ids(body), structured_field=where if spec is not None else None,
-                tool_spec=tool_spec, tool_family=family, reasoning=reasoning, keep_special=keep)
+                tool_spec=tool_spec, tool_family=family, reasoning=reasoning, keep_special=keep, images=refs,
+                image_tokens=image_tokens)
 
 
 def _model_name(state: ServerState, req: CompletionRequest | ChatCompletionRequest) -> str:
@@ -272,20 +280,24 @@ def _special_ids(state: ServerState) -> dict[str, int]:
 
 def chat_prompt_ids(state: ServerState, messages, add_generation_prompt: bool, extra: dict | None,
                     tool_spec: ToolSpec | None = None) -> list[int]:
+    """The conversation's prompt tokens (one image token per image part: serve/images.py)."""
+    return chat_prompt(state, messages, add_generation_prompt, extra, tool_spec)[0]
+
+
+def chat_prompt(state: ServerState, messages, add_generation_prompt: bool, extra: dict | None,
+                tool_spec: ToolSpec | None = None) -> tuple[list[int], list[ImageRef]]:
+    """The conversation's prompt tokens and its images in prompt order (checked, not yet fetched)."""
     if state.chat_template is None:
         raise APIError(400, "messages: this engine has no chat template", param="messages", code="no_chat_template")
-    flat = []
-    for m in messages:
-        d = m.model_dump(exclude_none=False) if not isinstance(m, dict) else dict(m)
-        content = d.get("content")
-        if isinstance(content, list):  # content parts: the text ones, joined (images are not served)
-            d["content"] = "".join(p["text"] if isinstance(p, dict) else p.text for p in content)
-        flat.append(d)
+    flat, refs = images.flatten(state, messages)
     flat, tool_extra = template_messages(flat, tool_spec, state.chat_template.takes_tools)
     text = state.chat_template.render(flat, add_generation_prompt=add_generation_prompt,
                                       extra={**(extra or {}), **tool_extra})
     # The template wrote the special tokens (BOS…) itself.
-    return state.tokenizer.encode(text, add_special_tokens=False)
+    ids = state.tokenizer.encode(text, add_special_tokens=False)
+    if refs:
+        images.check_placeholders(state, ids, refs)
+    return ids, refs
 
 
 # -- running a plan ---------------------------------------------------------------------------------
@@ -314,8 +326,11 @@ async def run(state: ServerState, plan: Plan, request: Request, arrival: float) 
         raise APIError(400, f"{field_name}: {len(plan.prompts)} prompts x n={plan.n} = {len(prompts)} choices exceed "
                        f"the server's queue of {state.loop.max_queue} (--max-queue); send fewer at once",
                        param=field_name)
+    # Fetched and decoded off the event loop; a bad image is a 400 before anything is queued.
+    pixels = await asyncio.to_thread(images.load_images, state, plan.images) if plan.images else None
     try:
-        sink = await state.loop.submit(prompts, plan.params, plan.choice_ids, arrival)
+        sink = await state.loop.submit(prompts, plan.params, plan.choice_ids, arrival,
+                                       **({"images": [pixels] * len(prompts)} if pixels else {}))
     except QueueFull as exc:
         # The queue's own drain estimate where requests have been finishing; the configured floor otherwise.
         wait = state.config.retry_after
@@ -436,7 +451,8 @@ def _response(state: ServerState, plan: Plan, choices: list[_Choice]) -> dict:
                   "finish_reason": _finish_reason(c)}
         if plan.return_token_ids:
             ch["token_ids"] = c.token_ids
-            ch["prompt_token_ids"] = plan.prompts[c.index // plan.n]
+            expanded = c.final.prompt_token_ids if plan.images and c.final is not None else None  # image tokens
+            ch["prompt_token_ids"] = expanded or plan.prompts[c.index // plan.n]
         _structured_fields(plan, c, ch)
         out.append(ch)
     obj = "text_completion" if plan.kind == "completion" else "chat.completion"
@@ -455,7 +471,7 @@ def _structured_fields(plan: Plan, c: _Choice, ch: dict) -> None:
 
 
 def _usage(plan: Plan, choices: list[_Choice]) -> dict:
-    prompt = sum(len(p) for p in plan.prompts)
+    prompt = sum(len(p) for p in plan.prompts) + plan.image_tokens
     completion = sum(len(c.token_ids) for c in choices)
     # Prompt tokens count once per prompt (not per choice); so do cached ones: those every choice reused.
     cached = sum(min((c.final.num_cached_tokens if c.final else 0) for c in choices[i * plan.n:(i + 1) * plan.n])

@@ -87,6 +87,7 @@ class _Submit:
     sink: asyncio.Queue
     arrival: float
     future: concurrent.futures.Future
+    images: Sequence | None = None  # per prompt: its decoded images (Engine.submit's images), or None
 
 
 @dataclass
@@ -131,17 +132,18 @@ class EngineLoop:
         self._thread.start()
 
     async def submit(self, prompts: Sequence[list[int]], params: Sequence[SamplingParams],
-                     ids: Sequence[str], arrival: float) -> asyncio.Queue[Delivery]:
+                     ids: Sequence[str], arrival: float, images: Sequence | None = None) -> asyncio.Queue[Delivery]:
         """Queue the requests, all or none; returns the queue that receives all their deliveries.
 
-        ``arrival`` (``time.perf_counter()``) starts the latency clocks. Raises ``QueueFull``,
+        ``arrival`` (``time.perf_counter()``) starts the latency clocks; ``images``: one list per prompt
+        (``Engine.submit``'s, encoded on this loop's thread as the request is queued). Raises ``QueueFull``,
         ``LlmcError`` (a request the engine refuses) or ``LoopDead``.
         """
         if not self.alive:
             raise LoopDead(self._dead_reason())
         sink: asyncio.Queue[Delivery] = asyncio.Queue()
         fut: concurrent.futures.Future = concurrent.futures.Future()
-        self._inbox.append(_Submit(prompts, params, ids, sink, arrival, fut))
+        self._inbox.append(_Submit(prompts, params, ids, sink, arrival, fut, images))
         self._wake.set()
         try:
             await asyncio.wrap_future(fut)
@@ -250,8 +252,9 @@ class EngineLoop:
             return
         done: list[str] = []
         try:
-            for prompt, params, rid in zip(cmd.prompts, cmd.params, cmd.ids, strict=True):
-                self.engine.submit(prompt, params, request_id=rid)
+            images = cmd.images or [None] * len(cmd.ids)
+            for prompt, params, rid, im in zip(cmd.prompts, cmd.params, cmd.ids, images, strict=True):
+                self.engine.submit(prompt, params, request_id=rid, **({"images": im} if im else {}))
                 done.append(rid)
         except Exception as exc:  # LlmcError: the engine refused the request (400); anything else is a bug (500)
             for rid in done:  # all or nothing

@@ -66,11 +66,23 @@ class TextPart(_Body):
     text: str
 
 
+class ImageURL(_Body):
+    url: str
+    detail: str | None = None  # OpenAI's resolution hint: accepted and ignored (the processor decides)
+
+
+class ImagePart(_Body):
+    """``{"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}}`` (serve/images.py reads it)."""
+
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
 class ChatMessage(BaseModel):
     # Not strict as a whole: tool calls and names pass through to the template untouched.
     model_config = ConfigDict(extra="allow")
     role: Annotated[str, Field(strict=True, min_length=1)]
-    content: Annotated[str, Field(strict=True)] | list[TextPart] | None = None
+    content: Annotated[str, Field(strict=True)] | list[TextPart | ImagePart] | None = None
 
 
 class ChatCompletionRequest(_Sampling):

@@ -2,8 +2,9 @@
 function tools, served through the chat-completions path (the same template, parsers, constraints).
 
 - Input: a string, or items: messages (``user`` / ``system`` / ``developer`` / ``assistant``; text or
-  ``input_text`` / ``output_text`` parts), ``function_call`` and ``function_call_output`` (``reasoning``
-  items are skipped); ``instructions`` become the system message (not carried to the next response).
+  ``input_text`` / ``output_text`` / ``input_image`` parts, an image as a ``data:`` URL: serve/images.py),
+  ``function_call`` and ``function_call_output`` (``reasoning`` items are skipped); ``instructions`` become the
+  system message (not carried to the next response).
 - Fields: ``tools`` (``{"type": "function", "name", "description", "parameters", "strict"}``),
   ``tool_choice``, ``parallel_tool_calls``, ``max_output_tokens``, ``temperature``, ``top_p``,
   ``text.format`` (``text`` / ``json_object`` / ``json_schema``), ``stream``, ``store``,
@@ -68,6 +69,9 @@ class ResponseStore:
         return len(self._items)
 
 
+_TEXT_PARTS = ("input_text", "output_text", "text")
+
+
 def _text_of(content: Any, where: str) -> str:
     if isinstance(content, str):
         return content
@@ -75,13 +79,38 @@ def _text_of(content: Any, where: str) -> str:
         raise APIError(400, f"{where}: must be a string or an array of text parts", param=where)
     out = []
     for j, part in enumerate(content):
-        if not isinstance(part, dict) or part.get("type") not in ("input_text", "output_text", "text") or not \
+        if not isinstance(part, dict) or part.get("type") not in _TEXT_PARTS or not \
                 isinstance(part.get("text"), str):
             kind = part.get("type") if isinstance(part, dict) else type(part).__name__
             raise APIError(400, f"{where}[{j}]: {kind!r} parts are not supported; give input_text parts",
                            param=f"{where}[{j}]", code="unsupported")
         out.append(part["text"])
     return "".join(out)
+
+
+def _content_of(content: Any, where: str) -> str | list[dict]:
+    """A message's content: its text, or chat content parts where it has ``input_image`` parts
+    (``{"type": "input_image", "image_url": "data:image/png;base64,..."}``; ``detail`` ignored)."""
+    if not isinstance(content, list) or not any(isinstance(p, dict) and p.get("type") == "input_image"
+                                                for p in content):
+        return _text_of(content, where)
+    out: list[dict] = []
+    for j, part in enumerate(content):
+        at = f"{where}[{j}]"
+        if isinstance(part, dict) and part.get("type") == "input_image":
+            url = part.get("image_url")
+            if not isinstance(url, str) or not url:
+                why = "file_id images are not supported" if part.get("file_id") else "needs an image_url string"
+                raise APIError(400, f"{at}: {why}; give image_url as a data: URL (data:image/png;base64,...)",
+                               param=f"{at}.image_url", code="invalid_value")
+            out.append({"type": "image_url", "image_url": {"url": url}})
+        elif isinstance(part, dict) and part.get("type") in _TEXT_PARTS and isinstance(part.get("text"), str):
+            out.append({"type": "text", "text": part["text"]})
+        else:
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise APIError(400, f"{at}: {kind!r} parts are not supported; give input_text or input_image parts",
+                           param=at, code="unsupported")
+    return out
 
 
 def input_messages(value: Any) -> list[dict]:
@@ -103,7 +132,7 @@ def input_messages(value: Any) -> list[dict]:
                 raise APIError(400, f"{where}.role: {role!r} is not one of 'user', 'system', 'developer', "
                                "'assistant'", param=f"{where}.role", code="invalid_value")
             out.append({"role": "system" if role == "developer" else role,
-                        "content": _text_of(item.get("content"), f"{where}.content")})
+                        "content": _content_of(item.get("content"), f"{where}.content")})
         elif kind == "function_call":
             name, args, call_id = item.get("name"), item.get("arguments", "{}"), item.get("call_id")
             if not isinstance(name, str) or not isinstance(args, str) or not isinstance(call_id, str):

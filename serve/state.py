@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from llmc.runtime import Engine
 from llmc.runtime.tokenizer import Tokenizer
+from llmc.runtime.vision import DEFAULT_MAX_PIXELS
 from llmc.serve.chat import ChatTemplate
 from llmc.serve.errors import APIError
 from llmc.serve.loop import EngineLoop
@@ -31,6 +32,13 @@ class ServeConfig:
     allow_runtime_lora: bool = False  # POST /v1/load_lora_adapter and /v1/unload_lora_adapter (--allow-runtime-lora)
     # Size mixed steps' prompt share for this inter-token latency (serve/itl.py); None: off.
     target_itl_ms: float | None = 100.0
+    # Images in chat content parts (serve/images.py, serve/image_fetch.py).
+    allowed_local_media_path: str | None = None  # file:// URLs and paths are read only under this directory
+    allow_remote_images: bool = False  # http(s) image URLs fetched (--allow-remote-images); else a 400
+    max_images_per_request: int = 4
+    max_image_pixels: int = DEFAULT_MAX_PIXELS  # width x height of one image, checked before it is decoded
+    max_image_bytes: int = 20 << 20  # one image's encoded bytes (a remote or local file)
+    image_fetch_timeout: float = 10.0  # seconds to fetch one remote image, all of it
 
 
 @dataclass
