@@ -354,11 +354,18 @@ def _build_json(result, target: str) -> dict:
 @click.option("--ignore-eos", is_flag=True, help="Keep generating past end-of-sequence tokens.")
 @click.option("--device", default=None, metavar="DEV",
               help="CUDA engines: cuda (default), cuda:N, or cpu (the same program on torch's CPU ops; slow).")
+@click.option("--image", "images", multiple=True, type=click.Path(path_type=Path), metavar="PATH",
+              help="An image for a vision-language engine (repeatable): the images go, in order, at the prompt's "
+                   "image tokens, or before the prompt where it has none. Every prompt gets them.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object: token_ids, text, timings.")
 def run(engine: Path, prompts: tuple[str, ...], prompt_ids: tuple[str, ...], max_new_tokens: int,
         temperature: float, top_k: int, top_p: float, seed: int | None, ignore_eos: bool, device: str | None,
-        as_json: bool) -> None:
-    """Generate text (or token ids) with an ENGINE directory."""
+        as_json: bool, images: tuple[Path, ...] = ()) -> None:
+    """Generate text (or token ids) with an ENGINE directory.
+
+    \b
+      llmc run engines/llava --image cat.png --prompt "USER: What is in the picture? ASSISTANT:"
+    """
     from llmc.runtime import Engine, SamplingParams
 
     if bool(prompts) == bool(prompt_ids):
@@ -370,8 +377,12 @@ def run(engine: Path, prompts: tuple[str, ...], prompt_ids: tuple[str, ...], max
     load_s = time.perf_counter() - t0
     params = SamplingParams(max_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                             seed=seed, ignore_eos=ignore_eos)
+    per_prompt = None
+    if images:
+        inputs = [_with_image_tokens(eng, engine, p, len(images)) for p in inputs]
+        per_prompt = [list(images)] * len(inputs)
     t1 = time.perf_counter()
-    outs = eng.generate(inputs, params)
+    outs = eng.generate(inputs, params, images=per_prompt)
     gen_s = time.perf_counter() - t1
     n_tokens = sum(len(o.token_ids) for o in outs)
     timings = {"load_s": round(load_s, 4), "generate_s": round(gen_s, 4),
@@ -397,6 +408,22 @@ def run(engine: Path, prompts: tuple[str, ...], prompt_ids: tuple[str, ...], max
             click.echo("---")
     click.echo(f"[{n_tokens} tokens in {gen_s:.2f}s, {timings['tokens_per_s']} tok/s; "
                f"first token {timings['ttft_s'] * 1000:.0f} ms; load {load_s:.2f}s]", err=True)
+
+
+def _with_image_tokens(eng, engine: Path, prompt: str | list[int], n: int) -> str | list[int]:
+    """``prompt`` with ``n`` image tokens where it has none (before its text; a text prompt gets the token's text,
+    so the tokenizer still adds its BOS first). ``--image`` on an engine without an image encoder: one line."""
+    if eng.images is None:
+        raise LlmcError(f"{engine}: --image: this engine takes no images (a text model, or a vision-language model "
+                        "built --text-only); leave --image out")
+    token_id = eng.images.token_id
+    if isinstance(prompt, list):
+        return prompt if token_id in prompt else [token_id] * n + prompt
+    text = eng.tokenizer.id_to_token(token_id) if eng.tokenizer is not None else None
+    if text is None or eng.tokenizer.encode(text, add_special_tokens=False) != [token_id]:
+        raise LlmcError(f"{engine}: --image: the tokenizer has no text for the image token {token_id}; give the "
+                        f"prompt as --prompt-ids with {token_id} where each image goes")
+    return prompt if text in prompt else text * n + prompt
 
 
 @cli.command()

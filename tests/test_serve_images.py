@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import io
+import json
 import struct
 import zlib
 
@@ -212,3 +213,33 @@ def test_image_to_a_text_only_engine_is_a_400(tiny_engine):
         assert err.value.body["param"] == "messages[0].content[1]" and "takes no images" in err.value.body["message"]
         ok = c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
         assert ok.choices[0].message.content is not None
+
+
+def _llmc(*args) -> tuple[int, str, str]:
+    from click.testing import CliRunner
+
+    from llmc.cli.main import cli
+
+    result = CliRunner().invoke(cli, [str(a) for a in args])
+    return result.exit_code, result.stdout, result.stderr
+
+
+def test_llmc_run_image_equals_engine_generate(llava, offline, tmp_path):
+    engine_dir, tok, _ = llava
+    a, b = tmp_path / "a.png", tmp_path / "b.png"
+    a.write_bytes(_png(10))
+    b.write_bytes(_png(11))
+    code, out, err = _llmc("run", engine_dir, "--image", a, "--image", b, "--prompt", "Compare them:", "-n", NEW,
+                           "--ignore-eos", "--json")
+    assert code == 0, err
+    got = json.loads(out)
+    ids = tok("<image><image>Compare them:", add_special_tokens=True)["input_ids"]
+    ref = offline.generate([ids], SamplingParams(max_tokens=NEW, ignore_eos=True), images=[[a, b]])[0]
+    assert got["token_ids"] == ref.token_ids and got["prompt_token_ids"] == ref.prompt_token_ids
+
+
+def test_llmc_run_image_on_a_text_engine_is_one_line(tiny_engine, tmp_path):
+    (tmp_path / "a.png").write_bytes(_png(12))
+    code, _, err = _llmc("run", tiny_engine, "--image", tmp_path / "a.png", "--prompt", "hi", "-n", 2)
+    lines = [line for line in err.strip().splitlines() if line.strip()]
+    assert code == 2 and len(lines) == 1 and "takes no images" in lines[0], err
