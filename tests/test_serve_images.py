@@ -243,3 +243,25 @@ def test_llmc_run_image_on_a_text_engine_is_one_line(tiny_engine, tmp_path):
     code, _, err = _llmc("run", tiny_engine, "--image", tmp_path / "a.png", "--prompt", "hi", "-n", 2)
     lines = [line for line in err.strip().splitlines() if line.strip()]
     assert code == 2 and len(lines) == 1 and "takes no images" in lines[0], err
+
+
+def test_template_without_image_parts_gets_the_image_token_text(server, client, llava, offline):
+    """A chat template that only takes string content: the image token's text stands where the part was."""
+    from llmc.serve.chat import ChatTemplate
+    from llmc.testing.corpus import CHAT_TEMPLATE
+
+    _, tok, _ = llava
+    special = {"bos_token": tok.bos_token, "eos_token": tok.eos_token}
+    image = _png(13)
+    ids = tok(tok.apply_chat_template([{"role": "user", "content": "What is in this picture?<image>"}],
+                                      chat_template=CHAT_TEMPLATE, add_generation_prompt=True, tokenize=False),
+              add_special_tokens=False)["input_ids"]
+    ref = offline.generate([ids], SamplingParams(max_tokens=NEW, ignore_eos=True), images=[[image]])[0]
+    kept, server.state.chat_template = server.state.chat_template, ChatTemplate(CHAT_TEMPLATE, special)
+    try:
+        assert not server.state.chat_template.takes_images
+        out = client.chat.completions.create(model=MODEL, messages=_messages(_data_url(image)), max_tokens=NEW,
+                                             temperature=0, extra_body={"ignore_eos": True, "return_token_ids": True})
+    finally:
+        server.state.chat_template = kept
+    assert out.choices[0].model_extra["token_ids"] == ref.token_ids
