@@ -26,6 +26,7 @@ class BenchConfig:
     stream_rate: float = 4.0
     seed: int = 0
     speculative: str | None = None  # "ngram" or "draft:PATH": speculative decoding (SpeculativeConfig.parse)
+    image: str | None = None  # an image file: time the engine's image path too (bench/image.py)
 
     def validate(self, max_model_len: int | None = None, source: str = "") -> None:
         """Raise :class:`LlmcError` naming the flag, the constraint and the fix."""

@@ -61,6 +61,12 @@ def run(engine_dir: str | Path, config: BenchConfig | None = None,
     if "prefill" in cfg.workloads:
         say(f"prefill {cfg.prefill_len} tokens")
         result.rows.append(_prefill_row(engine, cfg))
+    if cfg.image is not None:
+        from llmc.bench.image import image_row
+
+        say(f"image {cfg.image}: preprocessing, encoder, TTFT with the image ({cfg.input_len}-token prompt)")
+        result.rows.append(image_row(engine, Path(cfg.image), cfg.input_len, cfg.repeats, cfg.warmup, cfg.seed,
+                                     cfg.threads))
     if "decode" in cfg.workloads:
         for b in cfg.batches:
             say(f"decode batch {b}: {cfg.input_len}-token prompts, {cfg.output_len} new tokens")

@@ -45,7 +45,7 @@ def format_table(result: dict) -> str:
     head = f"{'workload':14} {'tok/s':>10} {'ms/step':>9} {'TTFT ms':>9} {'GB/s':>8} {'of bw':>7}  tokens"
     lines += [head, "-" * len(head)]
     for r in result["rows"]:
-        if r["workload"] == "stream":
+        if r["workload"] in ("stream", "image"):
             continue
         frac = f"{100 * r['roofline_fraction']:6.1f}%" if "roofline_fraction" in r else f"{'-':>7}"
         gbps = f"{r['achieved_GBps']:8.2f}" if "achieved_GBps" in r else f"{'-':>8}"
@@ -62,6 +62,13 @@ def format_table(result: dict) -> str:
                           f"{r['output_len']} out: {r['tok_s']:.1f} tok/s; TTFT p50 {r['ttft_p50_ms']:.1f} ms, "
                           f"p99 {r['ttft_p99_ms']:.1f} ms; inter-token p50 {r['itl_p50_ms']:.2f} ms, "
                           f"p99 {r['itl_p99_ms']:.2f} ms"]
+    for r in result["rows"]:
+        if r["workload"] == "image":
+            h, w = r["image_hw"]
+            lines += ["", f"image {r['image']} ({w}x{h}, {r['image_tokens']} tokens): preprocessing "
+                          f"{r['preprocess_ms']:.1f} ms, encoder {r['encoder_ms']:.1f} ms; TTFT of a "
+                          f"{r['input_len']}-token prompt with it {r['ttft_ms']:.1f} ms (encoder included), "
+                          f"without it {r['ttft_text_only_ms']:.1f} ms"]
     lines.append("")
     lines.append("of bw = (weights streamed once per step + each sequence's KV and embedding row) per token "
                  "x tok/s / machine read bandwidth")
@@ -86,13 +93,16 @@ def format_table(result: dict) -> str:
 @click.option("--seed", default=0, show_default=True, help="Seed of the random prompts and arrival times.")
 @click.option("--speculative", default=None, metavar="ngram|draft:PATH",
               help="Speculative decoding: prompt lookup, or a draft engine at PATH (acceptance in the table).")
+@click.option("--image", default=None, type=click.Path(exists=True, dir_okay=False, path_type=Path), metavar="PATH",
+              help="Vision-language engines: also time this image's preprocessing, the encoder, and time to first "
+                   "token of an --input-len prompt with it (encoder included) and without it.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the table.")
 @click.option("-o", "--out", "out", type=click.Path(path_type=Path), default=None,
               help="Also save the JSON to this file (parent directories are created).")
 @click.option("-q", "--quiet", is_flag=True, help="No progress output.")
 def bench(engine: Path, workloads: str, batches: tuple[str, ...], input_len: int, output_len: int, prefill_len: int,
           repeats: int, warmup: int, threads: int | None, stream_requests: int, stream_rate: float, seed: int,
-          speculative: str | None, as_json: bool, out: Path | None, quiet: bool) -> None:
+          speculative: str | None, as_json: bool, out: Path | None, quiet: bool, image: Path | None = None) -> None:
     """Benchmark an ENGINE: prefill, decode at each batch size, a request stream; report tok/s and the
     achieved memory bandwidth as a fraction of this machine's measured read bandwidth.
 
@@ -111,7 +121,8 @@ def bench(engine: Path, workloads: str, batches: tuple[str, ...], input_len: int
     cfg = BenchConfig(workloads=_workloads(workloads), batches=_int_list("--batch", batches), input_len=input_len,
                       output_len=output_len, prefill_len=prefill_len, repeats=repeats, warmup=warmup,
                       threads=threads if threads is not None else (os.cpu_count() or 1),
-                      stream_requests=stream_requests, stream_rate=stream_rate, seed=seed, speculative=speculative)
+                      stream_requests=stream_requests, stream_rate=stream_rate, seed=seed, speculative=speculative,
+                      image=str(image) if image is not None else None)
     cfg.validate()
     start = time.perf_counter()
 

@@ -265,3 +265,14 @@ def test_template_without_image_parts_gets_the_image_token_text(server, client, 
     finally:
         server.state.chat_template = kept
     assert out.choices[0].model_extra["token_ids"] == ref.token_ids
+
+
+def test_llmc_bench_image_reports_encoder_and_ttft(llava, tmp_path):
+    (tmp_path / "a.png").write_bytes(_png(14))
+    code, out, err = _llmc("bench", llava[0], "--image", tmp_path / "a.png", "--workloads", "prefill",
+                           "--prefill-len", 8, "--input-len", 8, "--repeats", 1, "--warmup", 0, "--threads", 1,
+                           "--json", "-q")
+    assert code == 0, err
+    row = next(r for r in json.loads(out)["rows"] if r["workload"] == "image")
+    assert row["image_tokens"] == 16 and row["image_hw"] == [40, 56]
+    assert row["encoder_ms"] > 0 and row["ttft_ms"] > 0 and row["ttft_text_only_ms"] > 0
