@@ -39,10 +39,10 @@ def _trace_each_checkpoint_once():
 
     trace, done = frontend.trace, {}
 
-    def once(checkpoint, compute_dtype="float32"):
-        key = (str(checkpoint.path), compute_dtype)
+    def once(checkpoint, compute_dtype="float32", **kwargs):  # kwargs: the trace's image size (none here)
+        key = (str(checkpoint.path), compute_dtype, tuple(sorted(kwargs.items())))
         if key not in done:
-            done[key] = trace(checkpoint, compute_dtype)
+            done[key] = trace(checkpoint, compute_dtype, **kwargs)
         return dataclasses.replace(done[key], model=done[key].model.clone())
 
     with pytest.MonkeyPatch.context() as mp:
