@@ -245,7 +245,8 @@ def _build_module(checkpoint: Checkpoint, compute_dtype: str):
             self.inner = inner
 
         def forward(self, input_ids, positions, slot_mapping, block_tables, context_lens, query_start_loc,
-                    logits_indices, rope_lengths=None, state_slots=None, image_embeds=None, image_rows=None):
+                    logits_indices, rope_lengths=None, state_slots=None, image_embeds=None, image_rows=None,
+                    mrope_positions=None):
             if rope is not None:
                 rope.lengths = rope_lengths
             paging = dict(slot_mapping=slot_mapping, block_tables=block_tables, context_lens=context_lens,
@@ -255,11 +256,9 @@ def _build_module(checkpoint: Checkpoint, compute_dtype: str):
             position_tables.STEP["positions"] = positions
             try:
                 keep = dict(logits_to_keep=logits_indices) if takes_logits_to_keep else {}
-                tokens = dict(input_ids=input_ids[None]) if image_rows is None else \
-                    dict(inputs_embeds=_with_images(self.inner, input_ids, image_embeds, image_rows)[None])
                 out = self.inner(
-                    **tokens,
-                    position_ids=positions[None],
+                    **_token_inputs(self.inner, input_ids, image_embeds, image_rows),
+                    position_ids=_position_ids(torch, positions, mrope_positions),
                     use_cache=False,
                     **keep,
                     **paging,
@@ -275,6 +274,21 @@ def _build_module(checkpoint: Checkpoint, compute_dtype: str):
     # The geometry the engine is laid out by is the text model's (a wrapper's own config nests it).
     text_config = config.get_text_config() if multimodal.is_wrapper(checkpoint.config) else config
     return text_config, hf, PackedCausalLM(hf).eval(), rope
+
+
+def _token_inputs(hf, input_ids, image_embeds, image_rows) -> dict:
+    """The wrapped model's token input: ``input_ids`` ``[1, T]``, or an image build's embeddings ``[1, T, hidden]``."""
+    if image_rows is None:
+        return dict(input_ids=input_ids[None])
+    return dict(inputs_embeds=_with_images(hf, input_ids, image_embeds, image_rows)[None])
+
+
+def _position_ids(torch, positions, mrope_positions):
+    """``positions`` ``[1, T]``, or for M-RoPE (compiler/vision_encoder.py) transformers' ``[4, 1, T]``: the text row
+    (each token's index), then the (time, height, width) rows of ``mrope_positions`` ``[3, T]``."""
+    if mrope_positions is None:
+        return positions[None]
+    return torch.cat([positions[None], mrope_positions])[:, None]
 
 
 def _with_images(hf, input_ids, image_embeds, image_rows):
@@ -438,7 +452,7 @@ def _trace(checkpoint: Checkpoint, compute_dtype: str, torch, torch_op,
 
     recurrent = _recurrent_modules(hf)
     example, kwargs, dynamic, inputs = _example_inputs(torch, config, rope is not None, bool(recurrent),
-                                                       image_size is not None)
+                                                       image_size is not None, _mrope(checkpoint, image_size))
     logging.getLogger("torch.onnx").setLevel(logging.ERROR)
     ATTENTION_SHAPES.clear()
     KV_OWNERS.clear()
@@ -486,12 +500,19 @@ def _vision_graphs(checkpoint: Checkpoint, hf, binding, compute_dtype: str, imag
     return {vision_encoder.ENCODER_GRAPH: encoder}, vision_encoder.spec_of(hf.config, image_size)
 
 
+def _mrope(checkpoint: Checkpoint, image_size) -> bool:
+    """Whether the image build's language model takes M-RoPE positions (compiler/vision_encoder.py)."""
+    from llmc.compiler.vision_encoder import uses_mrope
+
+    return image_size is not None and uses_mrope(checkpoint.model_type)
+
+
 def _example_inputs(torch, config, longrope: bool, recurrent: bool,
-                    images: bool = False) -> tuple[tuple, dict, dict, tuple[str, ...]]:
+                    images: bool = False, mrope: bool = False) -> tuple[tuple, dict, dict, tuple[str, ...]]:
     """The example step torch.export traces, its keyword inputs, the dynamic dimensions and the graph's input names.
 
     Eleven tokens of three sequences (block tables ``[3, 5]``, 2 logits rows), plus ``rope_lengths`` for longrope,
-    ``state_slots`` for hybrid models and six image rows for image builds."""
+    ``state_slots`` for hybrid models, six image rows for image builds and ``[3, T]`` positions for M-RoPE."""
     # Small, pairwise distinct sizes so that torch.export keeps every dimension symbolic.
     tokens, seqs, max_blocks = 11, 3, 5
     example = (
@@ -530,6 +551,10 @@ def _example_inputs(torch, config, longrope: bool, recurrent: bool,
         dynamic["image_embeds"] = {0: m}
         dynamic["image_rows"] = {0: m}
         inputs = (*inputs, "image_embeds", "image_rows")
+    if mrope:  # (time, height, width) positions of every token
+        kwargs["mrope_positions"] = torch.arange(tokens).expand(3, -1) + torch.tensor([[0], [2], [1]])
+        dynamic["mrope_positions"] = {1: t}
+        inputs = (*inputs, "mrope_positions")
     return example, kwargs, dynamic, inputs
 
 

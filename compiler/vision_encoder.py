@@ -8,7 +8,9 @@ two more inputs (:data:`IMAGE_INPUTS`): the packed step's rows whose token embed
 it.
 
 Families whose images llmc places so far: :data:`IMAGE_FAMILIES` (LLaVA: image tokens at the placeholder token, 1-D
-positions, causal attention). Others build ``--text-only``.
+positions, causal attention; Qwen3.5: dynamic resolution, its encoder a graph over any number of patches
+(compiler/qwen_vision.py), and 3-D M-RoPE positions, which its language model takes as one more input,
+:data:`MROPE_POSITIONS`). Others build ``--text-only``.
 """
 
 from __future__ import annotations
@@ -26,8 +28,15 @@ ENCODER_GRAPH = "vision_encoder"
 ENCODER_INPUT, ENCODER_OUTPUT = "pixel_values", "image_features"
 IMAGE_EMBEDS, IMAGE_ROWS = "image_embeds", "image_rows"
 IMAGE_INPUTS = (IMAGE_EMBEDS, IMAGE_ROWS)
+# The language model's further input of an M-RoPE family: [3, T] int64 (time, height, width) positions of the step's
+# tokens (transformers' get_rope_index; the runtime's llmc.runtime.mrope).
+MROPE_POSITIONS = "mrope_positions"
 # model type -> how its images enter the text model (what the runtime and tests rely on)
-IMAGE_FAMILIES = {"llava": "image tokens at the placeholder token, 1-D positions, causal attention"}
+IMAGE_FAMILIES = {"llava": "image tokens at the placeholder token, 1-D positions, causal attention",
+                  "qwen3_5": "dynamic resolution, image tokens at the placeholder token, 3-D M-RoPE positions, "
+                             "causal attention"}
+# Families of a dynamic-resolution encoder (compiler/qwen_vision.py) whose text model takes M-RoPE positions.
+MROPE_FAMILIES = ("qwen3_5",)
 # model type -> what its images need that llmc does not lower yet (refused by name; --text-only builds the text model)
 IMAGES_NOT_YET = {"gemma3": "bidirectional attention among one image's tokens, which llmc's paged attention "
                             "(causal in every kernel) does not do yet"}
@@ -36,12 +45,15 @@ IMAGES_NOT_YET = {"gemma3": "bidirectional attention among one image's tokens, w
 @dataclass(frozen=True)
 class ImageSpec:
     """What an image build records: the placeholder token, the encoder's fixed input size (pixels) and its tokens
-    per image, the text model's width (the embeddings' last dimension)."""
+    per image (None for a dynamic-resolution family), the text model's width (the embeddings' last dimension), and
+    for an M-RoPE family the merger's patch group side (``spatial_merge_size``)."""
 
     image_token_id: int
-    image_size: tuple[int, int]
-    tokens_per_image: int
+    image_size: tuple[int, int] | None
+    tokens_per_image: int | None
     hidden_size: int
+    merge_size: int | None = None
+    position_table_side: int | None = None  # Qwen: the learned position table's side (resampled to each grid)
 
 
 def builds_images(config: dict, text_only: bool) -> bool:
@@ -69,6 +81,21 @@ def refuse_options(cfg_path: Path, model_type: str, options, gpu: bool) -> None:
             raise UnsupportedError(f"{head}: {flag} is not combined with image inputs yet; build without {flag}")
 
 
+def uses_mrope(model_type: str) -> bool:
+    """Whether an image build of ``model_type`` takes M-RoPE positions (:data:`MROPE_POSITIONS`)."""
+    return model_type in MROPE_FAMILIES
+
+
+def trace_size(model_type: str, config, checkpoint: Path) -> tuple[int, int]:
+    """The (height, width) in pixels the encoder is traced at: a fixed-size family's only size, a
+    dynamic-resolution family's example (its graph takes any)."""
+    if uses_mrope(model_type):
+        from llmc.compiler.qwen_vision import EXAMPLE_GRID
+
+        return EXAMPLE_GRID[1] * config.patch_size, EXAMPLE_GRID[2] * config.patch_size
+    return fixed_size(config, checkpoint)
+
+
 def fixed_size(config, checkpoint: Path) -> tuple[int, int]:
     """The (height, width) in pixels every image has after ``config`` (an ImageProcessorConfig of a fixed-size
     family: its centre crop, else its resize to a height and width)."""
@@ -81,8 +108,11 @@ def fixed_size(config, checkpoint: Path) -> tuple[int, int]:
 
 def spec_of(hf_config, processor_size: tuple[int, int]) -> ImageSpec:
     """The image build's figures from the wrapper's config (LLaVA: patches per side squared, the CLS token dropped
-    by the ``default`` feature selection)."""
+    by the ``default`` feature selection; Qwen: tokens per image vary with its size)."""
     vision = hf_config.vision_config
+    if uses_mrope(hf_config.model_type):
+        return ImageSpec(int(hf_config.image_token_id), None, None, int(hf_config.get_text_config().hidden_size),
+                         int(vision.spatial_merge_size), int(vision.num_position_embeddings ** 0.5))
     patches = (processor_size[0] // vision.patch_size) * (processor_size[1] // vision.patch_size)
     tokens = patches + (0 if hf_config.vision_feature_select_strategy == "default" else 1)
     return ImageSpec(int(hf_config.image_token_id), processor_size, tokens,
@@ -113,16 +143,26 @@ def trace(torch, hf, size: tuple[int, int], opset: int, bind: Callable[[ir.Model
     """torch.onnx.export (dynamo) of the encoder on one image's ``[1, 3, H, W]`` pixels (the runtime encodes each
     image on its own, as it caches each by its content; get_image_features' per-image list fixes the count);
     ``bind`` gives the graph's initializers their checkpoint tensors. The vision tower runs transformers' eager
-    attention (the text model's attention hook is for the paged text attention only)."""
-    module = encoder_module(torch, hf)
+    attention (the text model's attention hook is for the paged text attention only). Qwen's encoder: its own module,
+    inputs and dynamic patch count (compiler/qwen_vision.py)."""
     vision = hf.config.vision_config
     before = vision._attn_implementation
-    vision._attn_implementation = "eager"
+    if uses_mrope(hf.config.model_type):
+        from llmc.compiler import qwen_vision
+
+        qwen_vision.check_layout(hf.model.visual)
+        qwen_vision.register()
+        module = qwen_vision.encoder_module(torch, hf)
+        (example, dynamic), names = qwen_vision.example(torch, hf), list(qwen_vision.ENCODER_INPUTS)
+        vision._attn_implementation = qwen_vision.VISION_ATTENTION
+    else:
+        module, example, dynamic, names = encoder_module(torch, hf), (torch.zeros(1, 3, *size),), None, [ENCODER_INPUT]
+        vision._attn_implementation = "eager"
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             program = torch.onnx.export(
-                module, (torch.zeros(1, 3, *size),), input_names=[ENCODER_INPUT], output_names=[ENCODER_OUTPUT],
+                module, example, input_names=names, output_names=[ENCODER_OUTPUT], dynamic_shapes=dynamic,
                 dynamo=True, opset_version=opset, optimize=False, verbose=False)
     finally:
         vision._attn_implementation = before
@@ -133,7 +173,10 @@ def trace(torch, hf, size: tuple[int, int], opset: int, bind: Callable[[ir.Model
 
 def manifest_entry(wrapper: str | None, spec: ImageSpec, processor_file: str) -> dict:
     """The manifest's ``multimodal`` section of an image build."""
-    return {"wrapper": wrapper, "text_only": False, "encoder_graph": ENCODER_GRAPH,
-            "image_token_id": spec.image_token_id, "tokens_per_image": spec.tokens_per_image,
-            "image_size": list(spec.image_size), "hidden_size": spec.hidden_size, "processor_file": processor_file,
-            "prefix_cache": "blocks keyed by the images' content"}
+    entry = {"wrapper": wrapper, "text_only": False, "encoder_graph": ENCODER_GRAPH,
+             "image_token_id": spec.image_token_id, "tokens_per_image": spec.tokens_per_image,
+             "image_size": list(spec.image_size) if spec.image_size else None, "hidden_size": spec.hidden_size,
+             "processor_file": processor_file, "prefix_cache": "blocks keyed by the images' content"}
+    if spec.merge_size is not None:  # dynamic resolution, M-RoPE (llmc.runtime.mrope)
+        entry.update(positions="mrope", merge_size=spec.merge_size, position_table_side=spec.position_table_side)
+    return entry

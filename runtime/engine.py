@@ -277,6 +277,7 @@ class Engine:
                 raise LlmcError(f"{label}: {len(images)} images, but the engine at {self.path} takes no images (a "
                                 "text model, or a vision-language model built --text-only)")
             ids, spans, image_key = self.images.expand(ids, images, label)
+        image_positions, position_delta = self.images.positions(len(ids), spans) if spans else (None, 0)
         if params.stop and self.tokenizer is None:
             raise LlmcError(f"{label}: stop strings need the engine's tokenizer.json; use stop_token_ids instead")
         if self.max_model_len and len(ids) + params.max_tokens > self.max_model_len:
@@ -295,6 +296,7 @@ class Engine:
                 arrival_time=time.perf_counter(), rng=np.random.default_rng(seed),
                 logprobs=[] if params.logprobs is not None else None,
                 text="" if params.stop else None, lora_key=lora_key, image_spans=spans, image_key=image_key,
+                image_positions=image_positions, position_delta=position_delta,
             )
             if self.speculator is not None and params.speculative:
                 req.spec = self.speculator.new_state()
@@ -576,7 +578,7 @@ class Engine:
                 if self._state is not None:  # a slot of its own; the whole sequence is this step's: a fresh state
                     feeds["state_slots"] = np.asarray([self._state.slot_of(_SCORE_SEQ)], np.int64)
                 if self.images is not None:  # text only
-                    feeds.update(self.images.empty())
+                    feeds.update(self.images.empty(p))
                 return self._session.run(feeds, self._pool, state=self._stepper.state_arrays())
             finally:
                 self._blocks.free(blocks)

@@ -9,6 +9,11 @@ transformers' processor expands it; the request keeps each image's span and feat
 ``image_embeds`` ``[M, hidden]`` and ``image_rows`` ``[M]`` (rows of the packed step) for the part of every span
 its chunks compute, so a prefill chunk may split an image. Prefix-cache blocks of an image request are keyed by
 its images' hashes (the root of its block hash chain): the same images and text hit, other images miss.
+
+A dynamic-resolution M-RoPE engine (Qwen3.5; manifest ``multimodal.positions == "mrope"``): each image's token count
+follows its grid (``grid_h * grid_w / merge²``), its encoder graph takes the grid-derived inputs
+(llmc.runtime.vision.qwen_grid), and every step also feeds ``mrope_positions`` ``[3, T]`` (llmc.runtime.mrope) from
+each request's prompt table and position delta.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ class ImageSpan:
 
     start: int
     embeds: np.ndarray
+    grid: tuple[int, int] | None = None  # merged (rows, columns) of a dynamic-resolution image: its M-RoPE layout
 
     @property
     def end(self) -> int:
@@ -50,8 +56,10 @@ class ImageInputs:
         self.root, self.manifest, self.threads = root, manifest, threads
         self.graph_name = section["encoder_graph"]
         self.token_id = int(section["image_token_id"])
-        self.tokens_per_image = int(section["tokens_per_image"])
+        self.tokens_per_image = section["tokens_per_image"]  # None: dynamic resolution (Qwen)
         self.hidden_size = int(section["hidden_size"])
+        self.mrope = section.get("positions") == "mrope"
+        self.merge_size = int(section.get("merge_size") or 1)
         self.processor = load_processor(root)
         if self.processor is None:
             raise LlmcError(f"{root}: the manifest names an image encoder but the artifact has no image processor "
@@ -72,39 +80,67 @@ class ImageInputs:
         if len(at) != len(images):
             raise LlmcError(f"{label}: {len(images)} images but {len(at)} image placeholders (token "
                             f"{self.token_id}) in the prompt; put one placeholder where each image goes")
-        features = [self.encode(image) for image in images]
+        features = [self._encode(image) for image in images]
         out: list[int] = []
         spans: list[ImageSpan] = []
         prev = 0
-        for pos, (_, embeds) in zip(at, features, strict=True):
+        for pos, (_, embeds, grid) in zip(at, features, strict=True):
             out.extend(ids[prev:pos])
-            spans.append(ImageSpan(len(out), embeds))
+            spans.append(ImageSpan(len(out), embeds, grid))
             out.extend([self.token_id] * len(embeds))
             prev = pos + 1
         out.extend(ids[prev:])
-        digest = hashlib.sha256(b"".join(d for d, _ in features)).digest()
+        digest = hashlib.sha256(b"".join(d for d, _, _ in features)).digest()
         return out, spans, int.from_bytes(digest[:8], "little") | (1 << 41)
 
     def encode(self, image) -> tuple[bytes, np.ndarray]:
-        """``(sha256 of its pixel values, features [tokens_per_image, hidden])`` of one image (a path, bytes or an
-        array; llmc.runtime.vision.decode_image), the encoder run only when its pixels are not cached."""
-        pixels = np.ascontiguousarray(self.processor([image]).pixel_values, dtype=np.float32)
-        digest = hashlib.sha256(pixels.tobytes()).digest()
+        """``(sha256 of its pixel values, features [tokens, hidden])`` of one image (a path, bytes or an array;
+        llmc.runtime.vision.decode_image), the encoder run only when its pixels are not cached."""
+        digest, embeds, _ = self._encode(image)
+        return digest, embeds
+
+    def _encode(self, image) -> tuple[bytes, np.ndarray, tuple[int, int] | None]:
+        """:meth:`encode` and, for a dynamic-resolution image, its merged grid (rows, columns)."""
+        processed = self.processor([image])
+        pixels = np.ascontiguousarray(processed.pixel_values, dtype=np.float32)
+        grid = processed.extras.get("image_grid_thw") if self.mrope else None
+        # the grid is part of the key: the same patches in another layout are another image
+        digest = hashlib.sha256(pixels.tobytes() + (grid.tobytes() if grid is not None else b"")).digest()
+        merged = None if grid is None else (int(grid[0, 1]) // self.merge_size, int(grid[0, 2]) // self.merge_size)
         hit = self._cache.get(digest)
         if hit is not None:
             self._cache.move_to_end(digest)
-            return digest, hit
+            return digest, hit, merged
         if self._encoder is None:
             from llmc.runtime.graphs import load_graph
 
             self._encoder = load_graph(self.root, self.manifest, self.graph_name, self.threads)
-        (features,) = self._encoder.run({self._encoder.inputs[0]: pixels})
+        (features,) = self._encoder.run(self._encoder_feeds(pixels, grid))
         embeds = np.ascontiguousarray(features[0], dtype=np.float32)
         self.encoded += 1
         self._cache[digest] = embeds
         if len(self._cache) > CACHE_IMAGES:
             self._cache.popitem(last=False)
-        return digest, embeds
+        return digest, embeds, merged
+
+    def _encoder_feeds(self, pixels: np.ndarray, grid: np.ndarray | None) -> dict[str, np.ndarray]:
+        """The encoder graph's inputs: the pixels, and a dynamic-resolution encoder's grid-derived inputs."""
+        feeds = {self._encoder.inputs[0]: pixels}
+        if grid is not None:
+            from llmc.runtime.vision.qwen_grid import encoder_inputs
+
+            side = int(self.manifest["multimodal"]["position_table_side"])
+            feeds.update(encoder_inputs(tuple(grid[0]), self.merge_size, side))
+        return feeds
+
+    def positions(self, num_tokens: int, spans: list[ImageSpan] | None) -> tuple[np.ndarray | None, int]:
+        """A request's M-RoPE prompt table ``[3, num_tokens]`` and position delta (llmc.runtime.mrope); ``(None, 0)``
+        on an engine of 1-D positions or for a request without images."""
+        if not self.mrope or not spans:
+            return None, 0
+        from llmc.runtime.mrope import prompt_positions
+
+        return prompt_positions(num_tokens, [(sp.start, *sp.grid) for sp in spans])
 
     def feeds(self, chunks: Sequence, query_start_loc: np.ndarray) -> dict[str, np.ndarray]:
         """``image_embeds`` ``[M, hidden]`` and ``image_rows`` ``[M]``: the image tokens the step's ``chunks``
@@ -117,11 +153,20 @@ class ImageInputs:
                 if lo < hi:
                     rows.append(np.arange(lo, hi, dtype=np.int64) - c.start + int(query_start_loc[i]))
                     embeds.append(span.embeds[lo - span.start: hi - span.start])
-        if not rows:
-            return {"image_embeds": np.zeros((0, self.hidden_size), np.float32),
-                    "image_rows": np.zeros(0, np.int64)}
-        return {"image_embeds": np.concatenate(embeds), "image_rows": np.concatenate(rows)}
+        out = {"image_embeds": np.concatenate(embeds), "image_rows": np.concatenate(rows)} if rows else \
+            {"image_embeds": np.zeros((0, self.hidden_size), np.float32), "image_rows": np.zeros(0, np.int64)}
+        if self.mrope:
+            from llmc.runtime.mrope import positions_of
 
-    def empty(self) -> dict[str, np.ndarray]:
-        """The feeds of a step without image tokens."""
-        return self.feeds((), np.zeros(1, np.int64))
+            out["mrope_positions"] = np.concatenate(
+                [positions_of(c.request.image_positions, c.request.position_delta, c.start, c.num_tokens)
+                 for c in chunks] or [np.zeros((3, 0), np.int64)], axis=1)
+        return out
+
+    def empty(self, positions: np.ndarray | None = None) -> dict[str, np.ndarray]:
+        """The feeds of a step without image tokens, whose tokens sit at ``positions`` ``[T]``."""
+        out = self.feeds((), np.zeros(1, np.int64))
+        if self.mrope:
+            p = np.asarray(positions if positions is not None else (), np.int64)
+            out["mrope_positions"] = np.broadcast_to(p, (3, len(p))).copy()
+        return out

@@ -16,6 +16,8 @@ _T = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attent
 _V = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2)
 _QWEN_VISION = dict(hidden_size=32, intermediate_size=64, depth=2, num_heads=2, out_hidden_size=64, patch_size=16,
                     spatial_merge_size=2, temporal_patch_size=2)
+# Qwen's image, video and vision start/end tokens inside the tiny vocabulary (the released ones are past it)
+_QWEN_TOKENS = dict(vision_start_token_id=500, vision_end_token_id=501, image_token_id=502, video_token_id=503)
 
 # model type -> (config fields, what the family's text model has that matters)
 VLM_CONFIGS: dict[str, tuple[dict, str]] = {
@@ -23,11 +25,11 @@ VLM_CONFIGS: dict[str, tuple[dict, str]] = {
                                       layer_types=["linear_attention"] * 3 + ["full_attention"],
                                       linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
                                       linear_value_head_dim=16, linear_conv_kernel_dim=4),
-                     vision_config=_QWEN_VISION),
+                     vision_config=_QWEN_VISION, **_QWEN_TOKENS),
                 "Gated DeltaNet layers then a full-attention layer, M-RoPE"),
     "qwen3_vl": (dict(text_config=dict(_T, rope_scaling=dict(rope_type="default", mrope_section=[2, 3, 3],
                                                              mrope_interleaved=True)),
-                      vision_config=dict(_QWEN_VISION, deepstack_visual_indexes=[0])),
+                      vision_config=dict(_QWEN_VISION, deepstack_visual_indexes=[0]), **_QWEN_TOKENS),
                  "interleaved M-RoPE, deepstack"),
     "gemma3": (dict(text_config=dict(_T, num_hidden_layers=3, sliding_window=16,
                                      layer_types=["sliding_attention", "sliding_attention", "full_attention"]),
@@ -108,6 +110,10 @@ def text_greedy(hf, prompts, new_tokens: int) -> list[list[int]]:
 # model type -> (transformers' PIL image processor class, its settings at the tiny encoder's image size)
 VLM_PROCESSORS: dict[str, tuple[str, dict]] = {
     "llava": ("CLIPImageProcessorPil", dict(size={"shortest_edge": 64}, crop_size={"height": 64, "width": 64})),
+    # the tiny encoder's 16-pixel patches merged 2x2; 4 to 64 image tokens
+    **dict.fromkeys(("qwen3_5", "qwen3_vl"), ("Qwen2VLImageProcessorPil", dict(
+        patch_size=16, merge_size=2, temporal_patch_size=2,
+        size={"shortest_edge": 64 * 64, "longest_edge": 256 * 256}))),
 }
 
 

@@ -60,14 +60,14 @@ def trace(s: BuildState) -> None:
     """The checkpoint's own transformers classes traced into an ONNX IR graph (compiler/frontend.py)."""
     from llmc.compiler.frontend import trace as trace_model
     from llmc.compiler.provenance import strip_source_locations
-    from llmc.compiler.vision_encoder import fixed_size
+    from llmc.compiler.vision_encoder import trace_size
 
     options, backend = s.plan.options, s.plan.backend
     s.phase("trace with torch.export", 2)
     t = time.perf_counter()
     processor = _image_processor(s)
-    s.traced = trace_model(s.ckpt, compute_dtype=COMPUTE_DTYPE,
-                           image_size=fixed_size(processor.config, s.ckpt.path) if processor is not None else None)
+    s.traced = trace_model(s.ckpt, compute_dtype=COMPUTE_DTYPE, image_size=trace_size(
+        s.ckpt.model_type, processor.config, s.ckpt.path) if processor is not None else None)
     s.traced.image_processor = processor
     strip_source_locations(s.traced.model)  # install paths and line numbers: engines the same wherever built
     if options.lora_slots:  # before any fusion: each linear is still MatMul(x, Transpose(W))
@@ -101,7 +101,12 @@ def _image_processor(s: BuildState):
     from llmc.runtime.vision import processor_for, read_checkpoint_json
 
     raw = read_checkpoint_json(s.ckpt.path)
-    if raw is None:
+    if raw is None and vision_encoder.uses_mrope(s.ckpt.model_type):  # the family's pixel range, the encoder's patches
+        vision = config["vision_config"]
+        raw = {k: vision[f] for k, f in (("patch_size", "patch_size"), ("merge_size", "spatial_merge_size"),
+                                         ("temporal_patch_size", "temporal_patch_size")) if f in vision}
+        s.say(f"      images: no preprocessor_config.json: {s.ckpt.model_type}'s default processor")
+    elif raw is None:
         side = int(config["vision_config"].get("image_size", 224))
         raw = {"size": {"shortest_edge": side}, "crop_size": {"height": side, "width": side}}
         s.say(f"      images: no preprocessor_config.json: {s.ckpt.model_type}'s default processor at {side}x{side}")

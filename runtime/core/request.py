@@ -56,6 +56,10 @@ class Request:
     # content, which roots the blocks' hash chain beside the adapter's (other images: other blocks).
     image_spans: list | None = None
     image_key: int = 0
+    # M-RoPE engines (llmc.runtime.mrope): the prompt's [3, prompt_len] positions, and the offset of every later
+    # token's position from its index; None / 0: the request's tokens sit at their indices.
+    image_positions: np.ndarray | None = None
+    position_delta: int = 0
 
     @property
     def cache_root(self) -> int:

@@ -1,0 +1,114 @@
+"""Images through a Qwen3.5 engine (issue 49 items 2-4): its vision encoder (patch embedding, blocks with their 2-D
+rotary, merger) traced once for any number of patches, the grid-derived encoder inputs computed in numpy, the
+placeholder expanded to grid_h * grid_w / merge² tokens and the language model fed transformers' 3-D M-RoPE positions,
+decoded tokens continuing from the image's largest position. Greedy tokens and log-probabilities equal transformers'
+``generate`` on its own processor's outputs (fp32): one image, two images of two sizes in one prompt, text only,
+batched and alone, with an image split across prefill chunks (the Gated DeltaNet state carried between them)."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+
+from llmc.compiler.build import BuildOptions, build
+from llmc.runtime import Engine, SamplingParams
+from llmc.runtime.graphs import load_graph
+from llmc.runtime.mrope import positions_of, prompt_positions
+from llmc.runtime.vision.qwen_grid import encoder_inputs
+from llmc.testing.vlm import random_image, write_processor, write_tiny_vlm
+
+torch = pytest.importorskip("torch")
+START, END, IMAGE = 500, 501, 502  # the tiny checkpoints' vision start / end and image tokens
+NEW = 12
+SIZES = [(96, 128), (160, 96), (64, 224)]  # (height, width) pixels: 12, 15 and 14 image tokens
+
+
+@pytest.fixture(scope="module")
+def qwen3_5(tmp_path_factory):
+    root = tmp_path_factory.mktemp("qwen3_5")
+    hf = write_tiny_vlm("qwen3_5", root / "ckpt", seed=5)
+    processor = write_processor("qwen3_5", root / "ckpt")
+    built = build(root / "ckpt", root / "engine", BuildOptions())
+    return hf, processor, built, root / "engine"
+
+
+def _processed(processor, images: list[bytes]):
+    from PIL import Image
+
+    return processor([Image.open(io.BytesIO(b)) for b in images], return_tensors="pt")
+
+
+def _reference(hf, processor, prompt: list[int], images: list[bytes]):
+    """transformers' greedy tokens and their log-probabilities, each placeholder expanded to its image's tokens as
+    its processor does, with the mm_token_type_ids its processor returns."""
+    extra, ids = {}, list(prompt)
+    if images:
+        extra = dict(_processed(processor, images))
+        counts = iter((extra["image_grid_thw"].prod(-1) // 4).tolist())
+        ids = [t for p in prompt for t in ([IMAGE] * next(counts) if p == IMAGE else [p])]
+        extra["mm_token_type_ids"] = (torch.tensor([ids]) == IMAGE).int()
+    with torch.no_grad():
+        out = hf.generate(input_ids=torch.tensor([ids]), **extra, max_new_tokens=NEW, min_new_tokens=NEW,
+                          do_sample=False, eos_token_id=None, pad_token_id=0, output_logits=True,
+                          return_dict_in_generate=True)
+    tokens = out.sequences[0, len(ids):].tolist()
+    return tokens, [torch.log_softmax(lg[0].float(), -1)[t].item() for lg, t in zip(out.logits, tokens, strict=True)]
+
+
+def _check(out, ref):
+    tokens, lps = ref
+    assert out.token_ids == tokens
+    got = [lp[t] for lp, t in zip(out.logprobs, out.token_ids, strict=True)]
+    np.testing.assert_allclose(got, lps, atol=1e-4, rtol=0)
+
+
+def test_encoder_graph_equals_transformers_image_features_at_any_size(qwen3_5):
+    hf, processor, built, engine_dir = qwen3_5
+    section = built.manifest["multimodal"]
+    assert section["positions"] == "mrope" and section["tokens_per_image"] is None
+    assert built.manifest["engine"]["inputs"][-3:] == ["image_embeds", "image_rows", "mrope_positions"]
+    encoder = load_graph(engine_dir, built.manifest, "vision_encoder")
+    rng = np.random.default_rng()
+    for size in SIZES:
+        out = _processed(processor, [random_image(rng, size)])
+        with torch.no_grad():
+            ref = hf.model.get_image_features(out["pixel_values"], out["image_grid_thw"]).pooler_output[0]
+        grid = tuple(out["image_grid_thw"][0].tolist())
+        feeds = {"pixel_values": out["pixel_values"].numpy(),
+                 **encoder_inputs(grid, section["merge_size"], section["position_table_side"])}
+        (got,) = encoder.run(feeds)
+        assert got.shape == (1, grid[1] * grid[2] // 4, 64)
+        np.testing.assert_allclose(got[0], ref.numpy(), atol=1e-5, rtol=1e-5)
+
+
+def test_mrope_positions_equal_transformers_get_rope_index(qwen3_5):
+    hf = qwen3_5[0]
+    ids = [1, 7, START, *[IMAGE] * 12, END, 9, START, *[IMAGE] * 15, END, 4, 4]
+    grids = torch.tensor([[1, 6, 8], [1, 10, 6]])
+    ref, delta = hf.model.get_rope_index(torch.tensor([ids]), (torch.tensor([ids]) == IMAGE).int(), grids)
+    table, got_delta = prompt_positions(len(ids), [(3, 3, 4), (18, 5, 3)])
+    np.testing.assert_array_equal(table, ref[:, 0].numpy())
+    assert got_delta == int(delta)
+    np.testing.assert_array_equal(positions_of(table, got_delta, len(ids) - 1, 3)[:, 1:],
+                                  np.broadcast_to(np.arange(len(ids), len(ids) + 2) + got_delta, (3, 2)))
+
+
+def test_one_and_two_images_of_two_sizes_match_transformers_batched_and_alone(qwen3_5):
+    hf, processor, _, engine_dir = qwen3_5
+    rng = np.random.default_rng()
+    a, b, c = (random_image(rng, size) for size in SIZES)
+    prompts = [[1, 7, START, IMAGE, END, 30, 41, 9], [1, 5, START, IMAGE, END, 17, START, IMAGE, END, 40],
+               [1, 12, 99, 4]]
+    images = [[a], [b, c], None]
+    refs = [_reference(hf, processor, p, im or []) for p, im in zip(prompts, images, strict=True)]
+    params = SamplingParams(max_tokens=NEW, ignore_eos=True, logprobs=0)
+    # max_num_tokens 8: every image's tokens are split across prefill chunks, the recurrent state carried over
+    engine = Engine.load(engine_dir, max_num_tokens=8)
+    for out, ref in zip(engine.generate(prompts, params, images=images), refs, strict=True):
+        _check(out, ref)
+    alone = Engine.load(engine_dir)
+    for p, im, ref in zip(prompts, images, refs, strict=True):
+        _check(alone.generate([p], params, images=[im])[0], ref)
+    assert alone.images.encoded == 3  # each image encoded once, then served from the engine's cache
