@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import onnx_ir as ir
 
-from llmc.compiler import alibi_attention, attention_hook, llama4_text, mla_trace
+from llmc.compiler import alibi_attention, attention_hook, deepstack, llama4_text, mla_trace
 from llmc.compiler import positions as position_tables
 from llmc.compiler.attention_hook import ATTENTION_SHAPES, ATTN_IMPLEMENTATION, KV_OWNERS, SINK_MODULES, STEP
 from llmc.compiler.binding import account, bind
@@ -295,6 +295,7 @@ def _with_images(hf, input_ids, image_embeds, image_rows):
     """The step's token embeddings ``[T, hidden]`` with rows ``image_rows`` ``[M]`` replaced by ``image_embeds``
     ``[M, hidden]`` (the image features at their placeholder tokens, as the wrapper's masked_scatter places them)."""
     embeds = hf.get_input_embeddings()(input_ids)
+    image_embeds = deepstack.split(image_embeds, embeds.shape[-1], image_rows)  # Qwen3-VL: [M, hidden * (1 + D)]
     return embeds.index_put((image_rows,), image_embeds.to(embeds.dtype))
 
 
@@ -445,14 +446,18 @@ def failing_module(exc: BaseException) -> tuple[str | None, list[str]]:
 def _trace(checkpoint: Checkpoint, compute_dtype: str, torch, torch_op,
            image_size: tuple[int, int] | None = None) -> TracedModel:
     config, hf, module, rope = _build_module(checkpoint, compute_dtype)
+    if image_size is not None:  # Qwen3-VL: the step's deepstack features reach the first layers
+        deepstack.install(hf)
     sinks = [n for n, _ in hf.named_parameters() if n.rsplit(".", 1)[-1] in ("sinks", "sink")]
     # Every checkpoint tensor bound or known unused, every weight found with its shape: before tracing.
     binding = bind(checkpoint, hf)
     account(checkpoint, binding)
 
     recurrent = _recurrent_modules(hf)
+    # an image row's width: the text width, times 1 + Qwen3-VL's deepstack layers (compiler/deepstack.py)
+    image_width = config.hidden_size * (1 + deepstack.layers(hf.config)) if image_size is not None else 0
     example, kwargs, dynamic, inputs = _example_inputs(torch, config, rope is not None, bool(recurrent),
-                                                       image_size is not None, _mrope(checkpoint, image_size))
+                                                       image_width, _mrope(checkpoint, image_size))
     logging.getLogger("torch.onnx").setLevel(logging.ERROR)
     ATTENTION_SHAPES.clear()
     KV_OWNERS.clear()
@@ -508,11 +513,12 @@ def _mrope(checkpoint: Checkpoint, image_size) -> bool:
 
 
 def _example_inputs(torch, config, longrope: bool, recurrent: bool,
-                    images: bool = False, mrope: bool = False) -> tuple[tuple, dict, dict, tuple[str, ...]]:
+                    image_width: int = 0, mrope: bool = False) -> tuple[tuple, dict, dict, tuple[str, ...]]:
     """The example step torch.export traces, its keyword inputs, the dynamic dimensions and the graph's input names.
 
     Eleven tokens of three sequences (block tables ``[3, 5]``, 2 logits rows), plus ``rope_lengths`` for longrope,
-    ``state_slots`` for hybrid models, six image rows for image builds and ``[3, T]`` positions for M-RoPE."""
+    ``state_slots`` for hybrid models, six image rows of ``image_width`` for image builds and ``[3, T]`` positions
+    for M-RoPE."""
     # Small, pairwise distinct sizes so that torch.export keeps every dimension symbolic.
     tokens, seqs, max_blocks = 11, 3, 5
     example = (
@@ -544,9 +550,9 @@ def _example_inputs(torch, config, longrope: bool, recurrent: bool,
         kwargs[STATE_SLOTS] = torch.tensor([2, 0, 1])
         dynamic[STATE_SLOTS] = {0: s}
         inputs = (*inputs, STATE_SLOTS)
-    if images:  # rows of the packed step whose embedding an image's features replace (compiler/vision_encoder.py)
+    if image_width:  # rows of the packed step whose embedding an image's features replace (compiler/vision_encoder.py)
         m = torch.export.Dim("image_rows")
-        kwargs["image_embeds"] = torch.randn(6, config.hidden_size)
+        kwargs["image_embeds"] = torch.randn(6, image_width)
         kwargs["image_rows"] = torch.tensor([1, 2, 3, 8, 9, 10])
         dynamic["image_embeds"] = {0: m}
         dynamic["image_rows"] = {0: m}

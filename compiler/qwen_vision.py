@@ -39,7 +39,7 @@ def register() -> None:
 def encoder_module(torch, hf):
     """The wrapper's vision model as a module of ``(pixel_values [N, C*T*P*P], interp_indices [N, 4] int64,
     interp_weights [N, 4] float32, vision_positions [N, 2] int64)`` to ``image_features [1, N / merge², text
-    hidden]`` (``inner`` is the wrapper: parameters named as the text model's)."""
+    hidden * (1 + deepstack layers)]`` (``inner`` is the wrapper: parameters named as the text model's)."""
 
     class QwenVisionEncoder(torch.nn.Module):
         def __init__(self, inner):
@@ -51,7 +51,9 @@ def encoder_module(torch, hf):
             out = visual(pixel_values.to(visual.dtype), grid_thw=None, interp_indices=interp_indices,
                          interp_weights=interp_weights, position_ids=vision_positions,
                          cu_seqlens=torch.zeros(2, dtype=torch.int32), max_seqlen=1)
-            return out.pooler_output[None].float()
+            # Qwen3-VL: each token's deepstack features beside its own (compiler/deepstack.py)
+            deep = list(getattr(out, "deepstack_features", None) or ())
+            return torch.cat([out.pooler_output, *deep], dim=-1)[None].float()
 
     return QwenVisionEncoder(hf).eval()
 

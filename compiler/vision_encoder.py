@@ -22,6 +22,7 @@ from pathlib import Path
 
 import onnx_ir as ir
 
+from llmc.compiler import deepstack
 from llmc.errors import UnsupportedError
 
 ENCODER_GRAPH = "vision_encoder"
@@ -34,9 +35,11 @@ MROPE_POSITIONS = "mrope_positions"
 # model type -> how its images enter the text model (what the runtime and tests rely on)
 IMAGE_FAMILIES = {"llava": "image tokens at the placeholder token, 1-D positions, causal attention",
                   "qwen3_5": "dynamic resolution, image tokens at the placeholder token, 3-D M-RoPE positions, "
-                             "causal attention"}
+                             "causal attention",
+                  "qwen3_vl": "dynamic resolution, image tokens at the placeholder token, 3-D M-RoPE positions, "
+                              "deepstack features added to the first layers' hidden states, causal attention"}
 # Families of a dynamic-resolution encoder (compiler/qwen_vision.py) whose text model takes M-RoPE positions.
-MROPE_FAMILIES = ("qwen3_5",)
+MROPE_FAMILIES = ("qwen3_5", "qwen3_vl")
 # model type -> what its images need that llmc does not lower yet (refused by name; --text-only builds the text model)
 IMAGES_NOT_YET = {"gemma3": "bidirectional attention among one image's tokens, which llmc's paged attention "
                             "(causal in every kernel) does not do yet"}
@@ -54,6 +57,7 @@ class ImageSpec:
     hidden_size: int
     merge_size: int | None = None
     position_table_side: int | None = None  # Qwen: the learned position table's side (resampled to each grid)
+    deepstack_layers: int = 0  # Qwen3-VL: layers that add deepstack features (each image row: hidden * (1 + this))
 
 
 def builds_images(config: dict, text_only: bool) -> bool:
@@ -112,7 +116,8 @@ def spec_of(hf_config, processor_size: tuple[int, int]) -> ImageSpec:
     vision = hf_config.vision_config
     if uses_mrope(hf_config.model_type):
         return ImageSpec(int(hf_config.image_token_id), None, None, int(hf_config.get_text_config().hidden_size),
-                         int(vision.spatial_merge_size), int(vision.num_position_embeddings ** 0.5))
+                         int(vision.spatial_merge_size), int(vision.num_position_embeddings ** 0.5),
+                         deepstack.layers(hf_config))
     patches = (processor_size[0] // vision.patch_size) * (processor_size[1] // vision.patch_size)
     tokens = patches + (0 if hf_config.vision_feature_select_strategy == "default" else 1)
     return ImageSpec(int(hf_config.image_token_id), processor_size, tokens,
@@ -178,5 +183,6 @@ def manifest_entry(wrapper: str | None, spec: ImageSpec, processor_file: str) ->
              "image_size": list(spec.image_size) if spec.image_size else None, "hidden_size": spec.hidden_size,
              "processor_file": processor_file, "prefix_cache": "blocks keyed by the images' content"}
     if spec.merge_size is not None:  # dynamic resolution, M-RoPE (llmc.runtime.mrope)
-        entry.update(positions="mrope", merge_size=spec.merge_size, position_table_side=spec.position_table_side)
+        entry.update(positions="mrope", merge_size=spec.merge_size, position_table_side=spec.position_table_side,
+                     deepstack_layers=spec.deepstack_layers)
     return entry

@@ -60,6 +60,8 @@ class ImageInputs:
         self.hidden_size = int(section["hidden_size"])
         self.mrope = section.get("positions") == "mrope"
         self.merge_size = int(section.get("merge_size") or 1)
+        # an image row: its features, then Qwen3-VL's deepstack features for each of its first layers
+        self.embeds_width = self.hidden_size * (1 + int(section.get("deepstack_layers") or 0))
         self.processor = load_processor(root)
         if self.processor is None:
             raise LlmcError(f"{root}: the manifest names an image encoder but the artifact has no image processor "
@@ -154,7 +156,7 @@ class ImageInputs:
                     rows.append(np.arange(lo, hi, dtype=np.int64) - c.start + int(query_start_loc[i]))
                     embeds.append(span.embeds[lo - span.start: hi - span.start])
         out = {"image_embeds": np.concatenate(embeds), "image_rows": np.concatenate(rows)} if rows else \
-            {"image_embeds": np.zeros((0, self.hidden_size), np.float32), "image_rows": np.zeros(0, np.int64)}
+            {"image_embeds": np.zeros((0, self.embeds_width), np.float32), "image_rows": np.zeros(0, np.int64)}
         if self.mrope:
             from llmc.runtime.mrope import positions_of
 

@@ -1,9 +1,12 @@
-"""Images through a Qwen3.5 engine (issue 49 items 2-4): its vision encoder (patch embedding, blocks with their 2-D
-rotary, merger) traced once for any number of patches, the grid-derived encoder inputs computed in numpy, the
-placeholder expanded to grid_h * grid_w / merge² tokens and the language model fed transformers' 3-D M-RoPE positions,
-decoded tokens continuing from the image's largest position. Greedy tokens and log-probabilities equal transformers'
-``generate`` on its own processor's outputs (fp32): one image, two images of two sizes in one prompt, text only,
-batched and alone, with an image split across prefill chunks (the Gated DeltaNet state carried between them)."""
+"""Images through Qwen3.5 and Qwen3-VL engines (issue 49 items 2-4).
+
+The vision encoder (patch embedding, blocks with their 2-D rotary, merger) is traced once for any number of
+patches, its grid-derived inputs computed in numpy; the placeholder expands to grid_h * grid_w / merge² tokens;
+the language model is fed transformers' 3-D M-RoPE positions, decoded tokens continuing from the image's largest
+position; Qwen3-VL's deepstack features are added to its first layers' hidden states at the image rows. Greedy
+tokens and log-probabilities equal transformers' ``generate`` on its own processor's outputs (fp32): one image, two
+images of two sizes in one prompt, text only, batched and alone, with images split across prefill chunks (Qwen3.5:
+the Gated DeltaNet state carried between them)."""
 
 from __future__ import annotations
 
@@ -25,11 +28,11 @@ NEW = 12
 SIZES = [(96, 128), (160, 96), (64, 224)]  # (height, width) pixels: 12, 15 and 14 image tokens
 
 
-@pytest.fixture(scope="module")
-def qwen3_5(tmp_path_factory):
-    root = tmp_path_factory.mktemp("qwen3_5")
-    hf = write_tiny_vlm("qwen3_5", root / "ckpt", seed=5)
-    processor = write_processor("qwen3_5", root / "ckpt")
+@pytest.fixture(scope="module", params=["qwen3_5", "qwen3_vl"])
+def qwen(request, tmp_path_factory):
+    root = tmp_path_factory.mktemp(request.param)
+    hf = write_tiny_vlm(request.param, root / "ckpt", seed=5)
+    processor = write_processor(request.param, root / "ckpt")
     built = build(root / "ckpt", root / "engine", BuildOptions())
     return hf, processor, built, root / "engine"
 
@@ -64,8 +67,8 @@ def _check(out, ref):
     np.testing.assert_allclose(got, lps, atol=1e-4, rtol=0)
 
 
-def test_encoder_graph_equals_transformers_image_features_at_any_size(qwen3_5):
-    hf, processor, built, engine_dir = qwen3_5
+def test_encoder_graph_equals_transformers_image_features_at_any_size(qwen):
+    hf, processor, built, engine_dir = qwen
     section = built.manifest["multimodal"]
     assert section["positions"] == "mrope" and section["tokens_per_image"] is None
     assert built.manifest["engine"]["inputs"][-3:] == ["image_embeds", "image_rows", "mrope_positions"]
@@ -74,17 +77,20 @@ def test_encoder_graph_equals_transformers_image_features_at_any_size(qwen3_5):
     for size in SIZES:
         out = _processed(processor, [random_image(rng, size)])
         with torch.no_grad():
-            ref = hf.model.get_image_features(out["pixel_values"], out["image_grid_thw"]).pooler_output[0]
+            features = hf.model.get_image_features(out["pixel_values"], out["image_grid_thw"])
+        # Qwen3-VL: each token's deepstack features beside its own
+        ref = torch.cat([features.pooler_output[0], *(d[0] for d in getattr(features, "deepstack_features", None)
+                                                      or ())], dim=-1)
         grid = tuple(out["image_grid_thw"][0].tolist())
         feeds = {"pixel_values": out["pixel_values"].numpy(),
                  **encoder_inputs(grid, section["merge_size"], section["position_table_side"])}
         (got,) = encoder.run(feeds)
-        assert got.shape == (1, grid[1] * grid[2] // 4, 64)
+        assert got.shape == (1, grid[1] * grid[2] // 4, 64 * (1 + section["deepstack_layers"]))
         np.testing.assert_allclose(got[0], ref.numpy(), atol=1e-5, rtol=1e-5)
 
 
-def test_mrope_positions_equal_transformers_get_rope_index(qwen3_5):
-    hf = qwen3_5[0]
+def test_mrope_positions_equal_transformers_get_rope_index(qwen):
+    hf = qwen[0]
     ids = [1, 7, START, *[IMAGE] * 12, END, 9, START, *[IMAGE] * 15, END, 4, 4]
     grids = torch.tensor([[1, 6, 8], [1, 10, 6]])
     ref, delta = hf.model.get_rope_index(torch.tensor([ids]), (torch.tensor([ids]) == IMAGE).int(), grids)
@@ -95,8 +101,8 @@ def test_mrope_positions_equal_transformers_get_rope_index(qwen3_5):
                                   np.broadcast_to(np.arange(len(ids), len(ids) + 2) + got_delta, (3, 2)))
 
 
-def test_one_and_two_images_of_two_sizes_match_transformers_batched_and_alone(qwen3_5):
-    hf, processor, _, engine_dir = qwen3_5
+def test_one_and_two_images_of_two_sizes_match_transformers_batched_and_alone(qwen):
+    hf, processor, _, engine_dir = qwen
     rng = np.random.default_rng()
     a, b, c = (random_image(rng, size) for size in SIZES)
     prompts = [[1, 7, START, IMAGE, END, 30, 41, 9], [1, 5, START, IMAGE, END, 17, START, IMAGE, END, 40],
@@ -112,3 +118,30 @@ def test_one_and_two_images_of_two_sizes_match_transformers_batched_and_alone(qw
     for p, im, ref in zip(prompts, images, refs, strict=True):
         _check(alone.generate([p], params, images=[im])[0], ref)
     assert alone.images.encoded == 3  # each image encoded once, then served from the engine's cache
+
+
+def test_the_rotary_reads_the_3d_positions_never_the_token_index(qwen):
+    """Fusions must not fold the M-RoPE as a 1-D rotary: no rotary node of the engine takes position ids, and its
+    logits follow ``mrope_positions`` alone: another token index changes nothing, other 3-D positions change them."""
+    import onnx
+
+    engine_dir = qwen[3]
+    model = onnx.load(engine_dir / "model.onnx", load_external_data=False)
+    assert not [n.name for n in model.graph.node if "Rotary" in n.op_type and len(n.input) > 3 and n.input[3]]
+    engine = Engine.load(engine_dir)
+    ids = [1, 7, 30, 41, 9, 17, 33, 40, 12, 99]
+    base = engine.score(ids)
+    run = engine._session.run
+
+    def with_feeds(change):
+        def patched(feeds, *args, **kwargs):
+            return run({**feeds, **change(feeds)}, *args, **kwargs)
+        engine._session.run = patched
+        try:
+            return engine.score(ids)
+        finally:
+            engine._session.run = run
+
+    np.testing.assert_array_equal(with_feeds(lambda f: {"positions": f["positions"][::-1] * 3}), base)
+    moved = with_feeds(lambda f: {"mrope_positions": f["mrope_positions"] * [[1], [2], [3]]})
+    assert np.abs(moved - base).max() > 1e-3
