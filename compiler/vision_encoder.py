@@ -10,7 +10,8 @@ it.
 Families whose images llmc places so far: :data:`IMAGE_FAMILIES` (LLaVA: image tokens at the placeholder token, 1-D
 positions, causal attention; Qwen3.5: dynamic resolution, its encoder a graph over any number of patches
 (compiler/qwen_vision.py), and 3-D M-RoPE positions, which its language model takes as one more input,
-:data:`MROPE_POSITIONS`). Others build ``--text-only``.
+:data:`MROPE_POSITIONS`; Qwen3-VL: the same, plus deepstack features carried in each image row,
+compiler/deepstack.py). Others build ``--text-only``.
 """
 
 from __future__ import annotations
