@@ -56,14 +56,19 @@ def test_cli_text_only_flag_and_manifest(tmp_path):
     assert manifest["multimodal"]["wrapper"] == "Idefics3ForConditionalGeneration"
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_5", "gemma3"])
-def test_text_only_build_passes_the_self_check(model_type, tmp_path, monkeypatch):
+@pytest.mark.parametrize("model_type,text_only", [("qwen3_5", False), ("gemma3", True)])
+def test_vision_language_builds_pass_the_self_check(model_type, text_only, tmp_path, monkeypatch):
     """A user's build runs the self-check: the twin of a wrapper is the wrapper (text model shrunk, encoders cut to
-    one layer) and must match transformers on text."""
+    one layer; an image build's twin with its encoder graph) and must match transformers on text."""
+    from llmc.testing.vlm import write_processor
+
     monkeypatch.setenv("LLMC_SELF_CHECK", "1")
     monkeypatch.setenv("LLMC_CACHE_DIR", str(tmp_path / "cache"))
     write_tiny_vlm(model_type, tmp_path / "ckpt", seed=5)
-    built = build(tmp_path / "ckpt", tmp_path / "engine", BuildOptions(text_only=True))
+    if not text_only:
+        write_processor(model_type, tmp_path / "ckpt")
+    built = build(tmp_path / "ckpt", tmp_path / "engine", BuildOptions(text_only=text_only))
+    assert ("vision_encoder" in built.manifest.get("graphs", {})) is not text_only
     assert built.report["self_check"]["result"] == "passed"
     assert built.build_info["self_check"]["status"] == "passed"
 
