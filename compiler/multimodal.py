@@ -6,10 +6,10 @@ is built from that wrapper class itself, with the weights named as the checkpoin
 the wrapper's own forward on text (no pixels), so the text model runs exactly as transformers runs it inside the
 wrapper (its embedding scale, its M-RoPE with text positions, its final norm and head).
 
-The vision encoder of a family whose images llmc places (``compiler/vision_encoder.py``: LLaVA so far) is compiled
-into a second graph of the artifact; any other family's encoders (vision, audio) are not yet: a build refuses such a
-checkpoint before any work unless ``--text-only`` asks for the text model alone, which the manifest records
-(``multimodal``).
+The vision encoder of a family whose images llmc places (``compiler/vision_encoder.py``: LLaVA, Qwen3.5 and
+Qwen3-VL so far) is compiled into a second graph of the artifact; any other family's encoders (vision, audio) are
+not yet: a build refuses such a checkpoint before any work unless ``--text-only`` asks for the text model alone,
+which the manifest records (``multimodal``).
 """
 
 from __future__ import annotations
