@@ -14,8 +14,10 @@ would run (lowered for the CPU backend, fusions applied: the same nodes, the sam
 Every window goes through stage 0 before any goes through stage 1. Between stages only the carried values are
 kept (windows x tokens x hidden, in float32); a stage's weights are read (from the checkpoint, lazily derived, or
 memory-mapped from the artifact) when its session is made and dropped with it. ONNX Runtime gets them as external
-initializers (``SessionOptions.add_external_initializers``: its kernels use the arrays without a copy), except
-dtypes numpy cannot hold natively (bfloat16, FP8, INT4), which travel in the model bytes.
+initializers (``SessionOptions.add_external_initializers``), except dtypes numpy cannot hold natively (bfloat16,
+FP8, INT4), which travel in the model bytes. Where ONNX Runtime copies them into the session (1.32 does:
+:mod:`llmc.quant.ort_copies`), the arrays are dropped once it is made, and the next stage's weights are read on a
+thread while this stage runs.
 
 The session options are the engine's own (:class:`llmc.runtime.session.OrtSession`), so each stage computes what
 the whole engine computes: the figures equal whole-model scoring's (tested to 1e-5 relative).
@@ -163,37 +165,53 @@ def _value_info(value: ir.Value, array: np.ndarray | None):
         if array.dtype != np.dtype(object) else onnx.ValueInfoProto(name=value.name)
 
 
-def stage_model(model: ir.Model, stage: Stage, carried: dict[str, np.ndarray]) -> tuple[bytes, dict[str, np.ndarray]]:
-    """The stage as serialized ONNX bytes, and the external initializers its session takes (name -> array).
+@dataclass
+class StageWeights:
+    """A stage's initializers made ready for its session: ``protos`` (each TensorProto, holding its bytes or naming
+    an external initializer) and ``external`` (name -> array ONNX Runtime takes as that external initializer)."""
 
-    ``carried``: an array of every input that comes from an earlier stage (for its dtype where the graph lacks
-    one)."""
-    from onnx import helper
+    protos: list = field(default_factory=list)
+    external: dict[str, np.ndarray] = field(default_factory=dict)
 
-    external: dict[str, np.ndarray] = {}
-    protos = []
+
+def stage_weights(stage: Stage) -> StageWeights:
+    """Read (or derive) every weight of ``stage``: the costly part of making its session, which needs none of the
+    values carried from earlier stages, so :class:`LayerwiseScorer` does it for the next stage on a thread."""
+    out = StageWeights()
     for v in stage.weights:
         t = v.const_value
         if t.dtype in _NATIVE and _nbytes(t) >= EMBED_BELOW:
             array = np.asarray(t.numpy())
             if not array.flags.c_contiguous or not array.flags.writeable:
                 array = np.array(array, order="C")  # ORT reads it in place: an owned, contiguous copy
-            external[v.name] = array
-            protos.append(_tensor_proto(v, embed=False))
+            out.external[v.name] = array
+            out.protos.append(_tensor_proto(v, embed=False))
         else:  # small (shape arguments, which shape inference reads), or bfloat16 / FP8 / INT4 codes: in the model
             # bytes (ir packs them as ONNX stores them)
-            protos.append(_tensor_proto(v, embed=True))
+            out.protos.append(_tensor_proto(v, embed=True))
         if isinstance(t, ir.ExternalTensor):
             t.release()  # unmap: the artifact's pages would otherwise stay mapped (and counted) until the end
+    return out
+
+
+def stage_model(model: ir.Model, stage: Stage, carried: dict[str, np.ndarray],
+                weights: StageWeights | None = None) -> tuple[bytes, dict[str, np.ndarray]]:
+    """The stage as serialized ONNX bytes, and the external initializers its session takes (name -> array).
+
+    ``carried``: an array of every input that comes from an earlier stage (for its dtype where the graph lacks
+    one). ``weights``: :func:`stage_weights` of the stage, made already (else read now)."""
+    from onnx import helper
+
+    weights = weights if weights is not None else stage_weights(stage)
     graph = helper.make_graph(
         [ir.serde.serialize_node(n) for n in stage.nodes], f"stage_{stage.index}",
         [_value_info(v, carried.get(v.name)) for v in stage.inputs],
-        [ir.serde.serialize_value(v) for v in stage.outputs], initializer=protos)
+        [ir.serde.serialize_value(v) for v in stage.outputs], initializer=weights.protos)
     opsets = [helper.make_opsetid(domain, version) for domain, version in model.opset_imports.items()]
     proto = helper.make_model(graph, opset_imports=opsets, ir_version=model.ir_version)
     for f in model.functions.values():
         proto.functions.append(ir.serde.serialize_function(f))
-    return proto.SerializeToString(), external
+    return proto.SerializeToString(), weights.external
 
 
 @dataclass
@@ -252,13 +270,10 @@ class LayerwiseScorer:
     def largest_stage_bytes(self) -> int:
         return max(s.weight_bytes() for s in self.stages)
 
-    def run(self, windows: list[list[int]]) -> list[np.ndarray]:
-        """float32 logits ``[len(w), vocab]`` of every window ``w`` (each scored alone, as ``Engine.score`` does)."""
+    def _inputs(self, windows: list[list[int]]):
+        """The scoring pool, each window's feeds and the recurrent state (None without recurrent layers)."""
         from llmc.runtime.core.kv_cache import KVPool
-        from llmc.runtime.workers.ort.session import OrtSession
 
-        if not windows:
-            return []
         kv = self.kv
         blocks = max(-(-len(w) // kv.block_size) for w in windows)
         pool = KVPool.allocate(kv.num_layers, blocks, kv.num_kv_heads, kv.block_size, kv.head_size, kv.dtype,
@@ -274,6 +289,21 @@ class LayerwiseScorer:
             state = StatePool.allocate(kv.state, 1).arrays
             for f in feeds:
                 f["state_slots"] = np.zeros(1, np.int64)
+        return pool, feeds, state
+
+    def run(self, windows: list[list[int]]) -> list[np.ndarray]:
+        """float32 logits ``[len(w), vocab]`` of every window ``w`` (each scored alone, as ``Engine.score`` does).
+
+        Where ONNX Runtime copies a session's external initializers (:mod:`llmc.quant.ort_copies`), the arrays are
+        dropped once the session is made and the next stage's weights are read on a thread while this stage runs:
+        the same memory as holding them, and the reading (checkpoint pages, transposes) overlapped with compute."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        from llmc.quant.ort_copies import ort_copies_initializers, release_freed_memory
+
+        if not windows:
+            return []
+        pool, feeds, state = self._inputs(windows)
         carried: list[dict[str, np.ndarray]] = [{} for _ in windows]
         # After which stage each carried value is read for the last time.
         last_use: dict[str, int] = {}
@@ -281,33 +311,51 @@ class LayerwiseScorer:
             for v in stage.inputs:
                 last_use[v.name] = i
         start = time.perf_counter()
-        out: list[np.ndarray] = []
-        for i, stage in enumerate(self.stages):
-            t = time.perf_counter()
-            blob, external = stage_model(self.model, stage, carried[0])
-            session = OrtSession(blob, custom_ops=self.custom_ops, spin=False, initializers=external)
-            del blob
-            self.session_seconds += time.perf_counter() - t
-            t = time.perf_counter()
-            wanted = [v.name for v in stage.outputs]
-            for w, values in enumerate(carried):
-                inputs = {name: (values[name] if name in values else feeds[w][name])
-                          for name in session.input_names}
-                # Copies, and no name left holding the originals: ONNX Runtime's outputs are views of its session's
-                # memory arena and would keep the whole arena (an FP8 stage's dequantized weights: ~2 GB on an 8B
-                # layer) alive after the session, while they are carried.
-                values.update((name, np.array(r)) for name, r in
-                              zip(wanted, session.run(inputs, pool, outputs=wanted, state=state), strict=True))
-                for name in [n for n in values if last_use.get(n, -1) <= i and n != self.output]:
-                    del values[name]
-            self.run_seconds += time.perf_counter() - t
-            del session, external
-            elapsed = time.perf_counter() - start
-            if elapsed >= self.PROGRESS_S and (i + 1) % max(1, len(self.stages) // 8) == 0:
-                from llmc.memory import rss_gb
+        prefetch = ort_copies_initializers()
+        with ThreadPoolExecutor(1, thread_name_prefix="llmc-stage-weights") as reader:
+            pending = None
+            for i, stage in enumerate(self.stages):
+                t = time.perf_counter()
+                weights = pending.result() if pending is not None else stage_weights(stage)
+                session = self._session(stage, carried[0], weights, drop=prefetch)
+                del weights
+                if prefetch and i + 1 < len(self.stages):
+                    pending = reader.submit(stage_weights, self.stages[i + 1])
+                self.session_seconds += time.perf_counter() - t
+                t = time.perf_counter()
+                self._run_stage(session, stage, i, carried, feeds, pool, state, last_use)
+                self.run_seconds += time.perf_counter() - t
+                del session
+                if prefetch:
+                    release_freed_memory()
+                elapsed = time.perf_counter() - start
+                if elapsed >= self.PROGRESS_S and (i + 1) % max(1, len(self.stages) // 8) == 0:
+                    from llmc.memory import rss_gb
 
-                self.say(f"        {self.name}: stage {i + 1}/{len(self.stages)} of {len(windows)} windows, "
-                         f"{elapsed:.0f}s, {rss_gb():.1f} GB resident")
-        for values in carried:
-            out.append(values.pop(self.output))
-        return out
+                    self.say(f"        {self.name}: stage {i + 1}/{len(self.stages)} of {len(windows)} windows, "
+                             f"{elapsed:.0f}s, {rss_gb():.1f} GB resident")
+        return [values.pop(self.output) for values in carried]
+
+    def _session(self, stage: Stage, carried: dict[str, np.ndarray], weights: StageWeights, drop: bool):
+        """The stage's session; with ``drop`` (ONNX Runtime holds its own copies) the external arrays are freed."""
+        from llmc.runtime.workers.ort.session import OrtSession
+
+        blob, external = stage_model(self.model, stage, carried, weights)
+        session = OrtSession(blob, custom_ops=self.custom_ops, spin=False, initializers=external)
+        if drop:
+            external.clear()  # the dict the session keeps: ONNX Runtime no longer reads these arrays
+        return session
+
+    def _run_stage(self, session, stage: Stage, i: int, carried: list[dict[str, np.ndarray]],
+                   feeds: list[dict[str, np.ndarray]], pool, state, last_use: dict[str, int]) -> None:
+        """Every window through stage ``i``: its outputs added to ``carried``, values read for the last time dropped."""
+        wanted = [v.name for v in stage.outputs]
+        for w, values in enumerate(carried):
+            inputs = {name: (values[name] if name in values else feeds[w][name]) for name in session.input_names}
+            # Copies, and no name left holding the originals: ONNX Runtime's outputs are views of its session's
+            # memory arena and would keep the whole arena (an FP8 stage's dequantized weights: ~2 GB on an 8B
+            # layer) alive after the session, while they are carried.
+            values.update((name, np.array(r)) for name, r in
+                          zip(wanted, session.run(inputs, pool, outputs=wanted, state=state), strict=True))
+            for name in [n for n in values if last_use.get(n, -1) <= i and n != self.output]:
+                del values[name]
