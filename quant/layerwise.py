@@ -16,8 +16,7 @@ kept (windows x tokens x hidden, in float32); a stage's weights are read (from t
 memory-mapped from the artifact) when its session is made and dropped with it. ONNX Runtime gets them as external
 initializers (``SessionOptions.add_external_initializers``), except dtypes numpy cannot hold natively (bfloat16,
 FP8, INT4), which travel in the model bytes. Where ONNX Runtime copies them into the session (1.32 does:
-:mod:`llmc.quant.ort_copies`), the arrays are dropped once it is made, and the next stage's weights are read on a
-thread while this stage runs.
+:mod:`llmc.quant.ort_copies`), the arrays are dropped once it is made.
 
 The session options are the engine's own (:class:`llmc.runtime.session.OrtSession`), so each stage computes what
 the whole engine computes: the figures equal whole-model scoring's (tested to 1e-5 relative).
@@ -291,12 +290,14 @@ class LayerwiseScorer:
                 f["state_slots"] = np.zeros(1, np.int64)
         return pool, feeds, state
 
-    def run(self, windows: list[list[int]]) -> list[np.ndarray]:
+    def run(self, windows: list[list[int]], prefetch: bool = False) -> list[np.ndarray]:
         """float32 logits ``[len(w), vocab]`` of every window ``w`` (each scored alone, as ``Engine.score`` does).
 
         Where ONNX Runtime copies a session's external initializers (:mod:`llmc.quant.ort_copies`), the arrays are
-        dropped once the session is made and the next stage's weights are read on a thread while this stage runs:
-        the same memory as holding them, and the reading (checkpoint pages, transposes) overlapped with compute."""
+        dropped once the session is made (one layer's weights less resident while it runs). With ``prefetch`` the
+        next stage's weights are then read on a thread while this stage runs: off by default, as on two cores that
+        thread competes with ONNX Runtime's (benchmarks/results/bench_quant_report_model-1b_int4.json: the
+        reading moved into the run's time, no faster)."""
         from concurrent.futures import ThreadPoolExecutor
 
         from llmc.quant.ort_copies import ort_copies_initializers, release_freed_memory
@@ -311,13 +312,14 @@ class LayerwiseScorer:
             for v in stage.inputs:
                 last_use[v.name] = i
         start = time.perf_counter()
-        prefetch = ort_copies_initializers()
+        drop = ort_copies_initializers()
+        prefetch = prefetch and drop
         with ThreadPoolExecutor(1, thread_name_prefix="llmc-stage-weights") as reader:
             pending = None
             for i, stage in enumerate(self.stages):
                 t = time.perf_counter()
                 weights = pending.result() if pending is not None else stage_weights(stage)
-                session = self._session(stage, carried[0], weights, drop=prefetch)
+                session = self._session(stage, carried[0], weights, drop=drop)
                 del weights
                 if prefetch and i + 1 < len(self.stages):
                     pending = reader.submit(stage_weights, self.stages[i + 1])
@@ -326,7 +328,7 @@ class LayerwiseScorer:
                 self._run_stage(session, stage, i, carried, feeds, pool, state, last_use)
                 self.run_seconds += time.perf_counter() - t
                 del session
-                if prefetch:
+                if drop:
                     release_freed_memory()
                 elapsed = time.perf_counter() - start
                 if elapsed >= self.PROGRESS_S and (i + 1) % max(1, len(self.stages) // 8) == 0:
