@@ -465,6 +465,24 @@ def _echo_cuda_kernels(engine: Path, manifest: dict) -> None:
         click.echo(line)
 
 
+def _echo_multimodal(manifest: dict) -> None:
+    """A vision-language engine: its wrapper, how it takes images (or that it was built --text-only), and every
+    further graph of the artifact (the vision encoder)."""
+    mm = manifest.get("multimodal")
+    if mm is not None:
+        if mm.get("text_only"):
+            click.echo(f"multimodal  {mm['wrapper']} built --text-only: text only, encoders left out "
+                       f"({', '.join(mm.get('encoders_left_out', []))})")
+        else:
+            per = mm.get("tokens_per_image") or "by image size"
+            click.echo(f"multimodal  {mm['wrapper']}: images through graph {mm.get('encoder_graph')!r}, image token "
+                       f"{mm.get('image_token_id')}, tokens per image {per}"
+                       + (f", {mm['positions']} positions" if mm.get("positions") else ""))
+    for name, g in sorted((manifest.get("graphs") or {}).items()):
+        click.echo(f"  graph     {name}: {g['backend']} {g['model_file']}, inputs {', '.join(g['inputs'])} → "
+                   f"{', '.join(g['outputs'])}")
+
+
 @cli.command()
 @click.argument("engine", type=click.Path(path_type=Path))
 @click.option("--json", "as_json", is_flag=True, help="Print manifest and report as one JSON object.")
@@ -516,6 +534,7 @@ def inspect(engine: Path, as_json: bool) -> None:
         e = manifest["engine"]
         click.echo(f"engine      {e['engine_file']}: {e['builder']['product']} {e['builder']['version']}, "
                    f"sm_{e['sm'].replace('.', '')}, limits {json.dumps(e.get('limits', {}))}")
+    _echo_multimodal(manifest)
     tok = report.get("tokenizer")
     if tok is not None:  # engines built before llmc recorded it have no entry
         click.echo(f"tokenizer   {', '.join(tok['files'])}" if tok["text"] else

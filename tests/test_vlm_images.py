@@ -139,3 +139,14 @@ def test_gemma3_images_are_refused_by_name_and_text_only_still_builds(tmp_path):
     assert not (tmp_path / "e").exists()
     built = build(tmp_path / "ckpt", tmp_path / "e", BuildOptions(text_only=True))
     assert built.manifest["multimodal"]["text_only"] is True
+
+
+def test_inspect_shows_the_encoder(llava):
+    from click.testing import CliRunner
+
+    from llmc.cli.main import cli
+
+    shown = CliRunner().invoke(cli, ["inspect", str(llava[3])])
+    assert shown.exit_code == 0, shown.output
+    assert "LlavaForConditionalGeneration: images through graph 'vision_encoder'" in shown.output
+    assert "graph     vision_encoder: onnxruntime vision_encoder.onnx, inputs pixel_values" in shown.output

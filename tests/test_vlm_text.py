@@ -54,6 +54,8 @@ def test_cli_text_only_flag_and_manifest(tmp_path):
     assert ok.returncode == 0, ok.stderr
     manifest = json.loads((tmp_path / "e" / "manifest.json").read_text())
     assert manifest["multimodal"]["wrapper"] == "Idefics3ForConditionalGeneration"
+    shown = subprocess.run([llmc, "inspect", str(tmp_path / "e")], capture_output=True, text=True)
+    assert shown.returncode == 0 and "Idefics3ForConditionalGeneration built --text-only" in shown.stdout
 
 
 @pytest.mark.parametrize("model_type,text_only", [("qwen3_5", False), ("gemma3", True)])
