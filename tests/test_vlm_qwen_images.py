@@ -145,3 +145,25 @@ def test_the_rotary_reads_the_3d_positions_never_the_token_index(qwen):
     np.testing.assert_array_equal(with_feeds(lambda f: {"positions": f["positions"][::-1] * 3}), base)
     moved = with_feeds(lambda f: {"mrope_positions": f["mrope_positions"] * [[1], [2], [3]]})
     assert np.abs(moved - base).max() > 1e-3
+
+
+def test_the_prefix_cache_keys_qwen_images_by_content_and_a_later_turn_matches(qwen):
+    """The same image and text hit the prefix cache with the same tokens (Qwen3-VL; Qwen3.5's hybrid engine has no
+    prefix cache); a different image of the same size and the same text misses it. An image in a later turn (after
+    a first turn's text and answer) still equals transformers: its M-RoPE positions continue after the text."""
+    hf, processor, _, engine_dir = qwen
+    rng = np.random.default_rng()
+    a, b = random_image(rng, SIZES[0]), random_image(rng, SIZES[0])
+    prompt = [1, 7, START, IMAGE, END, *range(40, 60)]  # 12 image tokens: 35 tokens, two full blocks of 16
+    params = SamplingParams(max_tokens=NEW, ignore_eos=True, logprobs=0)
+    engine = Engine.load(engine_dir)
+    first = engine.generate([prompt], params, images=[[a]])[0]
+    again = engine.generate([prompt], params, images=[[a]])[0]
+    other = engine.generate([prompt], params, images=[[b]])[0]
+    # Qwen3.5's Gated DeltaNet layers keep state a cached block cannot restore: its engines run without prefix caching
+    hit = 0 if engine.prefix_caching_disabled_reason else 32
+    assert first.num_cached_tokens == 0 and again.num_cached_tokens == hit and other.num_cached_tokens == 0
+    assert again.token_ids == first.token_ids
+    _check(again, _reference(hf, processor, prompt, [a]))
+    later = [1, 7, 30, 41, 9, 2, 17, 33, 40, 2, 1, 12, START, IMAGE, END, 99, 4]  # turn 1, its answer, then turn 2
+    _check(engine.generate([later], params, images=[[b]])[0], _reference(hf, processor, later, [b]))
