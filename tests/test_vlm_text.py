@@ -98,3 +98,23 @@ def test_twins_of_released_size_wrappers_run_in_transformers(model_type):
     with torch.no_grad():
         logits = tiny(input_ids=torch.tensor([[5, 6, 7]])).logits
     assert logits.shape == (1, 3, 256) and torch.isfinite(logits).all()
+
+
+def test_quantized_text_only_builds(tmp_path):
+    """RTN int4 builds a wrapper's text model with its accuracy report; a calibrated recipe on a wrapper whose
+    causal-LM class is another class is refused before any work in one line; Gemma 3 (its own causal LM)
+    calibrates."""
+    from llmc.quant.recipe import QuantRecipe
+    from llmc.testing.corpus import save_tokenizer, train_bpe_tokenizer
+
+    tok = train_bpe_tokenizer(vocab_size=512, model_max_length=512)
+    for model_type in ("llava", "gemma3"):
+        write_tiny_vlm(model_type, tmp_path / model_type, seed=4)
+        save_tokenizer(tok, tmp_path / model_type)
+    built = build(tmp_path / "llava", tmp_path / "int4", BuildOptions(text_only=True, quant=QuantRecipe(quant="int4")))
+    assert built.report["accuracy"]["kl_mean"] >= 0
+    with pytest.raises(UnsupportedError, match="--quant int4"):
+        build(tmp_path / "llava", tmp_path / "fp8", BuildOptions(text_only=True, quant=QuantRecipe(quant="fp8")))
+    assert not (tmp_path / "fp8").exists()
+    fp8 = build(tmp_path / "gemma3", tmp_path / "g-fp8", BuildOptions(text_only=True, quant=QuantRecipe(quant="fp8")))
+    assert fp8.report["accuracy"]["top1_agreement"] > 0.5
