@@ -502,7 +502,7 @@ def _vision_graphs(checkpoint: Checkpoint, hf, binding, compute_dtype: str, imag
         _bind_initializers(checkpoint, model, module, binding, compute_dtype)
 
     encoder = vision_encoder.trace(torch, hf, image_size, OPSET, bind_encoder)
-    return {vision_encoder.ENCODER_GRAPH: encoder}, vision_encoder.spec_of(hf.config, image_size)
+    return {vision_encoder.ENCODER_GRAPH: encoder}, vision_encoder.spec_of(hf.config, image_size, checkpoint.path)
 
 
 def _mrope(checkpoint: Checkpoint, image_size) -> bool:

@@ -11,7 +11,9 @@ Families whose images llmc places so far: :data:`IMAGE_FAMILIES` (LLaVA: image t
 positions, causal attention; Qwen3.5: dynamic resolution, its encoder a graph over any number of patches
 (compiler/qwen_vision.py), and 3-D M-RoPE positions, which its language model takes as one more input,
 :data:`MROPE_POSITIONS`; Qwen3-VL: the same, plus deepstack features carried in each image row,
-compiler/deepstack.py). Others build ``--text-only``.
+compiler/deepstack.py; Mistral 3: any size at whole merged patches, its encoder a graph of symbolic height and width
+(compiler/pixtral_vision.py), each image laid out as rows of image tokens closed by ``[IMG_BREAK]`` / ``[IMG_END]``,
+:data:`ROWS_FAMILIES`). Others build ``--text-only``.
 """
 
 from __future__ import annotations
@@ -40,9 +42,13 @@ IMAGE_FAMILIES = {"llava": "image tokens at the placeholder token, 1-D positions
                   "qwen3_5": "dynamic resolution, image tokens at the placeholder token, 3-D M-RoPE positions, "
                              "causal attention",
                   "qwen3_vl": "dynamic resolution, image tokens at the placeholder token, 3-D M-RoPE positions, "
-                              "deepstack features added to the first layers' hidden states, causal attention"}
+                              "deepstack features added to the first layers' hidden states, causal attention",
+                  "mistral3": "any size at whole merged patches, rows of image tokens closed by [IMG_BREAK] and the "
+                              "last by [IMG_END], 1-D positions, causal attention"}
 # Families of a dynamic-resolution encoder (compiler/qwen_vision.py) whose text model takes M-RoPE positions.
 MROPE_FAMILIES = ("qwen3_5", "qwen3_vl")
+# Families of a dynamic-size encoder (compiler/pixtral_vision.py) whose image tokens come in rows with break tokens.
+ROWS_FAMILIES = ("mistral3",)
 # model type -> what its images need that llmc does not lower yet (refused by name; --text-only builds the text model)
 IMAGES_NOT_YET = {"gemma3": "bidirectional attention among one image's tokens, which llmc's paged attention "
                             "(causal in every kernel) does not do yet"}
@@ -61,6 +67,10 @@ class ImageSpec:
     merge_size: int | None = None
     position_table_side: int | None = None  # Qwen: the learned position table's side (resampled to each grid)
     deepstack_layers: int = 0  # Qwen3-VL: layers that add deepstack features (each image row: hidden * (1 + this))
+    # Mistral 3: pixels per token side, and the tokens closing each row and the image ([IMG_BREAK], [IMG_END])
+    token_pixels: int | None = None
+    break_token_id: int | None = None
+    end_token_id: int | None = None
 
 
 def builds_images(config: dict, text_only: bool) -> bool:
@@ -88,6 +98,11 @@ def refuse_options(cfg_path: Path, model_type: str, options, gpu: bool) -> None:
             raise UnsupportedError(f"{head}: {flag} is not combined with image inputs yet; build without {flag}")
 
 
+def rows_family(model_type: str) -> bool:
+    """Whether an image build of ``model_type`` lays out its image tokens in rows with break tokens (Mistral 3)."""
+    return model_type in ROWS_FAMILIES
+
+
 def uses_mrope(model_type: str) -> bool:
     """Whether an image build of ``model_type`` takes M-RoPE positions (:data:`MROPE_POSITIONS`)."""
     return model_type in MROPE_FAMILIES
@@ -100,6 +115,11 @@ def trace_size(model_type: str, config, checkpoint: Path) -> tuple[int, int]:
         from llmc.compiler.qwen_vision import EXAMPLE_GRID
 
         return EXAMPLE_GRID[1] * config.patch_size, EXAMPLE_GRID[2] * config.patch_size
+    if model_type in ROWS_FAMILIES:
+        from llmc.compiler.pixtral_vision import EXAMPLE_GRID as ROWS_GRID
+
+        side = int(config.patch_size if isinstance(config.patch_size, int) else config.patch_size["height"])
+        return ROWS_GRID[0] * side, ROWS_GRID[1] * side
     return fixed_size(config, checkpoint)
 
 
@@ -113,10 +133,16 @@ def fixed_size(config, checkpoint: Path) -> tuple[int, int]:
                            f"{config.crop_size}); llmc's LLaVA encoder graph takes one size")
 
 
-def spec_of(hf_config, processor_size: tuple[int, int]) -> ImageSpec:
+def spec_of(hf_config, processor_size: tuple[int, int], checkpoint: Path) -> ImageSpec:
     """The image build's figures from the wrapper's config (LLaVA: patches per side squared, the CLS token dropped
-    by the ``default`` feature selection; Qwen: tokens per image vary with its size)."""
+    by the ``default`` feature selection; Qwen and Mistral 3: tokens per image vary with its size)."""
     vision = hf_config.vision_config
+    if hf_config.model_type in ROWS_FAMILIES:
+        from llmc.compiler import pixtral_vision
+
+        brk, end = pixtral_vision.layout_tokens(checkpoint)
+        return ImageSpec(int(hf_config.image_token_id), None, None, int(hf_config.get_text_config().hidden_size),
+                         token_pixels=pixtral_vision.token_pixels(hf_config), break_token_id=brk, end_token_id=end)
     if uses_mrope(hf_config.model_type):
         return ImageSpec(int(hf_config.image_token_id), None, None, int(hf_config.get_text_config().hidden_size),
                          int(vision.spatial_merge_size), int(vision.num_position_embeddings ** 0.5),
@@ -155,7 +181,14 @@ def trace(torch, hf, size: tuple[int, int], opset: int, bind: Callable[[ir.Model
     inputs and dynamic patch count (compiler/qwen_vision.py)."""
     vision = hf.config.vision_config
     before = vision._attn_implementation
-    if uses_mrope(hf.config.model_type):
+    if hf.config.model_type in ROWS_FAMILIES:
+        from llmc.compiler import pixtral_vision
+
+        pixtral_vision.check_layout(hf)
+        module = pixtral_vision.encoder_module(torch, hf)
+        (example, dynamic), names = pixtral_vision.example(torch, hf), list(pixtral_vision.ENCODER_INPUTS)
+        vision._attn_implementation = "eager"
+    elif uses_mrope(hf.config.model_type):
         from llmc.compiler import qwen_vision
 
         qwen_vision.check_layout(hf.model.visual)
@@ -188,4 +221,7 @@ def manifest_entry(wrapper: str | None, spec: ImageSpec, processor_file: str) ->
     if spec.merge_size is not None:  # dynamic resolution, M-RoPE (llmc.runtime.mrope)
         entry.update(positions="mrope", merge_size=spec.merge_size, position_table_side=spec.position_table_side,
                      deepstack_layers=spec.deepstack_layers)
+    if spec.token_pixels is not None:  # rows of image tokens with break tokens (llmc.runtime.image_inputs)
+        entry.update(layout="rows", token_pixels=spec.token_pixels, image_break_token_id=spec.break_token_id,
+                     image_end_token_id=spec.end_token_id)
     return entry

@@ -40,10 +40,23 @@ class ImageSpan:
     start: int
     embeds: np.ndarray
     grid: tuple[int, int] | None = None  # merged (rows, columns) of a dynamic-resolution image: its M-RoPE layout
+    # Mistral 3: the span's tokens (image tokens and the break tokens between rows) and each feature's offset in it;
+    # None: every token of the span is an image token
+    tokens: tuple[int, ...] | None = None
+    slots: np.ndarray | None = None
 
     @property
     def end(self) -> int:
-        return self.start + len(self.embeds)
+        return self.start + (len(self.embeds) if self.tokens is None else len(self.tokens))
+
+    def features_in(self, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
+        """``(token indices, features)`` of this image's feature tokens at request positions ``[lo, hi)``."""
+        if self.slots is None:
+            a, b = max(lo, self.start), min(hi, self.end)
+            return np.arange(a, max(a, b), dtype=np.int64), self.embeds[a - self.start: max(a, b) - self.start]
+        at = self.start + self.slots
+        keep = (at >= lo) & (at < hi)
+        return at[keep], self.embeds[keep]
 
 
 class ImageInputs:
@@ -59,6 +72,10 @@ class ImageInputs:
         self.tokens_per_image = section["tokens_per_image"]  # None: dynamic resolution (Qwen)
         self.hidden_size = int(section["hidden_size"])
         self.mrope = section.get("positions") == "mrope"
+        # Mistral 3: rows of image tokens, each closed by the break token, the last by the end token
+        self.rows = section.get("layout") == "rows"
+        self.token_pixels = int(section.get("token_pixels") or 1)
+        self.break_id, self.end_id = section.get("image_break_token_id"), section.get("image_end_token_id")
         self.merge_size = int(section.get("merge_size") or 1)
         # an image row: its features, then Qwen3-VL's deepstack features for each of its first layers
         self.embeds_width = self.hidden_size * (1 + int(section.get("deepstack_layers") or 0))
@@ -88,12 +105,26 @@ class ImageInputs:
         prev = 0
         for pos, (_, embeds, grid) in zip(at, features, strict=True):
             out.extend(ids[prev:pos])
-            spans.append(ImageSpan(len(out), embeds, grid))
-            out.extend([self.token_id] * len(embeds))
+            if self.rows:
+                tokens, slots = self._rows_layout(grid)
+                spans.append(ImageSpan(len(out), embeds, None, tokens, slots))
+                out.extend(tokens)
+            else:
+                spans.append(ImageSpan(len(out), embeds, grid))
+                out.extend([self.token_id] * len(embeds))
             prev = pos + 1
         out.extend(ids[prev:])
         digest = hashlib.sha256(b"".join(d for d, _, _ in features)).digest()
         return out, spans, int.from_bytes(digest[:8], "little") | (1 << 41)
+
+    def _rows_layout(self, grid: tuple[int, int]) -> tuple[tuple[int, ...], np.ndarray]:
+        """PixtralProcessor's tokens of one image of ``grid`` (rows, columns) tokens: each row's image tokens then
+        the break token, the last row's break token replaced by the end token; and the image tokens' offsets."""
+        rows, cols = grid
+        tokens = ([self.token_id] * cols + [self.break_id]) * rows
+        tokens[-1] = self.end_id
+        slots = np.asarray([r * (cols + 1) + c for r in range(rows) for c in range(cols)], np.int64)
+        return tuple(int(t) for t in tokens), slots
 
     def encode(self, image) -> tuple[bytes, np.ndarray]:
         """``(sha256 of its pixel values, features [tokens, hidden])`` of one image (a path, bytes or an array;
@@ -109,6 +140,9 @@ class ImageInputs:
         # the grid is part of the key: the same patches in another layout are another image
         digest = hashlib.sha256(pixels.tobytes() + (grid.tobytes() if grid is not None else b"")).digest()
         merged = None if grid is None else (int(grid[0, 1]) // self.merge_size, int(grid[0, 2]) // self.merge_size)
+        if self.rows:  # one image per call: its pixels are its size, whole tokens (the key holds the shape too)
+            merged = (pixels.shape[-2] // self.token_pixels, pixels.shape[-1] // self.token_pixels)
+            digest = hashlib.sha256(pixels.tobytes() + np.asarray(pixels.shape, np.int64).tobytes()).digest()
         hit = self._cache.get(digest)
         if hit is not None:
             self._cache.move_to_end(digest)
@@ -151,10 +185,10 @@ class ImageInputs:
         rows, embeds = [], []
         for i, c in enumerate(chunks):
             for span in c.request.image_spans or ():
-                lo, hi = max(span.start, c.start), min(span.end, c.start + c.num_tokens)
-                if lo < hi:
-                    rows.append(np.arange(lo, hi, dtype=np.int64) - c.start + int(query_start_loc[i]))
-                    embeds.append(span.embeds[lo - span.start: hi - span.start])
+                at, feats = span.features_in(c.start, c.start + c.num_tokens)
+                if len(at):
+                    rows.append(at - c.start + int(query_start_loc[i]))
+                    embeds.append(feats)
         out = {"image_embeds": np.concatenate(embeds), "image_rows": np.concatenate(rows)} if rows else \
             {"image_embeds": np.zeros((0, self.embeds_width), np.float32), "image_rows": np.zeros(0, np.int64)}
         if self.mrope:

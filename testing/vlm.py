@@ -44,7 +44,7 @@ VLM_CONFIGS: dict[str, tuple[dict, str]] = {
                     eoa_token_index=505, audio_token_id=506),
                "per-layer head sizes, per-layer input embeddings"),
     "mistral3": (dict(text_config=dict(_T, model_type="mistral"),
-                      vision_config=dict(_V, model_type="pixtral", head_dim=16, image_size=64, patch_size=16),
+                      vision_config=dict(_V, model_type="pixtral", head_dim=16, image_size=128, patch_size=16),
                       image_token_index=502),
                  "Mistral text model"),
     "llama4": (dict(text_config=dict(_T, intermediate_size_mlp=128, num_local_experts=2, num_experts_per_tok=1,
@@ -114,7 +114,12 @@ VLM_PROCESSORS: dict[str, tuple[str, dict]] = {
     **dict.fromkeys(("qwen3_5", "qwen3_vl"), ("Qwen2VLImageProcessorPil", dict(
         patch_size=16, merge_size=2, temporal_patch_size=2,
         size={"shortest_edge": 64 * 64, "longest_edge": 256 * 256}))),
+    # PixtralImageProcessor at the tower's 16-pixel patches; Mistral 3's processor resizes to whole 2x2 merged
+    # patches (32 pixels) and lays each image out in rows of [IMG] closed by [IMG_BREAK] / [IMG_END]
+    "mistral3": ("PixtralImageProcessorPil", dict(size={"longest_edge": 128}, patch_size={"height": 16, "width": 16})),
 }
+# Mistral 3's image, row-break and image-end tokens inside the tiny vocabulary (tokenizer.json of the fixture)
+PIXTRAL_TOKENS = {"[IMG]": 502, "[IMG_BREAK]": 503, "[IMG_END]": 504}
 
 
 def write_processor(model_type: str, out: str | Path):
@@ -125,7 +130,24 @@ def write_processor(model_type: str, out: str | Path):
     name, settings = VLM_PROCESSORS[model_type]
     processor = getattr(transformers, name)(**settings)
     processor.save_pretrained(out)
+    if model_type == "mistral3":
+        write_word_tokenizer(out, 512, PIXTRAL_TOKENS)
     return processor
+
+
+def write_word_tokenizer(out: str | Path, vocab_size: int, special: dict[str, int]) -> None:
+    """A word-level ``tokenizer.json`` of ``vocab_size`` tokens (``t<id>``), ``special`` tokens at their ids: the
+    file a checkpoint's processor finds its special tokens' ids in."""
+    from tokenizers import AddedToken, Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import WhitespaceSplit
+
+    names = {i: n for n, i in special.items()}
+    vocab = {names.get(i, f"t{i}"): i for i in range(vocab_size)}
+    tok = Tokenizer(WordLevel(vocab, unk_token="t0"))
+    tok.pre_tokenizer = WhitespaceSplit()
+    tok.add_special_tokens([AddedToken(n, special=True) for n in special])
+    tok.save(str(Path(out) / "tokenizer.json"))
 
 
 def random_image(rng, size: tuple[int, int] = (48, 80)) -> bytes:

@@ -106,6 +106,14 @@ def _image_processor(s: BuildState):
         raw = {k: vision[f] for k, f in (("patch_size", "patch_size"), ("merge_size", "spatial_merge_size"),
                                          ("temporal_patch_size", "temporal_patch_size")) if f in vision}
         s.say(f"      images: no preprocessor_config.json: {s.ckpt.model_type}'s default processor")
+    elif vision_encoder.rows_family(s.ckpt.model_type):
+        # PixtralProcessor resizes to whole merged patches: the tower's patch times the merger's side
+        vision = config["vision_config"]
+        side = int(vision.get("patch_size", 16)) * int(config.get("spatial_merge_size", 2))
+        if raw is None:
+            raw = {"size": {"longest_edge": int(vision.get("image_size", 1024))}}
+            s.say(f"      images: no preprocessor_config.json: {s.ckpt.model_type}'s default processor")
+        raw = {**raw, "patch_size": {"height": side, "width": side}}
     elif raw is None:
         side = int(config["vision_config"].get("image_size", 224))
         raw = {"size": {"shortest_edge": side}, "crop_size": {"height": side, "width": side}}
