@@ -26,8 +26,10 @@ from llmc.runtime.workers.cuda.ops import OPS
 #   gate/up, SwiGLU, down_proj.
 # fp8: the same kernels, the norms and SwiGLU writing E4M3 codes, each linear one torch._scaled_mm, plus one
 #   quantize kernel before o_proj (attention's output).
-# int4 (groups of 32: K = 64 splits in two): each linear the W4A16 kernel + the sum of its two float32 split-K
-#   partials + the cast to the engine dtype (3 launches); int4-awq: + AWQ's input scale (a Mul before down_proj).
+# int4 (groups of 32: K = 64 splits in two at batch 1): each linear the W4A16 kernel + the sum of its two float32
+#   split-K partials + the cast to the engine dtype (3 launches); int4-awq: + AWQ's input scale (a Mul before
+#   down_proj). Past 16 rows (decode batches, prefill chunks) the wide tiling runs, its split-K bounded by the
+#   partials' bytes (none here): the same bound holds at every row count.
 BOUNDS = {"bf16": 10, "fp8": 11, "int4": 18, "int4-awq": 19}
 RECIPES = {"bf16": None,
            "fp8": QuantRecipe(quant="fp8", calib_samples=4, calib_seq_len=32),
@@ -69,8 +71,22 @@ def _linear_shapes(root, op: str) -> dict[int, tuple[int, int]]:
 
 
 def _dequantizes(s, root, op: str) -> bool:
-    """Whether an ``op`` node writes a tensor larger than its rows (``batch`` x max(K, N)): a dequantized weight."""
-    return any(s.largest_writes.get(i, 0) > s.batch * max(k, n) for i, (k, n) in _linear_shapes(root, op).items())
+    """Whether an ``op`` node writes a tensor larger than its rows (rows x max(K, N)): a dequantized weight (decode:
+    fewer rows than the weight's K and N)."""
+    return any(s.largest_writes.get(i, 0) > s.rows * max(k, n) for i, (k, n) in _linear_shapes(root, op).items())
+
+
+# What an INT4 linear may launch: the W4A16 kernel over the packed codes, then (split-K) the float32 partials' sum and
+# its cast to the engine dtype. Anything else is the torch op (unpack, sign, scales repeated: a dequantized weight).
+_INT4_LAUNCHES = (["int4_matmul_kernel"], ["int4_matmul_kernel", "aten.sum", "aten.to"])
+
+
+def _int4_launches(s) -> dict[int, list[str]]:
+    out: dict[int, list[str]] = {}
+    for x in s.launches:
+        if x.op == "Int4Linear":
+            out.setdefault(x.node, []).append(x.kernel)
+    return out
 
 
 @pytest.mark.parametrize("recipe", sorted(RECIPES))
@@ -102,18 +118,42 @@ def test_quantized_weights_stay_packed_on_the_device(engines, recipe):
     packed = sum(torch.Size(shape).numel() for d, shape in _file_tensors(root / "weights.safetensors").values()
                  if d == st)
     assert s.weight_bytes_by_dtype[str(dtype).removeprefix("torch.")] == packed
-    # and no kernel of a decode step writes a dequantized weight (up to the W4A16 kernel's 16 rows)
-    for batch in (1, 16):
+    # and no kernel of a decode step writes a dequantized weight
+    for batch in (1, 16, 32, 64):
         assert not _dequantizes(decode_structure(root, manifest, batch=batch), root, op)
 
 
+@pytest.mark.parametrize("recipe", ["int4", "int4-awq"])
+@pytest.mark.parametrize(("batch", "tokens"), [(1, 1), (16, 1), (17, 1), (32, 1), (64, 1), (1, 300), (4, 512)])
+def test_int4_linears_run_the_packed_code_kernel_at_every_row_count(engines, recipe, batch, tokens):
+    """Decode at any batch and prefill chunks: every INT4 linear launches the W4A16 kernel over its packed codes (the
+    decode tiling up to 16 rows, the wide one past them) and nothing that dequantizes its weight; the layer stays
+    within the decode bound."""
+    root, manifest = engines[recipe]
+    s = decode_structure(root, manifest, batch=batch, tokens=tokens)
+    launched = _int4_launches(s)
+    assert set(launched) == set(_linear_shapes(root, "Int4Linear"))
+    assert all(ks in _INT4_LAUNCHES for ks in launched.values()), launched
+    assert max(s.per_layer) <= BOUNDS[recipe], (s.per_layer, s.kernels_by_op(1))
+    assert s.host_syncs == [] and s.host_copies == []
+
+
 def test_the_counter_sees_a_dequantized_weight_and_a_host_sync(engines, monkeypatch):
-    """The checks above can fail: past the W4A16 kernel's 16 rows an INT4 linear dequantizes its weight (written in
-    the step), and an op reading a device value on the host is caught."""
+    """The checks above can fail: an INT4 linear without its W4A16 kernel (the wide tiling removed from the
+    manifest, or both) runs the torch op, which dequantizes its weight (written in the step), and an op reading a
+    device value on the host is caught."""
     root, manifest = engines["int4"]
-    wide = decode_structure(root, manifest, batch=32)
-    assert _dequantizes(wide, root, "Int4Linear")
-    assert max(wide.per_layer) > BOUNDS["int4"]
+    kernels = manifest["engine"]["kernels"]
+    for dropped in ("+wide", ""):
+        kept = [k for k in kernels if k.get("op") != "int4_matmul" or not k["key"].endswith(dropped)]
+        assert len(kept) < len(kernels)
+        slim = {**manifest, "engine": {**manifest["engine"], "kernels": kept}}
+        for batch in (32, 1):
+            s = decode_structure(root, slim, batch=batch)
+            fell_back = dropped == "" or batch > 16
+            assert _dequantizes(s, root, "Int4Linear") == fell_back
+            assert all(ks in _INT4_LAUNCHES for ks in _int4_launches(s).values()) == (not fell_back)
+            assert (max(s.per_layer) > BOUNDS["int4"]) == fell_back
     mul = OPS["Mul"]
     monkeypatch.setitem(OPS, "Mul", lambda a, b, **k: mul(a, b * float(b.reshape(-1)[0].item()), **k))
     synced = decode_structure(*engines["bf16"], batch=1)

@@ -85,28 +85,4 @@ def test_fused_kernels_compile_ahead_of_time_for_every_sm():
             assert k["target"].startswith(f"sm_{sm}") and k["shared_mem"] <= 48 * 1024
 
 
-@pytest.mark.parametrize("symmetric", [False, True])
-@pytest.mark.parametrize("m,n,k,g", [(1, 96, 256, 128), (5, 64, 200, 64), (16, 130, 512, 32)])
-def test_int4_matmul_kernel_equals_the_torch_op(symmetric, m, n, k, g):
-    import numpy as np
-
-    from llmc.compiler.backends.cuda import _pack_int4
-    from llmc.passes.quantize import _int4_arrays
-    from llmc.plugins.fused import requests
-    from llmc.quant import int4
-
-    rng = np.random.default_rng()
-    q = int4.quantize_rtn(rng.standard_normal((n, k)).astype(np.float32), g, symmetric)
-    codes, scales, *zp = _int4_arrays(q, "qdq")
-    packed = torch.from_numpy(_pack_int4(codes))
-    s = torch.from_numpy(scales)
-    z = torch.from_numpy(zp[0].astype(np.uint8)) if zp else None
-    x = _rand(m, k)
-    (want,) = OPS["Int4Linear"](x, packed, s, z, group_size=g, k=k)
-    c = requests.int4_matmul_request(n, k, g, z is not None, "fp32")["constexprs"]
-    split = c["SPLIT_K"]
-    out = torch.empty((split, m, n) if split > 1 else (m, n), dtype=torch.float32)
-    fk.int4_matmul_kernel[(-(-n // c["BLOCK_N"]), split)](x, packed, s, z if z is not None else packed, out, m,
-                                                          x.stride(0), **c)
-    got = out.sum(0) if split > 1 else out
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+# The W4A16 kernel (int4_matmul_kernel): tests/test_int4_triton_matmul.py, at every row count.

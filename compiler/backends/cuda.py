@@ -335,9 +335,10 @@ class _Lowering:
             if g % min(g, 128) == 0 and min(g, 128) >= 16:  # the W4A16 kernel's tiling (else: torch dequantizes)
                 from llmc.plugins.fused import requests as fk
 
-                req = fk.int4_matmul_request(n, k, g, zp is not None, _TL[self.dtype])
-                self.kernel_requests[req["key"]] = req
-                attrs["kernel"] = req["key"]
+                for wide in (False, True):  # decode rows, and more (the session picks by the rows of each call)
+                    req = fk.int4_matmul_request(n, k, g, zp is not None, _TL[self.dtype], wide=wide)
+                    self.kernel_requests[req["key"]] = req
+                attrs["kernel"] = req["key"].removesuffix(fk.INT4_WIDE_SUFFIX)
             self.emit("Int4Linear", inputs, [node.outputs[0].name], attrs)
             self.fusions["int4-linear"] += 1
             return True
@@ -587,6 +588,13 @@ def compile_fused(requests: dict[str, dict], sm: int, out_dir: Path) -> list[dic
     return entries
 
 
+def _node_key(request_key: str) -> str:
+    """The node ``kernel`` attribute a request serves (a second tiling of a node's kernel carries a suffix)."""
+    from llmc.plugins.fused.requests import INT4_WIDE_SUFFIX
+
+    return request_key.removesuffix(INT4_WIDE_SUFFIX)
+
+
 def ptxas_cuda_version(sm: int) -> str | None:
     """The CUDA release of the ``ptxas`` that assembles the cubins (the driver must support its major version)."""
     try:
@@ -637,7 +645,7 @@ def emit(model: ir.Model, out_dir: Path, *, sm: int, dtype: str = "bfloat16", bl
         requests = low.kernel_requests
         if parallel:  # the fused kernels of a rank's blocks were asked for the full width: those run in torch
             named = {n["attrs"]["kernel"] for n in nodes if "kernel" in n["attrs"]}
-            requests = {k: r for k, r in requests.items() if k in named}
+            requests = {k: r for k, r in requests.items() if _node_key(k) in named}
         kernels += compile_fused(requests, sm, out_dir)
     program, weights = ((f"rank0/{torch_program.PROGRAM_FILE}", f"rank0/{torch_program.WEIGHTS_FILE}") if parallel
                         else (torch_program.PROGRAM_FILE, torch_program.WEIGHTS_FILE))

@@ -59,39 +59,65 @@ def swiglu_request(n: int, act: str) -> dict:
     }
 
 
-INT4_BLOCK_M = 16  # decode rows per launch; more rows dequantize into a torch matmul instead
+# W4A16 (int4_matmul_kernel): two compiled tilings per linear, both reading the packed codes, the launch picking by
+# the rows of the call (nothing dequantizes a weight at any row count). Neither is timed yet on a GPU (issue 51:
+# the configurations are the usual Triton matmul shapes for sm_90, to be revisited with the GPU figures).
+# - "decode", rows <= INT4_BLOCK_M: 16-row tiles (the smallest tl.dot tile: a decode step's rows waste nothing) by 64
+#   columns, K in blocks of up to 128; the weight is read once and the grid filled by splitting K (int4_launch).
+# - "wide", more rows (batches past 16, prefill chunks of 512-2048 rows): 64 x 128 tiles, K in blocks of up to 64,
+#   3 pipeline stages: each weight tile is unpacked and scaled once per 64 rows instead of once per 16 (the
+#   dequantization, on CUDA cores, is what a 16-row tile spends most of its time on when rows are many), and
+#   the x / code tiles of three K blocks in flight hide the loads' latency (64x64 bf16 + 32x128 codes per stage:
+#   ~12 KiB x 3, well inside the SM's shared memory).
+INT4_BLOCK_M = 16
 INT4_BLOCK_N = 64
+INT4_WIDE_BLOCK_M = 64
+INT4_WIDE_BLOCK_N = 128
+INT4_WIDE_SUFFIX = "+wide"  # the wide tiling's key: the node's ``kernel`` attribute plus this
+INT4_NUM_SMS = 132  # H100 SXM; the session passes the device's own count (FusedOps.num_sms)
 
 
-def int4_split_k(n: int, k: int, block_k: int, num_sms: int = 132) -> int:
-    """Split K so that about two programs run per SM (a power of two, each split at least one K block)."""
-    tiles = -(-n // INT4_BLOCK_N)
+def int4_split_k(n: int, k: int, block_k: int, num_sms: int = INT4_NUM_SMS, rows: int = 1,
+                 block_m: int = INT4_BLOCK_M, block_n: int = INT4_BLOCK_N) -> int:
+    """Split K so that about two programs run per SM (a power of two, each split at least one K block), no further
+    than keeps the float32 partials (``split x rows x N`` written and read back, 8 bytes each) within half the packed
+    weight's bytes (``K x N / 2``): past that the split costs more traffic than the idle SMs it fills."""
+    tiles = -(-n // block_n) * -(-rows // block_m)
     want = max(1, (2 * num_sms) // tiles)
-    most = max(1, k // block_k)
+    most = max(1, min(k // block_k, k // (32 * max(1, rows))))
     split = 1
     while split * 2 <= min(want, most):
         split *= 2
     return split
 
 
-def int4_matmul_request(n: int, k: int, group: int, has_zero: bool, act: str) -> dict:
-    """W4A16 matmul for ``M <= INT4_BLOCK_M`` rows (decode); split-K sized for a 132-SM GPU."""
-    block_k = min(group, 128)
+def int4_launch(config: dict, rows: int, num_sms: int = INT4_NUM_SMS) -> tuple[tuple[int, int, int], int, int]:
+    """The grid, split and K-chunk of one int4_matmul_kernel launch over ``rows`` rows (``config``: its constexprs)."""
+    n, k, bk, bm, bn = config["N"], config["K"], config["BLOCK_K"], config["BLOCK_M"], config["BLOCK_N"]
+    chunk = _ceil(_ceil(k, int4_split_k(n, k, bk, num_sms, rows, bm, bn)), bk) * bk
+    split = _ceil(k, chunk)  # the K blocks may not divide evenly: no program without a K block of its own
+    return (_ceil(n, bn), split, _ceil(rows, bm)), split, chunk
+
+
+def int4_matmul_request(n: int, k: int, group: int, has_zero: bool, act: str, wide: bool = False) -> dict:
+    """W4A16 matmul of one linear: the "decode" tiling (``M <= INT4_BLOCK_M`` rows) or, ``wide``, the tiling for more
+    rows (see the comment above ``INT4_BLOCK_M``)."""
+    block_k = min(group, 64 if wide else 128)
     if group % block_k or block_k < 16:
         raise ValueError(f"int4 group size {group}: the W4A16 kernel needs a multiple of 16 up to 128, or of 128")
-    split = int4_split_k(n, k, block_k)
-    out = "fp32" if split > 1 else act
+    key = f"int4_matmul-n{n}-k{k}-g{group}-z{int(has_zero)}-{act}"
     return {
-        "key": f"int4_matmul-n{n}-k{k}-g{group}-z{int(has_zero)}-{act}", "op": "int4_matmul", "module": MODULE,
+        "key": key + (INT4_WIDE_SUFFIX if wide else ""), "op": "int4_matmul", "module": MODULE,
         "fn": "int4_matmul_kernel",
-        "signature": {"x_ptr": f"*{act}", "q_ptr": "*u8", "s_ptr": f"*{act}", "z_ptr": "*u8", "out_ptr": f"*{out}",
-                      "m_rows": "i32", "x_stride": "i32", "N": "constexpr", "K": "constexpr", "GROUP": "constexpr",
-                      "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "SPLIT_K": "constexpr",
-                      "CHUNK": "constexpr", "HAS_ZERO": "constexpr"},
-        "constexprs": {"N": n, "K": k, "GROUP": group, "BLOCK_M": INT4_BLOCK_M, "BLOCK_N": INT4_BLOCK_N,
-                       "BLOCK_K": block_k, "SPLIT_K": split, "CHUNK": _ceil(_ceil(k, split), block_k) * block_k,
+        "signature": {"x_ptr": f"*{act}", "q_ptr": "*u8", "s_ptr": f"*{act}", "z_ptr": "*u8", "out_ptr": f"*{act}",
+                      "part_ptr": "*fp32", "m_rows": "i32", "x_stride": "i32", "split_k": "i32", "chunk": "i32",
+                      "N": "constexpr", "K": "constexpr", "GROUP": "constexpr", "BLOCK_M": "constexpr",
+                      "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "HAS_ZERO": "constexpr"},
+        "constexprs": {"N": n, "K": k, "GROUP": group, "BLOCK_M": INT4_WIDE_BLOCK_M if wide else INT4_BLOCK_M,
+                       "BLOCK_N": INT4_WIDE_BLOCK_N if wide else INT4_BLOCK_N, "BLOCK_K": block_k,
                        "HAS_ZERO": bool(has_zero)},
-        "num_warps": 4, "divisible": ["q_ptr", "s_ptr", "out_ptr"], "grid_rule": "(cdiv(N, BLOCK_N), SPLIT_K, 1)",
+        "num_warps": 4, "num_stages": 3 if wide else 2, "divisible": ["q_ptr", "s_ptr", "out_ptr", "part_ptr"],
+        "grid_rule": "(cdiv(N, BLOCK_N), split_k, cdiv(m_rows, BLOCK_M))",
     }
 
 

@@ -15,6 +15,9 @@ Launch contract (the AOT entry takes exactly the non-constexpr parameters, in or
   ``out`` contiguous ``[n_tokens, H*D]``; rotate-half over the whole head.
 - ``swiglu_kernel(gate, up, out, n_rows, g_stride, u_stride)``: grid ``(n_rows, cdiv(N, BLOCK))``;
   ``out`` contiguous ``[n_rows, N]``.
+- ``int4_matmul_kernel(x, q, s, z, out, part, m_rows, x_stride, split_k, chunk)``: grid
+  ``(cdiv(N, BLOCK_N), split_k, cdiv(m_rows, BLOCK_M))``, any row count; ``split_k`` and ``chunk`` from
+  :func:`llmc.plugins.fused.requests.int4_launch` (``out`` when ``split_k`` is 1, else float32 ``part``).
 """
 
 from __future__ import annotations
@@ -75,24 +78,27 @@ def swiglu_kernel(g_ptr, u_ptr, out_ptr, n_rows, g_stride, u_stride, N: tl.const
 
 
 @triton.jit
-def int4_matmul_kernel(x_ptr, q_ptr, s_ptr, z_ptr, out_ptr, m_rows, x_stride,
+def int4_matmul_kernel(x_ptr, q_ptr, s_ptr, z_ptr, out_ptr, part_ptr, m_rows, x_stride, split_k, chunk,
                        N: tl.constexpr, K: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, CHUNK: tl.constexpr,
-                       HAS_ZERO: tl.constexpr):
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_ZERO: tl.constexpr):
     """W4A16: ``out[M, N] = x[M, K] @ W`` with ``W`` as two 4-bit codes per byte ``q [ceil(K/2), N]`` (row 2i
     in the low nibble), group scales ``s [ceil(K/G), N]`` and (``HAS_ZERO``) zero points ``z`` (uint8); without
-    them the codes are signed. ``SPLIT_K > 1`` writes float32 partial sums ``out [SPLIT_K, M, N]``, each over
-    ``CHUNK`` (a multiple of ``BLOCK_K``, which divides ``GROUP``) rows of ``K``."""
+    them the codes are signed. Program ``(n, k, m)`` covers ``BLOCK_N`` columns, ``BLOCK_M`` rows and ``chunk``
+    (a multiple of ``BLOCK_K``, which divides ``GROUP``) rows of ``K``: ``split_k == 1`` stores ``out`` in the
+    activation dtype, else float32 partial sums ``part [split_k, M, N]`` (summed by the caller). The split is a
+    launch argument, not a constant: the host picks it from the row count (:func:`..requests.int4_launch`)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    offs_m = tl.arange(0, BLOCK_M)
+    pid_m = tl.program_id(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_h = tl.arange(0, BLOCK_K // 2)
     m_ok = offs_m < m_rows
     n_ok = offs_n < N
+    rows_x = offs_m.to(tl.int64) * x_stride  # 64-bit: a long prefill chunk times a wide K passes 2^31 elements
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    k_lo = pid_k * CHUNK
-    for k0 in range(k_lo, k_lo + CHUNK, BLOCK_K):
+    k_lo = pid_k * chunk
+    for k0 in range(k_lo, tl.minimum(k_lo + chunk, K), BLOCK_K):
         rows = k0 // 2 + offs_h
         packed = tl.load(q_ptr + rows[:, None] * N + offs_n[None, :],
                          mask=(rows[:, None] < (K + 1) // 2) & n_ok[None, :], other=0)
@@ -100,19 +106,23 @@ def int4_matmul_kernel(x_ptr, q_ptr, s_ptr, z_ptr, out_ptr, m_rows, x_stride,
         hi = (packed >> 4).to(tl.int32)
         w = tl.reshape(tl.permute(tl.join(lo, hi), (0, 2, 1)), (BLOCK_K, BLOCK_N))
         g = k0 // GROUP
-        s = tl.load(s_ptr + g * N + offs_n, mask=n_ok & (k0 < K), other=0.0).to(tl.float32)
+        s = tl.load(s_ptr + g * N + offs_n, mask=n_ok, other=0.0).to(tl.float32)
         if HAS_ZERO:
-            z = tl.load(z_ptr + g * N + offs_n, mask=n_ok & (k0 < K), other=0).to(tl.int32)
+            z = tl.load(z_ptr + g * N + offs_n, mask=n_ok, other=0).to(tl.int32)
             wf = (w - z[None, :]).to(tl.float32) * s[None, :]
         else:
             wf = tl.where(w >= 8, w - 16, w).to(tl.float32) * s[None, :]
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(x_ptr + offs_m[:, None] * x_stride + offs_k[None, :],
-                    mask=m_ok[:, None] & (offs_k[None, :] < K), other=0.0)
-        acc += tl.dot(x, wf.to(x_ptr.dtype.element_ty))
-    o = offs_m[:, None] * N + offs_n[None, :]
+        x = tl.load(x_ptr + rows_x[:, None] + offs_k[None, :], mask=m_ok[:, None] & (offs_k[None, :] < K), other=0.0)
+        # the weight rounded to the activation dtype once, as the torch op's dequantized weight is; a float32 engine
+        # (parity tests) multiplies in IEEE float32, not TF32
+        if x_ptr.dtype.element_ty == tl.float32:
+            acc = tl.dot(x, wf, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(x, wf.to(x_ptr.dtype.element_ty), acc)
+    o = offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
     ok = m_ok[:, None] & n_ok[None, :]
-    if SPLIT_K == 1:
+    if split_k == 1:
         tl.store(out_ptr + o, acc.to(out_ptr.dtype.element_ty), mask=ok)
     else:
-        tl.store(out_ptr + pid_k * m_rows * N + o, acc, mask=ok)
+        tl.store(part_ptr + pid_k.to(tl.int64) * m_rows * N + o, acc, mask=ok)

@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 import torch
 
+from llmc.plugins.fused.requests import INT4_NUM_SMS, INT4_WIDE_SUFFIX, int4_launch
 from llmc.runtime.workers.cuda.ops import OPS, fp8_codes
 
 # rows of the ones that stand for the FP8 linears' per-row activation scale (the scale is folded into the weight's):
@@ -22,8 +23,10 @@ _ONES_ROWS = 256
 class FusedOps:
     """``fused(key)``: the loaded kernel of that key or None; ``launch(kernel, grid, args)`` on the session's stream."""
 
-    def __init__(self, fused: Callable, launch: Callable, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, fused: Callable, launch: Callable, dtype: torch.dtype, device: torch.device,
+                 num_sms: int = INT4_NUM_SMS) -> None:
         self._fused, self._launch, self.dtype, self.device = fused, launch, dtype, device
+        self.num_sms = num_sms  # the device's SMs: the W4A16 kernel's split-K fills them
         self._ones = torch.ones((_ONES_ROWS, 1), dtype=torch.float32, device=device)
         self._old_ones: list[torch.Tensor] = []  # graphs captured before a growth still read these
 
@@ -129,17 +132,24 @@ class FusedOps:
         return (y.reshape(*shape[:-1], -1),)
 
     def int4_linear(self, x, codes, scales, zeros=None, *, kernel=None, **attrs):
-        k = self._fused(kernel)
+        """W4A16 from the packed codes at any row count: the node's "decode" tiling up to its 16 rows, its "wide"
+        tiling (``kernel`` + ``INT4_WIDE_SUFFIX``) past them (plugins/fused/requests.py says why two); split-K
+        partials (float32) summed here. The torch op (which dequantizes the weight) only where no kernel was built."""
         rows = x.numel() // x.shape[-1]
-        if k is None or x.dtype != self.dtype or scales.dtype != self.dtype or rows > k.info.config["BLOCK_M"]:
+        k = self._fused(kernel)
+        if k is not None and rows > k.info.config["BLOCK_M"]:
+            k = self._fused(kernel + INT4_WIDE_SUFFIX)
+        if k is None or x.dtype != self.dtype or scales.dtype != self.dtype:
             return OPS["Int4Linear"](x, codes, scales, zeros, **attrs)
         x2 = rows_view(x)
-        n, split = codes.shape[1], k.info.config["SPLIT_K"]
-        out = torch.empty((split, rows, n) if split > 1 else (rows, n),
-                          dtype=torch.float32 if split > 1 else x.dtype, device=x.device)
-        self._launch(k, (-(-n // k.info.config["BLOCK_N"]), split, 1),
-                     [x2, codes, scales, zeros if zeros is not None else codes, out, rows, x2.stride(0)])
-        y = out.sum(0).to(x.dtype) if split > 1 else out
+        n = codes.shape[1]
+        grid, split, chunk = int4_launch(k.info.config, rows, self.num_sms)
+        out = torch.empty((rows, n), dtype=x.dtype, device=x.device) if split == 1 else None
+        part = torch.empty((split, rows, n), dtype=torch.float32, device=x.device) if split > 1 else None
+        self._launch(k, grid, [x2, codes, scales, zeros if zeros is not None else codes,
+                               out if out is not None else part, part if part is not None else out,
+                               rows, x2.stride(0), split, chunk])
+        y = out if part is None else part.sum(0).to(x.dtype)
         return (y.reshape(*x.shape[:-1], n),)
 
     def lora(self, y, x, a, b, slots, *, shrink_kernel=None, expand_kernel=None, **attrs):

@@ -67,6 +67,12 @@ class DecodeStructure:
     weight_bytes_by_dtype: dict[str, int] = field(default_factory=dict)
     largest_writes: dict[int, int] = field(default_factory=dict)  # node -> elements of the largest tensor it writes
     aot_kernels: bool = False  # the engine has its AOT kernels (a GPU session captures decode in CUDA graphs)
+    tokens: int = 1  # new tokens per sequence: 1 a decode step, more a prefill step
+
+    @property
+    def rows(self) -> int:
+        """The activation rows of the step (tokens of all its sequences)."""
+        return self.batch * self.tokens
 
     @property
     def capture_safe(self) -> bool:
@@ -169,8 +175,10 @@ def weights_file_bytes(path: Path) -> int:
     return path.stat().st_size - 8 - n
 
 
-def decode_structure(root: Path, manifest: dict, batch: int = 1) -> DecodeStructure:
-    """Count what one decode step of ``batch`` sequences launches on the GPU (see the module docstring)."""
+def decode_structure(root: Path, manifest: dict, batch: int = 1, tokens: int = 1) -> DecodeStructure:
+    """Count what one decode step of ``batch`` sequences launches on the GPU (see the module docstring);
+    ``tokens`` > 1: a prefill step instead, each sequence's first ``tokens`` tokens (run eagerly on a GPU, never
+    captured: counted for what it launches and writes, e.g. that no linear dequantizes its weight)."""
     from llmc.runtime.workers.cuda.session import CudaSession
 
     root = Path(root)
@@ -178,7 +186,7 @@ def decode_structure(root: Path, manifest: dict, batch: int = 1) -> DecodeStruct
     session.allocate_pool(manifest["kv_cache"], num_blocks=max(1, batch) * session._max_blocks)
     if manifest.get("state_cache"):
         session.allocate_state(manifest["state_cache"], batch + 1)
-    feeds = session._static_feeds(batch)
+    feeds = session._static_feeds(batch) if tokens == 1 else _prefill_feeds(session, batch, tokens)
     rec = _Recorder()
     for kernel in session.kernels.values():
         kernel.log = rec  # launches recorded in order with the aten ops around them
@@ -187,10 +195,24 @@ def decode_structure(root: Path, manifest: dict, batch: int = 1) -> DecodeStruct
             session.program.run(feeds, on_node=rec.at_node)
     except HostSync:
         pass
-    return _structure(root, session, rec, batch)
+    return _structure(root, session, rec, batch, tokens)
 
 
-def _structure(root: Path, session, rec: _Recorder, batch: int) -> DecodeStructure:
+def _prefill_feeds(session, batch: int, tokens: int) -> dict[str, torch.Tensor]:
+    """A prefill step's feeds on the session's device: ``batch`` sequences of ``tokens`` new tokens each, nothing
+    cached before them (slots -1: the counted step writes no cache)."""
+    z = dict(dtype=torch.int64, device=session.device)
+    feeds = session._static_feeds(batch)
+    t = batch * tokens
+    feeds.update(input_ids=torch.zeros(t, **z), positions=torch.zeros(t, **z), slot_mapping=torch.full((t,), -1, **z),
+                 context_lens=torch.full((batch,), tokens, **z), query_start_loc=torch.arange(batch + 1, **z) * tokens,
+                 logits_indices=torch.arange(1, batch + 1, **z) * tokens - 1)
+    if "lora_slots" in feeds:
+        feeds["lora_slots"] = torch.zeros(t, **z)
+    return feeds
+
+
+def _structure(root: Path, session, rec: _Recorder, batch: int, tokens: int = 1) -> DecodeStructure:
     spec = session.program.spec
     layers_of = node_layers(spec)
     launches = [Launch(i, spec["nodes"][i]["op"], k) for i, k in rec.kernels if i >= 0]
@@ -201,7 +223,8 @@ def _structure(root: Path, session, rec: _Recorder, batch: int) -> DecodeStructu
     for t in held:
         by_dtype[str(t.dtype).removeprefix("torch.")] += t.numel() * t.element_size()
     return DecodeStructure(
-        batch=batch, layers=num_layers, per_layer=[per.get(i, 0) for i in range(num_layers)], outside=per.get(None, 0),
+        batch=batch, tokens=tokens, layers=num_layers, per_layer=[per.get(i, 0) for i in range(num_layers)],
+        outside=per.get(None, 0),
         launches=launches, node_layers=layers_of, host_syncs=rec.syncs, host_copies=rec.copies,
         device_weight_bytes=sum(by_dtype.values()), weights_file_bytes=weights_file_bytes(root / spec["weights_file"]),
         weight_bytes_by_dtype=dict(by_dtype), largest_writes=rec.largest,

@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from llmc.errors import UnsupportedError
+from llmc.plugins.fused.requests import INT4_NUM_SMS
 from llmc.runtime.core.kv_cache import distinct_pairs, layer_geometry
 from llmc.runtime.sampling.sampler import SampleRow
 from llmc.runtime.workers.cuda import kernels as cuda_kernels
@@ -134,7 +135,8 @@ class CudaSession:
             [n["attrs"].get("k_scale", 1.0), n["attrs"].get("v_scale", 1.0)], dtype=torch.float32, device=self.device)
             for n in spec["nodes"] if n["op"] == ATTENTION_OP}
         self._state: list[torch.Tensor] | None = None  # a hybrid model's state pool (allocate_state)
-        fused = FusedOps(self._fused, self._launch, self.dtype, self.device) if self.kernels else None
+        sms = torch.cuda.get_device_properties(self.device).multi_processor_count if on_gpu else INT4_NUM_SMS
+        fused = FusedOps(self._fused, self._launch, self.dtype, self.device, sms) if self.kernels else None
         overrides = fused.overrides() if fused is not None else {}
         if any(n["op"] in STATE_OPS for n in spec["nodes"]):
             overrides.update(self._state_ops())
