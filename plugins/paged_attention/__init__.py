@@ -22,6 +22,13 @@ every softmax denominator of query head ``h`` and nothing to its value sum. Attr
 ``reference.alibi_slopes``); ``attention_chunk`` = C > 0 (chunked local attention) lets a query at position ``p``
 see only the keys ``[floor(p / C) * C, p]``.
 
+An optional input after ``sinks`` (index 8; ``sinks`` may then be the empty name), ``attend_end`` ``[T]`` int64
+(bidirectional spans: Gemma 3's image tokens attend to every token of their image), lets row ``t`` at position ``q``
+also see the keys ``q < k < attend_end[t]``; the window's / chunk's lower bound still applies, so with a sliding
+window ``W`` a row sees ``k > q - W AND (k <= q OR k < attend_end[t])`` (transformers' Gemma 3 masks). A value
+``<= q + 1`` is plain causal attention. The caller guarantees ``attend_end[t] <= context_lens[s]`` (those keys are
+written in this same step; every implementation writes the whole step's K/V before any row attends).
+
 The KV cache of one layer is two arrays ``[num_blocks, num_kv_heads, block_size, head_size]``
 (layout name ``"blocks_hnd"``) owned by the runtime; the graph never holds it.
 """
@@ -47,8 +54,13 @@ INPUT_NAMES = (
 )
 # The optional input after INPUT_NAMES (index 7): attention-sink logits, one per query head.
 SINKS_INPUT = "sinks"
+# The optional input after that (index 8): per query row, the end (exclusive) of the keys it sees ahead of itself.
+ATTEND_END_INPUT = "attend_end"
+ATTEND_END_INDEX = 8
 # Attributes the frontend sets only where a model uses them, with their "off" values (graphs without them are
 # unchanged): ALiBi's maximum bias and chunked local attention's chunk.
 OPTIONAL_ATTRS = {"alibi_max_bias": 0.0, "attention_chunk": 0}
 # The Python ORT op (ort_op) of a node that sets any of OPTIONAL_ATTRS: its op type + this suffix.
 PYOP_EXTENDED = "Ext"
+# The Python ORT op of a node with attend_end: its op type (with "Sinks" when it has them) + this + PYOP_EXTENDED.
+PYOP_ATTEND_END = "AttendEnd"

@@ -40,6 +40,9 @@ PARAMS = ("query", "key", "value", "slot_mapping", "block_tables", "context_lens
 # Kernels with attention sinks (KernelConfig.sinks) take one more pointer after kv_scales: the float32 logits
 # [num_heads]. Kernels without them keep PARAMS (their sinks_ptr is a constexpr None).
 SINKS_PARAMS = (*PARAMS[:10], "sinks", *PARAMS[10:])
+# Kernels with bidirectional spans (KernelConfig.attend_end) take the int64 attend_end [T] pointer next, after the
+# sinks where the kernel has them, else after kv_scales (kernels without it: a constexpr None, parameters as above).
+ATTEND_END_PARAM = "attend_end"
 GRID_RULE = "(cdiv(num_tokens, block_q) + num_seqs, num_kv_heads, 1)"
 SHARED_MEM_LIMIT = 48 * 1024  # bytes a launch may use without cuFuncSetAttribute
 
@@ -72,8 +75,13 @@ class AotKernel:
 
 
 def params_for(cfg) -> tuple[str, ...]:
-    """The launch parameters of a kernel compiled for ``cfg``: :data:`PARAMS`, or :data:`SINKS_PARAMS` with sinks."""
-    return SINKS_PARAMS if getattr(cfg, "sinks", False) else PARAMS
+    """The launch parameters of a kernel compiled for ``cfg``: :data:`PARAMS`, or :data:`SINKS_PARAMS` with sinks,
+    with :data:`ATTEND_END_PARAM` after kv_scales / sinks when it takes attend_end."""
+    params = SINKS_PARAMS if getattr(cfg, "sinks", False) else PARAMS
+    if getattr(cfg, "attend_end", False):
+        at = params.index("kv_scales") + 1 + int(getattr(cfg, "sinks", False))
+        params = (*params[:at], ATTEND_END_PARAM, *params[at:])
+    return params
 
 
 def _signature(cfg) -> tuple[dict, dict]:
@@ -83,12 +91,16 @@ def _signature(cfg) -> tuple[dict, dict]:
            "kv_scale_ptr": "fp32"}
     if cfg.sinks:
         ptr["sinks_ptr"] = "fp32"
+    if cfg.attend_end:
+        ptr["attend_end_ptr"] = INDEX_TYPE
     signature = {k: f"*{v}" for k, v in ptr.items()}
     signature.update(num_seqs="i32", max_blocks="i32", out_ptr=f"*{act}", k_cache_out_ptr=f"*{cache}",
                      v_cache_out_ptr=f"*{cache}")
     constexprs = {"part_m_ptr": None, "part_l_ptr": None, "part_acc_ptr": None, **cfg.constexprs()}
     if not cfg.sinks:
         constexprs["sinks_ptr"] = None
+    if not cfg.attend_end:
+        constexprs["attend_end_ptr"] = None
     for name in constexprs:
         signature[name] = "constexpr"
     return signature, constexprs
@@ -180,6 +192,8 @@ def _compile_here(cfg, sm: int) -> AotKernel:
     ptx = strip_hidden_params(compiled.asm["ptx"], md.name, len(params))
     found = re.search(r"^\.target\s+(\S+)", ptx, re.M)
     config = dataclasses.asdict(cfg)
+    if not cfg.attend_end:  # kernels without it keep the configuration (and engine manifests) they had before it
+        del config["attend_end"]
     return AotKernel(name=md.name, ptx=ptx, sm=sm, target=found.group(1) if found else "", num_warps=md.num_warps,
                      shared_mem=md.shared, block_q=cfg.block_q, num_kv_heads=cfg.num_kv_heads, params=params,
                      grid_rule=GRID_RULE, config=config, triton_version=triton.__version__)

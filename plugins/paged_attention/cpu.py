@@ -64,10 +64,12 @@ def paged_attention_cpu(
     sinks: np.ndarray | None = None,
     alibi_max_bias: float = 0.0,
     attention_chunk: int = 0,
+    attend_end: np.ndarray | None = None,
 ) -> np.ndarray:
     """Write the new K/V into the caches, then attend. Returns ``[T, num_heads * head_size]`` float32.
 
-    ``sinks``: None, or ``[num_heads]`` attention-sink logits (converted to float32)."""
+    ``sinks``: None, or ``[num_heads]`` attention-sink logits (converted to float32). ``attend_end``: None, or
+    ``[T]`` integers, bidirectional spans as in the reference (converted to int64)."""
     return load_kernel().forward(
         query,
         key,
@@ -86,6 +88,7 @@ def paged_attention_cpu(
         None if sinks is None else np.ascontiguousarray(sinks, dtype=np.float32).reshape(-1),
         float(alibi_max_bias),
         int(attention_chunk),
+        None if attend_end is None else np.asarray(attend_end).reshape(-1),
     )
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import onnx
 from onnx.defs import OpSchema
 
-from llmc.plugins.paged_attention import DOMAIN, INPUT_NAMES, OP_TYPE, OPSET_VERSION, SINKS_INPUT
+from llmc.plugins.paged_attention import ATTEND_END_INPUT, DOMAIN, INPUT_NAMES, OP_TYPE, OPSET_VERSION, SINKS_INPUT
 
 ATTRIBUTES = {
     "layer_idx": OpSchema.AttrType.INT,
@@ -36,6 +36,8 @@ def register() -> None:
     # Attention sinks [num_heads] (gpt-oss): a learned logit per query head in every softmax denominator.
     optional = OpSchema.FormalParameterOption.Optional
     inputs.append(OpSchema.FormalParameter(SINKS_INPUT, float_like, param_option=optional))
+    # attend_end [T] (Gemma 3's images): row t also sees the keys before attend_end[t] ahead of its position.
+    inputs.append(OpSchema.FormalParameter(ATTEND_END_INPUT, "tensor(int64)", param_option=optional))
     schema = OpSchema(
         OP_TYPE,
         DOMAIN,

@@ -12,7 +12,7 @@ import os
 
 from onnxruntime_extensions import PyCustomOpDef, get_library_path, onnx_op
 
-from llmc.plugins.paged_attention import OP_TYPE, PYOP_EXTENDED, kv_binding
+from llmc.plugins.paged_attention import OP_TYPE, PYOP_ATTEND_END, PYOP_EXTENDED, kv_binding
 
 ORT_DOMAIN = "ai.onnx.contrib"
 
@@ -116,6 +116,28 @@ def _paged_attention_sinks_ext(query, key, value, slot_mapping, block_tables, co
                                **attrs):
     return _paged_attention_sinks(query, key, value, slot_mapping, block_tables, context_lens, query_start_loc,
                                   sinks, **attrs)
+
+
+# A node with attend_end (input 8, bidirectional spans) moves to the op of its type + PYOP_ATTEND_END +
+# PYOP_EXTENDED: attend_end as its last input (after the sinks, when the node has them; an empty input 7 is dropped),
+# every attribute of _ATTRS_EXT declared (the lowering fills in OPTIONAL_ATTRS).
+def _attend_end_op(with_sinks: bool) -> None:
+    floats = [_F] if with_sinks else []
+
+    @onnx_op(op_type=(SINKS_OP_TYPE if with_sinks else OP_TYPE) + PYOP_ATTEND_END + PYOP_EXTENDED,
+             domain=ORT_DOMAIN, inputs=[_F, _F, _F, _I, _I, _I, _I, *floats, _I], outputs=[_F], attrs=_ATTRS_EXT)
+    def run(query, key, value, slot_mapping, block_tables, context_lens, query_start_loc, *rest, **attrs):
+        k_cache, v_cache = kv_binding.layer_cache(int(attrs["layer_idx"]))
+        return _kernel(
+            query, key, value, slot_mapping, block_tables, context_lens, query_start_loc, k_cache, v_cache,
+            **_options(attrs),
+            sinks=rest[0] if with_sinks else None,
+            attend_end=rest[-1],
+        )
+
+
+_attend_end_op(with_sinks=False)
+_attend_end_op(with_sinks=True)
 
 
 def library_path() -> str:

@@ -63,6 +63,7 @@ def paged_attention(
     sinks: np.ndarray | None = None,
     alibi_max_bias: float = 0.0,
     attention_chunk: int = 0,
+    attend_end: np.ndarray | None = None,
 ) -> np.ndarray:
     """Write the new K/V into the caches, then attend. Returns ``[T, num_heads * head_size]``.
 
@@ -77,6 +78,12 @@ def paged_attention(
     any soft-cap, in float32 (transformers adds ``slope_h * k_pos``; the row's constant cancels in the softmax).
     ``attention_chunk`` = C > 0 (chunked local attention, llama4): a query at position ``p`` sees the keys
     ``[floor(p / C) * C, p]`` (absolute chunks, not a window).
+    ``attend_end`` ``[T]`` int64 (bidirectional spans, Gemma 3's image tokens): row ``t`` at position ``q`` also
+    sees the keys ``q < k < attend_end[t]`` of its sequence, on top of the causal rule; the lower bound (sliding
+    window, chunk) still applies, so with a window the visible set is ``k > q - window AND (k <= q OR
+    k < attend_end[t])``, transformers' ``AND(sliding_window, OR(causal, blockwise))``. ``attend_end[t] <= q + 1``
+    is plain causal attention. Every key it names must be in the cache after this step's writes
+    (``attend_end[t] <= context_lens[s]``, else ValueError): the op writes the whole step's K/V before attending.
     """
     write_kv(key, value, slot_mapping, k_cache, v_cache)
     _, hkv, block_size, d = k_cache.shape
@@ -86,12 +93,20 @@ def paged_attention(
         sinks = np.asarray(sinks, dtype=np.float32).reshape(-1)
         assert sinks.shape == (num_heads,), f"sinks must have one logit per query head ({num_heads}), got {sinks.shape}"
     slopes = alibi_slopes(num_heads, alibi_max_bias) if alibi_max_bias > 0 else None
+    if attend_end is not None:
+        attend_end = np.asarray(attend_end).reshape(-1)
+        if attend_end.shape != (query.shape[0],):
+            raise ValueError(f"attend_end must have one entry per row of query ({query.shape[0]}), got "
+                             f"{attend_end.shape}")
     out = np.zeros((query.shape[0], num_heads * d), dtype=query.dtype)
     for s in range(len(context_lens)):
         start, end = int(query_start_loc[s]), int(query_start_loc[s + 1])
         n_new, ctx = end - start, int(context_lens[s])
         if n_new == 0:
             continue
+        if attend_end is not None and attend_end[start:end].max() > ctx:
+            raise ValueError(f"sequence {s}: attend_end reaches position {int(attend_end[start:end].max()) - 1} but "
+                             f"the cache holds {ctx} positions after this step (context_lens)")
         n_blocks = -(-ctx // block_size)
         blocks = block_tables[s, :n_blocks]
         # [Hkv, ctx, D] gathered from the sequence's blocks
@@ -107,7 +122,10 @@ def paged_attention(
             pos_k = np.arange(ctx)[None, :]
             if slopes is not None:
                 scores = scores + slopes[h] * (pos_k - pos_q).astype(np.float32)
-            allowed = (pos_k <= pos_q) & (pos_k >= first_visible(pos_q, sliding_window, attention_chunk))
+            causal = pos_k <= pos_q
+            if attend_end is not None:
+                causal = causal | (pos_k < attend_end[start:end, None])
+            allowed = causal & (pos_k >= first_visible(pos_q, sliding_window, attention_chunk))
             scores = np.where(allowed, scores, -np.inf)
             top = scores.max(axis=-1, keepdims=True)
             if sinks is not None:
@@ -140,7 +158,7 @@ def rotary_paged_attention(qkv: np.ndarray, cos: np.ndarray, sin: np.ndarray, sl
                            k_cache: np.ndarray, v_cache: np.ndarray, *, num_heads: int, num_kv_heads: int,
                            scale: float, sliding_window: int = 0, softcap: float = 0.0,
                            sinks: np.ndarray | None = None, alibi_max_bias: float = 0.0,
-                           attention_chunk: int = 0) -> np.ndarray:
+                           attention_chunk: int = 0, attend_end: np.ndarray | None = None) -> np.ndarray:
     """``RotaryPagedAttention``: split ``qkv [..., T, (H + 2*Hkv) * D]`` into Q, K, V; rotate Q and K by
     ``cos``/``sin`` ``[..., T, D/2]``; then :func:`paged_attention`. Returns ``[T, H * D]``."""
     d = k_cache.shape[-1]
@@ -150,4 +168,5 @@ def rotary_paged_attention(qkv: np.ndarray, cos: np.ndarray, sin: np.ndarray, sl
     return paged_attention(rotate_half(q, c, s, num_heads), rotate_half(k, c, s, num_kv_heads), v, slot_mapping,
                            block_tables, context_lens, query_start_loc, k_cache, v_cache, num_heads=num_heads,
                            num_kv_heads=num_kv_heads, scale=scale, sliding_window=sliding_window, softcap=softcap,
-                           sinks=sinks, alibi_max_bias=alibi_max_bias, attention_chunk=attention_chunk)
+                           sinks=sinks, alibi_max_bias=alibi_max_bias, attention_chunk=attention_chunk,
+                           attend_end=attend_end)

@@ -4,7 +4,8 @@ Same semantics as :func:`llmc.plugins.paged_attention.reference.paged_attention`
 packed steps that mix prefill chunks and decodes: GQA (query head ``h`` reads KV head
 ``h // (num_heads // num_kv_heads)``), causal masking, optional sliding window and soft-capping,
 the caller's ``scale``, optional attention sinks (``sinks [num_heads]``: ``exp(sinks[h])`` joins
-head ``h``'s softmax denominator once, after the split-KV combine); KV caches
+head ``h``'s softmax denominator once, after the split-KV combine), optional bidirectional spans
+(``attend_end [T]`` int64: row ``t`` at position ``q`` also sees the keys ``q < k < attend_end[t]``); KV caches
 ``[num_blocks, num_kv_heads, block_size, head_size]`` (layout ``blocks_hnd``) in the model dtype, in
 float16 under float32 activations, or in FP8.
 
@@ -16,7 +17,8 @@ hold the same values), and read back as ``decode(code) * scale``.
 How one launch can both write and read the cache: each program owns a tile of one sequence's new
 query rows and one KV head. It stores its own rows' K/V, and reads positions older than this step
 from the cache but this step's positions straight from the ``key``/``value`` inputs, rounded
-through the cache's storage format, so no program ever reads a slot another program is writing.
+through the cache's storage format, so no program ever reads a slot another program is writing
+(this is also how a row sees the keys ahead of it that ``attend_end`` opens: they are this step's rows).
 That relies on what every block manager guarantees and the reference assumes: the new token at
 position ``p`` of sequence ``s`` has slot ``block_tables[s, p // block_size] * block_size +
 p % block_size``, and no slot written in a step is read as an older position in the same step.
@@ -143,18 +145,22 @@ def _find_seq(qsl_ptr, tile_id, num_seqs, BLOCK_Q: tl.constexpr):
 
 
 @triton.jit
-def _attend(q, k, v, pos, pos_ok, q_pos, m_i, l_i, acc, qk_scale, slope,
+def _attend(q, k, v, pos, pos_ok, q_pos, m_i, l_i, acc, qk_scale, slope, q_end,
             SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, DOT_TYPE: tl.constexpr, PRECISION: tl.constexpr,
-            ALIBI: tl.constexpr, CHUNK: tl.constexpr):
+            ALIBI: tl.constexpr, CHUNK: tl.constexpr, ATTEND_END: tl.constexpr):
     """One online-softmax step over a K/V tile. q [M, D], k [D, N], v [N, D]; scores in float32. ``slope`` [M]:
-    the rows' ALiBi slopes (read only when ALIBI > 0)."""
+    the rows' ALiBi slopes (read only when ALIBI > 0); ``q_end`` [M]: the rows' attend_end (read only when
+    ATTEND_END)."""
     s = tl.dot(q, k.to(DOT_TYPE), input_precision=PRECISION) * qk_scale
     if SOFTCAP > 0:
         # softcap * tanh(s / softcap), with tanh from exp (tl has no tanh; saturates to ±1 correctly).
         s = SOFTCAP * (1.0 - 2.0 / (tl.exp(s * (2.0 / SOFTCAP)) + 1.0))
     if ALIBI > 0:  # slope * (key position - query position), on logical positions
         s = s + slope[:, None] * (pos[None, :] - q_pos[:, None]).to(tl.float32)
-    allowed = pos_ok[None, :] & (pos[None, :] <= q_pos[:, None])
+    if ATTEND_END:  # bidirectional spans: also the keys ahead of the row, up to attend_end - 1
+        allowed = pos_ok[None, :] & ((pos[None, :] <= q_pos[:, None]) | (pos[None, :] < q_end[:, None]))
+    else:
+        allowed = pos_ok[None, :] & (pos[None, :] <= q_pos[:, None])
     if WINDOW > 0:
         allowed = allowed & (pos[None, :] > q_pos[:, None] - WINDOW)
     if CHUNK > 0:  # chunked local attention: the query's own chunk only
@@ -176,6 +182,8 @@ def paged_attention_kernel(
     q_ptr, k_ptr, v_ptr, slot_ptr, bt_ptr, ctx_ptr, qsl_ptr, k_cache_ptr, v_cache_ptr, kv_scale_ptr,
     # attention-sink logits [NUM_HEADS] (read only when HAS_SINKS; a constexpr None in kernels without them)
     sinks_ptr,
+    # attend_end [T] int64 (read only when HAS_ATTEND_END; a constexpr None in kernels without it)
+    attend_end_ptr,
     # int32 scalars
     num_seqs, max_blocks,
     # outputs (the cache outputs alias the cache inputs; new K/V rows are stored through them)
@@ -187,7 +195,7 @@ def paged_attention_kernel(
     FP8: tl.constexpr, FP8_NATIVE: tl.constexpr, DOT_TYPE: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_Q_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, HAS_SINKS: tl.constexpr = False, ALIBI: tl.constexpr = 0.0,
-    ALIBI_N: tl.constexpr = 1, CHUNK: tl.constexpr = 0,
+    ALIBI_N: tl.constexpr = 1, CHUNK: tl.constexpr = 0, HAS_ATTEND_END: tl.constexpr = False,
 ):
     GROUP: tl.constexpr = NUM_HEADS // NUM_KV_HEADS
     tile_id = tl.program_id(0)
@@ -251,6 +259,12 @@ def paged_attention_kernel(
         first_q = ctx_old + tile * BLOCK_Q
         lo = tl.maximum(lo, first_q - first_q % CHUNK)
     hi = last_q + 1
+    q_end = tl.zeros([BLOCK_M], tl.int32)
+    if HAS_ATTEND_END:
+        # The rows' spans may reach past the tile's last query: cover up to the furthest (never past the context,
+        # which the caller guarantees; the clamp keeps a bad value from reading beyond this step's rows).
+        q_end = tl.load(attend_end_ptr + q_start + tok, mask=row_ok, other=0).to(tl.int32)
+        hi = tl.minimum(tl.maximum(hi, tl.max(q_end, 0)), ctx)
     if NUM_SPLITS > 1:
         chunk = tl.cdiv(tl.cdiv(hi - lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
         lo = lo + split * chunk
@@ -273,8 +287,8 @@ def paged_attention_kernel(
         k = tl.load(k_cache_ptr + base[None, :] + offs_d[:, None], mask=kv_ok, other=0.0)
         v = tl.load(v_cache_ptr + base[:, None] + offs_d[None, :], mask=tl.trans(kv_ok), other=0.0)
         m_i, l_i, acc = _attend(q, _from_cache(k, FP8, FP8_NATIVE), _from_cache(v, FP8, FP8_NATIVE),
-                                pos, pos_ok, q_pos, m_i, l_i, acc, qk_scale, slope, SOFTCAP, WINDOW, DOT_TYPE,
-                                PRECISION, ALIBI, CHUNK)
+                                pos, pos_ok, q_pos, m_i, l_i, acc, qk_scale, slope, q_end, SOFTCAP, WINDOW, DOT_TYPE,
+                                PRECISION, ALIBI, CHUNK, HAS_ATTEND_END)
 
     # This step's positions, from the inputs (rounded as the cache stores them).
     for start in range(tl.maximum(lo, ctx_old), hi, BLOCK_N):
@@ -287,8 +301,8 @@ def paged_attention_kernel(
         v = tl.load(v_ptr + base[:, None] + offs_d[None, :], mask=tl.trans(kv_ok), other=0.0)
         m_i, l_i, acc = _attend(q, _as_stored(k, k_scale, k_cache_ptr, FP8, FP8_NATIVE),
                                 _as_stored(v, v_scale, v_cache_ptr, FP8, FP8_NATIVE),
-                                pos, pos_ok, q_pos, m_i, l_i, acc, qk_scale, slope, SOFTCAP, WINDOW, DOT_TYPE,
-                                PRECISION, ALIBI, CHUNK)
+                                pos, pos_ok, q_pos, m_i, l_i, acc, qk_scale, slope, q_end, SOFTCAP, WINDOW, DOT_TYPE,
+                                PRECISION, ALIBI, CHUNK, HAS_ATTEND_END)
 
     row = (q_start + tok) * NUM_HEADS + head  # index of (token, head)
     if NUM_SPLITS == 1:
@@ -373,6 +387,7 @@ class KernelConfig:
     sinks: bool = False  # attention sinks: the kernel reads sinks_ptr [num_heads]
     alibi_max_bias: float = 0.0  # > 0: ALiBi with the standard slopes of this maximum bias
     attention_chunk: int = 0  # > 0: chunked local attention (keys from floor(p / C) * C)
+    attend_end: bool = False  # bidirectional spans: the kernel reads attend_end_ptr [T] int64
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
@@ -416,7 +431,7 @@ class KernelConfig:
             BLOCK_M=self.block_m, BLOCK_Q=self.block_q, BLOCK_Q_PAD=triton.next_power_of_2(self.block_q),
             BLOCK_N=self.block_n, NUM_SPLITS=self.num_splits, HAS_SINKS=self.sinks,
             ALIBI=float(self.alibi_max_bias), ALIBI_N=1 << (self.num_heads.bit_length() - 1),
-            CHUNK=int(self.attention_chunk),
+            CHUNK=int(self.attention_chunk), HAS_ATTEND_END=self.attend_end,
         )
 
     def grid(self, num_tokens: int, num_seqs: int) -> tuple[int, int, int]:
@@ -475,7 +490,7 @@ def paged_attention(query, key, value, slot_mapping, block_tables, context_lens,
                     k_cache, v_cache, *, num_heads: int, num_kv_heads: int, scale: float,
                     sliding_window: int = 0, softcap: float = 0.0, kv_scales=None, num_splits: int = 1,
                     block_m: int | None = None, block_n: int | None = None, num_warps: int = 4, out=None,
-                    sinks=None, alibi_max_bias: float = 0.0, attention_chunk: int = 0):
+                    sinks=None, alibi_max_bias: float = 0.0, attention_chunk: int = 0, attend_end=None):
     """Write the new K/V into the caches in place, then attend. Returns ``[T, num_heads * head_size]``.
 
     Torch tensors, all on one device (CUDA, or CPU to run under the Triton interpreter):
@@ -486,8 +501,9 @@ def paged_attention(query, key, value, slot_mapping, block_tables, context_lens,
     v_scale]`` (float32 tensor, or a pair of floats). ``num_splits > 1`` splits each sequence's
     context over that many programs (see :func:`choose_num_splits`). ``sinks``: None, or attention-sink
     logits ``[num_heads]`` (any float dtype, read as float32). ``alibi_max_bias`` > 0: ALiBi with the standard
-    slopes; ``attention_chunk`` > 0: chunked local attention (see ``reference.paged_attention``). Output dtype =
-    query's.
+    slopes; ``attention_chunk`` > 0: chunked local attention; ``attend_end``: None, or ``[T]`` integers,
+    bidirectional spans, each ``<= context_lens`` of the row's sequence (see ``reference.paged_attention``).
+    Output dtype = query's.
     """
     import torch
 
@@ -517,11 +533,17 @@ def paged_attention(query, key, value, slot_mapping, block_tables, context_lens,
         block_n=block_n or (32 if interpret else 64), num_splits=num_splits, num_warps=num_warps,
         interpret=interpret, fp8_native=fp8_native, sinks=sinks is not None,
         alibi_max_bias=float(alibi_max_bias), attention_chunk=int(attention_chunk),
+        attend_end=attend_end is not None,
     )
     if sinks is not None:
         sinks = sinks.reshape(-1).contiguous()
         if sinks.shape[0] != num_heads:
             raise ValueError(f"sinks must have one logit per query head ({num_heads}), got shape {tuple(sinks.shape)}")
+    if attend_end is not None:
+        attend_end = attend_end.reshape(-1).to(torch.int64).contiguous()
+        if attend_end.shape[0] != t_rows:
+            raise ValueError(f"attend_end must have one entry per query row ({t_rows}), got shape "
+                             f"{tuple(attend_end.shape)}")
     mod = kernels(interpret)
     if out is None:
         out = torch.zeros((t_rows, num_heads * head_size), dtype=query.dtype, device=query.device)
@@ -536,7 +558,7 @@ def paged_attention(query, key, value, slot_mapping, block_tables, context_lens,
     consts = cfg.constexprs()
     mod.paged_attention_kernel[cfg.grid(t_rows, s_count)](
         query, key, value, slot_mapping, block_tables, context_lens, query_start_loc, k_cache, v_cache,
-        kv_scales, sinks, s_count, block_tables.shape[1], out, k_cache, v_cache, *parts,
+        kv_scales, sinks, attend_end, s_count, block_tables.shape[1], out, k_cache, v_cache, *parts,
         **consts, num_warps=num_warps, num_stages=cfg.num_stages,
     )
     if num_splits > 1:

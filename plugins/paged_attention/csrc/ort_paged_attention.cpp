@@ -98,6 +98,13 @@ void attend(const Kernel& k, OrtKernelContext* ctx, llmc_pa::Args& a) {
                     dims_str(sinks.dims));
     }
     a.sinks = static_cast<const float*>(sinks.data);
+    // Optional input 8: attend_end, int64 [T] (bidirectional spans; input 7 may be empty then).
+    const Tensor attend_end = input(ctx, 8, "attend_end", true);
+    if (attend_end.data != nullptr && (attend_end.dims.size() != 1 || attend_end.dims[0] != a.T)) {
+        throw Error("attend_end must have one entry per query row, shape (" + std::to_string(a.T) + ",), got " +
+                    dims_str(attend_end.dims));
+    }
+    a.attend_end = static_cast<const int64_t*>(attend_end.data);
     {
         std::lock_guard<std::mutex> lock(g_pool_mutex);
         const int64_t layers = static_cast<int64_t>(g_pool.k.size());
@@ -160,7 +167,7 @@ void attend(const Kernel& k, OrtKernelContext* ctx, llmc_pa::Args& a) {
 }
 
 // llmc::PagedAttention(query [T, H*D], key [T, Hkv*D], value [T, Hkv*D], slot_mapping, block_tables,
-// context_lens, query_start_loc[, sinks [H]]) -> [T, H*D].
+// context_lens, query_start_loc[, sinks [H][, attend_end [T]]]) -> [T, H*D].
 void compute(void* kernel, OrtKernelContext* ctx) {
     const Kernel& k = *static_cast<const Kernel*>(kernel);
     const Tensor q = input(ctx, 0, "query"), key = input(ctx, 1, "key"), value = input(ctx, 2, "value");
@@ -202,7 +209,7 @@ int64_t rows_of(const Tensor& t, int64_t cols, const char* name, const std::stri
 }
 
 // llmc::RotaryPagedAttention(qkv [..., T, (H + 2 Hkv) D], cos [..., T, D/2], sin [..., T, D/2], slot_mapping,
-// block_tables, context_lens, query_start_loc) -> [T, H*D]: the packed Q/K/V projection's output split
+// block_tables, context_lens, query_start_loc[, sinks][, attend_end]) -> [T, H*D]: the packed Q/K/V projection's output split
 // in place (row strides, no copies), rotate-half rotary on Q and K, then PagedAttention. One node for
 // what the traced graph does with a Split, two RotaryEmbeddings, three Reshapes and PagedAttention.
 void compute_rotary(void* kernel, OrtKernelContext* ctx) {
@@ -232,13 +239,14 @@ void compute_rotary(void* kernel, OrtKernelContext* ctx) {
 
 // ---------------------------------------------------------------------------------------------
 // The ops' schemas: 3 float inputs (query, key, value, or qkv, cos, sin), 4 int64 inputs, then the optional float
-// sinks; inputs 0-6 required, 7 optional (OrtCustomOpInputOutputCharacteristic 1).
+// sinks and the optional int64 attend_end; inputs 0-6 required, 7 and 8 optional (OrtCustomOpInputOutputCharacteristic
+// 1). A node may stop after any of inputs 6-8, and name input 7 "" to give attend_end without sinks.
 
 const char* op_name(const OrtCustomOpV13*) { return "PagedAttention"; }
 const char* rotary_op_name(const OrtCustomOpV13*) { return "RotaryPagedAttention"; }
 int32_t op_input_type(const OrtCustomOpV13*, size_t i) { return i < 3 || i == 7 ? kOrtFloat : kOrtInt64; }
-size_t op_input_count(const OrtCustomOpV13*) { return 8; }
-int32_t attention_input_characteristic(const OrtCustomOpV13*, size_t i) { return i == 7 ? 1 : 0; }
+size_t op_input_count(const OrtCustomOpV13*) { return 9; }
+int32_t attention_input_characteristic(const OrtCustomOpV13*, size_t i) { return i >= 7 ? 1 : 0; }
 
 }  // namespace
 

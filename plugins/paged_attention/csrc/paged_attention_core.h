@@ -11,7 +11,10 @@
 //      exp(sinks[h]) to head h's softmax denominator (once, after any split-K merge) and nothing to
 //      its value sum; optional ALiBi adds slope[h] * (key position - query position) to head h's
 //      scores (logical positions, after the scale and any soft-cap); optional chunked local attention
-//      (llama4) lets a query at position p see only keys in [floor(p / C) * C, p].
+//      (llama4) lets a query at position p see only keys in [floor(p / C) * C, p]; optional attend_end
+//      (one int64 per query row, Gemma 3's bidirectional image spans) lets row t at position p also see
+//      the keys p < k < attend_end[t] (the lower bound of the window / chunk still applies). Those keys
+//      are this step's own, which is why every K/V row is written (1) before any row attends (2).
 //
 // Caches are [num_blocks, num_kv_heads, block_size, head_size], float32 (or float16, converted
 // with round-to-nearest-even on write, as numpy does), owned by the caller and never copied.
@@ -187,6 +190,7 @@ struct Problem {
     int64_t chunk;   // chunked local attention: keys from floor(pos / chunk) * chunk on; <= 0: none
     const float* sinks;  // [num_heads] attention-sink logits, or nullptr: none
     const float* alibi;  // [num_heads] ALiBi slopes, or nullptr: none
+    const int64_t* attend_end;  // [T]: row t also sees keys up to attend_end[t] - 1; nullptr: causal only
     bool f16c;       // float16 caches convert with F16C (the AVX2 path on a CPU that has it)
 };
 
@@ -223,6 +227,12 @@ LLMC_INLINE int64_t first_visible(int64_t pos, int64_t window, int64_t chunk) {
     int64_t lo = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
     if (chunk > 0) lo = std::max<int64_t>(lo, pos - pos % chunk);
     return lo;
+}
+
+// The last key position (inclusive) query row `t` at `pos` sees: its own, or with bidirectional spans
+// (attend_end != nullptr) up to attend_end[t] - 1 when that lies ahead.
+LLMC_INLINE int64_t last_visible(const int64_t* attend_end, int64_t t, int64_t pos) {
+    return attend_end != nullptr && attend_end[t] - 1 > pos ? attend_end[t] - 1 : pos;
 }
 
 // ALiBi's slopes (Press et al.; transformers' bloom build_alibi_tensor, and mpt's build_mpt_alibi_tensor with
@@ -303,7 +313,7 @@ LLMC_INLINE void attend(const Problem& p, const Item& it, Scratch& sc) {
     const CacheT* vc = static_cast<const CacheT*>(p.v_cache);
 
     const int64_t lo = first_visible(it.pos, p.window, p.chunk);
-    const int64_t hi = it.pos;  // inclusive
+    const int64_t hi = last_visible(p.attend_end, it.t, it.pos);  // inclusive
     const float scale = p.scale, softcap = p.softcap;
     const bool use_cap = softcap > 0.0f;
 
@@ -679,7 +689,15 @@ LLMC_INLINE void attend(const Problem& p, const TileItem& it, TileScratch& sc) {
         const int64_t start = bi * bs, last = start + bs - 1;
         // Rows that see part of this block: pos >= start, (window) pos - window + 1 <= last and (chunk)
         // floor(pos / chunk) * chunk <= last, i.e. pos < (floor(last / chunk) + 1) * chunk.
-        const int64_t r_lo = std::max<int64_t>(0, start - it.pos0);
+        int64_t r_lo = std::max<int64_t>(0, start - it.pos0);
+        if (p.attend_end != nullptr) {  // rows before the block that reach into it through their span
+            for (int64_t r = 0; r < std::min(r_lo, it.nrows); ++r) {
+                if (p.attend_end[it.t0 + r] > start) {
+                    r_lo = r;
+                    break;
+                }
+            }
+        }
         int64_t r_hi = window > 0 ? std::min<int64_t>(it.nrows, last + window - it.pos0) : it.nrows;
         if (chunk > 0) r_hi = std::min<int64_t>(r_hi, (last / chunk + 1) * chunk - it.pos0);
         if (r_lo >= r_hi) continue;
@@ -711,7 +729,10 @@ LLMC_INLINE void attend(const Problem& p, const TileItem& it, TileScratch& sc) {
             const int64_t pos = it.pos0 + r;
             const int64_t lo = first_visible(pos, window, chunk);
             const int64_t j0 = std::max<int64_t>(lo - start, 0);
-            const int64_t j1 = std::min<int64_t>(pos - start, bs - 1);  // inclusive; j0 <= j1 by r_lo/r_hi
+            // Inclusive; j0 <= j1 by r_lo/r_hi, except for a row before the block (attend_end only) whose span
+            // ends before it.
+            const int64_t j1 = std::min<int64_t>(last_visible(p.attend_end, it.t0 + r, pos) - start, bs - 1);
+            if (j1 < j0) continue;
             for (int64_t m = r * G; m < (r + 1) * G; ++m) {
                 float* __restrict sm = S + m * bs;
                 if (softcap > 0.0f) {
@@ -850,6 +871,9 @@ struct Args {
     const float* sinks = nullptr;  // [num_heads] attention-sink logits (float32), or nullptr: none
     float alibi_max_bias = 0.0f;   // > 0: ALiBi with the standard slopes of this maximum bias (8: the paper's)
     int64_t attention_chunk = 0;   // > 0: chunked local attention in chunks of this many positions
+    // [T] int64, or nullptr: row t (at position p) also sees keys p < k < attend_end[t] of its sequence; every
+    // value must be <= its sequence's context_lens (checked).
+    const int64_t* attend_end = nullptr;
     // Rotary position embedding, rotate-half form (RotaryPagedAttention): row t of query and key is
     // rotated by cos/sin row t, [T, head_size / 2] rows rot_row apart, before anything else; nullptr: none.
     const float* rot_cos = nullptr;
@@ -982,8 +1006,14 @@ inline void run(const Args& a, int nthreads, Isa isa, const ParallelFor* pf = nu
         }
         for (int64_t i = 0; i < n_new; ++i) {
             const int64_t pos = ctx - n_new + i;
+            if (a.attend_end != nullptr && a.attend_end[start + i] > ctx) {
+                fail(where + "attend_end[" + std::to_string(start + i) + "] = " + std::to_string(a.attend_end[start + i]) +
+                     " exceeds context_lens = " + std::to_string(ctx) +
+                     " (a row may only see keys in the cache after this step's writes)");
+            }
             rows.push_back({start + i, s, pos});
-            total_work += pos + 1 - first_visible(pos, sliding_window, a.attention_chunk);
+            total_work += last_visible(a.attend_end, start + i, pos) + 1 -
+                          first_visible(pos, sliding_window, a.attention_chunk);
         }
     }
 
@@ -1011,7 +1041,8 @@ inline void run(const Args& a, int nthreads, Isa isa, const ParallelFor* pf = nu
         items.reserve(static_cast<size_t>(base_items));
         for (const Row& r : rows) {
             const int64_t lo = first_visible(r.pos, sliding_window, a.attention_chunk);
-            const int64_t b_lo = lo / block_size, b_hi = r.pos / block_size + 1;  // [b_lo, b_hi)
+            const int64_t b_lo = lo / block_size;
+            const int64_t b_hi = last_visible(a.attend_end, r.t, r.pos) / block_size + 1;  // [b_lo, b_hi)
             const int64_t nblk = b_hi - b_lo;
             const int64_t nchunks = std::max<int64_t>(1, std::min(want_splits, nblk / min_chunk_blocks));
             for (int64_t kvh = 0; kvh < num_kv_heads; ++kvh) {
@@ -1038,7 +1069,11 @@ inline void run(const Args& a, int nthreads, Isa isa, const ParallelFor* pf = nu
             const int64_t start = qsl_p[s], n_new = qsl_p[s + 1] - start;
             for (int64_t r0 = 0; r0 < n_new; r0 += tile_rows) {
                 const int64_t nrows = std::min(tile_rows, n_new - r0);
-                const int64_t pos0 = ctx_p[s] - n_new + r0, pos_last = pos0 + nrows - 1;
+                const int64_t pos0 = ctx_p[s] - n_new + r0;
+                int64_t pos_last = pos0 + nrows - 1;  // the last key any row of the tile sees
+                for (int64_t r = 0; a.attend_end != nullptr && r < nrows; ++r) {
+                    pos_last = std::max(pos_last, last_visible(a.attend_end, start + r0 + r, pos0 + r));
+                }
                 const int64_t lo = first_visible(pos0, sliding_window, a.attention_chunk);
                 bare.push_back({s, 0, start + r0, nrows, pos0, lo / block_size, pos_last / block_size + 1, -1});
             }
@@ -1105,6 +1140,7 @@ inline void run(const Args& a, int nthreads, Isa isa, const ParallelFor* pf = nu
     p.window = sliding_window;
     p.chunk = a.attention_chunk;
     p.sinks = a.sinks;
+    p.attend_end = a.attend_end;
     const std::vector<float> slopes = a.alibi_max_bias > 0.0f ? alibi_slopes(num_heads, a.alibi_max_bias)
                                                               : std::vector<float>();
     p.alibi = slopes.empty() ? nullptr : slopes.data();

@@ -120,7 +120,7 @@ py::array_t<float> forward(const py::object& query_obj, const py::object& key_ob
                            const py::object& qsl_obj, const py::object& kc_obj, const py::object& vc_obj,
                            int64_t num_heads, int64_t num_kv_heads, double scale_d, int64_t sliding_window,
                            double softcap_d, const py::object& sinks_obj, double alibi_max_bias,
-                           int64_t attention_chunk) {
+                           int64_t attention_chunk, const py::object& attend_end_obj) {
     // --- heads and caches
     llmc_pa::check_heads(num_heads, num_kv_heads);
     // Attention sinks: None, or one float32 logit per query head.
@@ -189,6 +189,16 @@ py::array_t<float> forward(const py::object& query_obj, const py::object& key_ob
              shape_str(block_tables));
     }
 
+    // Bidirectional spans: None, or one integer per query row (the kernel checks each against its context).
+    py::array_t<int64_t> attend_end;
+    if (!attend_end_obj.is_none()) {
+        attend_end = int_array(attend_end_obj, "attend_end", 1);
+        if (attend_end.shape(0) != T) {
+            fail("attend_end must have one entry per row of query (" + std::to_string(T) + "), got shape " +
+                 shape_str(attend_end));
+        }
+    }
+
     py::array_t<float> out({T, num_heads * D});
     llmc_pa::Args a{};
     a.query = static_cast<const float*>(query.data());
@@ -220,6 +230,7 @@ py::array_t<float> forward(const py::object& query_obj, const py::object& key_ob
     a.sinks = sinks_obj.is_none() ? nullptr : sinks.data();
     a.alibi_max_bias = static_cast<float>(alibi_max_bias);
     a.attention_chunk = attention_chunk;
+    a.attend_end = attend_end_obj.is_none() ? nullptr : attend_end.data();
     const int nthreads = effective_threads();
     const auto isa = static_cast<llmc_pa::Isa>(g_isa.load());
     {
@@ -239,7 +250,7 @@ PYBIND11_MODULE(_cpu, m) {
           py::arg("block_tables"), py::arg("context_lens"), py::arg("query_start_loc"), py::arg("k_cache"),
           py::arg("v_cache"), py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("scale"),
           py::arg("sliding_window") = 0, py::arg("softcap") = 0.0, py::arg("sinks") = py::none(),
-          py::arg("alibi_max_bias") = 0.0, py::arg("attention_chunk") = 0,
+          py::arg("alibi_max_bias") = 0.0, py::arg("attention_chunk") = 0, py::arg("attend_end") = py::none(),
           R"doc(Write the new K/V into k_cache/v_cache in place, then attend; returns [T, num_heads * head_size] float32.
 
 Same semantics as llmc.plugins.paged_attention.reference.paged_attention. query/key/value are float32
@@ -247,7 +258,9 @@ Same semantics as llmc.plugins.paged_attention.reference.paged_attention. query/
 [num_blocks, num_kv_heads, block_size, head_size], used in place (never copied). Metadata arrays are integer
 (int64 preferred). sinks: None or float32 [num_heads] attention-sink logits (exp(sinks[h]) joins head h's softmax
 denominator). alibi_max_bias > 0: ALiBi with the standard slopes of that maximum bias (slope[h] * (key position -
-query position) joins the scores). attention_chunk > 0: a query at position p sees keys [floor(p / C) * C, p]. Raises ValueError on any inconsistent shape or out-of-range index, before writing anything.)doc");
+query position) joins the scores). attention_chunk > 0: a query at position p sees keys [floor(p / C) * C, p].
+attend_end: None or integer [T]: row t at position p also sees keys p < k < attend_end[t] (each <= its sequence's
+context_lens; the window / chunk lower bound still applies). Raises ValueError on any inconsistent shape or out-of-range index, before writing anything.)doc");
 
     m.def(
         "set_num_threads",
