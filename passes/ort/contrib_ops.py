@@ -56,12 +56,21 @@ def _lower_swiglu(graph: ir.Graph, node: ir.Node) -> None:
 
 def _to_python_op(node: ir.Node) -> None:
     """PagedAttention -> onnxruntime-extensions' Python op of the same semantics."""
-    from llmc.plugins.paged_attention import OPTIONAL_ATTRS, PYOP_EXTENDED
+    from llmc.plugins.paged_attention import ATTEND_END_INDEX, OPTIONAL_ATTRS, PYOP_ATTEND_END, PYOP_EXTENDED
 
     node.domain = ORT_CONTRIB_DOMAIN
-    if len(node.inputs) > 7 and node.inputs[7] is not None:  # attention sinks: the 8-input Python op
+    sinks = len(node.inputs) > 7 and node.inputs[7] is not None
+    attend_end = node.inputs[ATTEND_END_INDEX] if len(node.inputs) > ATTEND_END_INDEX else None
+    if sinks:  # attention sinks: the 8-input Python op
         node.op_type = OP_TYPE + "Sinks"
-    if any(name in node.attributes for name in OPTIONAL_ATTRS):
+    if attend_end is not None:
+        # Python ops have no optional inputs: attend_end becomes the last of exactly the inputs the op declares
+        # (an empty sinks slot dropped), on the op that declares every optional attribute.
+        node.op_type += PYOP_ATTEND_END
+        if not sinks:
+            node.replace_input_with(7, attend_end)
+            node.resize_inputs(8)
+    if attend_end is not None or any(name in node.attributes for name in OPTIONAL_ATTRS):
         # ALiBi / chunked local attention: the Python op that declares them, which needs them all set.
         node.op_type += PYOP_EXTENDED
         for name, off in OPTIONAL_ATTRS.items():

@@ -54,7 +54,8 @@ def _split_sizes(split: ir.Node) -> list[int] | None:
 
 def _fuse(graph: ir.Graph, node: ir.Node) -> bool:
     h, hkv, d = (node.attributes.get_int(n) for n in ("num_heads", "num_kv_heads", "head_size"))
-    if not (h and hkv and d) or d % 2 or len(node.inputs) not in (7, 8):  # 8: with attention sinks
+    # 8: with attention sinks, 9: with attend_end (input 7 then possibly empty); both carried as they are.
+    if not (h and hkv and d) or d % 2 or len(node.inputs) not in (7, 8, 9):
         return False
     rq, rk = _rotary(node.inputs[0], h, d), _rotary(node.inputs[1], hkv, d)
     v_reshape = _producer(node.inputs[2], "Reshape")
@@ -73,7 +74,8 @@ def _fuse(graph: ir.Graph, node: ir.Node) -> bool:
         return False
     if _split_sizes(split) != [h * d, hkv * d, hkv * d] or known.dtype not in (None, ir.DataType.FLOAT):
         return False
-    fused = ir.node(ROTARY_OP_TYPE, [qkv, rq.inputs[1], rq.inputs[2], *node.inputs[3:]],  # sinks stay input 7
+    # Sinks and attend_end stay inputs 7 and 8.
+    fused = ir.node(ROTARY_OP_TYPE, [qkv, rq.inputs[1], rq.inputs[2], *node.inputs[3:]],
                     attributes={**{k: a.value for k, a in node.attributes.items()}, "rotary_interleaved": 0},
                     domain=DOMAIN, name=f"{node.name}.rotary" if node.name else None)
     graph.insert_before(node, fused)

@@ -180,6 +180,12 @@ def _lower_attention(graph: ir.Graph, node: ir.Node, idx: _StepIndex, masks: dic
 
         raise UnsupportedError("the TensorRT export has no attention sinks (its Attention layer has no sink term); "
                                "build the CUDA engine instead (--engine cuda)")
+    if len(node.inputs) > 8 and node.inputs[8] is not None:
+        from llmc.errors import UnsupportedError
+
+        # Its masks are built once per window for the whole step; bidirectional spans would need one per token.
+        raise UnsupportedError("the TensorRT export has no bidirectional attention spans (attend_end: Gemma 3's "
+                               "image tokens); build the CUDA engine instead (--engine cuda)")
     window = int(attrs.get("sliding_window", 0) or 0)
     if window not in masks:
         masks[window] = _mask(idx, ops, window)
