@@ -48,24 +48,6 @@ def auto_class(config: dict):
     return AutoModelForImageTextToText if is_wrapper(config) else AutoModelForCausalLM
 
 
-def refuse_calibration(config: dict, model_type: str, cfg_path: Path, recipe) -> None:
-    """Calibration (fp8, AWQ, GPTQ, ...) builds the model as a causal LM; a wrapper whose causal-LM class is another
-    class (or none) is refused with a calibrated recipe before any work (exit 3). RTN INT4 and the wrappers that
-    are their own causal LM (Gemma 3, Gemma 4) build."""
-    # cheap tests first: a cache hit of a text model must not import transformers
-    if not recipe.needs_calibration() or not isinstance(config.get("text_config"), dict) or not is_wrapper(config):
-        return
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    wrapper = image_text_class(model_type)
-    if MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type) == wrapper:
-        return
-    raise UnsupportedError(
-        f"{cfg_path}: model_type {model_type!r} ({wrapper}): --quant {recipe.quant} calibrates on the model as a "
-        "causal LM, which transformers builds as another class for this vision-language wrapper; llmc does not "
-        "calibrate it yet: use --quant int4 (round to nearest, no calibration)")
-
-
 def refuse_encoders(config: dict, model_type: str, cfg_path: Path, text_only: bool) -> None:
     """Refuse (exit 3) a vision-language checkpoint whose encoders would be dropped silently: without
     ``--text-only`` its encoders must be compiled, which llmc does not do yet."""

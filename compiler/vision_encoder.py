@@ -92,7 +92,7 @@ def refuse_options(cfg_path: Path, model_type: str, options, gpu: bool) -> None:
             "model alone)")
     if gpu:
         raise UnsupportedError(f"{head}: the encoder graph is built for the CPU engine so far; build with --target cpu")
-    for flag, on in (("--quant", options.quant.enabled), ("--verify-passes", options.verify_passes),
+    for flag, on in (("--verify-passes", options.verify_passes),
                      ("--lora-slots", options.lora_slots), ("--tp", options.tp > 1)):
         if on:
             raise UnsupportedError(f"{head}: {flag} is not combined with image inputs yet; build without {flag}")

@@ -361,6 +361,8 @@ def decoder_layers(model, config) -> tuple[str, object]:
 
     count = getattr(config.get_text_config(), "num_hidden_layers", None)
     found = [(n, m) for n, m in model.named_modules() if isinstance(m, torch.nn.ModuleList) and len(m) == count]
+    if any("language_model" in n for n, _ in found):  # a wrapper's text model, not its encoders' blocks
+        found = [(n, m) for n, m in found if "language_model" in n]
     if found:  # the shallowest: a per-layer list of, say, experts may happen to have the same length
         depth = min(n.count(".") for n, _ in found)
         found = [(n, m) for n, m in found if n.count(".") == depth]
@@ -392,8 +394,9 @@ class LayerwiseCalibration:
                  batch_size: int = 8, compute: str = "float32", gram: bool = True,
                  gram_compute: str | None = None, device: str = "cpu") -> None:
         import torch
-        from transformers import AutoModelForCausalLM
         from transformers.initialization import no_init_weights
+
+        from llmc.compiler.multimodal import auto_class
 
         _register_attention()
         config = config.__class__.from_dict(config.to_dict())
@@ -401,8 +404,9 @@ class LayerwiseCalibration:
         with no_init_weights(), warnings.catch_warnings():
             warnings.simplefilter("ignore")
             # Parameters are allocated but never written until a layer is loaded: no RAM is touched.
-            self.model = AutoModelForCausalLM.from_config(config, dtype=torch.float32,
-                                                          attn_implementation=CALIB_ATTENTION).eval()
+            # A vision-language wrapper as itself (its text forward, its parameters named as the checkpoint's)
+            self.model = auto_class(config.to_dict()).from_config(config, dtype=torch.float32,
+                                                                  attn_implementation=CALIB_ATTENTION).eval()
         self.base = self.model.base_model
         layers_name, self.blocks = decoder_layers(self.model, config)
         self._layers_prefix = layers_name + "."

@@ -269,15 +269,28 @@ class LayerwiseScorer:
     def largest_stage_bytes(self) -> int:
         return max(s.weight_bytes() for s in self.stages)
 
-    def _inputs(self, windows: list[list[int]]):
-        """The scoring pool, each window's feeds and the recurrent state (None without recurrent layers)."""
+    def _defaults(self, ids: list[int]) -> dict[str, np.ndarray]:
+        """Feeds of an image build's language model for a text window: no image rows, and M-RoPE positions of text
+        (every axis the token's position)."""
+        out: dict[str, np.ndarray] = {}
+        if "image_rows" in self.graph_inputs:
+            width = next(int(v.shape[1]) for v in self.model.graph.inputs if v.name == "image_embeds")
+            out.update(image_rows=np.zeros(0, np.int64), image_embeds=np.zeros((0, width), np.float32))
+        if "mrope_positions" in self.graph_inputs:
+            out["mrope_positions"] = np.broadcast_to(np.arange(len(ids), dtype=np.int64), (3, len(ids))).copy()
+        return out
+
+    def _inputs(self, windows: list[list[int]], extras: list[dict[str, np.ndarray]] | None = None):
+        """The scoring pool, each window's feeds (``extras[i]``: window ``i``'s further inputs, e.g. its image rows)
+        and the recurrent state (None without recurrent layers)."""
         from llmc.runtime.core.kv_cache import KVPool
 
         kv = self.kv
         blocks = max(-(-len(w) // kv.block_size) for w in windows)
         pool = KVPool.allocate(kv.num_layers, blocks, kv.num_kv_heads, kv.block_size, kv.head_size, kv.dtype,
                                kv.layers)
-        feeds = [{**self.fixed, **window_feeds(w, kv.block_size)} for w in windows]
+        feeds = [{**self.fixed, **window_feeds(w, kv.block_size), **self._defaults(w),
+                  **(extras[i] if extras is not None else {})} for i, w in enumerate(windows)]
         # Recurrent layers (hybrid models): one state slot serves every window. Each window is its sequence's whole
         # context in one step, so the ops start it from a zero state and carry the state through the window, as a
         # whole-sequence prefill does; the next window (in this stage or a later one) starts over in the same slot.
@@ -290,7 +303,8 @@ class LayerwiseScorer:
                 f["state_slots"] = np.zeros(1, np.int64)
         return pool, feeds, state
 
-    def run(self, windows: list[list[int]], prefetch: bool = False) -> list[np.ndarray]:
+    def run(self, windows: list[list[int]], prefetch: bool = False,
+            extras: list[dict[str, np.ndarray]] | None = None) -> list[np.ndarray]:
         """float32 logits ``[len(w), vocab]`` of every window ``w`` (each scored alone, as ``Engine.score`` does).
 
         Where ONNX Runtime copies a session's external initializers (:mod:`llmc.quant.ort_copies`), the arrays are
@@ -304,7 +318,7 @@ class LayerwiseScorer:
 
         if not windows:
             return []
-        pool, feeds, state = self._inputs(windows)
+        pool, feeds, state = self._inputs(windows, extras)
         carried: list[dict[str, np.ndarray]] = [{} for _ in windows]
         # After which stage each carried value is read for the last time.
         last_use: dict[str, int] = {}

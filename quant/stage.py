@@ -68,6 +68,7 @@ class QuantStage:
         self.stats: dict = {}
         self.timings: dict[str, float] = {}
         self.accuracy: evaluate.Accuracy | None = None
+        self.image_accuracy: dict | None = None  # image prompts of a vision-language build (quant/image_prompts.py)
         # llmc.memory.StagePeaks of the build (calibration and evaluation get peaks of their own), or None.
         self.memory = memory
 
@@ -198,6 +199,8 @@ class QuantStage:
         self.accuracy.reference_cached = reference.engine is None
         self.accuracy.scored = what
         reference.save()
+        if device is None:  # a vision-language build: image prompts too (its CUDA engines take no images yet)
+            self._evaluate_images(engine_dir, windows, reference, reference_scorer, quantized)
         self.timings["evaluate_reference_load"] = reference.load_seconds
         for side, scorer in (("reference", getattr(reference.engine, "scorer", None)),
                              ("quantized", getattr(quantized, "scorer", None))):
@@ -209,6 +212,23 @@ class QuantStage:
         self.say(f"      {self.accuracy.summary()}"
                  + (" (unquantized scores from the cache)" if self.accuracy.reference_cached else ""))
         return self.accuracy
+
+    def _evaluate_images(self, engine_dir: Path, windows: list[list[int]], reference, reference_scorer,
+                         quantized) -> None:
+        """The image prompts' KL and top-1 agreement (llmc.quant.image_prompts), for an engine that takes images."""
+        from llmc.quant import image_prompts
+
+        t = time.perf_counter()
+        manifest = json.loads((engine_dir / "manifest.json").read_text())
+        prompts = image_prompts.image_windows(engine_dir, manifest, windows)
+        if prompts is None:
+            return
+        self.say(f"      evaluate {self.name} on {len(prompts.windows)} image prompts")
+        ref = reference.engine.scorer if reference.engine is not None else reference_scorer()
+        self.image_accuracy = image_prompts.compare_images(prompts, ref, quantized.scorer)
+        self.timings["evaluate_images"] = time.perf_counter() - t
+        self.say(f"      image prompts: KL {self.image_accuracy['kl_mean']:.4f}, top-1 agreement "
+                 f"{100 * self.image_accuracy['top1_agreement']:.1f}%")
 
     def report(self) -> dict:
         """The ``report.json`` entries: ``quantization`` (recipe, per-layer decisions) and ``accuracy``."""
@@ -233,6 +253,8 @@ class QuantStage:
                                                         for k, v in sorted(self.calibration.kv_amax.items())}
         if self.accuracy is not None:
             out["accuracy"] = self.accuracy.to_json()
+        if self.image_accuracy is not None:
+            out["accuracy_images"] = self.image_accuracy
         return out
 
 

@@ -13,7 +13,6 @@ import pytest
 
 from llmc.compiler.build import BuildOptions, build
 from llmc.errors import LlmcError, UnsupportedError
-from llmc.quant.recipe import QuantRecipe
 from llmc.runtime import Engine, SamplingParams
 from llmc.runtime.graphs import load_graph
 from llmc.testing.vlm import random_image, write_processor, write_tiny_vlm
@@ -127,8 +126,8 @@ def test_what_image_builds_do_not_combine_with_yet_is_refused(tmp_path):
     write_tiny_vlm("llava", tmp_path / "ckpt", seed=1)
     with pytest.raises(UnsupportedError, match="--target cpu"):
         build(tmp_path / "ckpt", tmp_path / "e", BuildOptions(target="h100"))
-    with pytest.raises(UnsupportedError, match="--quant"):
-        build(tmp_path / "ckpt", tmp_path / "e", BuildOptions(quant=QuantRecipe(quant="int4")))
+    with pytest.raises(UnsupportedError, match="--lora-slots"):
+        build(tmp_path / "ckpt", tmp_path / "e", BuildOptions(lora_slots=2))
     assert not (tmp_path / "e").exists()
 
 

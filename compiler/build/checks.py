@@ -140,7 +140,6 @@ def check_encoders(ckpt: Checkpoint, plan: Plan) -> None:
         return
     vision_encoder.refuse_family(cfg_path, ckpt.model_type, plan.options.text_only)
     multimodal.refuse_encoders(ckpt.config, ckpt.model_type, cfg_path, plan.options.text_only)
-    multimodal.refuse_calibration(ckpt.config, ckpt.model_type, cfg_path, plan.options.quant)
     if plan.options.text_only and not multimodal.encoders(ckpt.config):
         raise LlmcError(f"{ckpt.path / 'config.json'}: --text-only builds the text model of a vision-language "
                         f"checkpoint, and model_type {ckpt.model_type!r} has no encoder; leave --text-only out")
