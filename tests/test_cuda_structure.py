@@ -167,3 +167,60 @@ def test_inspect_prints_the_kernels_per_layer(engines):
     line = next(x for x in r.output.splitlines() if x.startswith("kernels "))
     assert f"2 layers × {BOUNDS['fp8']}" in line, line
     assert "Fp8Linear 5" in r.output and "captured in CUDA graphs" in r.output
+
+
+# -- MXFP4 experts (a tiny gpt-oss in OpenAI's MXFP4 layout, tests/test_prequantized_mxfp4.py) ---------------------
+
+
+@pytest.fixture(scope="module")
+def gpt_oss(tmp_path_factory):
+    from tests.test_prequantized_mxfp4 import write_mxfp4_fixture
+
+    out = tmp_path_factory.mktemp("cuda-structure-mxfp4")
+    r = build(write_mxfp4_fixture(out), out / "engine", BuildOptions(target="h100"))
+    return r.out_dir, r.manifest
+
+
+def _moe_launches(s) -> dict[int, list[str]]:
+    out: dict[int, list[str]] = {}
+    for x in s.launches:
+        if x.op == "Mxfp4MoEMatMul":
+            out.setdefault(x.node, []).append(x.kernel)
+    return out
+
+
+@pytest.mark.parametrize(("batch", "tokens"), [(1, 1), (32, 1), (1, 300)])
+def test_mxfp4_experts_run_the_grouped_kernel_from_the_stored_codes(gpt_oss, batch, tokens):
+    """Each MoE layer sorts its routed rows' expert ids once (torch.sort on the device) and each of its two expert
+    matmuls is one launch of the grouped kernel over the stored codes: nothing writes a decoded expert (no tensor
+    past the rows' own size), the experts stay uint8 on the device, and decode is captured in CUDA graphs."""
+    root, manifest = gpt_oss
+    s = decode_structure(root, manifest, batch=batch, tokens=tokens)
+    moe = _moe_launches(s)
+    spec = json.loads((root / "program.json").read_text())
+    nodes = [i for i, n in enumerate(spec["nodes"]) if n["op"] == "Mxfp4MoEMatMul"]
+    assert sorted(moe) == nodes and len(nodes) == 2 * s.layers
+    for first, second in zip(nodes[0::2], nodes[1::2], strict=True):
+        assert moe[first] == ["aten.sort", "mxfp4_moe_kernel"] and moe[second] == ["mxfp4_moe_kernel"], moe
+    top_k = json.loads((root / "hf_config.json").read_text())["num_experts_per_tok"]
+    assert all(s.largest_writes.get(i, 0) <= s.rows * top_k for i in nodes)  # the sort's ids and permutation
+    tensors = _file_tensors(root / "weights.safetensors")
+    experts = sum(torch.Size(shape).numel() for name, (d, shape) in tensors.items() if "experts" in name and d == "U8")
+    assert experts and s.weight_bytes_by_dtype["uint8"] >= experts
+    assert s.host_syncs == [] and s.host_copies == [] and s.capture_safe
+
+
+def test_the_counter_sees_a_decoded_expert(gpt_oss):
+    """The check above can fail: without the grouped kernel the torch op gathers and decodes each row's expert
+    (a [rows, N, K] tensor written in the step)."""
+    root, manifest = gpt_oss
+    kept = [k for k in manifest["engine"]["kernels"] if k.get("op") != "mxfp4_moe"]
+    slim = {**manifest, "engine": {**manifest["engine"], "kernels": kept}}
+    s = decode_structure(root, slim, batch=1)
+    spec = json.loads((root / "program.json").read_text())
+    tensors = _file_tensors(root / "weights.safetensors")
+    for i, n in enumerate(spec["nodes"]):
+        if n["op"] == "Mxfp4MoEMatMul":
+            e, n_out, groups, _ = tensors[n["inputs"][2]][1]
+            assert s.largest_writes[i] >= n_out * groups * 32  # a routed row's whole expert, decoded
+            assert "mxfp4_moe_kernel" not in _moe_launches(s)[i]

@@ -482,6 +482,16 @@ class _Lowering:
             req = fk.rotary_request(heads, last // heads, act)
         elif op == "SwiGLU":
             req = (fk.swiglu_fp8_request if attrs.get("fp8_out") else fk.swiglu_request)(last, act)
+        elif op == "Mxfp4MoEMatMul":  # MXFP4 experts: the grouped kernel over the stored codes (plugins/mxfp4)
+            from llmc.plugins.mxfp4 import requests as mk
+
+            blocks = self.weights.get(inputs[2])
+            if blocks is None or len(blocks.shape) != 4 or blocks.shape[2] * 32 != last:
+                return None
+            for wide in (False, True):  # few rows per expert (decode), and many (prefill): the session picks
+                req = mk.moe_request(blocks.shape[0], blocks.shape[1], last, act, wide=wide)
+                self.kernel_requests[req["key"]] = req
+            return req["key"].removesuffix(mk.WIDE_SUFFIX)
         elif op in torch_program.STATE_OPS:
             req = _recurrent_request(node, attrs, act)
             if req is None:
@@ -591,8 +601,9 @@ def compile_fused(requests: dict[str, dict], sm: int, out_dir: Path) -> list[dic
 def _node_key(request_key: str) -> str:
     """The node ``kernel`` attribute a request serves (a second tiling of a node's kernel carries a suffix)."""
     from llmc.plugins.fused.requests import INT4_WIDE_SUFFIX
+    from llmc.plugins.mxfp4.requests import WIDE_SUFFIX
 
-    return request_key.removesuffix(INT4_WIDE_SUFFIX)
+    return request_key.removesuffix(INT4_WIDE_SUFFIX).removesuffix(WIDE_SUFFIX)
 
 
 def ptxas_cuda_version(sm: int) -> str | None:

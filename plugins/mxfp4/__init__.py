@@ -3,7 +3,8 @@
 
 gpt-oss ships its MoE experts as MXFP4 (OpenAI's layout: E2M1 codes two per byte, low nibble first, 32 along the
 input dimension per block, one E8M0 exponent per block); the op multiplies each token row by its expert's weight
-straight from those codes, so the engine keeps the experts at 4.25 bits per weight."""
+straight from those codes, so the engine keeps the experts at 4.25 bits per weight. On the GPU: the grouped Triton
+kernel of :mod:`.triton_kernel` (its AOT requests: :mod:`.requests`)."""
 
 OP_TYPE = "Mxfp4MoEMatMul"
 # The opt-in 8-bit-activation variant (``llmc build --mxfp4-activations int8``; csrc/mxfp4_q8_core.h).

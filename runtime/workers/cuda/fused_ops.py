@@ -1,5 +1,5 @@
 """The CUDA session's versions of program ops that launch an AOT kernel: RMSNorm (+ residual), rotary, SwiGLU (each
-optionally emitting an FP8 linear's input), the FP8 and INT4 linears, LoRA.
+optionally emitting an FP8 linear's input), the FP8 and INT4 linears, MXFP4 experts, LoRA.
 
 Each runs the kernel its node names (attribute ``kernel``; the FP8 linear's ``quant_kernel``) where the session
 loaded it and the inputs are what the kernel was compiled for, and otherwise the torch op of
@@ -13,6 +13,7 @@ from collections.abc import Callable
 import torch
 
 from llmc.plugins.fused.requests import INT4_NUM_SMS, INT4_WIDE_SUFFIX, int4_launch
+from llmc.plugins.mxfp4 import requests as mxfp4_requests
 from llmc.runtime.workers.cuda.ops import OPS, fp8_codes
 
 # rows of the ones that stand for the FP8 linears' per-row activation scale (the scale is folded into the weight's):
@@ -29,11 +30,12 @@ class FusedOps:
         self.num_sms = num_sms  # the device's SMs: the W4A16 kernel's split-K fills them
         self._ones = torch.ones((_ONES_ROWS, 1), dtype=torch.float32, device=device)
         self._old_ones: list[torch.Tensor] = []  # graphs captured before a growth still read these
+        self._last_ids: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # ids, sorted, permutation
 
     def overrides(self) -> dict[str, Callable]:
         return {"RMSNormalization": self.rms, "SkipRMSNormalization": self.skip_rms, "RotaryEmbedding": self.rotary,
                 "SwiGLU": self.swiglu, "Int4Linear": self.int4_linear, "LoraApply": self.lora,
-                "Fp8Linear": self.fp8_linear}
+                "Fp8Linear": self.fp8_linear, "Mxfp4MoEMatMul": self.mxfp4_moe}
 
     @staticmethod
     def prepare_fp8_linear(args: list) -> list:
@@ -139,7 +141,8 @@ class FusedOps:
         k = self._fused(kernel)
         if k is not None and rows > k.info.config["BLOCK_M"]:
             k = self._fused(kernel + INT4_WIDE_SUFFIX)
-        if k is None or x.dtype != self.dtype or scales.dtype != self.dtype:
+        if (k is None or x.dtype != self.dtype or scales.dtype != self.dtype
+                or (x.shape[-1], codes.shape[1]) != (k.info.config["K"], k.info.config["N"])):  # e.g. a rank's share
             return OPS["Int4Linear"](x, codes, scales, zeros, **attrs)
         x2 = rows_view(x)
         n = codes.shape[1]
@@ -151,6 +154,34 @@ class FusedOps:
                                rows, x2.stride(0), split, chunk])
         y = out if part is None else part.sum(0).to(x.dtype)
         return (y.reshape(*x.shape[:-1], n),)
+
+    def mxfp4_moe(self, x, expert_ids, blocks, scales, *, kernel=None, **attrs):
+        """Routed rows times their experts' MXFP4 weights by the grouped kernel (plugins/mxfp4/triton_kernel.py):
+        the rows sorted by expert id on the device (one ``torch.sort``, shared by the layer's matmuls that route
+        the same ids), the codes read once per expert and row block; the node's "decode" tiling, or its "wide" one
+        (``kernel`` + ``WIDE_SUFFIX``) once the rows average more than 16 per expert. The torch op (which decodes
+        each row's whole expert) where no kernel was built."""
+        k = self._fused(kernel)
+        rows = x.numel() // x.shape[-1]
+        if k is not None and mxfp4_requests.use_wide(rows, blocks.shape[0]):
+            k = self._fused(kernel + mxfp4_requests.WIDE_SUFFIX)
+        if (k is None or x.dtype != self.dtype or rows == 0 or expert_ids.numel() != rows
+                or (blocks.shape[0], blocks.shape[1], x.shape[-1]) != (k.info.config["E"], k.info.config["N"],
+                                                                        k.info.config["K"])):
+            return OPS["Mxfp4MoEMatMul"](x, expert_ids, blocks, scales, **attrs)
+        x2 = rows_view(x)
+        sorted_ids, order = self._sorted_ids(expert_ids)
+        n = blocks.shape[1]
+        out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
+        self._launch(k, mxfp4_requests.moe_launch(k.info.config, rows),
+                     [x2, sorted_ids, order, blocks, scales, out, rows, x2.stride(0), rows.bit_length()])
+        return (out.reshape(*x.shape[:-1], n),)
+
+    def _sorted_ids(self, expert_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # gpt-oss's gate/up and down projections route the same ids tensor: sorted once (kept while it is the last)
+        if self._last_ids is None or self._last_ids[0] is not expert_ids:
+            self._last_ids = (expert_ids, *torch.sort(expert_ids.reshape(-1)))
+        return self._last_ids[1], self._last_ids[2]
 
     def lora(self, y, x, a, b, slots, *, shrink_kernel=None, expand_kernel=None, **attrs):
         ks, ke = self._fused(shrink_kernel), self._fused(expand_kernel)

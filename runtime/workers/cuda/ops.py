@@ -470,7 +470,8 @@ def mxfp4_moe_matmul(x, expert_ids, blocks, scales, **_):
     Each row's codes are gathered and decoded in ``x``'s dtype (a 3-bit significand times a power of two: exact in
     float32 and bfloat16 over the exponents a checkpoint uses), then one batched matmul (W4A16): the shapes depend
     on the row count only, as the float experts' gather-then-matmul they replace. The E2M1 values are computed from
-    the code bits (no table copied to the device: nothing here breaks a CUDA graph's capture)."""
+    the code bits (no table copied to the device: nothing here breaks a CUDA graph's capture). A CUDA session with
+    its kernels runs the grouped kernel instead (``FusedOps.mxfp4_moe``: no expert decoded into memory)."""
     k = x.shape[-1]
     rows = x.reshape(-1, k)
     ids = expert_ids.reshape(-1)
