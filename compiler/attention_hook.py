@@ -77,6 +77,7 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
         sinks,
         float(kwargs.get("alibi_max_bias") or 0.0),  # ALiBi: from llmc's forwards of inline-ALiBi attention only
         int(kwargs.get("attention_chunk") or 0),  # chunked local attention: from llmc's llama4 attention forward
+        attend_end=STEP.get(ATTEND_END),  # bidirectional spans (Gemma 3's images): the step's input, or None
     )
     return out.reshape(1, tokens, num_heads, head_size)[..., :value_size], None
 
@@ -85,6 +86,9 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
 # the attention function (falcon): set by the traced wrapper's forward around the model call, so torch.export
 # sees the very input tensors either way.
 STEP_FIELDS = ("slot_mapping", "block_tables", "context_lens", "query_start_loc")
+# An image build whose images attend bidirectionally (Gemma 3): the step's ``attend_end`` [T] int64, every attention
+# call's last input (llmc.plugins.paged_attention.torch_op); absent (None) for every other model.
+ATTEND_END = "attend_end"
 # (A hybrid model's step also sets ``state_slots``, which only llmc's recurrent ops read.)
 STEP: dict = {}
 

@@ -21,7 +21,14 @@ import onnx_ir as ir
 
 from llmc.compiler import alibi_attention, attention_hook, deepstack, llama4_text, mla_trace
 from llmc.compiler import positions as position_tables
-from llmc.compiler.attention_hook import ATTENTION_SHAPES, ATTN_IMPLEMENTATION, KV_OWNERS, SINK_MODULES, STEP
+from llmc.compiler.attention_hook import (
+    ATTEND_END,
+    ATTENTION_SHAPES,
+    ATTN_IMPLEMENTATION,
+    KV_OWNERS,
+    SINK_MODULES,
+    STEP,
+)
 from llmc.compiler.binding import account, bind
 from llmc.compiler.checkpoint import Checkpoint
 from llmc.compiler.safetensors_io import TensorEntry, changed_during_build, read_tensor
@@ -246,13 +253,14 @@ def _build_module(checkpoint: Checkpoint, compute_dtype: str):
 
         def forward(self, input_ids, positions, slot_mapping, block_tables, context_lens, query_start_loc,
                     logits_indices, rope_lengths=None, state_slots=None, image_embeds=None, image_rows=None,
-                    mrope_positions=None):
+                    mrope_positions=None, attend_end=None):
             if rope is not None:
                 rope.lengths = rope_lengths
             paging = dict(slot_mapping=slot_mapping, block_tables=block_tables, context_lens=context_lens,
                           query_start_loc=query_start_loc)
             STEP.update(paging)
             STEP[STATE_SLOTS] = state_slots
+            STEP[ATTEND_END] = attend_end  # Gemma 3's images: bidirectional spans (llmc.compiler.attention_hook)
             position_tables.STEP["positions"] = positions
             try:
                 keep = dict(logits_to_keep=logits_indices) if takes_logits_to_keep else {}
@@ -457,7 +465,8 @@ def _trace(checkpoint: Checkpoint, compute_dtype: str, torch, torch_op,
     # an image row's width: the text width, times 1 + Qwen3-VL's deepstack layers (compiler/deepstack.py)
     image_width = config.hidden_size * (1 + deepstack.layers(hf.config)) if image_size is not None else 0
     example, kwargs, dynamic, inputs = _example_inputs(torch, config, rope is not None, bool(recurrent),
-                                                       image_width, _mrope(checkpoint, image_size))
+                                                       image_width, _mrope(checkpoint, image_size),
+                                                       _bidirectional(checkpoint, image_size))
     logging.getLogger("torch.onnx").setLevel(logging.ERROR)
     ATTENTION_SHAPES.clear()
     KV_OWNERS.clear()
@@ -512,8 +521,16 @@ def _mrope(checkpoint: Checkpoint, image_size) -> bool:
     return image_size is not None and uses_mrope(checkpoint.model_type)
 
 
-def _example_inputs(torch, config, longrope: bool, recurrent: bool,
-                    image_width: int = 0, mrope: bool = False) -> tuple[tuple, dict, dict, tuple[str, ...]]:
+def _bidirectional(checkpoint: Checkpoint, image_size) -> bool:
+    """Whether the image build's language model attends bidirectionally within an image (compiler/vision_encoder.py):
+    it takes ``attend_end`` ``[T]``."""
+    from llmc.compiler.vision_encoder import bidirectional_images
+
+    return image_size is not None and bidirectional_images(checkpoint.model_type)
+
+
+def _example_inputs(torch, config, longrope: bool, recurrent: bool, image_width: int = 0, mrope: bool = False,
+                    bidirectional: bool = False) -> tuple[tuple, dict, dict, tuple[str, ...]]:
     """The example step torch.export traces, its keyword inputs, the dynamic dimensions and the graph's input names.
 
     Eleven tokens of three sequences (block tables ``[3, 5]``, 2 logits rows), plus ``rope_lengths`` for longrope,
@@ -561,6 +578,10 @@ def _example_inputs(torch, config, longrope: bool, recurrent: bool,
         kwargs["mrope_positions"] = torch.arange(tokens).expand(3, -1) + torch.tensor([[0], [2], [1]])
         dynamic["mrope_positions"] = {1: t}
         inputs = (*inputs, "mrope_positions")
+    if bidirectional:  # each token's end of the keys it sees beyond itself (0: causal), for the attention op
+        kwargs[ATTEND_END] = torch.zeros(tokens, dtype=torch.long)
+        dynamic[ATTEND_END] = {0: t}
+        inputs = (*inputs, ATTEND_END)
     return example, kwargs, dynamic, inputs
 
 

@@ -43,15 +43,19 @@ IMAGE_FAMILIES = {"llava": "image tokens at the placeholder token, 1-D positions
                              "causal attention",
                   "qwen3_vl": "dynamic resolution, image tokens at the placeholder token, 3-D M-RoPE positions, "
                               "deepstack features added to the first layers' hidden states, causal attention",
+                  "gemma3": "image tokens wrapped in start/end-of-image tokens and blank lines, attending "
+                            "bidirectionally among one image's tokens (attend_end)",
                   "mistral3": "any size at whole merged patches, rows of image tokens closed by [IMG_BREAK] and the "
                               "last by [IMG_END], 1-D positions, causal attention"}
 # Families of a dynamic-resolution encoder (compiler/qwen_vision.py) whose text model takes M-RoPE positions.
 MROPE_FAMILIES = ("qwen3_5", "qwen3_vl")
 # Families of a dynamic-size encoder (compiler/pixtral_vision.py) whose image tokens come in rows with break tokens.
 ROWS_FAMILIES = ("mistral3",)
+# Families whose image tokens attend to each other both ways (Gemma 3): the language model takes ``attend_end``
+# [T] (llmc.compiler.attention_hook), and each image is wrapped in the processor's tokens (``layout: wrap``).
+BIDIRECTIONAL_FAMILIES = ("gemma3",)
 # model type -> what its images need that llmc does not lower yet (refused by name; --text-only builds the text model)
-IMAGES_NOT_YET = {"gemma3": "bidirectional attention among one image's tokens, which llmc's paged attention "
-                            "(causal in every kernel) does not do yet"}
+IMAGES_NOT_YET: dict[str, str] = {}
 
 
 @dataclass(frozen=True)
@@ -71,6 +75,11 @@ class ImageSpec:
     token_pixels: int | None = None
     break_token_id: int | None = None
     end_token_id: int | None = None
+    # Gemma 3: the prompt's placeholder (its start-of-image token) and the tokens around an image's tokens
+    placeholder_token_id: int | None = None
+    prefix: tuple[int, ...] = ()
+    suffix: tuple[int, ...] = ()
+    bidirectional: bool = False
 
 
 def builds_images(config: dict, text_only: bool) -> bool:
@@ -103,6 +112,11 @@ def rows_family(model_type: str) -> bool:
     return model_type in ROWS_FAMILIES
 
 
+def bidirectional_images(model_type: str) -> bool:
+    """Whether an image build of ``model_type`` attends bidirectionally among an image's tokens (``attend_end``)."""
+    return model_type in BIDIRECTIONAL_FAMILIES
+
+
 def uses_mrope(model_type: str) -> bool:
     """Whether an image build of ``model_type`` takes M-RoPE positions (:data:`MROPE_POSITIONS`)."""
     return model_type in MROPE_FAMILIES
@@ -120,6 +134,10 @@ def trace_size(model_type: str, config, checkpoint: Path) -> tuple[int, int]:
 
         side = int(config.patch_size if isinstance(config.patch_size, int) else config.patch_size["height"])
         return ROWS_GRID[0] * side, ROWS_GRID[1] * side
+    if getattr(config, "do_pan_and_scan", False):
+        raise UnsupportedError(f"{checkpoint}: the image processor's do_pan_and_scan (crops of an elongated image, "
+                               "each its own image in the prompt) is not reproduced by llmc's image layout yet; set "
+                               "it false in preprocessor_config.json")
     return fixed_size(config, checkpoint)
 
 
@@ -147,6 +165,12 @@ def spec_of(hf_config, processor_size: tuple[int, int], checkpoint: Path) -> Ima
         return ImageSpec(int(hf_config.image_token_id), None, None, int(hf_config.get_text_config().hidden_size),
                          int(vision.spatial_merge_size), int(vision.num_position_embeddings ** 0.5),
                          deepstack.layers(hf_config))
+    if bidirectional_images(hf_config.model_type):  # Gemma 3: "\n\n<boi>" + soft tokens + "<eoi>\n\n"
+        blank = blank_line_tokens(checkpoint)
+        return ImageSpec(int(hf_config.image_token_id), processor_size, int(hf_config.mm_tokens_per_image),
+                         int(hf_config.get_text_config().hidden_size), placeholder_token_id=int(hf_config.boi_token_id),
+                         prefix=(*blank, int(hf_config.boi_token_id)), suffix=(int(hf_config.eoi_token_id), *blank),
+                         bidirectional=True)
     patches = (processor_size[0] // vision.patch_size) * (processor_size[1] // vision.patch_size)
     tokens = patches + (0 if hf_config.vision_feature_select_strategy == "default" else 1)
     return ImageSpec(int(hf_config.image_token_id), processor_size, tokens,
@@ -164,9 +188,10 @@ def encoder_module(torch, hf):
 
         def forward(self, pixel_values):
             cfg = self.inner.config
-            out = self.inner.get_image_features(pixel_values=pixel_values,
-                                                vision_feature_layer=cfg.vision_feature_layer,
-                                                vision_feature_select_strategy=cfg.vision_feature_select_strategy)
+            # LLaVA-style wrappers select a layer and drop the CLS token; Gemma 3's takes pixels alone
+            select = {k: getattr(cfg, k) for k in ("vision_feature_layer", "vision_feature_select_strategy")
+                      if hasattr(cfg, k)}
+            out = self.inner.get_image_features(pixel_values=pixel_values, **select)
             feats = out.pooler_output
             return (torch.stack(list(feats)) if isinstance(feats, list | tuple) else feats).float()
 
@@ -221,7 +246,23 @@ def manifest_entry(wrapper: str | None, spec: ImageSpec, processor_file: str) ->
     if spec.merge_size is not None:  # dynamic resolution, M-RoPE (llmc.runtime.mrope)
         entry.update(positions="mrope", merge_size=spec.merge_size, position_table_side=spec.position_table_side,
                      deepstack_layers=spec.deepstack_layers)
+    if spec.bidirectional:  # tokens around each image's, which attend both ways (llmc.runtime.image_inputs)
+        entry.update(layout="wrap", placeholder_token_id=spec.placeholder_token_id, image_prefix=list(spec.prefix),
+                     image_suffix=list(spec.suffix), bidirectional=True)
     if spec.token_pixels is not None:  # rows of image tokens with break tokens (llmc.runtime.image_inputs)
         entry.update(layout="rows", token_pixels=spec.token_pixels, image_break_token_id=spec.break_token_id,
                      image_end_token_id=spec.end_token_id)
     return entry
+
+
+def blank_line_tokens(checkpoint: Path) -> tuple[int, ...]:
+    """The ids of ``"\n\n"`` in the checkpoint's tokenizer: Gemma3Processor writes a blank line before and after
+    each image's tokens, and the runtime lays an image out at the token level."""
+    from llmc.runtime.tokenizer import Tokenizer
+
+    path = checkpoint / "tokenizer.json"
+    if not path.is_file():
+        raise UnsupportedError(f"{checkpoint}: Gemma 3 wraps each image's tokens in blank lines, whose tokens llmc "
+                               "reads from the checkpoint's tokenizer.json, which is missing; add the tokenizer files "
+                               "the checkpoint was published with, or build with --text-only")
+    return tuple(int(t) for t in Tokenizer(checkpoint).encode("\n\n", add_special_tokens=False))

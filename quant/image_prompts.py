@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -55,12 +56,12 @@ def image_windows(engine_dir: Path, manifest: dict, text: list[list[int]], count
     for i, image in enumerate(synthetic_images(count)):
         words = text[i % len(text)][:TEXT_TOKENS]
         at = 1 + (i * 7) % max(1, len(words) - 1)
-        ids, spans, _ = inputs.expand([*words[:at], inputs.token_id, *words[at:]], [image], "accuracy report")
-        rows, embeds = zip(*(span.features_in(0, len(ids)) for span in spans), strict=True)
-        extra = {"image_rows": np.concatenate(rows), "image_embeds": np.concatenate(embeds).astype(np.float32)}
-        table, _ = inputs.positions(len(ids), spans)
-        if table is not None:
-            extra["mrope_positions"] = np.ascontiguousarray(table, np.int64)
+        ids, spans, _ = inputs.expand([*words[:at], inputs.placeholder, *words[at:]], [image], "accuracy report")
+        table, delta = inputs.positions(len(ids), spans)
+        # the whole prompt as one step's chunk: the feeds the runtime gives it (rows, M-RoPE, attend_end)
+        chunk = SimpleNamespace(request=SimpleNamespace(image_spans=spans, image_positions=table,
+                                                        position_delta=delta), start=0, num_tokens=len(ids))
+        extra = inputs.feeds([chunk], np.asarray([0, len(ids)], np.int64))
         windows.append(ids)
         extras.append(extra)
         filled += len(extra["image_rows"])

@@ -276,6 +276,8 @@ class LayerwiseScorer:
         if "image_rows" in self.graph_inputs:
             width = next(int(v.shape[1]) for v in self.model.graph.inputs if v.name == "image_embeds")
             out.update(image_rows=np.zeros(0, np.int64), image_embeds=np.zeros((0, width), np.float32))
+        if "attend_end" in self.graph_inputs:  # causal everywhere
+            out["attend_end"] = np.zeros(len(ids), np.int64)
         if "mrope_positions" in self.graph_inputs:
             out["mrope_positions"] = np.broadcast_to(np.arange(len(ids), dtype=np.int64), (3, len(ids))).copy()
         return out

@@ -278,6 +278,12 @@ class Engine:
                                 "text model, or a vision-language model built --text-only)")
             ids, spans, image_key = self.images.expand(ids, images, label)
         image_positions, position_delta = self.images.positions(len(ids), spans) if spans else (None, 0)
+        atomic = self.images.atomic_spans(spans) if spans else None
+        budget = self.scheduler.config.max_num_tokens
+        if atomic and max(b - a for a, b in atomic) > budget:
+            raise LlmcError(f"{label}: an image of {max(b - a for a, b in atomic)} tokens attends to all of its "
+                            f"tokens in one step, but a step holds at most max_num_tokens={budget}; raise "
+                            "max_num_tokens")
         if params.stop and self.tokenizer is None:
             raise LlmcError(f"{label}: stop strings need the engine's tokenizer.json; use stop_token_ids instead")
         if self.max_model_len and len(ids) + params.max_tokens > self.max_model_len:
@@ -296,7 +302,7 @@ class Engine:
                 arrival_time=time.perf_counter(), rng=np.random.default_rng(seed),
                 logprobs=[] if params.logprobs is not None else None,
                 text="" if params.stop else None, lora_key=lora_key, image_spans=spans, image_key=image_key,
-                image_positions=image_positions, position_delta=position_delta,
+                image_positions=image_positions, position_delta=position_delta, atomic_spans=atomic,
             )
             if self.speculator is not None and params.speculative:
                 req.spec = self.speculator.new_state()

@@ -76,6 +76,13 @@ class ImageInputs:
         self.rows = section.get("layout") == "rows"
         self.token_pixels = int(section.get("token_pixels") or 1)
         self.break_id, self.end_id = section.get("image_break_token_id"), section.get("image_end_token_id")
+        # Gemma 3: the placeholder is its start-of-image token; each image's tokens come between the prefix and the
+        # suffix tokens, and attend to each other both ways (the language model's attend_end input)
+        self.wrap = section.get("layout") == "wrap"
+        self.placeholder = int(section.get("placeholder_token_id") or self.token_id)
+        self.prefix = tuple(int(t) for t in section.get("image_prefix") or ())
+        self.suffix = tuple(int(t) for t in section.get("image_suffix") or ())
+        self.bidirectional = bool(section.get("bidirectional"))
         self.merge_size = int(section.get("merge_size") or 1)
         # an image row: its features, then Qwen3-VL's deepstack features for each of its first layers
         self.embeds_width = self.hidden_size * (1 + int(section.get("deepstack_layers") or 0))
@@ -95,17 +102,22 @@ class ImageInputs:
     def expand(self, ids: list[int], images: Sequence, label: str) -> tuple[list[int], list[ImageSpan], int]:
         """``(tokens, spans, key)``: ``ids`` with each placeholder token expanded to its image's tokens, each
         image's span, and the prefix-cache key of these images (never 0)."""
-        at = [i for i, t in enumerate(ids) if t == self.token_id]
+        at = [i for i, t in enumerate(ids) if t == self.placeholder]
         if len(at) != len(images):
             raise LlmcError(f"{label}: {len(images)} images but {len(at)} image placeholders (token "
-                            f"{self.token_id}) in the prompt; put one placeholder where each image goes")
+                            f"{self.placeholder}) in the prompt; put one placeholder where each image goes")
         features = [self._encode(image) for image in images]
         out: list[int] = []
         spans: list[ImageSpan] = []
         prev = 0
         for pos, (_, embeds, grid) in zip(at, features, strict=True):
             out.extend(ids[prev:pos])
-            if self.rows:
+            if self.wrap:
+                tokens = (*self.prefix, *[self.token_id] * len(embeds), *self.suffix)
+                slots = np.arange(len(self.prefix), len(self.prefix) + len(embeds), dtype=np.int64)
+                spans.append(ImageSpan(len(out), embeds, None, tokens, slots))
+                out.extend(tokens)
+            elif self.rows:
                 tokens, slots = self._rows_layout(grid)
                 spans.append(ImageSpan(len(out), embeds, None, tokens, slots))
                 out.extend(tokens)
@@ -191,6 +203,15 @@ class ImageInputs:
                     embeds.append(feats)
         out = {"image_embeds": np.concatenate(embeds), "image_rows": np.concatenate(rows)} if rows else \
             {"image_embeds": np.zeros((0, self.embeds_width), np.float32), "image_rows": np.zeros(0, np.int64)}
+        if self.bidirectional:  # each image token sees its image's later tokens: attend_end = the image's end
+            total = int(query_start_loc[len(chunks)]) if len(chunks) else 0
+            ends = np.zeros(total, np.int64)
+            for i, c in enumerate(chunks):
+                for span in c.request.image_spans or ():
+                    at, _ = span.features_in(c.start, c.start + c.num_tokens)
+                    if len(at):
+                        ends[at - c.start + int(query_start_loc[i])] = span.start + span.slots[-1] + 1
+            out["attend_end"] = ends
         if self.mrope:
             from llmc.runtime.mrope import positions_of
 
@@ -199,9 +220,18 @@ class ImageInputs:
                  for c in chunks] or [np.zeros((3, 0), np.int64)], axis=1)
         return out
 
+    def atomic_spans(self, spans: list[ImageSpan] | None) -> list[tuple[int, int]] | None:
+        """The token ranges ``[start, end)`` a prefill chunk must not end inside: each image's tokens of a
+        bidirectional engine (a token attends to its image's later ones, written in the same step)."""
+        if not self.bidirectional or not spans:
+            return None
+        return [(sp.start + int(sp.slots[0]), sp.start + int(sp.slots[-1]) + 1) for sp in spans]
+
     def empty(self, positions: np.ndarray | None = None) -> dict[str, np.ndarray]:
         """The feeds of a step without image tokens, whose tokens sit at ``positions`` ``[T]``."""
         out = self.feeds((), np.zeros(1, np.int64))
+        if self.bidirectional:
+            out["attend_end"] = np.zeros(len(positions) if positions is not None else 0, np.int64)
         if self.mrope:
             p = np.asarray(positions if positions is not None else (), np.int64)
             out["mrope_positions"] = np.broadcast_to(p, (3, len(p))).copy()

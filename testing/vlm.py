@@ -116,6 +116,7 @@ VLM_PROCESSORS: dict[str, tuple[str, dict]] = {
         size={"shortest_edge": 64 * 64, "longest_edge": 256 * 256}))),
     # PixtralImageProcessor at the tower's 16-pixel patches; Mistral 3's processor resizes to whole 2x2 merged
     # patches (32 pixels) and lays each image out in rows of [IMG] closed by [IMG_BREAK] / [IMG_END]
+    "gemma3": ("Gemma3ImageProcessorPil", dict(size={"height": 64, "width": 64})),
     "mistral3": ("PixtralImageProcessorPil", dict(size={"longest_edge": 128}, patch_size={"height": 16, "width": 16})),
 }
 # Mistral 3's image, row-break and image-end tokens inside the tiny vocabulary (tokenizer.json of the fixture)

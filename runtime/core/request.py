@@ -60,6 +60,9 @@ class Request:
     # token's position from its index; None / 0: the request's tokens sit at their indices.
     image_positions: np.ndarray | None = None
     position_delta: int = 0
+    # Token ranges [start, end) no prefill chunk may end inside (a bidirectional engine's images: each image token
+    # sees its image's later tokens, which must be written in the same step); None: chunks end anywhere.
+    atomic_spans: list[tuple[int, int]] | None = None
 
     @property
     def cache_root(self) -> int:

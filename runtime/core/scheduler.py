@@ -238,6 +238,9 @@ class Scheduler:
             n = min(r.num_remaining, budget)
             if n < r.num_remaining and not cfg.enable_chunked_prefill:
                 continue
+            n = fit_chunk(r.atomic_spans, r.num_computed, n, budget)
+            if n == 0:
+                continue
             draft, draft_probs, copies = self._take_draft(r, budget)
             if draft:
                 n += len(draft)
@@ -317,6 +320,9 @@ class Scheduler:
             n = min(remaining, budget)
             if n < remaining and not cfg.enable_chunked_prefill:
                 break  # FCFS: nobody overtakes the head of the queue
+            n = fit_chunk(r.atomic_spans, cached, n, budget)
+            if n == 0:
+                break
             if self._prefix_in_flight(r, cached):
                 break  # the block is computed in this step; reuse it next step
             if self.running:
@@ -421,3 +427,14 @@ class Scheduler:
     def append_token(self, r: Request, token: int) -> None:
         r.tokens.append(token)
         self.blocks.append_token(r.seq_id, token)
+
+
+def fit_chunk(spans: list[tuple[int, int]] | None, start: int, n: int, budget: int) -> int:
+    """The tokens a chunk computing ``[start, start + n)`` may take so that it ends inside none of ``spans`` (sorted,
+    disjoint ``[a, b)``): cut back to a span's start, or, where it starts inside one (after a prefix-cache hit), run
+    to that span's end if ``budget`` allows; 0: not this step."""
+    for a, b in spans or ():
+        end = start + n
+        if a < end < b:
+            n = a - start if a > start else (b - start if b - start <= budget else 0)
+    return n
