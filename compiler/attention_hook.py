@@ -77,7 +77,7 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
         sinks,
         float(kwargs.get("alibi_max_bias") or 0.0),  # ALiBi: from llmc's forwards of inline-ALiBi attention only
         int(kwargs.get("attention_chunk") or 0),  # chunked local attention: from llmc's llama4 attention forward
-        attend_end=STEP.get(ATTEND_END),  # bidirectional spans (Gemma 3's images): the step's input, or None
+        attend_end=_attend_end(window),  # bidirectional spans (Gemma 3 / 4's images): the step's input, or None
     )
     return out.reshape(1, tokens, num_heads, head_size)[..., :value_size], None
 
@@ -89,6 +89,16 @@ STEP_FIELDS = ("slot_mapping", "block_tables", "context_lens", "query_start_loc"
 # An image build whose images attend bidirectionally (Gemma 3): the step's ``attend_end`` [T] int64, every attention
 # call's last input (llmc.plugins.paged_attention.torch_op); absent (None) for every other model.
 ATTEND_END = "attend_end"
+# The current trace's layers that take it: "all" (Gemma 3), "sliding" (Gemma 4: its global layers stay causal), None.
+BIDIRECTIONAL: dict[str, str | None] = {"layers": None}
+
+
+def _attend_end(window: int):
+    """The step's ``attend_end`` for a layer of sliding ``window`` (0: global), or None where the layer is causal."""
+    layers = BIDIRECTIONAL["layers"]
+    if layers is None or (layers == "sliding" and not window):
+        return None
+    return STEP.get(ATTEND_END)
 # (A hybrid model's step also sets ``state_slots``, which only llmc's recurrent ops read.)
 STEP: dict = {}
 

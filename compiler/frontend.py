@@ -25,6 +25,7 @@ from llmc.compiler.attention_hook import (
     ATTEND_END,
     ATTENTION_SHAPES,
     ATTN_IMPLEMENTATION,
+    BIDIRECTIONAL,
     KV_OWNERS,
     SINK_MODULES,
     STEP,
@@ -285,10 +286,18 @@ def _build_module(checkpoint: Checkpoint, compute_dtype: str):
 
 
 def _token_inputs(hf, input_ids, image_embeds, image_rows) -> dict:
-    """The wrapped model's token input: ``input_ids`` ``[1, T]``, or an image build's embeddings ``[1, T, hidden]``."""
+    """The wrapped model's token input: ``input_ids`` ``[1, T]``, or an image build's embeddings ``[1, T, hidden]``
+    (and Gemma 4's per-layer token embeddings, of the ids with the image rows as padding, as its wrapper computes
+    them from ids it no longer receives)."""
     if image_rows is None:
         return dict(input_ids=input_ids[None])
-    return dict(inputs_embeds=_with_images(hf, input_ids, image_embeds, image_rows)[None])
+    out = dict(inputs_embeds=_with_images(hf, input_ids, image_embeds, image_rows)[None])
+    text = hf.config.get_text_config()
+    language_model = getattr(getattr(hf, "model", None), "language_model", None)
+    if getattr(text, "hidden_size_per_layer_input", None) and hasattr(language_model, "get_per_layer_inputs"):
+        ids = input_ids.index_put((image_rows,), input_ids.new_full(image_rows.shape, int(text.pad_token_id)))
+        out["per_layer_inputs"] = language_model.get_per_layer_inputs(ids[None], None)
+    return out
 
 
 def _position_ids(torch, positions, mrope_positions):
@@ -469,6 +478,7 @@ def _trace(checkpoint: Checkpoint, compute_dtype: str, torch, torch_op,
                                                        _bidirectional(checkpoint, image_size))
     logging.getLogger("torch.onnx").setLevel(logging.ERROR)
     ATTENTION_SHAPES.clear()
+    BIDIRECTIONAL["layers"] = _bidirectional(checkpoint, image_size)
     KV_OWNERS.clear()
     SINK_MODULES.clear()
     STATE_LAYERS.clear()
@@ -521,16 +531,16 @@ def _mrope(checkpoint: Checkpoint, image_size) -> bool:
     return image_size is not None and uses_mrope(checkpoint.model_type)
 
 
-def _bidirectional(checkpoint: Checkpoint, image_size) -> bool:
-    """Whether the image build's language model attends bidirectionally within an image (compiler/vision_encoder.py):
-    it takes ``attend_end`` ``[T]``."""
+def _bidirectional(checkpoint: Checkpoint, image_size) -> str | None:
+    """Which layers of the image build's language model attend bidirectionally within an image
+    (compiler/vision_encoder.py: "all", "sliding" or None); such a model takes ``attend_end`` ``[T]``."""
     from llmc.compiler.vision_encoder import bidirectional_images
 
-    return image_size is not None and bidirectional_images(checkpoint.model_type)
+    return bidirectional_images(checkpoint.model_type, checkpoint.config) if image_size is not None else None
 
 
 def _example_inputs(torch, config, longrope: bool, recurrent: bool, image_width: int = 0, mrope: bool = False,
-                    bidirectional: bool = False) -> tuple[tuple, dict, dict, tuple[str, ...]]:
+                    bidirectional: str | None = None) -> tuple[tuple, dict, dict, tuple[str, ...]]:
     """The example step torch.export traces, its keyword inputs, the dynamic dimensions and the graph's input names.
 
     Eleven tokens of three sequences (block tables ``[3, 5]``, 2 logits rows), plus ``rope_lengths`` for longrope,

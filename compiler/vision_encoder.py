@@ -45,6 +45,9 @@ IMAGE_FAMILIES = {"llava": "image tokens at the placeholder token, 1-D positions
                               "deepstack features added to the first layers' hidden states, causal attention",
                   "gemma3": "image tokens wrapped in start/end-of-image tokens and blank lines, attending "
                             "bidirectionally among one image's tokens (attend_end)",
+                  "gemma4": "any aspect within a patch budget, image tokens between start/end-of-image tokens, "
+                            "attending bidirectionally among one image's tokens on sliding layers where the config "
+                            "says use_bidirectional_attention 'vision'",
                   "mistral3": "any size at whole merged patches, rows of image tokens closed by [IMG_BREAK] and the "
                               "last by [IMG_END], 1-D positions, causal attention"}
 # Families of a dynamic-resolution encoder (compiler/qwen_vision.py) whose text model takes M-RoPE positions.
@@ -53,7 +56,9 @@ MROPE_FAMILIES = ("qwen3_5", "qwen3_vl")
 ROWS_FAMILIES = ("mistral3",)
 # Families whose image tokens attend to each other both ways (Gemma 3): the language model takes ``attend_end``
 # [T] (llmc.compiler.attention_hook), and each image is wrapped in the processor's tokens (``layout: wrap``).
-BIDIRECTIONAL_FAMILIES = ("gemma3",)
+BIDIRECTIONAL_FAMILIES = ("gemma3", "gemma4")
+# Families whose image layout names tokens only the checkpoint's tokenizer knows ("\n\n", [IMG_BREAK], ...)
+TOKENIZER_LAYOUTS = ("gemma3", "mistral3")
 # model type -> what its images need that llmc does not lower yet (refused by name; --text-only builds the text model)
 IMAGES_NOT_YET: dict[str, str] = {}
 
@@ -79,7 +84,7 @@ class ImageSpec:
     placeholder_token_id: int | None = None
     prefix: tuple[int, ...] = ()
     suffix: tuple[int, ...] = ()
-    bidirectional: bool = False
+    bidirectional: str | None = None  # which layers attend both ways within an image: "all", "sliding" or None
 
 
 def builds_images(config: dict, text_only: bool) -> bool:
@@ -112,8 +117,24 @@ def rows_family(model_type: str) -> bool:
     return model_type in ROWS_FAMILIES
 
 
-def bidirectional_images(model_type: str) -> bool:
-    """Whether an image build of ``model_type`` attends bidirectionally among an image's tokens (``attend_end``)."""
+def bidirectional_images(model_type: str, config: dict) -> str | None:
+    """Which layers of an image build of ``config`` attend bidirectionally among an image's tokens (``attend_end``):
+    ``"all"`` (Gemma 3), ``"sliding"`` (Gemma 4 with ``use_bidirectional_attention: "vision"``: its global layers
+    stay causal), or None."""
+    if model_type == "gemma3":
+        return "all"
+    if model_type == "gemma4" and (config.get("text_config") or {}).get("use_bidirectional_attention") == "vision":
+        return "sliding"
+    return None
+
+
+def needs_tokenizer(model_type: str) -> bool:
+    """Whether the image layout of ``model_type`` names tokens read from the checkpoint's tokenizer."""
+    return model_type in TOKENIZER_LAYOUTS
+
+
+def wrap_family(model_type: str) -> bool:
+    """Whether ``model_type`` wraps each image's tokens in start/end tokens (``layout: wrap``)."""
     return model_type in BIDIRECTIONAL_FAMILIES
 
 
@@ -134,6 +155,8 @@ def trace_size(model_type: str, config, checkpoint: Path) -> tuple[int, int]:
 
         side = int(config.patch_size if isinstance(config.patch_size, int) else config.patch_size["height"])
         return ROWS_GRID[0] * side, ROWS_GRID[1] * side
+    if model_type == "gemma4":  # (patch budget, 1): the encoder takes the processor's padded patches
+        return int(config.max_soft_tokens) * int(config.pooling_kernel_size) ** 2, 1
     if getattr(config, "do_pan_and_scan", False):
         raise UnsupportedError(f"{checkpoint}: the image processor's do_pan_and_scan (crops of an elongated image, "
                                "each its own image in the prompt) is not reproduced by llmc's image layout yet; set "
@@ -165,12 +188,17 @@ def spec_of(hf_config, processor_size: tuple[int, int], checkpoint: Path) -> Ima
         return ImageSpec(int(hf_config.image_token_id), None, None, int(hf_config.get_text_config().hidden_size),
                          int(vision.spatial_merge_size), int(vision.num_position_embeddings ** 0.5),
                          deepstack.layers(hf_config))
-    if bidirectional_images(hf_config.model_type):  # Gemma 3: "\n\n<boi>" + soft tokens + "<eoi>\n\n"
+    hidden = int(hf_config.get_text_config().hidden_size)
+    if hf_config.model_type == "gemma3":  # "\n\n<boi>" + soft tokens + "<eoi>\n\n"
         blank = blank_line_tokens(checkpoint)
-        return ImageSpec(int(hf_config.image_token_id), processor_size, int(hf_config.mm_tokens_per_image),
-                         int(hf_config.get_text_config().hidden_size), placeholder_token_id=int(hf_config.boi_token_id),
-                         prefix=(*blank, int(hf_config.boi_token_id)), suffix=(int(hf_config.eoi_token_id), *blank),
-                         bidirectional=True)
+        return ImageSpec(int(hf_config.image_token_id), processor_size, int(hf_config.mm_tokens_per_image), hidden,
+                         placeholder_token_id=int(hf_config.boi_token_id), prefix=(*blank, int(hf_config.boi_token_id)),
+                         suffix=(int(hf_config.eoi_token_id), *blank), bidirectional="all")
+    if hf_config.model_type == "gemma4":  # "<boi>" + soft tokens (as many as the image's size gives) + "<eoi>"
+        return ImageSpec(int(hf_config.image_token_id), None, None, hidden,
+                         placeholder_token_id=int(hf_config.image_token_id), prefix=(int(hf_config.boi_token_id),),
+                         suffix=(int(hf_config.eoi_token_id),),
+                         bidirectional=bidirectional_images("gemma4", hf_config.to_dict()))
     patches = (processor_size[0] // vision.patch_size) * (processor_size[1] // vision.patch_size)
     tokens = patches + (0 if hf_config.vision_feature_select_strategy == "default" else 1)
     return ImageSpec(int(hf_config.image_token_id), processor_size, tokens,
@@ -206,7 +234,13 @@ def trace(torch, hf, size: tuple[int, int], opset: int, bind: Callable[[ir.Model
     inputs and dynamic patch count (compiler/qwen_vision.py)."""
     vision = hf.config.vision_config
     before = vision._attn_implementation
-    if hf.config.model_type in ROWS_FAMILIES:
+    if hf.config.model_type == "gemma4":
+        from llmc.compiler import gemma4_vision
+
+        module, names = gemma4_vision.encoder_module(torch, hf), list(gemma4_vision.ENCODER_INPUTS)
+        example, dynamic = gemma4_vision.example(torch, hf, size[0])
+        vision._attn_implementation = "eager"
+    elif hf.config.model_type in ROWS_FAMILIES:
         from llmc.compiler import pixtral_vision
 
         pixtral_vision.check_layout(hf)
@@ -246,9 +280,9 @@ def manifest_entry(wrapper: str | None, spec: ImageSpec, processor_file: str) ->
     if spec.merge_size is not None:  # dynamic resolution, M-RoPE (llmc.runtime.mrope)
         entry.update(positions="mrope", merge_size=spec.merge_size, position_table_side=spec.position_table_side,
                      deepstack_layers=spec.deepstack_layers)
-    if spec.bidirectional:  # tokens around each image's, which attend both ways (llmc.runtime.image_inputs)
+    if spec.placeholder_token_id is not None:  # tokens around each image's (llmc.runtime.image_inputs)
         entry.update(layout="wrap", placeholder_token_id=spec.placeholder_token_id, image_prefix=list(spec.prefix),
-                     image_suffix=list(spec.suffix), bidirectional=True)
+                     image_suffix=list(spec.suffix), bidirectional=spec.bidirectional)
     if spec.token_pixels is not None:  # rows of image tokens with break tokens (llmc.runtime.image_inputs)
         entry.update(layout="rows", token_pixels=spec.token_pixels, image_break_token_id=spec.break_token_id,
                      image_end_token_id=spec.end_token_id)

@@ -152,6 +152,9 @@ class ImageInputs:
         # the grid is part of the key: the same patches in another layout are another image
         digest = hashlib.sha256(pixels.tobytes() + (grid.tobytes() if grid is not None else b"")).digest()
         merged = None if grid is None else (int(grid[0, 1]) // self.merge_size, int(grid[0, 2]) // self.merge_size)
+        positions = processed.extras.get("image_position_ids")  # Gemma 4: each patch's (x, y), -1 for padding
+        if positions is not None:
+            digest = hashlib.sha256(digest + np.ascontiguousarray(positions, np.int64).tobytes()).digest()
         if self.rows:  # one image per call: its pixels are its size, whole tokens (the key holds the shape too)
             merged = (pixels.shape[-2] // self.token_pixels, pixels.shape[-1] // self.token_pixels)
             digest = hashlib.sha256(pixels.tobytes() + np.asarray(pixels.shape, np.int64).tobytes()).digest()
@@ -163,8 +166,13 @@ class ImageInputs:
             from llmc.runtime.graphs import load_graph
 
             self._encoder = load_graph(self.root, self.manifest, self.graph_name, self.threads)
-        (features,) = self._encoder.run(self._encoder_feeds(pixels, grid))
-        embeds = np.ascontiguousarray(features[0], dtype=np.float32)
+        feeds = self._encoder_feeds(pixels, grid)
+        if positions is not None:
+            feeds[self._encoder.inputs[1]] = np.ascontiguousarray(positions, np.int64)
+        (features,) = self._encoder.run(feeds)
+        count = processed.extras.get("num_soft_tokens_per_image")
+        # Gemma 4: the encoder pools the padded patch budget; the image's soft tokens are the first rows
+        embeds = np.ascontiguousarray(features[0] if count is None else features[0][: int(count[0])], np.float32)
         self.encoded += 1
         self._cache[digest] = embeds
         if len(self._cache) > CACHE_IMAGES:

@@ -38,8 +38,10 @@ VLM_CONFIGS: dict[str, tuple[dict, str]] = {
                "sliding + global layers, (1 + w) norms, scaled embeddings"),
     "gemma4": (dict(text_config=dict(_T, num_hidden_layers=3, sliding_window=16, global_head_dim=32,
                                      layer_types=["sliding_attention", "sliding_attention", "full_attention"],
-                                     hidden_size_per_layer_input=8, vocab_size_per_layer_input=512),
-                    vision_config=dict(_V, head_dim=16), boi_token_id=500, eoi_token_id=501, image_token_id=502,
+                                     hidden_size_per_layer_input=8, vocab_size_per_layer_input=512,
+                                     use_bidirectional_attention="vision"),
+                    vision_config=dict(_V, head_dim=16, num_key_value_heads=2), boi_token_id=500, eoi_token_id=501,
+                    image_token_id=502,
                     video_token_id=503, boa_token_id=504,
                     eoa_token_index=505, audio_token_id=506),
                "per-layer head sizes, per-layer input embeddings"),
@@ -117,6 +119,8 @@ VLM_PROCESSORS: dict[str, tuple[str, dict]] = {
     # PixtralImageProcessor at the tower's 16-pixel patches; Mistral 3's processor resizes to whole 2x2 merged
     # patches (32 pixels) and lays each image out in rows of [IMG] closed by [IMG_BREAK] / [IMG_END]
     "gemma3": ("Gemma3ImageProcessorPil", dict(size={"height": 64, "width": 64})),
+    # the smallest soft-token budget (70 = 630 patches of 16 pixels, pooled 3x3)
+    "gemma4": ("Gemma4ImageProcessorPil", dict(patch_size=16, max_soft_tokens=70, pooling_kernel_size=3)),
     "mistral3": ("PixtralImageProcessorPil", dict(size={"longest_edge": 128}, patch_size={"height": 16, "width": 16})),
 }
 # Mistral 3's image, row-break and image-end tokens inside the tiny vocabulary (tokenizer.json of the fixture)

@@ -67,7 +67,7 @@ def _check(out, ref):
 def test_manifest_and_the_bidirectional_input(gemma3):
     _, _, built, _, blank = gemma3
     section = built.manifest["multimodal"]
-    assert section["layout"] == "wrap" and section["bidirectional"] is True
+    assert section["layout"] == "wrap" and section["bidirectional"] == "all"
     assert section["placeholder_token_id"] == BOI and section["image_token_id"] == SOFT
     assert section["image_prefix"] == [*blank, BOI] and section["image_suffix"] == [EOI, *blank]
     assert built.manifest["engine"]["inputs"][-1] == "attend_end"

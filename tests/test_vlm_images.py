@@ -131,8 +131,8 @@ def test_what_image_builds_do_not_combine_with_yet_is_refused(tmp_path):
     assert not (tmp_path / "e").exists()
 
 
-def test_gemma4_images_are_refused_by_name_and_text_only_still_builds(tmp_path):
-    write_tiny_vlm("gemma4", tmp_path / "ckpt", seed=1)
+def test_llama4_images_are_refused_by_name_and_text_only_still_builds(tmp_path):
+    write_tiny_vlm("llama4", tmp_path / "ckpt", seed=1)
     with pytest.raises(UnsupportedError, match="does not compile its encoders.*--text-only"):
         build(tmp_path / "ckpt", tmp_path / "e", BuildOptions())
     assert not (tmp_path / "e").exists()

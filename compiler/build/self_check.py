@@ -44,7 +44,7 @@ def run(ckpt: Checkpoint, plan: Plan, say: Progress, build: BuildFn, lookup_only
     graph is the same up to the TensorRT lowering).
     """
     from llmc.compiler import selfcheck
-    from llmc.compiler.vision_encoder import bidirectional_images, rows_family
+    from llmc.compiler.vision_encoder import needs_tokenizer
 
     options, target = plan.options, plan.target
     cuda = plan.backend.name == "cuda"
@@ -53,7 +53,7 @@ def run(ckpt: Checkpoint, plan: Plan, say: Progress, build: BuildFn, lookup_only
         max_ppl_increase=None, force=True, verify_passes=False, self_check=False, aot_kernels=False,
         dtype="float32", lora_slots=0, tp=1,  # the twin checks the architecture; tests/test_lora.py the LoRA slots
         mxfp4_activations="float32")  # a twin has no MXFP4 experts (tests/test_prequantized_mxfp4.py: the Q8 op)
-    if rows_family(ckpt.model_type) or bidirectional_images(ckpt.model_type):
+    if needs_tokenizer(ckpt.model_type):
         # the image layout's tokens are named by a tokenizer a random twin has not;
         twin_options = dataclasses.replace(twin_options, text_only=True)  # the twin compares text tokens anyway
     lowering = {k: v for k, v in canonical_recipe(twin_options).items() if k not in ("quant",)}

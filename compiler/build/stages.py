@@ -106,6 +106,10 @@ def _image_processor(s: BuildState):
         raw = {k: vision[f] for k, f in (("patch_size", "patch_size"), ("merge_size", "spatial_merge_size"),
                                          ("temporal_patch_size", "temporal_patch_size")) if f in vision}
         s.say(f"      images: no preprocessor_config.json: {s.ckpt.model_type}'s default processor")
+    elif raw is None and s.ckpt.model_type == "gemma4":  # the family's patch budget, the encoder's patches
+        vision = config["vision_config"]
+        raw = {k: vision[k] for k in ("patch_size", "pooling_kernel_size") if k in vision}
+        s.say(f"      images: no preprocessor_config.json: {s.ckpt.model_type}'s default processor")
     elif vision_encoder.rows_family(s.ckpt.model_type):
         # PixtralProcessor resizes to whole merged patches: the tower's patch times the merger's side
         vision = config["vision_config"]
