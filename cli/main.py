@@ -416,7 +416,7 @@ def _with_image_tokens(eng, engine: Path, prompt: str | list[int], n: int) -> st
     if eng.images is None:
         raise LlmcError(f"{engine}: --image: this engine takes no images (a text model, or a vision-language model "
                         "built --text-only); leave --image out")
-    token_id = eng.images.token_id
+    token_id = eng.images.placeholder  # the image token, or the family's own placeholder (Gemma 3: start of image)
     if isinstance(prompt, list):
         return prompt if token_id in prompt else [token_id] * n + prompt
     text = eng.tokenizer.id_to_token(token_id) if eng.tokenizer is not None else None

@@ -38,7 +38,8 @@ def image_token(state: ServerState) -> tuple[int, str | None]:
     """The engine's image placeholder token id and its text (None where the tokenizer has no text that encodes
     to that one token)."""
     section = state.engine.manifest.get("multimodal") or {}
-    token_id = int(section["image_token_id"])
+    # the prompt's placeholder: the image token, or a family's own (Gemma 3: its start-of-image token)
+    token_id = int(section.get("placeholder_token_id") or section["image_token_id"])
     tok = state.engine.tokenizer
     text = tok.id_to_token(token_id) if tok is not None else None
     if text is None or tok.encode(text, add_special_tokens=False) != [token_id]:
