@@ -61,6 +61,17 @@ def refuse_encoders(config: dict, model_type: str, cfg_path: Path, text_only: bo
         "so)")
 
 
+def refuse_other_encoders(config: dict, model_type: str, cfg_path: Path) -> None:
+    """An image build compiles the vision encoder only: a checkpoint that also has an audio (or another) encoder is
+    refused before any work (exit 3), naming it, rather than built with that encoder silently left out."""
+    others = [f for f in encoders(config) if f != "vision_config"]
+    if others:
+        raise UnsupportedError(
+            f"{cfg_path}: model_type {model_type!r} has {', '.join(others)} beside its vision encoder: llmc compiles "
+            "the vision encoder into the artifact but not that one yet; build with --text-only for the text model "
+            "alone")
+
+
 def manifest_entry(config: dict) -> dict:
     """The manifest's ``multimodal`` section of a text-only build of a vision-language checkpoint."""
     model_type = str(config.get("model_type"))
