@@ -13,7 +13,9 @@ positions, causal attention; Qwen3.5: dynamic resolution, its encoder a graph ov
 :data:`MROPE_POSITIONS`; Qwen3-VL: the same, plus deepstack features carried in each image row,
 compiler/deepstack.py; Mistral 3: any size at whole merged patches, its encoder a graph of symbolic height and width
 (compiler/pixtral_vision.py), each image laid out as rows of image tokens closed by ``[IMG_BREAK]`` / ``[IMG_END]``,
-:data:`ROWS_FAMILIES`). Others build ``--text-only``.
+:data:`ROWS_FAMILIES`; Idefics3: each image cut into tiles plus a global image, its encoder a graph over any
+number of tiles (compiler/idefics3_vision.py), laid out as Idefics3Processor writes it, :data:`TILES_FAMILIES`).
+Others build ``--text-only``.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ from llmc.errors import UnsupportedError
 
 if TYPE_CHECKING:  # the build's checks import this module on cache hits too, which never load onnx_ir
     import onnx_ir as ir
+
+    from llmc.compiler.idefics3_vision import TileLayout
 
 ENCODER_GRAPH = "vision_encoder"
 ENCODER_INPUT, ENCODER_OUTPUT = "pixel_values", "image_features"
@@ -49,16 +53,20 @@ IMAGE_FAMILIES = {"llava": "image tokens at the placeholder token, 1-D positions
                             "attending bidirectionally among one image's tokens on sliding layers where the config "
                             "says use_bidirectional_attention 'vision'",
                   "mistral3": "any size at whole merged patches, rows of image tokens closed by [IMG_BREAK] and the "
-                              "last by [IMG_END], 1-D positions, causal attention"}
+                              "last by [IMG_END], 1-D positions, causal attention",
+                  "idefics3": "tiles of a fixed size in a grid plus a global image, each tile's image tokens after "
+                              "<fake_token_around_image><row_i_col_j>, 1-D positions, causal attention"}
 # Families of a dynamic-resolution encoder (compiler/qwen_vision.py) whose text model takes M-RoPE positions.
 MROPE_FAMILIES = ("qwen3_5", "qwen3_vl")
 # Families of a dynamic-size encoder (compiler/pixtral_vision.py) whose image tokens come in rows with break tokens.
 ROWS_FAMILIES = ("mistral3",)
+# Families that cut an image into tiles plus a global image (compiler/idefics3_vision.py), laid out with tile tokens.
+TILES_FAMILIES = ("idefics3",)
 # Families whose image tokens attend to each other both ways (Gemma 3): the language model takes ``attend_end``
 # [T] (llmc.compiler.attention_hook), and each image is wrapped in the processor's tokens (``layout: wrap``).
 BIDIRECTIONAL_FAMILIES = ("gemma3", "gemma4")
 # Families whose image layout names tokens only the checkpoint's tokenizer knows ("\n\n", [IMG_BREAK], ...)
-TOKENIZER_LAYOUTS = ("gemma3", "mistral3")
+TOKENIZER_LAYOUTS = ("gemma3", "mistral3", "idefics3")
 # model type -> what its images need that llmc does not lower yet (refused by name; --text-only builds the text model)
 IMAGES_NOT_YET: dict[str, str] = {}
 
@@ -85,6 +93,7 @@ class ImageSpec:
     prefix: tuple[int, ...] = ()
     suffix: tuple[int, ...] = ()
     bidirectional: str | None = None  # which layers attend both ways within an image: "all", "sliding" or None
+    tiles: TileLayout | None = None  # Idefics3: the tile layout's token ids (compiler/idefics3_vision.py)
 
 
 def builds_images(config: dict, text_only: bool) -> bool:
@@ -155,6 +164,9 @@ def trace_size(model_type: str, config, checkpoint: Path) -> tuple[int, int]:
 
         side = int(config.patch_size if isinstance(config.patch_size, int) else config.patch_size["height"])
         return ROWS_GRID[0] * side, ROWS_GRID[1] * side
+    if model_type in TILES_FAMILIES:  # one tile: the encoder takes any number of them
+        tile = int(config.max_image_size["longest_edge"])
+        return tile, tile
     if model_type == "gemma4":  # (patch budget, 1): the encoder takes the processor's padded patches
         return int(config.max_soft_tokens) * int(config.pooling_kernel_size) ** 2, 1
     if getattr(config, "do_pan_and_scan", False):
@@ -184,6 +196,14 @@ def spec_of(hf_config, processor_size: tuple[int, int], checkpoint: Path) -> Ima
         brk, end = pixtral_vision.layout_tokens(checkpoint)
         return ImageSpec(int(hf_config.image_token_id), None, None, int(hf_config.get_text_config().hidden_size),
                          token_pixels=pixtral_vision.token_pixels(hf_config), break_token_id=brk, end_token_id=end)
+    if hf_config.model_type in TILES_FAMILIES:
+        from llmc.compiler import idefics3_vision
+        from llmc.runtime.vision import processor_for, read_checkpoint_json
+
+        raw = idefics3_vision.processor_json(read_checkpoint_json(checkpoint), hf_config.to_dict())
+        tiles = idefics3_vision.layout(processor_for(hf_config.model_type, raw).config, checkpoint)
+        return ImageSpec(int(hf_config.image_token_id), processor_size, None,
+                         int(hf_config.get_text_config().hidden_size), tiles=tiles)
     if uses_mrope(hf_config.model_type):
         return ImageSpec(int(hf_config.image_token_id), None, None, int(hf_config.get_text_config().hidden_size),
                          int(vision.spatial_merge_size), int(vision.num_position_embeddings ** 0.5),
@@ -240,6 +260,12 @@ def trace(torch, hf, size: tuple[int, int], opset: int, bind: Callable[[ir.Model
         module, names = gemma4_vision.encoder_module(torch, hf), list(gemma4_vision.ENCODER_INPUTS)
         example, dynamic = gemma4_vision.example(torch, hf, size[0])
         vision._attn_implementation = "eager"
+    elif hf.config.model_type in TILES_FAMILIES:
+        from llmc.compiler import idefics3_vision
+
+        module = idefics3_vision.encoder_module(torch, hf)
+        (example, dynamic), names = idefics3_vision.example(torch, size[0]), list(idefics3_vision.ENCODER_INPUTS)
+        vision._attn_implementation = "eager"
     elif hf.config.model_type in ROWS_FAMILIES:
         from llmc.compiler import pixtral_vision
 
@@ -286,6 +312,8 @@ def manifest_entry(wrapper: str | None, spec: ImageSpec, processor_file: str) ->
     if spec.token_pixels is not None:  # rows of image tokens with break tokens (llmc.runtime.image_inputs)
         entry.update(layout="rows", token_pixels=spec.token_pixels, image_break_token_id=spec.break_token_id,
                      image_end_token_id=spec.end_token_id)
+    if spec.tiles is not None:  # tiles and a global image, each after its tokens (llmc.runtime.image_inputs)
+        entry.update(layout="tiles", **spec.tiles.as_manifest())
     return entry
 
 

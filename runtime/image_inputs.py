@@ -14,6 +14,11 @@ A dynamic-resolution M-RoPE engine (Qwen3.5; manifest ``multimodal.positions == 
 follows its grid (``grid_h * grid_w / merge²``), its encoder graph takes the grid-derived inputs
 (llmc.runtime.vision.qwen_grid), and every step also feeds ``mrope_positions`` ``[3, T]`` (llmc.runtime.mrope) from
 each request's prompt table and position delta.
+
+A tiled engine (Idefics3; manifest ``multimodal.layout == "tiles"``): the processor cuts each image into rows x cols
+tiles plus a global image, the encoder graph takes all of them at once (``[tiles, tokens per tile, hidden]``), and
+the placeholder becomes Idefics3Processor's layout of them (each tile's ``<fake_token_around_image><row_i_col_j>``
+and image tokens, a newline after each row, then the global image's), its features at the image tokens only.
 """
 
 from __future__ import annotations
@@ -83,6 +88,12 @@ class ImageInputs:
         self.prefix = tuple(int(t) for t in section.get("image_prefix") or ())
         self.suffix = tuple(int(t) for t in section.get("image_suffix") or ())
         self.bidirectional = bool(section.get("bidirectional"))
+        # Idefics3: tiles and a global image, each tile's image tokens after the fake token and its <row_i_col_j>
+        self.tiles = section.get("layout") == "tiles"
+        self.fake_id, self.global_id = section.get("fake_token_id"), section.get("global_token_id")
+        self.tile_ids = [[int(t) for t in row] for row in section.get("tile_token_ids") or ()]
+        self.newline = tuple(int(t) for t in section.get("newline_ids") or ())
+        self.blank_line = tuple(int(t) for t in section.get("blank_line_ids") or ())
         self.merge_size = int(section.get("merge_size") or 1)
         # an image row: its features, then Qwen3-VL's deepstack features for each of its first layers
         self.embeds_width = self.hidden_size * (1 + int(section.get("deepstack_layers") or 0))
@@ -117,8 +128,8 @@ class ImageInputs:
                 slots = np.arange(len(self.prefix), len(self.prefix) + len(embeds), dtype=np.int64)
                 spans.append(ImageSpan(len(out), embeds, None, tokens, slots))
                 out.extend(tokens)
-            elif self.rows:
-                tokens, slots = self._rows_layout(grid)
+            elif self.rows or self.tiles:
+                tokens, slots = self._rows_layout(grid) if self.rows else self._tiles_layout(grid, len(embeds), label)
                 spans.append(ImageSpan(len(out), embeds, None, tokens, slots))
                 out.extend(tokens)
             else:
@@ -138,6 +149,35 @@ class ImageInputs:
         slots = np.asarray([r * (cols + 1) + c for r in range(rows) for c in range(cols)], np.int64)
         return tuple(int(t) for t in tokens), slots
 
+    def _tiles_layout(self, grid: tuple[int, int], count: int, label: str) -> tuple[tuple[int, ...], np.ndarray]:
+        """Idefics3Processor's tokens of one image cut into ``grid`` (rows, columns) tiles (0, 0: not cut) whose
+        ``count`` features are each tile's, row-major, then the global image's; and the image tokens' offsets. Its
+        text is ``<fake><row_i_col_j>`` + image tokens per tile, ``"\\n"`` after each row, then ``"\\n<fake>
+        <global-img>"`` + image tokens + ``<fake>``: the last row's newline and the next one are one ``"\\n\\n"``
+        between special tokens, tokenized together."""
+        rows, cols = grid
+        if rows > len(self.tile_ids) or cols > len(self.tile_ids):
+            raise LlmcError(f"{label}: the image is cut into {rows}x{cols} tiles, past the {len(self.tile_ids)}x"
+                            f"{len(self.tile_ids)} whose <row_i_col_j> tokens the engine holds (manifest "
+                            "multimodal.tile_token_ids); rebuild the engine with this image processor")
+        per = count // (rows * cols + 1)
+        tokens: list[int] = []
+        slots: list[int] = []
+
+        def image_tokens() -> None:
+            slots.extend(range(len(tokens), len(tokens) + per))
+            tokens.extend([self.token_id] * per)
+
+        for r in range(rows):
+            for c in range(cols):
+                tokens.extend((self.fake_id, self.tile_ids[r][c]))
+                image_tokens()
+            tokens.extend(self.newline if r < rows - 1 else self.blank_line)
+        tokens.extend((self.fake_id, self.global_id))
+        image_tokens()
+        tokens.append(self.fake_id)
+        return tuple(int(t) for t in tokens), np.asarray(slots, np.int64)
+
     def encode(self, image) -> tuple[bytes, np.ndarray]:
         """``(sha256 of its pixel values, features [tokens, hidden])`` of one image (a path, bytes or an array;
         llmc.runtime.vision.decode_image), the encoder run only when its pixels are not cached."""
@@ -155,6 +195,10 @@ class ImageInputs:
         positions = processed.extras.get("image_position_ids")  # Gemma 4: each patch's (x, y), -1 for padding
         if positions is not None:
             digest = hashlib.sha256(digest + np.ascontiguousarray(positions, np.int64).tobytes()).digest()
+        if self.tiles:  # the frames of one image, and its tile grid (the key holds both)
+            rows, cols = int(processed.extras["rows"][0, 0]), int(processed.extras["cols"][0, 0])
+            merged, pixels = (rows, cols), pixels[0]
+            digest = hashlib.sha256(pixels.tobytes() + np.asarray([rows, cols], np.int64).tobytes()).digest()
         if self.rows:  # one image per call: its pixels are its size, whole tokens (the key holds the shape too)
             merged = (pixels.shape[-2] // self.token_pixels, pixels.shape[-1] // self.token_pixels)
             digest = hashlib.sha256(pixels.tobytes() + np.asarray(pixels.shape, np.int64).tobytes()).digest()
@@ -172,6 +216,8 @@ class ImageInputs:
         (features,) = self._encoder.run(feeds)
         count = processed.extras.get("num_soft_tokens_per_image")
         # Gemma 4: the encoder pools the padded patch budget; the image's soft tokens are the first rows
+        if self.tiles:  # [tiles, tokens per tile, hidden]: the tiles' rows, row-major, then the global image's
+            features = features.reshape(1, -1, features.shape[-1])
         embeds = np.ascontiguousarray(features[0] if count is None else features[0][: int(count[0])], np.float32)
         self.encoded += 1
         self._cache[digest] = embeds

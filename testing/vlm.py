@@ -122,6 +122,10 @@ VLM_PROCESSORS: dict[str, tuple[str, dict]] = {
     # the smallest soft-token budget (70 = 630 patches of 16 pixels, pooled 3x3)
     "gemma4": ("Gemma4ImageProcessorPil", dict(patch_size=16, max_soft_tokens=70, pooling_kernel_size=3)),
     "mistral3": ("PixtralImageProcessorPil", dict(size={"longest_edge": 128}, patch_size={"height": 16, "width": 16})),
+    # Idefics3's tiles are the tiny tower's 64-pixel images; every image's longest edge resized to 192: 3 tiles
+    # along it, 1 to 3 along the other, plus the global image
+    "idefics3": ("Idefics3ImageProcessorPil", dict(size={"longest_edge": 192}, max_image_size={"longest_edge": 64},
+                                                   do_image_splitting=True)),
 }
 # Mistral 3's image, row-break and image-end tokens inside the tiny vocabulary (tokenizer.json of the fixture)
 PIXTRAL_TOKENS = {"[IMG]": 502, "[IMG_BREAK]": 503, "[IMG_END]": 504}
@@ -137,7 +141,47 @@ def write_processor(model_type: str, out: str | Path):
     processor.save_pretrained(out)
     if model_type == "mistral3":
         write_word_tokenizer(out, 512, PIXTRAL_TOKENS)
+    if model_type == "idefics3":
+        write_idefics3_tokenizer(out)
     return processor
+
+
+# Idefics3Processor's tokens in the tiny vocabulary, in id order: the fake token, the global image's tag and the
+# tile tags of the processor's largest grid (3x3), then fillers up to the config's image token, 502
+IDEFICS3_GRID = 3
+IDEFICS3_TOKENS = ["<fake_token_around_image>", "<global-img>",
+                   *(f"<row_{i + 1}_col_{j + 1}>" for i in range(IDEFICS3_GRID) for j in range(IDEFICS3_GRID)),
+                   "<end_of_utterance>"]
+
+
+def write_idefics3_tokenizer(out: str | Path, tokens: list[str] | None = None) -> None:
+    """A byte-level BPE tokenizer of 480 tokens plus Idefics3Processor's special ``tokens`` (default
+    :data:`IDEFICS3_TOKENS`) from id 480, ``"\\n\\n"``, fillers, and ``<image>`` at 502 (the tiny config's
+    image_token_id)."""
+    from tokenizers import AddedToken
+
+    from llmc.testing.corpus import save_tokenizer, train_bpe_tokenizer
+
+    tok = train_bpe_tokenizer(vocab_size=480, model_max_length=512)
+    tokens = list(IDEFICS3_TOKENS if tokens is None else tokens)
+    tok.add_special_tokens({"additional_special_tokens": tokens})
+    # "\n\n" one token, as in the released tokenizers: the layout's last tile row ends in it, not in two "\n"
+    tok.add_tokens([AddedToken("\n\n", normalized=False)])
+    fillers = [f"<unused_{i}>" for i in range(502 - len(tok))]
+    tok.add_special_tokens({"additional_special_tokens": [*fillers, "<image>"]},
+                           replace_extra_special_tokens=False)
+    assert tok.convert_tokens_to_ids("<image>") == 502
+    save_tokenizer(tok, out)
+
+
+def idefics3_processor(checkpoint: str | Path, image_processor):
+    """transformers' Idefics3Processor of a tiny checkpoint: its image processor and tokenizer, image_seq_len the
+    model's (``(image_size / patch_size)² / scale_factor²``)."""
+    from transformers import AutoConfig, AutoTokenizer, Idefics3Processor
+
+    cfg = AutoConfig.from_pretrained(checkpoint)
+    seq = int((cfg.vision_config.image_size // cfg.vision_config.patch_size) ** 2 / cfg.scale_factor ** 2)
+    return Idefics3Processor(image_processor, AutoTokenizer.from_pretrained(checkpoint), image_seq_len=seq)
 
 
 def write_word_tokenizer(out: str | Path, vocab_size: int, special: dict[str, int]) -> None:

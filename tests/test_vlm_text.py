@@ -45,7 +45,7 @@ def test_cli_text_only_flag_and_manifest(tmp_path):
     from pathlib import Path
 
     llmc = str(Path(sys.executable).parent / "llmc")
-    write_tiny_vlm("idefics3", tmp_path / "ckpt", seed=2)  # a family still built --text-only
+    write_tiny_vlm("idefics3", tmp_path / "ckpt", seed=2)  # no tokenizer: its images refused, --text-only builds
     refused = subprocess.run([llmc, "build", str(tmp_path / "ckpt"), "-o", str(tmp_path / "e"), "--json"],
                              capture_output=True, text=True)
     assert refused.returncode == 3 and "--text-only" in refused.stdout + refused.stderr

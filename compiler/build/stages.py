@@ -110,6 +110,15 @@ def _image_processor(s: BuildState):
         vision = config["vision_config"]
         raw = {k: vision[k] for k in ("patch_size", "pooling_kernel_size") if k in vision}
         s.say(f"      images: no preprocessor_config.json: {s.ckpt.model_type}'s default processor")
+    elif s.ckpt.model_type in vision_encoder.TILES_FAMILIES:
+        from llmc.compiler import idefics3_vision
+
+        if raw is None:
+            s.say(f"      images: no preprocessor_config.json: {s.ckpt.model_type}'s default processor")
+        processor = processor_for(s.ckpt.model_type, idefics3_vision.processor_json(raw, config))
+        idefics3_vision.check_tile(processor.config, config, s.ckpt.path)
+        idefics3_vision.layout(processor.config, s.ckpt.path)  # its tokens from the tokenizer, before any work
+        return processor
     elif vision_encoder.rows_family(s.ckpt.model_type):
         # PixtralProcessor resizes to whole merged patches: the tower's patch times the merger's side
         vision = config["vision_config"]
