@@ -14,7 +14,9 @@ positions, causal attention; Qwen3.5: dynamic resolution, its encoder a graph ov
 compiler/deepstack.py; Mistral 3: any size at whole merged patches, its encoder a graph of symbolic height and width
 (compiler/pixtral_vision.py), each image laid out as rows of image tokens closed by ``[IMG_BREAK]`` / ``[IMG_END]``,
 :data:`ROWS_FAMILIES`; Idefics3: each image cut into tiles plus a global image, its encoder a graph over any
-number of tiles (compiler/idefics3_vision.py), laid out as Idefics3Processor writes it, :data:`TILES_FAMILIES`).
+number of tiles (compiler/idefics3_vision.py), laid out as Idefics3Processor writes it, :data:`TILES_FAMILIES`;
+Llama 4: tiles of a best-fit canvas plus a global tile through its own ``get_image_features`` over any number of
+tiles, laid out with tile separators (compiler/llama4_vision.py)).
 Others build ``--text-only``.
 """
 
@@ -33,6 +35,7 @@ if TYPE_CHECKING:  # the build's checks import this module on cache hits too, wh
     import onnx_ir as ir
 
     from llmc.compiler.idefics3_vision import TileLayout
+    from llmc.compiler.llama4_vision import SeparatorLayout
 
 ENCODER_GRAPH = "vision_encoder"
 ENCODER_INPUT, ENCODER_OUTPUT = "pixel_values", "image_features"
@@ -55,18 +58,22 @@ IMAGE_FAMILIES = {"llava": "image tokens at the placeholder token, 1-D positions
                   "mistral3": "any size at whole merged patches, rows of image tokens closed by [IMG_BREAK] and the "
                               "last by [IMG_END], 1-D positions, causal attention",
                   "idefics3": "tiles of a fixed size in a grid plus a global image, each tile's image tokens after "
-                              "<fake_token_around_image><row_i_col_j>, 1-D positions, causal attention"}
+                              "<fake_token_around_image><row_i_col_j>, 1-D positions, causal attention",
+                  "llama4": "tiles of a best-fit canvas plus a global tile, patch tokens between <|image_start|> "
+                            "and <|image_end|> with tile separators, beside the text model's chunked attention"}
 # Families of a dynamic-resolution encoder (compiler/qwen_vision.py) whose text model takes M-RoPE positions.
 MROPE_FAMILIES = ("qwen3_5", "qwen3_vl")
 # Families of a dynamic-size encoder (compiler/pixtral_vision.py) whose image tokens come in rows with break tokens.
 ROWS_FAMILIES = ("mistral3",)
 # Families that cut an image into tiles plus a global image (compiler/idefics3_vision.py), laid out with tile tokens.
 TILES_FAMILIES = ("idefics3",)
+# Families whose tiles are laid out with separator tokens (Llama 4, compiler/llama4_vision.py).
+SEPARATOR_FAMILIES = ("llama4",)
 # Families whose image tokens attend to each other both ways (Gemma 3): the language model takes ``attend_end``
 # [T] (llmc.compiler.attention_hook), and each image is wrapped in the processor's tokens (``layout: wrap``).
 BIDIRECTIONAL_FAMILIES = ("gemma3", "gemma4")
 # Families whose image layout names tokens only the checkpoint's tokenizer knows ("\n\n", [IMG_BREAK], ...)
-TOKENIZER_LAYOUTS = ("gemma3", "mistral3", "idefics3")
+TOKENIZER_LAYOUTS = ("gemma3", "mistral3", "idefics3", "llama4")
 # model type -> what its images need that llmc does not lower yet (refused by name; --text-only builds the text model)
 IMAGES_NOT_YET: dict[str, str] = {}
 
@@ -94,6 +101,7 @@ class ImageSpec:
     suffix: tuple[int, ...] = ()
     bidirectional: str | None = None  # which layers attend both ways within an image: "all", "sliding" or None
     tiles: TileLayout | None = None  # Idefics3: the tile layout's token ids (compiler/idefics3_vision.py)
+    separators: SeparatorLayout | None = None  # Llama 4: its layout's token ids (compiler/llama4_vision.py)
 
 
 def builds_images(config: dict, text_only: bool) -> bool:
@@ -167,6 +175,8 @@ def trace_size(model_type: str, config, checkpoint: Path) -> tuple[int, int]:
     if model_type in TILES_FAMILIES:  # one tile: the encoder takes any number of them
         tile = int(config.max_image_size["longest_edge"])
         return tile, tile
+    if model_type in SEPARATOR_FAMILIES:
+        return int(config.size["height"]), int(config.size["width"])
     if model_type == "gemma4":  # (patch budget, 1): the encoder takes the processor's padded patches
         return int(config.max_soft_tokens) * int(config.pooling_kernel_size) ** 2, 1
     if getattr(config, "do_pan_and_scan", False):
@@ -204,6 +214,11 @@ def spec_of(hf_config, processor_size: tuple[int, int], checkpoint: Path) -> Ima
         tiles = idefics3_vision.layout(processor_for(hf_config.model_type, raw).config, checkpoint)
         return ImageSpec(int(hf_config.image_token_id), processor_size, None,
                          int(hf_config.get_text_config().hidden_size), tiles=tiles)
+    if hf_config.model_type in SEPARATOR_FAMILIES:
+        from llmc.compiler import llama4_vision
+
+        return ImageSpec(int(hf_config.image_token_id), processor_size, None,
+                         int(hf_config.get_text_config().hidden_size), separators=llama4_vision.layout(checkpoint))
     if uses_mrope(hf_config.model_type):
         return ImageSpec(int(hf_config.image_token_id), None, None, int(hf_config.get_text_config().hidden_size),
                          int(vision.spatial_merge_size), int(vision.num_position_embeddings ** 0.5),
@@ -266,6 +281,12 @@ def trace(torch, hf, size: tuple[int, int], opset: int, bind: Callable[[ir.Model
         module = idefics3_vision.encoder_module(torch, hf)
         (example, dynamic), names = idefics3_vision.example(torch, size[0]), list(idefics3_vision.ENCODER_INPUTS)
         vision._attn_implementation = "eager"
+    elif hf.config.model_type in SEPARATOR_FAMILIES:
+        from llmc.compiler import llama4_vision
+
+        module = llama4_vision.encoder_module(torch, hf)
+        (example, dynamic), names = llama4_vision.example(torch, size[0]), list(llama4_vision.ENCODER_INPUTS)
+        vision._attn_implementation = "eager"
     elif hf.config.model_type in ROWS_FAMILIES:
         from llmc.compiler import pixtral_vision
 
@@ -314,6 +335,8 @@ def manifest_entry(wrapper: str | None, spec: ImageSpec, processor_file: str) ->
                      image_end_token_id=spec.end_token_id)
     if spec.tiles is not None:  # tiles and a global image, each after its tokens (llmc.runtime.image_inputs)
         entry.update(layout="tiles", **spec.tiles.as_manifest())
+    if spec.separators is not None:  # tiles between separator tokens; the placeholder is <|image|>
+        entry.update(layout="separators", placeholder_token_id=spec.separators.image, **spec.separators.as_manifest())
     return entry
 
 

@@ -19,6 +19,9 @@ A tiled engine (Idefics3; manifest ``multimodal.layout == "tiles"``): the proces
 tiles plus a global image, the encoder graph takes all of them at once (``[tiles, tokens per tile, hidden]``), and
 the placeholder becomes Idefics3Processor's layout of them (each tile's ``<fake_token_around_image><row_i_col_j>``
 and image tokens, a newline after each row, then the global image's), its features at the image tokens only.
+Llama 4 (``layout == "separators"``) likewise, in Llama4Processor's layout: ``<|image_start|>``, each tile's patch
+tokens with ``<|tile_x_separator|>`` between a row's tiles and ``<|tile_y_separator|>`` after each row, then
+``<|image|>`` (also the prompt's placeholder), the global tile's patches and ``<|image_end|>``.
 """
 
 from __future__ import annotations
@@ -94,6 +97,10 @@ class ImageInputs:
         self.tile_ids = [[int(t) for t in row] for row in section.get("tile_token_ids") or ()]
         self.newline = tuple(int(t) for t in section.get("newline_ids") or ())
         self.blank_line = tuple(int(t) for t in section.get("blank_line_ids") or ())
+        # Llama 4: tiles between separator tokens
+        self.separators = section.get("layout") == "separators"
+        self.separator_ids = {k: section.get(k) for k in ("image_start_id", "image_end_id", "image_marker_id",
+                                                          "tile_x_separator_id", "tile_y_separator_id")}
         self.merge_size = int(section.get("merge_size") or 1)
         # an image row: its features, then Qwen3-VL's deepstack features for each of its first layers
         self.embeds_width = self.hidden_size * (1 + int(section.get("deepstack_layers") or 0))
@@ -128,8 +135,9 @@ class ImageInputs:
                 slots = np.arange(len(self.prefix), len(self.prefix) + len(embeds), dtype=np.int64)
                 spans.append(ImageSpan(len(out), embeds, None, tokens, slots))
                 out.extend(tokens)
-            elif self.rows or self.tiles:
-                tokens, slots = self._rows_layout(grid) if self.rows else self._tiles_layout(grid, len(embeds), label)
+            elif self.rows or self.tiles or self.separators:
+                tokens, slots = (self._rows_layout(grid) if self.rows else self._tiles_layout(grid, len(embeds), label)
+                                 if self.tiles else self._separators_layout(grid, len(embeds)))
                 spans.append(ImageSpan(len(out), embeds, None, tokens, slots))
                 out.extend(tokens)
             else:
@@ -178,6 +186,32 @@ class ImageInputs:
         tokens.append(self.fake_id)
         return tuple(int(t) for t in tokens), np.asarray(slots, np.int64)
 
+    def _separators_layout(self, grid: tuple[int, int], count: int) -> tuple[tuple[int, ...], np.ndarray]:
+        """Llama4Processor's ``_prompt_split_image`` for an image of ``grid`` (rows, columns) tiles whose ``count``
+        features are each tile's (row-major) then, for more than one tile, the global tile's; and the patch tokens'
+        offsets."""
+        ids = self.separator_ids
+        rows, cols = grid
+        per = count // (rows * cols + 1 if rows * cols > 1 else 1)
+        tokens: list[int] = [ids["image_start_id"]]
+        slots: list[int] = []
+
+        def patches() -> None:
+            slots.extend(range(len(tokens), len(tokens) + per))
+            tokens.extend([self.token_id] * per)
+
+        if rows * cols > 1:
+            for _ in range(rows):
+                for c in range(cols):
+                    patches()
+                    if c < cols - 1:
+                        tokens.append(ids["tile_x_separator_id"])
+                tokens.append(ids["tile_y_separator_id"])
+        tokens.append(ids["image_marker_id"])
+        patches()
+        tokens.append(ids["image_end_id"])
+        return tuple(int(t) for t in tokens), np.asarray(slots, np.int64)
+
     def encode(self, image) -> tuple[bytes, np.ndarray]:
         """``(sha256 of its pixel values, features [tokens, hidden])`` of one image (a path, bytes or an array;
         llmc.runtime.vision.decode_image), the encoder run only when its pixels are not cached."""
@@ -195,9 +229,13 @@ class ImageInputs:
         positions = processed.extras.get("image_position_ids")  # Gemma 4: each patch's (x, y), -1 for padding
         if positions is not None:
             digest = hashlib.sha256(digest + np.ascontiguousarray(positions, np.int64).tobytes()).digest()
-        if self.tiles:  # the frames of one image, and its tile grid (the key holds both)
-            rows, cols = int(processed.extras["rows"][0, 0]), int(processed.extras["cols"][0, 0])
-            merged, pixels = (rows, cols), pixels[0]
+        if self.tiles or self.separators:  # the frames of one image, and its tile grid (the key holds both)
+            if self.tiles:
+                rows, cols = int(processed.extras["rows"][0, 0]), int(processed.extras["cols"][0, 0])
+                pixels = pixels[0]
+            else:  # Llama 4: [tiles, 3, S, S] and each image's (rows, columns)
+                rows, cols = (int(v) for v in processed.extras["aspect_ratios"][0])
+            merged = (rows, cols)
             digest = hashlib.sha256(pixels.tobytes() + np.asarray([rows, cols], np.int64).tobytes()).digest()
         if self.rows:  # one image per call: its pixels are its size, whole tokens (the key holds the shape too)
             merged = (pixels.shape[-2] // self.token_pixels, pixels.shape[-1] // self.token_pixels)
@@ -216,7 +254,7 @@ class ImageInputs:
         (features,) = self._encoder.run(feeds)
         count = processed.extras.get("num_soft_tokens_per_image")
         # Gemma 4: the encoder pools the padded patch budget; the image's soft tokens are the first rows
-        if self.tiles:  # [tiles, tokens per tile, hidden]: the tiles' rows, row-major, then the global image's
+        if self.tiles or self.separators:  # [tiles, tokens per tile, hidden]: the tiles, row-major, then the global
             features = features.reshape(1, -1, features.shape[-1])
         embeds = np.ascontiguousarray(features[0] if count is None else features[0][: int(count[0])], np.float32)
         self.encoded += 1

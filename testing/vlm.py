@@ -51,7 +51,7 @@ VLM_CONFIGS: dict[str, tuple[dict, str]] = {
                  "Mistral text model"),
     "llama4": (dict(text_config=dict(_T, intermediate_size_mlp=128, num_local_experts=2, num_experts_per_tok=1,
                                      interleave_moe_layer_step=1, attention_chunk_size=16),
-                    vision_config=dict(_V, image_size=64, patch_size=16, vision_output_dim=64,
+                    vision_config=dict(_V, intermediate_size=128, image_size=64, patch_size=16, vision_output_dim=64,
                                        projector_input_dim=64, projector_output_dim=64),
                     image_token_index=502),
                "MoE layers, chunked local attention, NoPE layers"),
@@ -146,6 +146,28 @@ def write_processor(model_type: str, out: str | Path):
     return processor
 
 
+# Llama4Processor's tokens in the tiny vocabulary from id 480; <|patch|> (the image token) at 502
+LLAMA4_TOKENS = ["<|image_start|>", "<|image_end|>", "<|image|>", "<|tile_x_separator|>", "<|tile_y_separator|>"]
+# Llama4ImageProcessor's settings at the tiny tower's 64-pixel tiles: canvases of up to 4 tiles
+LLAMA4_PROCESSOR = {"image_processor_type": "Llama4ImageProcessor", "size": {"height": 64, "width": 64},
+                    "max_patches": 4, "resize_to_max_canvas": False, "resample": 2, "do_resize": True,
+                    "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True,
+                    "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], "do_convert_rgb": True}
+
+
+def write_llama4_processor(out: str | Path, tokens: list[str] | None = None):
+    """Llama4ImageProcessor's ``preprocessor_config.json`` (:data:`LLAMA4_PROCESSOR`, written as its
+    ``save_pretrained`` would: transformers' class needs torchvision, which cannot be installed beside the CPU
+    torch) and a tokenizer with Llama4Processor's ``tokens``; returns llmc's processor of that JSON."""
+    import json
+
+    from llmc.runtime.vision import processor_for
+
+    (Path(out) / "preprocessor_config.json").write_text(json.dumps(LLAMA4_PROCESSOR, indent=2) + "\n")
+    write_layout_tokenizer(out, list(LLAMA4_TOKENS if tokens is None else tokens), "<|patch|>")
+    return processor_for("llama4", LLAMA4_PROCESSOR)
+
+
 # Idefics3Processor's tokens in the tiny vocabulary, in id order: the fake token, the global image's tag and the
 # tile tags of the processor's largest grid (3x3), then fillers up to the config's image token, 502
 IDEFICS3_GRID = 3
@@ -156,21 +178,26 @@ IDEFICS3_TOKENS = ["<fake_token_around_image>", "<global-img>",
 
 def write_idefics3_tokenizer(out: str | Path, tokens: list[str] | None = None) -> None:
     """A byte-level BPE tokenizer of 480 tokens plus Idefics3Processor's special ``tokens`` (default
-    :data:`IDEFICS3_TOKENS`) from id 480, ``"\\n\\n"``, fillers, and ``<image>`` at 502 (the tiny config's
+    :data:`IDEFICS3_TOKENS`) from id 480, ``"\\n\\n"`` (one token, as in the released tokenizers: the layout's
+    last tile row ends in it, not in two ``"\\n"``), fillers, and ``<image>`` at 502 (the tiny config's
     image_token_id)."""
+    write_layout_tokenizer(out, list(IDEFICS3_TOKENS if tokens is None else tokens), "<image>", plain=["\n\n"])
+
+
+def write_layout_tokenizer(out: str | Path, tokens: list[str], image: str, plain: list[str] = ()) -> None:
+    """A byte-level BPE tokenizer of 480 tokens, then the special ``tokens`` and the ``plain`` added tokens in
+    order from id 480, fillers, and ``image`` at 502 (the tiny configs' image token id)."""
     from tokenizers import AddedToken
 
     from llmc.testing.corpus import save_tokenizer, train_bpe_tokenizer
 
     tok = train_bpe_tokenizer(vocab_size=480, model_max_length=512)
-    tokens = list(IDEFICS3_TOKENS if tokens is None else tokens)
-    tok.add_special_tokens({"additional_special_tokens": tokens})
-    # "\n\n" one token, as in the released tokenizers: the layout's last tile row ends in it, not in two "\n"
-    tok.add_tokens([AddedToken("\n\n", normalized=False)])
+    tok.add_special_tokens({"additional_special_tokens": list(tokens)})
+    if plain:
+        tok.add_tokens([AddedToken(t, normalized=False) for t in plain])
     fillers = [f"<unused_{i}>" for i in range(502 - len(tok))]
-    tok.add_special_tokens({"additional_special_tokens": [*fillers, "<image>"]},
-                           replace_extra_special_tokens=False)
-    assert tok.convert_tokens_to_ids("<image>") == 502
+    tok.add_special_tokens({"additional_special_tokens": [*fillers, image]}, replace_extra_special_tokens=False)
+    assert tok.convert_tokens_to_ids(image) == 502
     save_tokenizer(tok, out)
 
 

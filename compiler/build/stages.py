@@ -119,6 +119,15 @@ def _image_processor(s: BuildState):
         idefics3_vision.check_tile(processor.config, config, s.ckpt.path)
         idefics3_vision.layout(processor.config, s.ckpt.path)  # its tokens from the tokenizer, before any work
         return processor
+    elif s.ckpt.model_type in vision_encoder.SEPARATOR_FAMILIES:
+        from llmc.compiler import llama4_vision
+
+        if raw is None:
+            s.say(f"      images: no preprocessor_config.json: {s.ckpt.model_type}'s default processor")
+        processor = processor_for(s.ckpt.model_type, llama4_vision.processor_json(raw, config))
+        llama4_vision.check_tile(processor.config, config, s.ckpt.path)
+        llama4_vision.layout(s.ckpt.path)  # its tokens from the tokenizer, before any work
+        return processor
     elif vision_encoder.rows_family(s.ckpt.model_type):
         # PixtralProcessor resizes to whole merged patches: the tower's patch times the merger's side
         vision = config["vision_config"]

@@ -57,6 +57,9 @@ class ImageProcessorConfig:
     # Idefics3 / SmolVLM tiles.
     do_image_splitting: bool = False
     max_image_size: dict[str, int] | None = None
+    # Llama 4 tile canvases.
+    max_patches: int | None = None
+    resize_to_max_canvas: bool = False
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-ready dict (tuples as lists), with the schema version."""

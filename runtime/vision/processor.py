@@ -17,7 +17,7 @@ import numpy as np
 from llmc.errors import LlmcError, UnsupportedError
 from llmc.runtime.vision.config import ImageProcessorConfig, read_config, resolve
 from llmc.runtime.vision.image_io import DEFAULT_MAX_PIXELS, ImageSource, decode_image
-from llmc.runtime.vision.processors import clip, gemma3, gemma4, idefics3, pixtral, qwen2_vl
+from llmc.runtime.vision.processors import clip, gemma3, gemma4, idefics3, llama4, pixtral, qwen2_vl
 from llmc.runtime.vision.processors.common import ImageFeatures
 
 
@@ -39,6 +39,7 @@ FAMILIES: dict[str, Family] = {
     "clip": Family(clip.preprocess, clip.CLIP_DEFAULTS, clip.DEFAULT_TO_SQUARE),
     "siglip": Family(clip.preprocess, clip.SIGLIP_DEFAULTS, clip.DEFAULT_TO_SQUARE),
     "idefics3": Family(idefics3.preprocess, idefics3.DEFAULTS, idefics3.DEFAULT_TO_SQUARE),
+    "llama4": Family(llama4.preprocess, llama4.DEFAULTS, llama4.DEFAULT_TO_SQUARE),
 }
 
 # The checkpoint's "image_processor_type" (its class, without a "Fast"/"Pil" suffix) decides first: released LLaVA
@@ -53,6 +54,7 @@ PROCESSOR_CLASSES = {
     "SiglipImageProcessor": "siglip",
     "Idefics3ImageProcessor": "idefics3",
     "SmolVLMImageProcessor": "idefics3",
+    "Llama4ImageProcessor": "llama4",
 }
 # Else the model type, as transformers' AutoImageProcessor maps it.
 MODEL_TYPES = {
@@ -66,6 +68,7 @@ MODEL_TYPES = {
     "paligemma": "siglip",
     "idefics3": "idefics3",
     "smolvlm": "idefics3",
+    "llama4": "llama4",
 }
 
 
