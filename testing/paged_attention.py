@@ -43,11 +43,12 @@ def make_case(rng, *, hq, hkv, d, bs, seqs, spare_blocks=3, pad_rows=0, q_scale=
 
 
 def check_case(inputs, caches, attrs, *, atol: dict, act="fp32", cache="fp32", seed=None, fp8_scales=None,
-               device="cpu", **kernel_kw):
+               device="cpu", kernel=None, **kernel_kw):
     """Run the numpy reference and the Triton kernel on the same (rounded) values; raise AssertionError
     unless the slots of this step hold what the reference wrote (FP8: the E4M3 codes of ``x / scale``),
     no other cache byte changed, and the outputs agree within ``atol[act]``. Returns (kernel, reference)
-    outputs as float32 numpy arrays. CPU tensors run under the Triton interpreter."""
+    outputs as float32 numpy arrays. CPU tensors run under the Triton interpreter. ``kernel``: the implementation
+    (``triton_kernel.paged_attention``'s arguments and result; that function by default)."""
     import torch
 
     from llmc.plugins.paged_attention import reference
@@ -88,7 +89,7 @@ def check_case(inputs, caches, attrs, *, atol: dict, act="fp32", cache="fp32", s
     k_dev, v_dev = k_ker.to(device), v_ker.to(device)
     if "kv_scales" in kernel_kw:
         kernel_kw["kv_scales"] = kernel_kw["kv_scales"].to(device)
-    got = tk.paged_attention(**on_dev, k_cache=k_dev, v_cache=v_dev, **attrs, **kernel_kw).cpu()
+    got = (kernel or tk.paged_attention)(**on_dev, k_cache=k_dev, v_cache=v_dev, **attrs, **kernel_kw).cpu()
     k_ker, v_ker = k_dev.cpu(), v_dev.cpu()
 
     assert got.dtype == dtypes[act] and tuple(got.shape) == expected.shape, info
@@ -123,3 +124,40 @@ def _codes_at_slots(codes_tokens, slots, cache_shape):
             cache[slot // bs, :, slot % bs, :] = codes_tokens[t].reshape(hkv, d)
             mask[slot // bs, :, slot % bs, :] = True
     return cache[mask]
+
+
+def flash_attention(query, key, value, slot_mapping, block_tables, context_lens, query_start_loc, k_cache, v_cache, *,
+                    num_heads: int, num_kv_heads: int, scale: float, sliding_window: int = 0, softcap: float = 0.0,
+                    kv_scales=None, sinks=None, alibi_max_bias: float = 0.0, attention_chunk: int = 0,
+                    attend_end=None, num_splits: int | None = None, prefill=None, decode=None, num_sms: int = 132,
+                    min_split: int | None = None, record: dict | None = None):
+    """The flash kernels (llmc.plugins.paged_attention.flash) through the CUDA session's launch sequence
+    (``flash_requests.run_attention``), under the Triton interpreter on CPU tensors: ``check_case(kernel=...)``'s
+    implementation. ``prefill``/``decode``: :class:`~llmc.plugins.paged_attention.flash_requests.Tiling` other than
+    the GPU's (small tiles keep the interpreter fast); ``min_split``: the least positions of a decode split (many
+    splits over short contexts); ``record``: filled with the kernels (their ``launches``)."""
+    import torch
+
+    from llmc.plugins.paged_attention import flash_requests as fr
+
+    tl_name = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.uint8: "u8"}
+    attrs = dict(num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=k_cache.shape[-1], scale=scale,
+                 sliding_window=sliding_window, softcap=softcap, alibi_max_bias=alibi_max_bias,
+                 attention_chunk=attention_chunk, has_sinks=int(sinks is not None),
+                 has_attend_end=int(attend_end is not None))
+    kernels = fr.jit_kernels(attrs, act=tl_name[query.dtype], cache=tl_name[k_cache.dtype],
+                             block_size=k_cache.shape[2], interpret=query.device.type == "cpu", prefill=prefill,
+                             decode=decode, **({"min_split": min_split} if min_split else {}))
+    if record is not None:
+        record["kernels"] = kernels
+    scales = (torch.ones(2, dtype=torch.float32, device=query.device) if kv_scales is None
+              else torch.as_tensor(kv_scales, dtype=torch.float32, device=query.device).reshape(2))
+    if sinks is not None:
+        sinks = sinks.reshape(-1).float().contiguous()
+    if attend_end is not None:
+        attend_end = attend_end.reshape(-1).to(torch.int64).contiguous()
+    meta = [t.to(torch.int64).contiguous() for t in (slot_mapping, block_tables, context_lens, query_start_loc)]
+    out = torch.zeros((query.shape[0], num_heads * k_cache.shape[-1]), dtype=query.dtype, device=query.device)
+    return fr.run_attention(kernels, query.contiguous(), key.contiguous(), value.contiguous(), *meta, k_cache,
+                            v_cache, scales, sinks=sinks, attend_end=attend_end, num_sms=num_sms,
+                            num_splits=num_splits, out=out)

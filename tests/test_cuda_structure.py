@@ -22,15 +22,16 @@ from llmc.runtime.workers.cuda.launches import decode_structure
 from llmc.runtime.workers.cuda.ops import OPS
 
 # Launches per decoder layer of a decode step (batch 1, the tiny llama: packed QKV and gate/up projections).
-# bf16: 2 RMSNorms (the first adds the residual), QKV, 2 rotaries (q, k), attention (writes K/V too), o_proj,
-#   gate/up, SwiGLU, down_proj.
+# bf16: 2 RMSNorms (the first adds the residual), QKV, 2 rotaries (q, k), attention (2: the split-KV decode kernel,
+#   which writes the new K/V too, and the reduce of its splits; one launch where the batch fills the GPU without
+#   splitting, and one FlashAttention-style kernel for a prefill step), o_proj, gate/up, SwiGLU, down_proj.
 # fp8: the same kernels, the norms and SwiGLU writing E4M3 codes, each linear one torch._scaled_mm, plus one
 #   quantize kernel before o_proj (attention's output).
 # int4 (groups of 32: K = 64 splits in two at batch 1): each linear the W4A16 kernel + the sum of its two float32
 #   split-K partials + the cast to the engine dtype (3 launches); int4-awq: + AWQ's input scale (a Mul before
 #   down_proj). Past 16 rows (decode batches, prefill chunks) the wide tiling runs, its split-K bounded by the
 #   partials' bytes (none here): the same bound holds at every row count.
-BOUNDS = {"bf16": 10, "fp8": 11, "int4": 18, "int4-awq": 19}
+BOUNDS = {"bf16": 11, "fp8": 12, "int4": 19, "int4-awq": 20}
 RECIPES = {"bf16": None,
            "fp8": QuantRecipe(quant="fp8", calib_samples=4, calib_seq_len=32),
            "int4": QuantRecipe(quant="int4", group_size=32),
@@ -96,7 +97,30 @@ def test_decode_step_launches_at_most_the_stated_kernels_per_layer(engines, reci
     assert s.layers == manifest["kv_cache"]["num_layers"] == 2
     assert max(s.per_layer) <= BOUNDS[recipe], (s.per_layer, s.kernels_by_op(1))
     assert len(set(s.per_layer)) == 1  # every layer the same
-    assert s.kernels_by_op(1).get("PagedAttention") == 1  # the AOT attention kernel, one launch
+    assert s.kernels_by_op(1).get("PagedAttention") == 2  # split-KV decode + reduce (ATTENTION below)
+
+
+# What a layer's attention launches (plugins/paged_attention/flash.py), by step: a decode step of a few sequences
+# splits each context (decode + reduce), a batch that fills the GPU with its own programs does not (the split rule,
+# flash_requests.decode_num_splits: 4 programs per SM = 528 on 132 SMs, the tiny llama has 2 KV heads), a prefill
+# step is one launch of the FlashAttention-2-style kernel. Never a copy of the strided Q/K/V views, never torch.
+ATTENTION = {(1, 1): ["split_kv_decode_kernel", "split_kv_reduce_kernel"],
+             (64, 1): ["split_kv_decode_kernel", "split_kv_reduce_kernel"],
+             (256, 1): ["split_kv_decode_kernel"],
+             (1, 300): ["flash_prefill_kernel"], (4, 512): ["flash_prefill_kernel"]}
+
+
+@pytest.mark.parametrize("recipe", ["bf16", "fp8"])
+@pytest.mark.parametrize(("batch", "tokens"), sorted(ATTENTION))
+def test_attention_launches_the_flash_kernels(engines, recipe, batch, tokens):
+    root, manifest = engines[recipe]
+    s = decode_structure(root, manifest, batch=batch, tokens=tokens)
+    per_node: dict[int, list[str]] = {}
+    for x in s.launches:
+        if x.op == "PagedAttention":
+            per_node.setdefault(x.node, []).append(x.kernel)
+    assert len(per_node) == s.layers and all(k == ATTENTION[(batch, tokens)] for k in per_node.values()), per_node
+    assert max(s.per_layer) <= BOUNDS[recipe] and s.host_syncs == [] and s.host_copies == []
 
 
 @pytest.mark.parametrize("recipe", sorted(RECIPES))

@@ -335,12 +335,14 @@ def test_kernel_launch_path_on_cpu_matches_transformers(family):
         pytest.skip(f"{model_type} is built without AOT kernels here (see KERNEL_OPS)")
     engine = Engine.load(engine_dir, device="cpu", kv_cache_tokens=256, max_num_tokens=32, max_num_seqs=2)
     session = CudaSession(engine_dir, engine.manifest, device="cpu", interpret_kernels=True)
-    assert {v for _, v in session.kernels} == {"fused"}
+    # the recurrent and fused kernels, and the attention layers' flash kernels (prefill, split-KV decode, reduce)
+    assert {v for _, v in session.kernels} == {"fused", "flash-prefill", "flash-decode", "flash-reduce"}
     assert {k.info.key.split("-")[0] for k in session.kernels.values()} >= KERNEL_OPS[model_type]
-    engine._pool = session.allocate_pool(engine.manifest["kv_cache"], engine._blocks.num_blocks)
+    engine._pool = engine._stepper.pool = session.allocate_pool(engine.manifest["kv_cache"], engine._blocks.num_blocks)
     hybrid = engine.manifest["state_cache"]
-    engine._state = StatePool(session.allocate_state(hybrid, 3), list(hybrid["arrays"]), [2, 1, 0])
-    engine._session = session
+    engine._state = engine._stepper.state = StatePool(session.allocate_state(hybrid, 3), list(hybrid["arrays"]),
+                                                      [2, 1, 0])
+    engine._session = engine._stepper.session = session  # generate() runs the stepper's session, pool and state
     # the interpreter walks every token of every program: a 37-token prompt in 32-token chunks beside a short one
     outs = engine.generate([list(PROMPTS[1]), list(PROMPTS[2])], SamplingParams(max_tokens=3, ignore_eos=True))
     assert [o.token_ids for o in outs] == [refs[0][:3], refs[1][:3]]

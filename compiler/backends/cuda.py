@@ -8,9 +8,10 @@
   float weights in the engine dtype (``bfloat16`` by default; ``float32`` for exact parity tests),
   FP8 linears as E4M3 ``[N, K]`` + per-channel scales (``torch._scaled_mm``'s operand), INT4 linears
   as two codes per byte ``[ceil(K/2), N]`` + group scales (+ zero points);
-- ``kernels/*.cubin``: the Triton PagedAttention kernel compiled for the target SM on this machine
-  (no GPU needed), one decode and one prefill specialisation per distinct attention configuration;
-  their launch metadata goes to the manifest (``engine.kernels``).
+- ``kernels/*.cubin``: the Triton kernels compiled for the target SM on this machine (no GPU needed): per distinct
+  attention configuration the flash prefill, split-KV decode and reduce kernels (the first PagedAttention kernel's
+  decode and prefill specialisations for heads past 256), and the fused kernels the nodes name; their launch
+  metadata goes to the manifest (``engine.kernels``).
 
 Precision: values computed from the token ids (activations) run in the engine dtype, everything
 else that the graph derives from positions and constants (rotary angles) stays float32, as in a
@@ -443,6 +444,9 @@ class _Lowering:
                                        f"{node.name} computes them)")
             inputs[7] = self.weight(sinks, "float32")
             attrs["has_sinks"] = 1
+        if op == torch_program.ATTENTION_OP and len(node.inputs) > 8 and node.inputs[8] is not None:
+            # Bidirectional spans (attend_end [T] int64, the step's graph input): the kernels built for them read it.
+            attrs["has_attend_end"] = 1
         if id(node) in self.kv_fp8:
             (k, k_scale), (v, v_scale) = self.kv_fp8[id(node)]
             inputs[1], inputs[2] = k.name, v.name
@@ -549,13 +553,25 @@ def attention_configs(nodes: list[dict]) -> dict[str, dict]:
 
 
 def compile_kernels(configs: dict[str, dict], sm: int, dtype: str, cache_dtype: str, block_size: int,
-                    out_dir: Path) -> list[dict]:
-    """AOT-compile the PagedAttention kernel (decode and prefill variants) per configuration into cubins."""
+                    out_dir: Path, fused: dict[str, dict] | None = None) -> list[dict]:
+    """AOT-compile each attention configuration's kernels into cubins, and the ``fused`` requests (RMSNorm, rotary,
+    SwiGLU, linears: :func:`compile_fused`) with them, in one compiler process.
+
+    Attention: the flash kernels (plugins/paged_attention/flash.py: FlashAttention-2-style prefill, split-KV decode
+    and its reduce; manifest variants ``flash-prefill``/``flash-decode``/``flash-reduce``) for every configuration
+    whose head size they take (up to ``flash_requests.MAX_HEAD_SIZE``); the first kernel (triton_kernel.py, variants
+    ``decode``/``prefill``) for larger heads only."""
     from llmc.plugins.paged_attention import aot
+    from llmc.plugins.paged_attention import flash_requests as fr
     from llmc.plugins.paged_attention.triton_kernel import KernelConfig
 
     plan = []
+    flash = []
     for key, a in sorted(configs.items()):
+        if int(a["head_size"]) <= fr.MAX_HEAD_SIZE:
+            flash += fr.requests(key, a, act=_TL[dtype], cache=_TL[cache_dtype], block_size=block_size,
+                                 fp8_native=sm >= 89).values()
+            continue
         for variant, block_m in (("decode", 16), ("prefill", 64)):
             cfg = KernelConfig(num_heads=a["num_heads"], num_kv_heads=a["num_kv_heads"], head_size=a["head_size"],
                                block_size=block_size, scale=float(a["scale"]), act_dtype=_TL[dtype],
@@ -563,7 +579,8 @@ def compile_kernels(configs: dict[str, dict], sm: int, dtype: str, cache_dtype: 
                                softcap=float(a.get("softcap", 0.0)), block_m=block_m, block_n=64,
                                sinks=bool(a.get("has_sinks", 0)),
                                alibi_max_bias=float(a.get("alibi_max_bias", 0.0)),
-                               attention_chunk=int(a.get("attention_chunk", 0)))
+                               attention_chunk=int(a.get("attention_chunk", 0)),
+                               attend_end=bool(a.get("has_attend_end", 0)))
             plan.append((key, variant, cfg))
     compiled = aot.compile_many([cfg for _, _, cfg in plan], sm)
     (out_dir / KERNEL_DIR).mkdir(exist_ok=True)
@@ -575,16 +592,35 @@ def compile_kernels(configs: dict[str, dict], sm: int, dtype: str, cache_dtype: 
                         "shared_mem": k.shared_mem, "block_q": k.block_q, "num_kv_heads": k.num_kv_heads,
                         "variant": variant, "key": key, "params": list(k.params), "grid_rule": k.grid_rule,
                         "config": {c: v for c, v in k.config.items() if c not in ("interpret",)}})
+    fused_plan = sorted((fused or {}).items())
+    every = [r for _, r in fused_plan] + flash
+    from llmc.plugins import triton_aot
+
+    done = triton_aot.compile_requests(every, sm) if every else []
+    entries += _fused_entries(fused_plan, done[: len(fused_plan)], sm, out_dir)
+    for j, (req, k) in enumerate(zip(flash, done[len(fused_plan):], strict=True)):
+        file = f"{KERNEL_DIR}/{req['fn']}_{j}.sm{sm}.cubin"
+        (out_dir / file).write_bytes(aot.assemble(k["ptx"], sm))
+        const = req["constexprs"]
+        entries.append({"name": k["name"], "file": file, "sm": sm, "target": k["target"], "num_warps": k["num_warps"],
+                        "shared_mem": k["shared_mem"], "block_q": int(const.get("BLOCK_Q", 0)),
+                        "num_kv_heads": int(configs[req["key"]]["num_kv_heads"]), "variant": req["variant"],
+                        "key": req["key"], "op": req["op"], "module": req["module"], "fn": req["fn"],
+                        "params": fr.params(req), "grid_rule": req["grid_rule"], "config": const})
     return entries
 
 
 def compile_fused(requests: dict[str, dict], sm: int, out_dir: Path) -> list[dict]:
     """AOT-compile the fused kernels (RMSNorm, rotary, SwiGLU) a program's nodes name into cubins."""
     from llmc.plugins import triton_aot
-    from llmc.plugins.paged_attention import aot
 
     plan = sorted(requests.items())
-    compiled = triton_aot.compile_requests([r for _, r in plan], sm)
+    return _fused_entries(plan, triton_aot.compile_requests([r for _, r in plan], sm), sm, out_dir)
+
+
+def _fused_entries(plan: list[tuple[str, dict]], compiled: list[dict], sm: int, out_dir: Path) -> list[dict]:
+    from llmc.plugins.paged_attention import aot
+
     (out_dir / KERNEL_DIR).mkdir(exist_ok=True)
     entries = []
     for i, ((key, req), k) in enumerate(zip(plan, compiled, strict=True)):
@@ -650,14 +686,13 @@ def emit(model: ir.Model, out_dir: Path, *, sm: int, dtype: str = "bfloat16", bl
         say("      no ahead-of-time kernels (attention in plain torch, no CUDA graphs)")
         kernels = []
     else:
-        say(f"      compiling {2 * len(configs)} attention and {len(low.kernel_requests)} fused kernels for sm_{sm} "
+        say(f"      compiling {3 * len(configs)} attention and {len(low.kernel_requests)} fused kernels for sm_{sm} "
             "ahead of time")
-        kernels = compile_kernels(configs, sm, dtype, kv_dtype, block_size, out_dir)
         requests = low.kernel_requests
         if parallel:  # the fused kernels of a rank's blocks were asked for the full width: those run in torch
             named = {n["attrs"]["kernel"] for n in nodes if "kernel" in n["attrs"]}
             requests = {k: r for k, r in requests.items() if _node_key(k) in named}
-        kernels += compile_fused(requests, sm, out_dir)
+        kernels = compile_kernels(configs, sm, dtype, kv_dtype, block_size, out_dir, fused=requests)
     program, weights = ((f"rank0/{torch_program.PROGRAM_FILE}", f"rank0/{torch_program.WEIGHTS_FILE}") if parallel
                         else (torch_program.PROGRAM_FILE, torch_program.WEIGHTS_FILE))
     return CudaEngineFiles(program=program, weights=weights, kernels=kernels, fusions=low.fusions, dtype=dtype,

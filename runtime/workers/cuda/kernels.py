@@ -55,7 +55,8 @@ class KernelInfo:
     shared_mem: int
     block_q: int
     num_kv_heads: int
-    variant: str  # "decode" (block_m 16) or "prefill" (block_m 64)
+    variant: str  # attention: "flash-prefill" / "flash-decode" / "flash-reduce", or the first kernel's "decode"
+    #               (block_m 16) / "prefill" (block_m 64); "fused" otherwise
     key: str  # the configuration it serves (attention: session.attention_key; fused: the node's)
     config: dict = field(default_factory=dict)  # compile-time constants (tiles, splits) the launch rule uses
 
@@ -91,7 +92,10 @@ class InterpretedKernel:
     """A manifest kernel run by the Triton interpreter on CPU tensors, with the manifest's constexprs.
 
     Tests use it to drive the CUDA session's launch code (argument order, strides, grids) with no GPU;
-    only the driver call differs from :class:`LoadedKernel`. Needs ``TRITON_INTERPRET=1``.
+    only the driver call differs from :class:`LoadedKernel`. Needs ``TRITON_INTERPRET=1``. Arguments are bound to
+    the manifest's ``params`` by name (a kernel's absent optional pointers are constexpr None in its constexprs,
+    between launch parameters). The interpreter's numpy has no bfloat16 and no hardware E4M3 conversion: kernels
+    with those switches (the flash attention kernels' ``DOT_F32``, ``FP8_NATIVE``) run their portable paths.
     """
 
     def __init__(self, info: KernelInfo, entry: dict) -> None:
@@ -100,10 +104,19 @@ class InterpretedKernel:
         self.info = info
         self._fn = getattr(importlib.import_module(entry["module"]), entry["fn"])
         self._config = dict(entry["config"])
+        if "DOT_F32" in self._config:
+            self._config.update(DOT_F32=True, PRECISION="ieee")
+        if "FP8_NATIVE" in self._config:
+            self._config["FP8_NATIVE"] = False
+        self._params = list(entry.get("params", ()))
 
     def launch(self, grid: tuple[int, int, int], args: list, stream: int) -> None:
         del stream
-        self._fn[grid](*args, **self._config)
+        if self._params:
+            bound = dict(zip(self._params, args, strict=True))
+            self._fn[grid](**bound, **{k: v for k, v in self._config.items() if k not in bound})
+        else:
+            self._fn[grid](*args, **self._config)
 
 
 class RecordedKernel:
@@ -122,8 +135,9 @@ class RecordedKernel:
 
 def load_kernels(root: Path, entries: list[dict], interpret: bool = False,
                  record: list | None = None) -> dict[tuple[str, str], object]:
-    """Load every kernel of ``engine.kernels``, keyed by (key, variant). ``interpret``: the fused kernels only,
-    as :class:`InterpretedKernel` (attention then runs in torch); ``record``: every kernel as a
+    """Load every kernel of ``engine.kernels``, keyed by (key, variant). ``interpret``: the kernels the interpreter
+    can run (those naming their module: the fused and the flash attention kernels) as :class:`InterpretedKernel`
+    (the first attention kernel's configurations then run in torch); ``record``: every kernel as a
     :class:`RecordedKernel` logging into that list."""
     out = {}
     for d in entries:

@@ -501,13 +501,16 @@ def alibi_slopes(num_heads: int, max_bias: float, device=None) -> torch.Tensor:
 def paged_attention_torch(query, key, value, slot_mapping, block_tables, context_lens, query_start_loc,
                           k_cache, v_cache, *, num_heads: int, num_kv_heads: int, scale: float,
                           sliding_window: int = 0, softcap: float = 0.0, kv_scales=None,
-                          sinks=None, alibi_max_bias: float = 0.0, attention_chunk: int = 0) -> torch.Tensor:
+                          sinks=None, alibi_max_bias: float = 0.0, attention_chunk: int = 0,
+                          attend_end=None) -> torch.Tensor:
     """PagedAttention in plain torch (the semantics of ``plugins/paged_attention/reference.py``).
 
     ``sinks`` ``[num_heads]`` (attention sinks): a logit per query head that joins the softmax's
     denominator and adds nothing to the value sum (a last column of the scores, dropped after it).
     ``alibi_max_bias`` > 0 (ALiBi): ``slope_h * (k_pos - q_pos)`` joins head h's scores (logical positions);
     ``attention_chunk`` = C > 0: a query at position p sees keys ``[floor(p / C) * C, p]``.
+    ``attend_end`` ``[T]`` int64 (bidirectional spans): row t at position q also sees keys ``q < k < attend_end[t]``
+    (the window / chunk lower bound still applies).
 
     Writes the new K/V into the caches ``[num_blocks, Hkv, block_size, D]`` in place, then attends
     causally per sequence in float32. Loops over sequences on the host: the CPU executor's kernel,
@@ -554,6 +557,8 @@ def paged_attention_torch(query, key, value, slot_mapping, block_tables, context
         if slopes is not None:
             scores = scores + slopes.reshape(num_heads, 1, 1) * (kpos - qpos).float()
         mask = kpos <= qpos
+        if attend_end is not None:  # OR(causal, span) first: the lower bounds below apply to both
+            mask = mask | (kpos < attend_end[start:end].unsqueeze(1))
         if sliding_window:
             mask = mask & (kpos > qpos - sliding_window)
         if attention_chunk:

@@ -46,8 +46,10 @@ HOST_INPUTS["Range"] = (0, 1, 2)  # its output is host metadata too (torch_ops.r
 # ... and as Python floats (a scalar exponent: no host sync inside a captured CUDA graph).
 HOST_SCALARS = {"Pow": (1,)}
 
-# attention(attrs, query, key, value, slot_mapping, block_tables, context_lens, query_start_loc, sinks=None) -> out
-# (sinks: the node's optional 8th input, attention-sink logits [num_heads], or None)
+# attention(attrs, query, key, value, slot_mapping, block_tables, context_lens, query_start_loc, sinks=None,
+#           attend_end=None) -> out
+# (sinks: the node's optional input 7, attention-sink logits [num_heads]; attend_end: its optional input 8, the
+# bidirectional spans [T] int64; each passed only where the node has it)
 Attention = Callable[..., torch.Tensor]
 
 
@@ -203,9 +205,10 @@ class Program:
 
 
 def _bind_attention(attention: Attention) -> Callable:
-    def run(query, key, value, slot_mapping, block_tables, context_lens, query_start_loc, sinks=None, **attrs):
-        if sinks is None:
-            return (attention(attrs, query, key, value, slot_mapping, block_tables, context_lens, query_start_loc),)
+    def run(query, key, value, slot_mapping, block_tables, context_lens, query_start_loc, sinks=None, attend_end=None,
+            **attrs):
+        # Optional inputs by keyword only where present: attention callables that predate one need not take it.
+        opt = {k: v for k, v in (("sinks", sinks), ("attend_end", attend_end)) if v is not None}
         return (attention(attrs, query, key, value, slot_mapping, block_tables, context_lens, query_start_loc,
-                          sinks=sinks),)
+                          **opt),)
     return run

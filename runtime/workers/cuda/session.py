@@ -5,7 +5,9 @@ ONNX Runtime engine uses :class:`llmc.runtime.workers.ort.session.OrtSession`: t
 rest of the ``Engine`` API are shared. Imported only when such an engine is loaded (it imports torch).
 
 - ``device="cuda"``: weights and the KV pool in device memory; ``PagedAttention`` runs the engine's
-  ahead-of-time Triton kernels through the driver (:mod:`.cuda_kernels`); decode steps (one new
+  ahead-of-time Triton kernels through the driver (:mod:`.cuda_kernels`): the flash kernels
+  (plugins/paged_attention/flash.py: FlashAttention-2-style prefill, split-KV decode + reduce), or the first
+  kernel in engines built before them or with heads past 256; decode steps (one new
   token per sequence, every sequence sampled) are replayed from CUDA graphs captured per padded
   batch size (1, 2, 4, ... up to ``max_graph_batch``); prefill and mixed steps run eagerly.
 - ``device="cpu"``: the same program on torch's CPU ops with attention in plain torch: how CI tests
@@ -34,6 +36,8 @@ import torch
 
 from llmc.errors import UnsupportedError
 from llmc.plugins.fused.requests import INT4_NUM_SMS
+from llmc.plugins.paged_attention.flash_requests import VARIANTS as FLASH_VARIANTS
+from llmc.plugins.paged_attention.flash_requests import FlashKernels, run_attention
 from llmc.runtime.core.kv_cache import distinct_pairs, layer_geometry
 from llmc.runtime.sampling.sampler import SampleRow
 from llmc.runtime.workers.cuda import kernels as cuda_kernels
@@ -93,7 +97,8 @@ def attention_key(attrs: dict) -> str:
             f"-w{int(attrs.get('sliding_window', 0))}-c{float(attrs.get('softcap', 0.0)):g}"
             + ("-sinks" if attrs.get("has_sinks") else "")
             + (f"-alibi{float(attrs['alibi_max_bias']):g}" if attrs.get("alibi_max_bias") else "")
-            + (f"-chunk{int(attrs['attention_chunk'])}" if attrs.get("attention_chunk") else ""))
+            + (f"-chunk{int(attrs['attention_chunk'])}" if attrs.get("attention_chunk") else "")
+            + ("-ae" if attrs.get("has_attend_end") else ""))
 
 
 class CudaSession:
@@ -123,7 +128,7 @@ class CudaSession:
             self.kernels = cuda_kernels.load_kernels(root, engine.get("kernels", []))
         elif meta:
             self.kernels = cuda_kernels.load_kernels(root, engine.get("kernels", []), record=self.launch_log)
-        elif interpret_kernels:  # tests: the fused kernels' launch path under the Triton interpreter
+        elif interpret_kernels:  # tests: the fused and flash attention kernels' launch path under the interpreter
             self.kernels = cuda_kernels.load_kernels(root, engine.get("kernels", []), interpret=True)
         else:
             self.kernels = {}
@@ -136,6 +141,8 @@ class CudaSession:
             for n in spec["nodes"] if n["op"] == ATTENTION_OP}
         self._state: list[torch.Tensor] | None = None  # a hybrid model's state pool (allocate_state)
         sms = torch.cuda.get_device_properties(self.device).multi_processor_count if on_gpu else INT4_NUM_SMS
+        self._num_sms = sms  # the split-KV rule's (flash_requests.decode_num_splits)
+        self._flash = self._flash_kernels(spec)
         fused = FusedOps(self._fused, self._launch, self.dtype, self.device, sms) if self.kernels else None
         overrides = fused.overrides() if fused is not None else {}
         if any(n["op"] in STATE_OPS for n in spec["nodes"]):
@@ -198,31 +205,61 @@ class CudaSession:
 
     # -- attention --------------------------------------------------------------------------------
 
+    def _flash_kernels(self, spec: dict) -> dict[str, FlashKernels]:
+        """attention key -> the flash prefill / split-KV decode / reduce kernels of that configuration, where the
+        engine has all three (engines built before them, and heads past 256, have the first kernel instead)."""
+        out = {}
+        for n in spec["nodes"]:
+            if n["op"] != ATTENTION_OP:
+                continue
+            a = n["attrs"]
+            key = attention_key(a)
+            found = [self.kernels.get((key, v)) for v in FLASH_VARIANTS]
+            if key in out or any(k is None for k in found):
+                continue
+            prefill = found[0]
+            out[key] = FlashKernels(prefill=prefill, decode=found[1], reduce=found[2],
+                                    block_q=int(prefill.info.block_q), num_kv_heads=int(a["num_kv_heads"]),
+                                    num_heads=int(a["num_heads"]), head_size=int(a["head_size"]),
+                                    sinks=bool(prefill.info.config.get("HAS_SINKS")),
+                                    attend_end=bool(prefill.info.config.get("HAS_ATTEND_END")))
+        return out
+
     def _attention(self, attrs, query, key, value, slot_mapping, block_tables, context_lens, query_start_loc,
-                   sinks=None):
+                   sinks=None, attend_end=None):
         layer = attrs["layer_idx"]
         k_cache, v_cache = self._pool.layers[layer]
         scales = self._kv_scales[layer]
         t, s = query.shape[0], context_lens.shape[0]
-        kernel = self.kernels.get((attention_key(attrs), "decode" if t <= s else "prefill"))
-        if kernel is not None and (sinks is not None) != kernel.info.config.get("sinks", False):
-            raise RuntimeError(f"layer {layer}: the attention kernel {kernel.info.name} was built "
+        akey = attention_key(attrs)
+        flash = self._flash.get(akey)
+        kernel = None if flash is not None else self.kernels.get((akey, "decode" if t <= s else "prefill"))
+        built_sinks = flash.sinks if flash is not None else kernel.info.config.get("sinks", False) if kernel else None
+        if built_sinks is not None and (sinks is not None) != built_sinks:
+            raise RuntimeError(f"layer {layer}: the attention kernels were built "
                                f"{'without' if sinks is not None else 'with'} attention sinks, but the program "
                                f"{'passes' if sinks is not None else 'does not pass'} them; rebuild the engine")
-        if kernel is None:
+        if flash is not None:
+            # FlashAttention-2-style prefill, or split-KV decode + reduce (every chunk of a step with T == S rows is
+            # one decode row: the scheduler gives each chunk at least one token).
+            return run_attention(flash, query, key, value, slot_mapping, block_tables, context_lens,
+                                 query_start_loc, k_cache, v_cache, scales, sinks=sinks, attend_end=attend_end,
+                                 num_sms=self._num_sms, stream=self._stream())
+        if kernel is None or (attend_end is not None and not kernel.info.config.get("attend_end", False)):
             return paged_attention_torch(query, key, value, slot_mapping, block_tables, context_lens,
                                          query_start_loc, k_cache, v_cache, num_heads=attrs["num_heads"],
                                          num_kv_heads=attrs["num_kv_heads"], scale=attrs["scale"],
                                          sliding_window=attrs.get("sliding_window", 0),
                                          softcap=attrs.get("softcap", 0.0), kv_scales=scales, sinks=sinks,
                                          alibi_max_bias=float(attrs.get("alibi_max_bias", 0.0)),
-                                         attention_chunk=int(attrs.get("attention_chunk", 0)))
+                                         attention_chunk=int(attrs.get("attention_chunk", 0)), attend_end=attend_end)
         query, key, value = query.contiguous(), key.contiguous(), value.contiguous()
         out = torch.empty_like(query)
         info = kernel.info
         grid = (-(-t // info.block_q) + s, info.num_kv_heads, 1)
-        # Kernels with attention sinks take their logits (float32 [num_heads]) after kv_scales (aot.params_for).
-        extra = [sinks] if sinks is not None else []
+        # The first kernel (heads past 256): sinks (float32 [num_heads]) then attend_end after kv_scales, where
+        # it was built with them (aot.params_for).
+        extra = [x for x in (sinks, attend_end) if x is not None]
         kernel.launch(grid, [query, key, value, slot_mapping, block_tables, context_lens, query_start_loc,
                              k_cache, v_cache, scales, *extra, s, block_tables.shape[1], out, k_cache, v_cache],
                       self._stream())

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass
 
 # Kinds of work, matched in order against a kernel's (lower-cased) name; the first match wins.
 KINDS = [
-    ("attention", r"paged_attention|attention|flash|sdpa|fmha|combine_splits"),
+    ("attention", r"paged_attention|attention|flash|split_kv|sdpa|fmha|combine_splits"),
     ("matmul", r"gemm|matmul|\bmm\b|aten::mm|addmm|bmm|linear|cutlass|xmma|nvjet|wgmma|int4|fp8_linear|lora"),
     ("norm", r"rms|norm"),
     ("rotary", r"rotary|rope"),
