@@ -149,7 +149,7 @@ def run_quick(report: dict) -> dict:
     res["engine_dir"] = str(out)  # the bf16 engine, for the profile section
     manifest = json.loads((out / "manifest.json").read_text())
     res["kernels"] = {v: sum(1 for k in manifest["engine"]["kernels"] if k["variant"] == v)
-                      for v in ("decode", "prefill", "fused")}
+                      for v in ("flash-prefill", "flash-decode", "flash-reduce", "decode", "prefill", "fused")}
     e = Engine.load(out, max_num_tokens=max(PREFILL_LEN, max(BATCHES) * PROMPT_LEN), kv_cache_tokens=65536,
                     verify=False)
     eager = Engine.load(out, cuda_graphs=False, kv_cache_tokens=8192, verify=False)
