@@ -6,7 +6,7 @@
 2. Create a randomly initialised LlamaForCausalLM (torch.manual_seed(0)) and
    save it (safetensors, float32) together with the tokenizer.
 
-usage: make_model.py [small|1b|3b|8b|oss20b|qwen35|all] [--dtype float32|bfloat16] [--out DIR]
+usage: make_model.py [small|1b|3b|8b|oss20b|qwen35|gemma3-4b-vl|all] [--dtype float32|bfloat16] [--out DIR]
   small -> $PEERS_ROOT/model     (hidden 576, inter 1536, 30 layers, 9 heads, 3 kv)
   1b    -> $PEERS_ROOT/model-1b  (Llama-3.2-1B shape with vocab 8192)
   3b    -> $PEERS_ROOT/model-3b  (Llama-3.2-3B shape with vocab 8192: hidden 3072, 28 layers, 24/8 heads)
@@ -18,6 +18,12 @@ usage: make_model.py [small|1b|3b|8b|oss20b|qwen35|all] [--dtype float32|bfloat1
                                   random E2M1 codes with E8M0 scales 2^-8..2^-7, every other tensor bfloat16)
   qwen35 -> $PEERS_ROOT/model-qwen35  (Qwen3.5's layer shape, Qwen3_5TextConfig's defaults, with vocab 8192 and
                                   4 layers: three Gated DeltaNet layers and one full-attention layer; float32)
+  gemma3-4b-vl -> $PEERS_ROOT/model-gemma3-4b-vl  (Gemma3ForConditionalGeneration at gemma-3-4b's released geometry:
+                                  text hidden 2560, 8/4 heads of 256, MLP 10240, vocab 262208, window 1024, linear
+                                  RoPE x8 on global layers, 6 layers = one 5:1 sliding/global cycle; SigLIP so400m at
+                                  896 px, all 27 layers, 256 tokens per image; bfloat16, with a BPE tokenizer whose
+                                  vocabulary covers Gemma 3's ids (<start_of_image> 255999, <end_of_image> 256000,
+                                  <image_soft_token> 262144) and Gemma3ImageProcessor at 896x896)
 
 ``--dtype bfloat16`` (the default for 3b and 8b) writes the checkpoint tensor by tensor into 2 GB safetensors
 shards with an index, as the hub's checkpoints are: an 8B model is never whole in memory (the build-scale
@@ -58,6 +64,26 @@ HYBRID_SHAPES = {
     "qwen35": dict(out=f"{ROOT}/model-qwen35", num_hidden_layers=4,
                    layer_types=["linear_attention"] * 3 + ["full_attention"]),
 }
+# Gemma 3 4B's released geometry (google/gemma-3-4b-it config.json) with one 5:1 sliding/global cycle of text
+# layers (the released model has 34) and the full SigLIP so400m encoder (27 layers, 896 px, patch 14 -> 4096 patches,
+# pooled 4x4 -> 256 tokens per image).
+VLM_SHAPES = {
+    "gemma3-4b-vl": dict(
+        out=f"{ROOT}/model-gemma3-4b-vl",
+        text_config=dict(hidden_size=2560, intermediate_size=10240, num_hidden_layers=6, num_attention_heads=8,
+                         num_key_value_heads=4, head_dim=256, vocab_size=262208, sliding_window=1024,
+                         query_pre_attn_scalar=256, max_position_embeddings=131072, rms_norm_eps=1e-6,
+                         layer_types=["sliding_attention"] * 5 + ["full_attention"],
+                         rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0,
+                                                             "rope_theta": 1_000_000.0},
+                                          "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}},
+                         bos_token_id=2, eos_token_id=1, pad_token_id=0),
+        vision_config=dict(hidden_size=1152, intermediate_size=4304, num_hidden_layers=27, num_attention_heads=16,
+                           image_size=896, patch_size=14, vision_use_head=False, layer_norm_eps=1e-6),
+        mm_tokens_per_image=256, boi_token_index=255999, eoi_token_index=256000, image_token_index=262144),
+}
+GEMMA3_SPECIAL = {"<pad>": 0, "<eos>": 1, "<bos>": 2, "<unk>": 3, "<start_of_image>": 255999,
+                  "<end_of_image>": 256000, "<image_soft_token>": 262144}
 # Shapes written streamed in bfloat16 unless --dtype says otherwise (they do not fit this machine in float32).
 STREAMED = ("3b", "8b")
 SHARD_BYTES = 2 << 30
@@ -256,6 +282,95 @@ def make_hybrid(name, tok, out=None):
     return _save_random(Qwen3_5ForCausalLM, cfg, name, out)
 
 
+def gemma3_tokenizer(out, vocab_size):
+    """The peers' byte-level BPE (TOK_DIR) re-numbered into Gemma 3's id space: Gemma's <pad>/<eos>/<bos>/<unk> at
+    0-3, the BPE's tokens from 4 on, the image tokens at the config's ids, ``<unusedN>`` fillers elsewhere so that
+    the vocabulary covers all ``vocab_size`` embedding rows (llama.cpp's converter cuts the embedding to the
+    tokenizer's size). Merges are by token text, so BPE encodings are unchanged (ids shifted)."""
+    src = json.load(open(f"{TOK_DIR}/tokenizer.json"))
+    old_special = {t["content"] for t in src["added_tokens"]}
+    bpe = [t for t, _ in sorted(src["model"]["vocab"].items(), key=lambda kv: kv[1]) if t not in old_special]
+    by_id = {i: n for n, i in GEMMA3_SPECIAL.items()}
+    free = (i for i in range(vocab_size) if i not in by_id)
+    for t in bpe:
+        by_id[next(free)] = t
+    for i in free:
+        by_id[i] = f"<unused{i}>"
+    src["model"]["vocab"] = {by_id[i]: i for i in range(vocab_size)}
+    src["model"]["unk_token"] = "<unk>"
+    src["added_tokens"] = [dict(id=i, content=n, single_word=False, lstrip=False, rstrip=False, normalized=False,
+                                special=True) for n, i in sorted(GEMMA3_SPECIAL.items(), key=lambda kv: kv[1])]
+    src["post_processor"] = {"type": "TemplateProcessing",
+                             "single": [{"SpecialToken": {"id": "<bos>", "type_id": 0}},
+                                        {"Sequence": {"id": "A", "type_id": 0}}],
+                             "pair": [{"SpecialToken": {"id": "<bos>", "type_id": 0}},
+                                      {"Sequence": {"id": "A", "type_id": 0}},
+                                      {"SpecialToken": {"id": "<bos>", "type_id": 0}},
+                                      {"Sequence": {"id": "B", "type_id": 1}}],
+                             "special_tokens": {"<bos>": {"id": "<bos>", "ids": [2], "tokens": ["<bos>"]}}}
+    json.dump(src, open(f"{out}/tokenizer.json", "w"), ensure_ascii=False)
+    json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<bos>", "eos_token": "<eos>",
+               "unk_token": "<unk>", "pad_token": "<pad>", "add_bos_token": True, "add_eos_token": False,
+               "boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>",
+               "model_max_length": 131072, "clean_up_tokenization_spaces": False,
+               # Gemma's turn format, with its image marker, written with this vocabulary's plain text (no
+               # turn tokens): llama.cpp's mtmd-cli applies the GGUF's template
+               "chat_template": "{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n"
+                                "{% endfor %}{% if add_generation_prompt %}model: {% endif %}"},
+              open(f"{out}/tokenizer_config.json", "w"), indent=2)
+
+
+def make_gemma3_vl(name, out=None):
+    """A random Gemma3ForConditionalGeneration of ``VLM_SHAPES[name]``, bfloat16 (as the hub ships Gemma 3), saved
+    with transformers' ``save_pretrained`` under the hub's tensor names, the tokenizer above and transformers' own
+    Gemma 3 image processor at the encoder's size (``preprocessor_config.json``). Built bf16 in memory (~3.3 GB for
+    the default shape). Matrices N(0, 0.02), each tensor from a generator seeded by its name; Gemma's (1 + w) RMS
+    norms 0 (identity), SigLIP's layer norms 1, biases 0."""
+    import hashlib
+
+    import transformers
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    s = dict(VLM_SHAPES[name])
+    out = out or s.pop("out")
+    s.pop("out", None)
+    cfg = Gemma3Config(**s)
+    with torch.device("meta"):
+        model = Gemma3ForConditionalGeneration(cfg)
+    model = model.to_empty(device="cpu").to(torch.bfloat16).eval()
+    model.tie_weights()  # to_empty gives the tied LM head storage of its own
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if p.dim() >= 2:
+                g = torch.Generator().manual_seed(int(hashlib.sha256(n.encode()).hexdigest()[:12], 16))
+                p.copy_((torch.randn(p.shape, generator=g) * 0.02).to(p.dtype))
+            elif "norm" in n and n.endswith("weight"):
+                p.fill_(1.0 if "vision_tower" in n else 0.0)
+            else:
+                p.zero_()
+    n_params = sum(p.numel() for p in model.parameters())
+    model.config.torch_dtype = "bfloat16"
+    model.save_pretrained(out, safe_serialization=True)
+    del model
+    # transformers 5 saves the tower as ``vision_tower.*``; the hub's Gemma 3 checkpoints (and llama.cpp's converter,
+    # which maps only those) have ``vision_tower.vision_model.*``, which transformers loads all the same
+    from safetensors.torch import load_file, save_file
+    tensors = load_file(f"{out}/model.safetensors")
+    save_file({(k.replace("vision_tower.", "vision_tower.vision_model.", 1)
+                if k.startswith("vision_tower.") and not k.startswith("vision_tower.vision_model.") else k): v
+               for k, v in tensors.items()}, f"{out}/model.safetensors", metadata={"format": "pt"})
+    del tensors
+    tc = s["text_config"]
+    gemma3_tokenizer(out, tc["vocab_size"])
+    size = s["vision_config"]["image_size"]
+    transformers.Gemma3ImageProcessorPil(size={"height": size, "width": size}).save_pretrained(out)
+    pp = json.load(open(f"{out}/preprocessor_config.json"))
+    pp.update(image_seq_length=s["mm_tokens_per_image"], do_pan_and_scan=None)  # as the hub's file has them
+    json.dump(pp, open(f"{out}/preprocessor_config.json", "w"), indent=2)
+    print(f"{name}: {n_params / 1e6:.1f} M params (bfloat16) -> {out}")
+    return out
+
+
 def make(name, tok):
     cfg, out = _config(name, tok, "float32")
     _save_random(LlamaForCausalLM, cfg, name, out)
@@ -265,7 +380,8 @@ if __name__ == "__main__":
     import argparse
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("which", nargs="?", default="all", choices=[*SHAPES, *OSS_SHAPES, *HYBRID_SHAPES, "all"])
+    ap.add_argument("which", nargs="?", default="all",
+                    choices=[*SHAPES, *OSS_SHAPES, *HYBRID_SHAPES, *VLM_SHAPES, "all"])
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                     help="checkpoint dtype (default: float32 for small/1b, bfloat16 for 3b/8b)")
     ap.add_argument("--out", default=None, help="output directory (default: under $PEERS_ROOT)")
@@ -273,6 +389,9 @@ if __name__ == "__main__":
     tok = train_tokenizer()
     if args.which in OSS_SHAPES:
         make_oss_mxfp4(args.which, tok, args.out)
+        raise SystemExit(0)
+    if args.which in VLM_SHAPES:
+        make_gemma3_vl(args.which, args.out)
         raise SystemExit(0)
     if args.which in HYBRID_SHAPES:
         make_hybrid(args.which, tok, args.out)
