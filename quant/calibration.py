@@ -354,6 +354,18 @@ def _hidden_of(args: tuple, kwargs: dict):
     return args[0] if args else kwargs["hidden_states"]
 
 
+def _auto_class(config):
+    """transformers' auto class the build traced ``config``'s model with (llmc.compiler.multimodal.auto_class, which
+    this layer may not import): a vision-language wrapper (in the image-text-to-text mapping, its text model under
+    ``text_config``) as itself, any other model as a causal LM."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+    wrapper = config.model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES and isinstance(
+        config.to_dict().get("text_config"), dict)
+    return AutoModelForImageTextToText if wrapper else AutoModelForCausalLM
+
+
 def decoder_layers(model, config) -> tuple[str, object]:
     """The model's decoder layers: the ``(name, ModuleList)`` of ``num_hidden_layers`` modules under the
     base model (``model.layers``, ``transformer.h``, ``gpt_neox.layers``)."""
@@ -396,8 +408,6 @@ class LayerwiseCalibration:
         import torch
         from transformers.initialization import no_init_weights
 
-        from llmc.compiler.multimodal import auto_class
-
         _register_attention()
         config = config.__class__.from_dict(config.to_dict())
         config._attn_implementation = CALIB_ATTENTION
@@ -405,8 +415,8 @@ class LayerwiseCalibration:
             warnings.simplefilter("ignore")
             # Parameters are allocated but never written until a layer is loaded: no RAM is touched.
             # A vision-language wrapper as itself (its text forward, its parameters named as the checkpoint's)
-            self.model = auto_class(config.to_dict()).from_config(config, dtype=torch.float32,
-                                                                  attn_implementation=CALIB_ATTENTION).eval()
+            self.model = _auto_class(config).from_config(config, dtype=torch.float32,
+                                                         attn_implementation=CALIB_ATTENTION).eval()
         self.base = self.model.base_model
         layers_name, self.blocks = decoder_layers(self.model, config)
         self._layers_prefix = layers_name + "."

@@ -35,6 +35,9 @@ from llmc.quant.layer_names import layer_of
 
 PRE = -1  # the stage of nodes before the first layer (embeddings, position arithmetic)
 # numpy dtypes ONNX Runtime takes as external initializers (OrtValue.ortvalue_from_numpy).
+# bfloat16 and FP8 weights: external initializers too, handed to ORT by their bits (OrtSession); in the model bytes
+# they were copied three times (proto, serialized model, ORT's parse): ~14 s of a 1B reference's sessions.
+_BY_BITS = {ir.DataType.BFLOAT16, ir.DataType.FLOAT8E4M3FN, ir.DataType.FLOAT8E5M2}
 _NATIVE = {ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.DOUBLE, ir.DataType.INT8, ir.DataType.UINT8,
            ir.DataType.INT16, ir.DataType.UINT16, ir.DataType.INT32, ir.DataType.UINT32, ir.DataType.INT64,
            ir.DataType.UINT64, ir.DataType.BOOL}
@@ -179,14 +182,14 @@ def stage_weights(stage: Stage) -> StageWeights:
     out = StageWeights()
     for v in stage.weights:
         t = v.const_value
-        if t.dtype in _NATIVE and _nbytes(t) >= EMBED_BELOW:
+        if (t.dtype in _NATIVE or t.dtype in _BY_BITS) and _nbytes(t) >= EMBED_BELOW:
             array = np.asarray(t.numpy())
             if not array.flags.c_contiguous or not array.flags.writeable:
                 array = np.array(array, order="C")  # ORT reads it in place: an owned, contiguous copy
             out.external[v.name] = array
             out.protos.append(_tensor_proto(v, embed=False))
-        else:  # small (shape arguments, which shape inference reads), or bfloat16 / FP8 / INT4 codes: in the model
-            # bytes (ir packs them as ONNX stores them)
+        else:  # small (shape arguments, which shape inference reads), or INT4 codes: in the model bytes (ir packs
+            # them as ONNX stores them)
             out.protos.append(_tensor_proto(v, embed=True))
         if isinstance(t, ir.ExternalTensor):
             t.release()  # unmap: the artifact's pages would otherwise stay mapped (and counted) until the end

@@ -90,7 +90,7 @@ class OrtSession:
         if initializers:
             self._initializers = initializers  # ORT reads them in place for the session's life
             names = list(initializers)
-            so.add_external_initializers(names, [ort.OrtValue.ortvalue_from_numpy(initializers[n]) for n in names])
+            so.add_external_initializers(names, [_ort_value(ort, initializers[n]) for n in names])
         source = model if isinstance(model, bytes) else str(model)
         self._session = ort.InferenceSession(source, so, providers=["CPUExecutionProvider"])
         self.input_names = tuple(i.name for i in self._session.get_inputs())
@@ -137,3 +137,14 @@ class OrtSession:
 
             load_kernel().set_num_threads(int(n) or 1)
 
+
+# ONNX element types of the numpy dtypes (ml_dtypes') that ORT's numpy bridge does not take: passed as their bits.
+_BITS_AS = {"bfloat16": (16, "uint16"), "float8_e4m3fn": (17, "uint8"), "float8_e5m2": (19, "uint8")}
+
+
+def _ort_value(ort, array: np.ndarray):
+    """``array`` as an OrtValue ORT reads in place (bfloat16 and FP8 arrays by their bits, with their ONNX type)."""
+    bits = _BITS_AS.get(array.dtype.name)
+    if bits is None:
+        return ort.OrtValue.ortvalue_from_numpy(array)
+    return ort.OrtValue.ortvalue_from_numpy_with_onnx_type(array.view(bits[1]), bits[0])
