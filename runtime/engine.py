@@ -269,6 +269,8 @@ class Engine:
     def _submit(self, prompt: Prompt, params: SamplingParams | None, request_id: str | None,
                 label: str, images: Images | None = None) -> Request:
         params = params or SamplingParams()
+        # Arrival before the images are preprocessed and encoded: time to first token counts the encoder
+        arrival = time.perf_counter()
         lora_key = lora_requests.request_key(self.lora, self.path, params, label)
         ids = self._tokenize(prompt, label)
         spans, image_key = None, 0
@@ -299,7 +301,7 @@ class Engine:
             req = Request(
                 request_id=request_id if request_id is not None else f"req-{seq_id}",
                 seq_id=seq_id, prompt_len=len(ids), tokens=list(ids), params=params,
-                arrival_time=time.perf_counter(), rng=np.random.default_rng(seed),
+                arrival_time=arrival, rng=np.random.default_rng(seed),
                 logprobs=[] if params.logprobs is not None else None,
                 text="" if params.stop else None, lora_key=lora_key, image_spans=spans, image_key=image_key,
                 image_positions=image_positions, position_delta=position_delta, atomic_spans=atomic,
