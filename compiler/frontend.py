@@ -14,6 +14,7 @@ import inspect
 import logging
 import re
 import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -265,13 +266,12 @@ def _build_module(checkpoint: Checkpoint, compute_dtype: str):
             position_tables.STEP["positions"] = positions
             try:
                 keep = dict(logits_to_keep=logits_indices) if takes_logits_to_keep else {}
-                out = self.inner(
-                    **_token_inputs(self.inner, input_ids, image_embeds, image_rows),
-                    position_ids=_position_ids(torch, positions, mrope_positions),
-                    use_cache=False,
-                    **keep,
-                    **paging,
-                )
+                with _images_at_rows(self.inner, image_embeds, image_rows):
+                    out = self.inner(
+                        input_ids=input_ids[None],
+                        position_ids=_position_ids(torch, positions, mrope_positions),
+                        use_cache=False, **keep, **paging,
+                    )
             finally:
                 STEP.clear()
                 position_tables.STEP.clear()
@@ -285,21 +285,6 @@ def _build_module(checkpoint: Checkpoint, compute_dtype: str):
     return text_config, hf, PackedCausalLM(hf).eval(), rope
 
 
-def _token_inputs(hf, input_ids, image_embeds, image_rows) -> dict:
-    """The wrapped model's token input: ``input_ids`` ``[1, T]``, or an image build's embeddings ``[1, T, hidden]``
-    (and Gemma 4's per-layer token embeddings, of the ids with the image rows as padding, as its wrapper computes
-    them from ids it no longer receives)."""
-    if image_rows is None:
-        return dict(input_ids=input_ids[None])
-    out = dict(inputs_embeds=_with_images(hf, input_ids, image_embeds, image_rows)[None])
-    text = hf.config.get_text_config()
-    language_model = getattr(getattr(hf, "model", None), "language_model", None)
-    if getattr(text, "hidden_size_per_layer_input", None) and hasattr(language_model, "get_per_layer_inputs"):
-        ids = input_ids.index_put((image_rows,), input_ids.new_full(image_rows.shape, int(text.pad_token_id)))
-        out["per_layer_inputs"] = language_model.get_per_layer_inputs(ids[None], None)
-    return out
-
-
 def _position_ids(torch, positions, mrope_positions):
     """``positions`` ``[1, T]``, or for M-RoPE (compiler/vision_encoder.py) transformers' ``[4, 1, T]``: the text row
     (each token's index), then the (time, height, width) rows of ``mrope_positions`` ``[3, T]``."""
@@ -308,12 +293,26 @@ def _position_ids(torch, positions, mrope_positions):
     return torch.cat([positions[None], mrope_positions])[:, None]
 
 
-def _with_images(hf, input_ids, image_embeds, image_rows):
-    """The step's token embeddings ``[T, hidden]`` with rows ``image_rows`` ``[M]`` replaced by ``image_embeds``
-    ``[M, hidden]`` (the image features at their placeholder tokens, as the wrapper's masked_scatter places them)."""
-    embeds = hf.get_input_embeddings()(input_ids)
-    image_embeds = deepstack.split(image_embeds, embeds.shape[-1], image_rows)  # Qwen3-VL: [M, hidden * (1 + D)]
-    return embeds.index_put((image_rows,), image_embeds.to(embeds.dtype))
+@contextmanager
+def _images_at_rows(hf, image_embeds, image_rows):
+    """An image build's step: the wrapper runs its own text path on the ids (its padding of multimodal token ids,
+    Gemma 4's per-layer embeddings, Gemma 3's embedding scale) and the rows ``image_rows`` ``[M]`` of its token
+    embeddings are replaced by ``image_embeds`` ``[M, hidden]`` as they leave the embedding module: where the
+    wrapper's masked_scatter places an image's features."""
+    if image_rows is None:
+        yield
+        return
+
+    def place(_module, _inputs, embeds):
+        flat = embeds.reshape(-1, embeds.shape[-1])  # [1, T, hidden] -> [T, hidden]
+        features = deepstack.split(image_embeds, flat.shape[-1], image_rows)  # Qwen3-VL: [M, hidden * (1 + D)]
+        return flat.index_put((image_rows,), features.to(flat.dtype)).reshape(embeds.shape)
+
+    handle = hf.get_input_embeddings().register_forward_hook(place)
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 @dataclass
