@@ -240,3 +240,28 @@ def random_image(rng, size: tuple[int, int] = (48, 80)) -> bytes:
     buf = io.BytesIO()
     Image.fromarray(pixels).save(buf, format="PNG")
     return buf.getvalue()
+
+
+def greedy_with_logprobs(hf, input_ids, new_tokens: int, **inputs) -> tuple[list[int], list[float]]:
+    """transformers' greedy continuation of ``input_ids`` (``[1, T]``: a tensor or a nested list) with the
+    multimodal ``inputs`` (pixel values, ...), no EOS, and each chosen token's log-probability."""
+    import torch
+
+    ids = input_ids if isinstance(input_ids, torch.Tensor) else torch.tensor(input_ids)
+    with torch.no_grad():
+        out = hf.generate(input_ids=ids, **inputs, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                          do_sample=False, eos_token_id=None, pad_token_id=0, output_logits=True,
+                          return_dict_in_generate=True)
+    tokens = out.sequences[0, ids.shape[1]:].tolist()
+    return tokens, [torch.log_softmax(lg[0].float(), -1)[t].item() for lg, t in zip(out.logits, tokens, strict=True)]
+
+
+def assert_same_greedy(out, ref, atol: float = 1e-4) -> None:
+    """An engine's output (``logprobs=0``) has transformers' greedy tokens and their log-probabilities within
+    ``atol``."""
+    import numpy as np
+
+    tokens, lps = ref
+    assert out.token_ids == tokens
+    got = [lp[t] for lp, t in zip(out.logprobs, out.token_ids, strict=True)]
+    np.testing.assert_allclose(got, lps, atol=atol, rtol=0)

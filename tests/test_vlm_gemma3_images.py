@@ -18,7 +18,7 @@ from llmc.errors import LlmcError
 from llmc.runtime import Engine, SamplingParams
 from llmc.runtime.core.scheduler import fit_chunk
 from llmc.runtime.tokenizer import Tokenizer
-from llmc.testing.vlm import random_image, write_processor, write_tiny_vlm
+from llmc.testing.vlm import assert_same_greedy, greedy_with_logprobs, random_image, write_processor, write_tiny_vlm
 
 torch = pytest.importorskip("torch")
 BOI, EOI, SOFT = 500, 501, 502  # the tiny config's start/end-of-image and soft image tokens
@@ -49,19 +49,11 @@ def _reference(hf, processor, prompt: list[int], images: list[bytes], blank: lis
     if images:
         pixels = processor([Image.open(io.BytesIO(b)) for b in images], return_tensors="pt")["pixel_values"]
         extra = {"pixel_values": pixels, "token_type_ids": (torch.tensor([ids]) == SOFT).long()}
-    with torch.no_grad():
-        out = hf.generate(input_ids=torch.tensor([ids]), **extra, max_new_tokens=NEW, min_new_tokens=NEW,
-                          do_sample=False, eos_token_id=None, pad_token_id=0, output_logits=True,
-                          return_dict_in_generate=True)
-    tokens = out.sequences[0, len(ids):].tolist()
-    return tokens, [torch.log_softmax(lg[0].float(), -1)[t].item() for lg, t in zip(out.logits, tokens, strict=True)]
+    return greedy_with_logprobs(hf, torch.tensor([ids]), NEW, **extra)
 
 
 def _check(out, ref):
-    tokens, lps = ref
-    assert out.token_ids == tokens
-    got = [lp[t] for lp, t in zip(out.logprobs, out.token_ids, strict=True)]
-    np.testing.assert_allclose(got, lps, atol=1e-4, rtol=0)
+    assert_same_greedy(out, ref)
 
 
 def test_manifest_and_the_bidirectional_input(gemma3):

@@ -17,7 +17,7 @@ import pytest
 from llmc.compiler.build import BuildOptions, build
 from llmc.runtime import Engine, SamplingParams
 from llmc.runtime.graphs import load_graph
-from llmc.testing.vlm import random_image, write_processor, write_tiny_vlm
+from llmc.testing.vlm import assert_same_greedy, greedy_with_logprobs, random_image, write_processor, write_tiny_vlm
 
 torch = pytest.importorskip("torch")
 BOI, EOI, IMAGE = 500, 501, 502
@@ -48,19 +48,11 @@ def _reference(hf, processor, prompt: list[int], images: list[bytes]):
         ids = [t for x in prompt for t in ([BOI, *[IMAGE] * next(counts), EOI] if x == IMAGE else [x])]
         extra = {"pixel_values": p["pixel_values"], "image_position_ids": p["image_position_ids"],
                  "mm_token_type_ids": (torch.tensor([ids]) == IMAGE).long()}
-    with torch.no_grad():
-        out = hf.generate(input_ids=torch.tensor([ids]), **extra, max_new_tokens=NEW, min_new_tokens=NEW,
-                          do_sample=False, eos_token_id=None, pad_token_id=0, output_logits=True,
-                          return_dict_in_generate=True)
-    tokens = out.sequences[0, len(ids):].tolist()
-    return tokens, [torch.log_softmax(lg[0].float(), -1)[t].item() for lg, t in zip(out.logits, tokens, strict=True)]
+    return greedy_with_logprobs(hf, torch.tensor([ids]), NEW, **extra)
 
 
 def _check(out, ref):
-    tokens, lps = ref
-    assert out.token_ids == tokens
-    got = [lp[t] for lp, t in zip(out.logprobs, out.token_ids, strict=True)]
-    np.testing.assert_allclose(got, lps, atol=1e-4, rtol=0)
+    assert_same_greedy(out, ref)
 
 
 def test_encoder_graph_equals_transformers_at_two_sizes(gemma4):

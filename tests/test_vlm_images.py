@@ -15,7 +15,7 @@ from llmc.compiler.build import BuildOptions, build
 from llmc.errors import LlmcError, UnsupportedError
 from llmc.runtime import Engine, SamplingParams
 from llmc.runtime.graphs import load_graph
-from llmc.testing.vlm import random_image, write_processor, write_tiny_vlm
+from llmc.testing.vlm import assert_same_greedy, random_image, write_processor, write_tiny_vlm
 
 torch = pytest.importorskip("torch")
 IMAGE = 502  # the tiny checkpoints' image token
@@ -50,10 +50,7 @@ def _reference(hf, processor, prompt: list[int], images: list[bytes], tokens_per
 
 
 def _check(out, ref):
-    tokens, lps = ref
-    assert out.token_ids == tokens
-    got = [lp[t] for lp, t in zip(out.logprobs, out.token_ids, strict=True)]
-    np.testing.assert_allclose(got, lps, atol=1e-4, rtol=0)
+    assert_same_greedy(out, ref)
 
 
 def test_encoder_graph_equals_transformers_image_features(llava):

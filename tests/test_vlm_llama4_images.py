@@ -23,7 +23,14 @@ from llmc.runtime import Engine, SamplingParams
 from llmc.runtime.graphs import load_graph
 from llmc.runtime.tokenizer import Tokenizer
 from llmc.runtime.vision.processors import llama4 as llama4_processor
-from llmc.testing.vlm import LLAMA4_TOKENS, random_image, write_llama4_processor, write_tiny_vlm
+from llmc.testing.vlm import (
+    LLAMA4_TOKENS,
+    assert_same_greedy,
+    greedy_with_logprobs,
+    random_image,
+    write_llama4_processor,
+    write_tiny_vlm,
+)
 
 torch = pytest.importorskip("torch")
 PATCH = 502  # the tiny config's image token: Llama4Processor's <|patch|>
@@ -68,19 +75,11 @@ def _reference(hf, processor, tokenizer, text: str, images: list[bytes]):
         pixels, ratios = _pixels(processor, images)
         extra = {"pixel_values": pixels}
     ids = _prompt_ids(tokenizer, text, ratios)
-    with torch.no_grad():
-        out = hf.generate(input_ids=torch.tensor([ids]), **extra, max_new_tokens=NEW, min_new_tokens=NEW,
-                          do_sample=False, eos_token_id=None, pad_token_id=0, output_logits=True,
-                          return_dict_in_generate=True)
-    tokens = out.sequences[0, len(ids):].tolist()
-    return tokens, [torch.log_softmax(lg[0].float(), -1)[t].item() for lg, t in zip(out.logits, tokens, strict=True)]
+    return greedy_with_logprobs(hf, torch.tensor([ids]), NEW, **extra)
 
 
 def _check(out, ref):
-    tokens, lps = ref
-    assert out.token_ids == tokens
-    got = [lp[t] for lp, t in zip(out.logprobs, out.token_ids, strict=True)]
-    np.testing.assert_allclose(got, lps, atol=1e-4, rtol=0)
+    assert_same_greedy(out, ref)
 
 
 def _transformers_fit():

@@ -17,7 +17,14 @@ from llmc.compiler.build import BuildOptions, build
 from llmc.errors import UnsupportedError
 from llmc.runtime import Engine, SamplingParams
 from llmc.runtime.graphs import load_graph
-from llmc.testing.vlm import PIXTRAL_TOKENS, random_image, write_processor, write_tiny_vlm
+from llmc.testing.vlm import (
+    PIXTRAL_TOKENS,
+    assert_same_greedy,
+    greedy_with_logprobs,
+    random_image,
+    write_processor,
+    write_tiny_vlm,
+)
 
 torch = pytest.importorskip("torch")
 IMAGE, BREAK, END = PIXTRAL_TOKENS["[IMG]"], PIXTRAL_TOKENS["[IMG_BREAK]"], PIXTRAL_TOKENS["[IMG_END]"]
@@ -64,19 +71,11 @@ def _reference(hf, processor, prompt: list[int], images: list[bytes]):
     if images:
         pixels, sizes = _processed(processor, images)
         extra, ids = {"pixel_values": pixels, "image_sizes": sizes}, _expand(prompt, sizes.tolist())
-    with torch.no_grad():
-        out = hf.generate(input_ids=torch.tensor([ids]), **extra, max_new_tokens=NEW, min_new_tokens=NEW,
-                          do_sample=False, eos_token_id=None, pad_token_id=0, output_logits=True,
-                          return_dict_in_generate=True)
-    tokens = out.sequences[0, len(ids):].tolist()
-    return tokens, [torch.log_softmax(lg[0].float(), -1)[t].item() for lg, t in zip(out.logits, tokens, strict=True)]
+    return greedy_with_logprobs(hf, torch.tensor([ids]), NEW, **extra)
 
 
 def _check(out, ref):
-    tokens, lps = ref
-    assert out.token_ids == tokens
-    got = [lp[t] for lp, t in zip(out.logprobs, out.token_ids, strict=True)]
-    np.testing.assert_allclose(got, lps, atol=1e-4, rtol=0)
+    assert_same_greedy(out, ref)
 
 
 def test_encoder_graph_takes_any_size_and_equals_transformers(mistral3):

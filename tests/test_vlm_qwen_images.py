@@ -20,7 +20,7 @@ from llmc.runtime import Engine, SamplingParams
 from llmc.runtime.graphs import load_graph
 from llmc.runtime.mrope import positions_of, prompt_positions
 from llmc.runtime.vision.qwen_grid import encoder_inputs
-from llmc.testing.vlm import random_image, write_processor, write_tiny_vlm
+from llmc.testing.vlm import assert_same_greedy, greedy_with_logprobs, random_image, write_processor, write_tiny_vlm
 
 torch = pytest.importorskip("torch")
 START, END, IMAGE = 500, 501, 502  # the tiny checkpoints' vision start / end and image tokens
@@ -52,19 +52,11 @@ def _reference(hf, processor, prompt: list[int], images: list[bytes]):
         counts = iter((extra["image_grid_thw"].prod(-1) // 4).tolist())
         ids = [t for p in prompt for t in ([IMAGE] * next(counts) if p == IMAGE else [p])]
         extra["mm_token_type_ids"] = (torch.tensor([ids]) == IMAGE).int()
-    with torch.no_grad():
-        out = hf.generate(input_ids=torch.tensor([ids]), **extra, max_new_tokens=NEW, min_new_tokens=NEW,
-                          do_sample=False, eos_token_id=None, pad_token_id=0, output_logits=True,
-                          return_dict_in_generate=True)
-    tokens = out.sequences[0, len(ids):].tolist()
-    return tokens, [torch.log_softmax(lg[0].float(), -1)[t].item() for lg, t in zip(out.logits, tokens, strict=True)]
+    return greedy_with_logprobs(hf, torch.tensor([ids]), NEW, **extra)
 
 
 def _check(out, ref):
-    tokens, lps = ref
-    assert out.token_ids == tokens
-    got = [lp[t] for lp, t in zip(out.logprobs, out.token_ids, strict=True)]
-    np.testing.assert_allclose(got, lps, atol=1e-4, rtol=0)
+    assert_same_greedy(out, ref)
 
 
 def test_encoder_graph_equals_transformers_image_features_at_any_size(qwen):
