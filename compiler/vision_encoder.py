@@ -117,12 +117,14 @@ def refuse_family(cfg_path: Path, model_type: str, text_only: bool) -> None:
                                "build with --text-only for the text model alone")
 
 
-def refuse_options(cfg_path: Path, model_type: str, options, gpu: bool) -> None:
-    """What an image build cannot be combined with yet, refused before any work (exit 3), naming it."""
+def refuse_options(cfg_path: Path, model_type: str, options, backend: str) -> None:
+    """What an image build cannot be combined with yet, refused before any work (exit 3), naming it. ``backend``:
+    the one that builds it (the CPU engine and the CUDA engine emit the encoder's graph; TensorRT does not)."""
     head = (f"{cfg_path}: model_type {model_type!r} with its vision encoder (build with --text-only for the text "
             "model alone)")
-    if gpu:
-        raise UnsupportedError(f"{head}: the encoder graph is built for the CPU engine so far; build with --target cpu")
+    if backend not in ("onnxruntime", "cuda"):
+        raise UnsupportedError(f"{head}: the {backend} backend emits no encoder graph yet; build the CUDA engine "
+                               "(leave --engine out) or --target cpu")
     for flag, on in (("--verify-passes", options.verify_passes),
                      ("--lora-slots", options.lora_slots), ("--tp", options.tp > 1)):
         if on:

@@ -102,7 +102,8 @@ class Engine:
         self._stepper = Stepper(self.scheduler, session, pool, blocks, state, self.lora, lora_feed, eos_ids,
                                 tokenizer, self._rope_lengths)
         # An engine built with its vision encoder: images' processor, encoder and cache (runtime/image_inputs.py).
-        self.images: ImageInputs | None = ImageInputs.of(path, manifest)
+        device = getattr(session, "device", None)  # a CUDA session's: its encoder runs there too
+        self.images: ImageInputs | None = ImageInputs.of(path, manifest, device=str(device) if device else None)
         self._stepper.images = self.images
 
     @property

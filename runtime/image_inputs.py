@@ -70,11 +70,12 @@ class ImageSpan:
 class ImageInputs:
     """The artifact's image processor and encoder graph, and the encoder outputs cached by image content."""
 
-    def __init__(self, root: Path, manifest: dict, threads: int | None = None) -> None:
+    def __init__(self, root: Path, manifest: dict, threads: int | None = None, device: str | None = None) -> None:
         from llmc.runtime.vision import load_processor
 
         section = manifest["multimodal"]
         self.root, self.manifest, self.threads = root, manifest, threads
+        self.device = device  # a CUDA engine's: where its encoder's program runs (the language model's device)
         self.graph_name = section["encoder_graph"]
         self.token_id = int(section["image_token_id"])
         self.tokens_per_image = section["tokens_per_image"]  # None: dynamic resolution (Qwen)
@@ -113,9 +114,10 @@ class ImageInputs:
         self.encoded = 0  # images the encoder ran on (cache misses)
 
     @classmethod
-    def of(cls, root: Path, manifest: dict, threads: int | None = None) -> ImageInputs | None:
+    def of(cls, root: Path, manifest: dict, threads: int | None = None,
+           device: str | None = None) -> ImageInputs | None:
         """The engine's image inputs, or None for an engine that takes no images."""
-        return cls(root, manifest, threads) if (manifest.get("multimodal") or {}).get("encoder_graph") else None
+        return cls(root, manifest, threads, device) if (manifest.get("multimodal") or {}).get("encoder_graph") else None
 
     def expand(self, ids: list[int], images: Sequence, label: str) -> tuple[list[int], list[ImageSpan], int]:
         """``(tokens, spans, key)``: ``ids`` with each placeholder token expanded to its image's tokens, each
@@ -247,7 +249,7 @@ class ImageInputs:
         if self._encoder is None:
             from llmc.runtime.graphs import load_graph
 
-            self._encoder = load_graph(self.root, self.manifest, self.graph_name, self.threads)
+            self._encoder = load_graph(self.root, self.manifest, self.graph_name, self.threads, self.device)
         feeds = self._encoder_feeds(pixels, grid)
         if positions is not None:
             feeds[self._encoder.inputs[1]] = np.ascontiguousarray(positions, np.int64)

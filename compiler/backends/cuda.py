@@ -104,9 +104,10 @@ def _attr(value):
     return value
 
 
-def _activations(graph: ir.Graph) -> set[int]:
-    """ids of the values computed from the token ids (the activation path)."""
-    act = {id(v) for v in graph.inputs if v.name == "input_ids"}
+def _activations(graph: ir.Graph, roots: frozenset[str] | None = None) -> set[int]:
+    """ids of the values computed from the token ids (the activation path); ``roots``: the graph inputs the path
+    starts from instead (an encoder's pixels)."""
+    act = {id(v) for v in graph.inputs if v.name in (roots or {"input_ids"})}
     for node in graph:
         if any(v is not None and id(v) in act for v in node.inputs):
             act.update(id(o) for o in node.outputs)
@@ -208,10 +209,10 @@ def _pack_int4(codes: np.ndarray) -> np.ndarray:
 
 
 class _Lowering:
-    def __init__(self, model: ir.Model, dtype: str) -> None:
+    def __init__(self, model: ir.Model, dtype: str, roots: frozenset[str] | None = None) -> None:
         self.graph = model.graph
         self.dtype = dtype
-        self.act = _activations(self.graph)
+        self.act = _activations(self.graph, roots)
         self.nodes: list[dict] = []
         self.weights: dict[str, _Weight] = {}
         self.fusions = {"fp8-linear": 0, "int4-linear": 0}
@@ -413,6 +414,13 @@ class _Lowering:
 
     def _generic(self, node: ir.Node) -> None:
         op = node.op_type
+        if op == "CastLike" and node.inputs[1] is not None and node.inputs[1].dtype in _IR_TO_NAME:
+            # the type it casts to is known here: a Cast (an activation's follows the engine dtype, as Cast's does)
+            like = node.inputs[1]
+            to = self.dtype if id(like) in self.act and _IR_TO_NAME[like.dtype] in _FLOATS else \
+                _IR_TO_NAME[like.dtype]
+            self.emit("Cast", [self.input_name(node, 0, node.inputs[0])], [node.outputs[0].name], {"to": to})
+            return
         if op not in torch_program.supported_ops():
             raise UnsupportedError(f"the CUDA engine has no kernel for operator {node.domain or 'ai.onnx'}."
                                    f"{op} (node {node.name}); build this model with --target cpu")
@@ -721,3 +729,154 @@ def _write_ranks(low: _Lowering, spec: dict, out_dir: Path, tp: int, dtype: str,
             "kv_heads_per_rank": plan.kv_heads_per_rank,
             "kv_head_replicas": plan.kv_replicated, "collective": "nccl (gloo with device='cpu')",
             **plan.layout, "ranks": ranks, "_nodes": plan.ranks[0].nodes}
+
+
+# -- further graphs (an encoder beside the language model) -------------------------------------------------------
+
+ENCODER_ATTENTION_OP = "EncoderAttention"
+
+
+def _sole_user(v: ir.Value) -> ir.Node | None:
+    uses = list(v.uses())
+    if len(uses) != 1 or v.is_graph_output():
+        return None
+    return _user(uses[0])
+
+
+def _scale_of(v: ir.Value | None) -> float | None:
+    t = _const(v)
+    if t is None or v.producer() is not None:
+        return None
+    a = t.numpy().reshape(-1)
+    return float(a[0]) if a.size == 1 else None
+
+
+def encoder_attention_sites(graph: ir.Graph) -> dict[int, tuple[list[ir.Value], float, list[ir.Node]]]:
+    """Unmasked attention written out as ops (``MatMul(q, kᵀ)`` [``* scale``] ``Softmax`` [``Cast``] [``Identity``]
+    ``MatMul(·, v)``, what an encoder traced with eager attention holds): id of the last MatMul ->
+    ``([q, kᵀ, v], scale, the nodes it replaces)``. Each intermediate value has that one user, so nothing else
+    reads the ``[B, H, S, S]`` scores the fused op never makes."""
+    sites = {}
+    for soft in graph:
+        if soft.op_type != "Softmax" or soft.domain != "" or soft.attributes.get("axis", None) is not None \
+                and soft.attributes["axis"].value not in (-1, 3):
+            continue
+        nodes, scale = [soft], 1.0
+        up = soft.inputs[0].producer() if soft.inputs[0] is not None else None
+        if up is not None and up.op_type in ("Mul", "Div") and _sole_user(up.outputs[0]) is soft:
+            s = _scale_of(up.inputs[1])
+            if s is None or s == 0.0:
+                continue
+            scale = s if up.op_type == "Mul" else 1.0 / s
+            nodes.insert(0, up)
+            up = up.inputs[0].producer() if up.inputs[0] is not None else None
+        if up is None or up.op_type != "MatMul" or _sole_user(up.outputs[0]) is not nodes[0]:
+            continue
+        q, kt = up.inputs
+        if q is None or kt is None or q.shape is None or len(q.shape) != 4 or kt.shape is None or len(kt.shape) != 4:
+            continue
+        nodes.insert(0, up)
+        tail = soft
+        while True:
+            nxt = _sole_user(tail.outputs[0])
+            if nxt is None or nxt.op_type not in ("Cast", "Identity"):
+                break
+            if nxt.op_type == "Cast" and ir.DataType(nxt.attributes["to"].value) != q.dtype:
+                break
+            nodes.append(nxt)
+            tail = nxt
+        last = _sole_user(tail.outputs[0])
+        if last is None or last.op_type != "MatMul" or last.inputs[0] is not tail.outputs[0]:
+            continue
+        sites[id(last)] = ([q, kt, last.inputs[1]], scale, nodes)
+    return sites
+
+
+class _GraphLowering(_Lowering):
+    """A further graph's lowering: activations start at its float inputs, and unmasked attention becomes one
+    :data:`ENCODER_ATTENTION_OP` node (torch's fused attention on a GPU: no ``[B, H, S, S]`` scores in memory)."""
+
+    def __init__(self, model: ir.Model, dtype: str) -> None:
+        roots = frozenset(v.name for v in model.graph.inputs if _IR_TO_NAME.get(v.dtype) in _FLOATS)
+        super().__init__(model, dtype, roots)
+        self.attention_sites = encoder_attention_sites(self.graph)
+        self.fusions = {"encoder-attention": 0}
+
+    def lower(self) -> None:
+        dead = {id(n) for _, _, nodes in self.attention_sites.values() for n in nodes}
+        for node in self.graph:
+            if id(node) in dead:
+                continue
+            site = self.attention_sites.get(id(node))
+            if site is not None:
+                (q, kt, v), scale, _ = site
+                self.emit(ENCODER_ATTENTION_OP, [self.input_name(node, 0, q), self.input_name(node, 1, kt),
+                                                 self.input_name(node, 1, v)], [node.outputs[0].name],
+                          {"scale": scale, "key_transposed": 1})
+                self.fusions["encoder-attention"] += 1
+            else:
+                self._generic(node)
+
+    def _fused_kernel(self, node: ir.Node, inputs: list[str], attrs: dict) -> str | None:
+        """The encoder's own AOT kernels: LayerNorm and GELU (llmc.plugins.fused.encoder_kernels)."""
+        from llmc.plugins.fused import requests as fk
+
+        if node.op_type not in ("LayerNormalization", "Gelu"):
+            return super()._fused_kernel(node, inputs, attrs)
+        last = node.inputs[0].shape[-1] if node.inputs[0] is not None and node.inputs[0].shape else None
+        if not isinstance(last, int) or id(node.inputs[0]) not in self.act:
+            return None
+        if node.op_type == "LayerNormalization":
+            if attrs.get("axis", -1) not in (-1, len(node.inputs[0].shape) - 1):
+                return None
+            w = self.weights.get(inputs[1])
+            b = self.weights.get(inputs[2]) if len(inputs) > 2 and inputs[2] else None
+            if w is None or (len(inputs) > 2 and inputs[2] and b is None):
+                return None
+            req = fk.layer_norm_request(last, float(attrs.get("epsilon", 1e-5)), b is not None, _TL[self.dtype],
+                                        _ST_TO_TL[w.dtype])
+        else:
+            req = fk.gelu_request(last, attrs.get("approximate", "none"), _TL[self.dtype])
+        self.kernel_requests[req["key"]] = req
+        return req["key"]
+
+
+def prepare_graph(model: ir.Model) -> None:
+    """The exact rewrites a further graph gets before its lowering (the ONNX Runtime backend leaves them to ORT's
+    optimizer at load): constants folded, weights stored transposed, common subexpressions merged, and every
+    remaining constant an initializer the program reads."""
+    import onnx_ir.passes.common as common
+
+    from llmc.passes import cleanup, weight_layout
+
+    cleanup.fold_constants(model)
+    weight_layout.transpose_weights(model)
+    cleanup.common_subexpressions(model)
+    cleanup.dead_code_elimination(model)
+    common.LiftConstantsToInitializersPass(lift_all_constants=True, size_limit=0)(model)
+
+
+def emit_graph(name: str, model: ir.Model, out_dir: Path, *, sm: int, dtype: str = "bfloat16", aot: bool = True,
+               say: Callable[[str], None] | None = None) -> dict:
+    """Write a further graph of the artifact (an encoder) as a program of its own in ``{name}/`` (``program.json``,
+    ``weights.safetensors``, ``kernels/``: its AOT kernels); returns its manifest entry (paths from the artifact's
+    root). Its precision is the engine's ``dtype``; it has no KV cache."""
+    say = say or (lambda msg: None)
+    prepare_graph(model)
+    low = _GraphLowering(model, dtype)
+    low.lower()
+    dest = out_dir / name
+    dest.mkdir(exist_ok=True)
+    spec = {"format": torch_program.FORMAT, "version": torch_program.VERSION, "dtype": dtype,
+            "inputs": [v.name for v in model.graph.inputs], "outputs": [v.name for v in model.graph.outputs],
+            "weights_file": torch_program.WEIGHTS_FILE, "nodes": low.nodes}
+    (dest / torch_program.PROGRAM_FILE).write_text(json.dumps(spec, indent=0))
+    say(f"      graph {name}: {len(low.nodes)} nodes, {len(low.weights)} weights ({dtype})")
+    write_safetensors(dest / torch_program.WEIGHTS_FILE, list(low.weights.values()))
+    kernels = []
+    if aot and os.environ.get("LLMC_CUDA_NO_AOT") != "1" and low.kernel_requests:
+        say(f"      graph {name}: compiling {len(low.kernel_requests)} kernels for sm_{sm} ahead of time")
+        kernels = [{**k, "file": f"{name}/{k['file']}"} for k in compile_fused(low.kernel_requests, sm, dest)]
+    return {"backend": "cuda", "dtype": dtype, "program_file": f"{name}/{torch_program.PROGRAM_FILE}",
+            "weights_file": f"{name}/{torch_program.WEIGHTS_FILE}", "kernels": kernels, "fusions": low.fusions,
+            "inputs": spec["inputs"], "outputs": spec["outputs"]}

@@ -75,9 +75,10 @@ class Backend(Protocol):
     def emit(self, job: EmitJob) -> Emitted:
         """Write the engine's files into ``job.dest``."""
 
-    def emit_graph(self, name: str, model, dest: Path) -> dict:
+    def emit_graph(self, name: str, model, job: EmitJob) -> dict:
         """Write a further graph of the artifact (an encoder beside the language model) as ``name``'s files into
-        ``dest``; returns its manifest entry (backend, files, inputs, outputs)."""
+        ``job.dest`` (``job``: the language model's, whose target and options the graph follows); returns its
+        manifest entry (backend, files, inputs, outputs)."""
 
     def manifest(self, fields: dict, emitted: Emitted, target) -> dict:
         """The manifest's sections for this engine, given the graph's own (``fields``: engine, kv_cache, target,

@@ -38,7 +38,7 @@ def _no_further_graphs(options, target, backend: str) -> None:
 
 
 def _refuse_graph(backend: str):
-    def emit_graph(self, name: str, model, dest) -> dict:
+    def emit_graph(self, name: str, model, job) -> dict:
         raise UnsupportedError(f"the {backend} backend emits no further graphs yet ({name!r}); build with --target "
                                "cpu")
 
@@ -77,10 +77,10 @@ class OnnxRuntimeBackend:
         return Emitted(fusions=files.fusions, model_file=files.model, weights_file=files.weights,
                        custom_ops=files.custom_ops, files=files)
 
-    def emit_graph(self, name: str, model, dest) -> dict:
+    def emit_graph(self, name: str, model, job: EmitJob) -> dict:
         from llmc.compiler.backends import onnxruntime
 
-        return onnxruntime.emit_graph(name, model, dest)
+        return onnxruntime.emit_graph(name, model, job.dest)
 
     def manifest(self, fields: dict, emitted: Emitted, target) -> dict:
         return fields
@@ -112,7 +112,13 @@ class CudaBackend:
         _no_further_graphs(options, target, "cuda")
         return _keep_embeddings(options)
 
-    emit_graph = _refuse_graph("cuda")
+    def emit_graph(self, name: str, model, job: EmitJob) -> dict:
+        """A further graph (an encoder) as its own program with its AOT kernels, in the engine's dtype."""
+        from llmc.compiler.backends import cuda
+
+        o = job.options
+        return cuda.emit_graph(name, model, job.dest, sm=int(job.target.sm.replace(".", "")), dtype=o.dtype,
+                               aot=o.aot_kernels, say=job.say)
 
     def toolchain(self, target, options) -> dict[str, str]:
         return {"triton": _triton_version()}

@@ -135,8 +135,7 @@ def check_encoders(ckpt: Checkpoint, plan: Plan) -> None:
 
     cfg_path = ckpt.path / "config.json"
     if vision_encoder.builds_images(ckpt.config, plan.options.text_only):
-        vision_encoder.refuse_options(cfg_path, ckpt.model_type, plan.options,
-                                      plan.backend.gpu or plan.target.sm is not None)
+        vision_encoder.refuse_options(cfg_path, ckpt.model_type, plan.options, plan.backend.name)
         multimodal.refuse_other_encoders(ckpt.config, ckpt.model_type, cfg_path)
         return
     vision_encoder.refuse_family(cfg_path, ckpt.model_type, plan.options.text_only)

@@ -218,15 +218,16 @@ def emit(s: BuildState) -> None:
     plan, backend = s.plan, s.plan.backend
     s.phase(f"emit {'cuda' if backend.name == 'cuda' else plan.target.backend} engine (streaming weights)", 4)
     t = time.perf_counter()
-    s.emitted = backend.emit(EmitJob(s.traced.model, s.dest, plan.options, plan.target, s.ckpt.config, s.say,
-                                     plan.cache_root, quantized=s.qstage is not None, fusions=s.fusions))
+    job = EmitJob(s.traced.model, s.dest, plan.options, plan.target, s.ckpt.config, s.say, plan.cache_root,
+                  quantized=s.qstage is not None, fusions=s.fusions)
+    s.emitted = backend.emit(job)
     s.info = {**s.info, **s.emitted.info}
     for name, path in plan.options.extra_graphs:
         import onnx_ir as ir
 
-        s.graphs[name] = backend.emit_graph(name, ir.load(path), s.dest)
+        s.graphs[name] = backend.emit_graph(name, ir.load(path), job)
     for name, graph in s.traced.graphs.items():  # graphs the trace made beside the language model (an encoder)
-        s.graphs[name] = backend.emit_graph(name, graph, s.dest)
+        s.graphs[name] = backend.emit_graph(name, graph, job)
     s.timings["emit"] = time.perf_counter() - t
     kill_point("after-emit")
 

@@ -154,3 +154,35 @@ def fp8_quantize_request(n: int, act: str) -> dict:
         "constexprs": {"N": n, "BLOCK": block},
         "num_warps": 4, "divisible": ["out_ptr"], "grid_rule": "(n_rows, cdiv(N, BLOCK), 1)",
     }
+
+
+ENCODER_MODULE = "llmc.plugins.fused.encoder_kernels"
+GELU_BLOCK = 1024
+
+
+def layer_norm_request(n: int, eps: float, bias: bool, act: str, weight: str) -> dict:
+    """LayerNorm over rows of ``n`` (``bias``: with a bias). ``act``/``weight``: Triton dtype names."""
+    block = _pow2(n)
+    return {
+        "key": f"layer_norm-n{n}-e{eps!r}-b{int(bias)}-{act}-{weight}", "op": "layer_norm", "module": ENCODER_MODULE,
+        "fn": "layer_norm_kernel",
+        "signature": {"x_ptr": f"*{act}", "w_ptr": f"*{weight}", "b_ptr": f"*{weight}", "out_ptr": f"*{act}",
+                      "n_rows": "i32", "N": "constexpr", "BLOCK": "constexpr", "EPS": "constexpr",
+                      "HAS_BIAS": "constexpr"},
+        "constexprs": {"N": n, "BLOCK": block, "EPS": float(eps), "HAS_BIAS": bool(bias)},
+        "num_warps": 4 if block <= 2048 else 8, "divisible": ["out_ptr"], "grid_rule": "(n_rows, 1, 1)",
+    }
+
+
+def gelu_request(n: int, approximate: str, act: str) -> dict:
+    """GELU over rows of ``n``: ``approximate`` ``"none"`` (erf) or ``"tanh"``."""
+    if approximate not in ("none", "tanh"):
+        raise ValueError(f"Gelu approximate={approximate!r}: 'none' or 'tanh'")
+    block = min(GELU_BLOCK, _pow2(n))
+    return {
+        "key": f"gelu-n{n}-{approximate}-{act}", "op": "gelu", "module": ENCODER_MODULE, "fn": "gelu_kernel",
+        "signature": {"x_ptr": f"*{act}", "out_ptr": f"*{act}", "n_rows": "i32", "N": "constexpr",
+                      "BLOCK": "constexpr", "TANH": "constexpr"},
+        "constexprs": {"N": n, "BLOCK": block, "TANH": approximate == "tanh"},
+        "num_warps": 4, "divisible": ["out_ptr"], "grid_rule": "(n_rows, cdiv(N, BLOCK), 1)",
+    }

@@ -35,7 +35,8 @@ class FusedOps:
     def overrides(self) -> dict[str, Callable]:
         return {"RMSNormalization": self.rms, "SkipRMSNormalization": self.skip_rms, "RotaryEmbedding": self.rotary,
                 "SwiGLU": self.swiglu, "Int4Linear": self.int4_linear, "LoraApply": self.lora,
-                "Fp8Linear": self.fp8_linear, "Mxfp4MoEMatMul": self.mxfp4_moe}
+                "Fp8Linear": self.fp8_linear, "Mxfp4MoEMatMul": self.mxfp4_moe,
+                "LayerNormalization": self.layer_norm, "Gelu": self.gelu}
 
     @staticmethod
     def prepare_fp8_linear(args: list) -> list:
@@ -77,6 +78,28 @@ class FusedOps:
         out = torch.empty_like(x)
         self._launch(k, (rows, 1, 1), [x, skip, scale, out, total, rows])
         return out, total
+
+    def layer_norm(self, x, scale, bias=None, *, kernel=None, **attrs):
+        """An encoder's LayerNorm (plugins/fused/encoder_kernels.py) over the last axis."""
+        k = self._fused(kernel)
+        if k is None or x.dtype != self.dtype or x.shape[-1] != k.info.config["N"]:
+            return OPS["LayerNormalization"](x, scale, bias, **attrs)
+        x = x.contiguous()
+        rows = x.numel() // x.shape[-1]
+        out = torch.empty_like(x)
+        self._launch(k, (rows, 1, 1), [x, scale, bias if bias is not None else scale, out, rows])
+        return (out,)
+
+    def gelu(self, x, *, kernel=None, **attrs):
+        """An encoder's GELU, exact or tanh (plugins/fused/encoder_kernels.py)."""
+        k = self._fused(kernel)
+        if k is None or x.dtype != self.dtype or x.shape[-1] != k.info.config["N"]:
+            return OPS["Gelu"](x, **attrs)
+        x = x.contiguous()
+        rows = x.numel() // x.shape[-1]
+        out = torch.empty_like(x)
+        self._launch(k, (rows, -(-x.shape[-1] // k.info.config["BLOCK"]), 1), [x, out, rows])
+        return (out,)
 
     def rotary(self, x, cos, sin, position_ids=None, *, kernel=None, **attrs):
         k = self._fused(kernel)

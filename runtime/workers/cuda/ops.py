@@ -54,9 +54,18 @@ def _binary(fn):
     return run
 
 
-for _name, _fn in {"Add": torch.add, "Sub": torch.sub, "Mul": torch.mul, "Div": torch.div,
+def _div(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    # ONNX Div of integers truncates (torch.div would divide exactly, into floats: Idefics3's floor_divide, which
+    # the exporter writes as Div and a sign correction, indexed its position buckets with floats)
+    if a.is_floating_point() or b.is_floating_point():
+        return torch.div(a, b)
+    return torch.div(a, b, rounding_mode="trunc")
+
+
+for _name, _fn in {"Add": torch.add, "Sub": torch.sub, "Mul": torch.mul, "Div": _div,
                    "Greater": torch.gt, "Less": torch.lt, "Equal": torch.eq, "Max": torch.maximum,
-                   "Min": torch.minimum, "GreaterOrEqual": torch.ge, "LessOrEqual": torch.le}.items():
+                   "Min": torch.minimum, "GreaterOrEqual": torch.ge, "LessOrEqual": torch.le,
+                   "And": torch.logical_and, "Or": torch.logical_or, "Xor": torch.logical_xor}.items():
     OPS[_name] = _binary(_fn)
 
 for _name, _fn in {"Neg": torch.neg, "Tanh": torch.tanh, "Sigmoid": torch.sigmoid, "Cos": torch.cos,
@@ -65,6 +74,13 @@ for _name, _fn in {"Neg": torch.neg, "Tanh": torch.tanh, "Sigmoid": torch.sigmoi
                    "Floor": torch.floor, "Log": torch.log,  # llama4's NoPE temperature tuning
                    "Identity": lambda x: x}.items():
     OPS[_name] = (lambda f: lambda x, **_: (f(x),))(_fn)
+
+
+@op("Mod")
+def mod(a, b, *, fmod=0, **_):
+    """ONNX Mod: the divisor's sign (Python's %, ``fmod=0``) or the dividend's (C's fmod)."""
+    a, b = _align(a, b)
+    return ((torch.fmod if fmod else torch.remainder)(a, b),)
 
 
 @op("Pow")
@@ -233,9 +249,64 @@ def reduce_mean(x, axes=None, *, keepdims=1, **_):
     return (x.mean(dim=dims, keepdim=bool(keepdims)),)
 
 
+def _reduce_extreme(fn):
+    def run(x, axes=None, *, keepdims=1, noop_with_empty_axes=0, **_):
+        if axes is None or len(axes) == 0:
+            if noop_with_empty_axes:
+                return (x,)
+            axes = range(x.dim())
+        return (fn(x, dim=tuple(int(a) for a in axes), keepdim=bool(keepdims)),)
+    return run
+
+
+OPS["ReduceMax"] = _reduce_extreme(torch.amax)
+OPS["ReduceMin"] = _reduce_extreme(torch.amin)
+
+
 @op("Gelu")
 def gelu(x, *, approximate="none", **_):
     return (F.gelu(x, approximate=approximate),)
+
+
+@op("Conv")
+def conv(x, w, b=None, *, strides=None, pads=None, dilations=None, group=1, auto_pad="NOTSET", **_):
+    """ONNX Conv over 1-3 spatial axes (an encoder's patch embedding), explicit padding only."""
+    if auto_pad not in ("NOTSET", "VALID"):
+        raise NotImplementedError(f"Conv auto_pad={auto_pad!r}")
+    x, w = _align(x, w)
+    nd = w.dim() - 2
+    pads = list(pads or [0] * (2 * nd))
+    begin, end = pads[:nd], pads[nd:]
+    if begin != end:  # asymmetric: pad first (torch's convolutions take one padding per axis)
+        x = F.pad(x, [p for i in reversed(range(nd)) for p in (begin[i], end[i])])
+        begin = [0] * nd
+    fn = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}[nd]
+    return (fn(x, w, None if b is None else b.to(x.dtype), stride=list(strides or [1] * nd), padding=begin,
+               dilation=list(dilations or [1] * nd), groups=int(group)),)
+
+
+@op("AveragePool")
+def average_pool(x, *, kernel_shape, strides=None, pads=None, ceil_mode=0, count_include_pad=0, auto_pad="NOTSET",
+                 dilations=None, **_):
+    """ONNX AveragePool over 1-2 spatial axes (Gemma 3's projector pools the patch grid), symmetric padding."""
+    nd = len(kernel_shape)
+    pads = list(pads or [0] * (2 * nd))
+    if auto_pad not in ("NOTSET", "VALID") or pads[:nd] != pads[nd:] or any(d != 1 for d in dilations or ()):
+        raise NotImplementedError(f"AveragePool auto_pad={auto_pad!r} pads={pads} dilations={dilations}")
+    fn = {1: F.avg_pool1d, 2: F.avg_pool2d}[nd]
+    return (fn(x, list(kernel_shape), list(strides or kernel_shape), pads[:nd], bool(ceil_mode),
+               bool(count_include_pad)),)
+
+
+@op("EncoderAttention")
+def encoder_attention(q, k, v, *, scale=1.0, key_transposed=1, **_):
+    """``softmax(q kᵀ · scale) v`` over ``[B, H, S, D]`` with no mask (an encoder's attention, fused by the
+    compiler from its MatMul/Softmax/MatMul): torch's fused attention (flash / memory-efficient kernels on a GPU),
+    the softmax in float32 as the eager ops compute it."""
+    if key_transposed:
+        k = k.transpose(-1, -2)
+    dtype = q.dtype
+    return (F.scaled_dot_product_attention(q, k.to(dtype), v.to(dtype), scale=float(scale)),)
 
 
 @op("Shape")

@@ -40,7 +40,8 @@ ATTENTION_OP = "PagedAttention"
 STATE_OPS = frozenset({CONV_OP_TYPE, DELTA_OP_TYPE, SSD_OP_TYPE})
 # Inputs that ops read as Python integers (shapes, axes, sizes): constants become lists at load.
 HOST_INPUTS = {"Reshape": (1,), "Split": (1,), "Unsqueeze": (1,), "Squeeze": (1,), "Slice": (1, 2, 3, 4),
-               "TopK": (1,), "ReduceSum": (1,), "ReduceMean": (1,), "Expand": (1,), "Tile": (1,), "Pad": (1, 3),
+               "TopK": (1,), "ReduceSum": (1,), "ReduceMean": (1,), "ReduceMax": (1,),
+               "ReduceMin": (1,), "Expand": (1,), "Tile": (1,), "Pad": (1, 3),
                "ConstantOfShape": (0,)}
 HOST_INPUTS["Range"] = (0, 1, 2)  # its output is host metadata too (torch_ops.range_)
 # ... and as Python floats (a scalar exponent: no host sync inside a captured CUDA graph).

@@ -49,6 +49,8 @@ from llmc.runtime.workers.cuda.sampler import sample_rows
 GRAPH_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 _META = ("input_ids", "positions", "slot_mapping", "block_tables", "context_lens", "query_start_loc",
          "logits_indices")
+# An image engine's further inputs (runtime/image_inputs.py); a decode step feeds them empty (attend_end: zeros)
+_IMAGE_FEEDS = ("image_embeds", "image_rows", "attend_end")
 
 
 @dataclass
@@ -118,6 +120,9 @@ class CudaSession:
         spec = read_spec(root)
         self.dtype = DTYPES[spec["dtype"]]
         self.input_names = tuple(spec["inputs"])
+        # the width of image_embeds [M, hidden] (an image engine): a decode graph captures it with no rows
+        mm = manifest.get("multimodal") or {}
+        self._image_width = int(mm.get("hidden_size") or 0) * (1 + int(mm.get("deepstack_layers") or 0))
         self._pool: TorchKVPool | None = None
         on_gpu = self.device.type == "cuda"
         meta = self.device.type == "meta"  # a dry run: what a GPU would launch, recorded (launches.py)
@@ -368,7 +373,7 @@ class CudaSession:
         bucket = next((b for b in self.graph_batches if b >= s), None) if self.cuda_graphs else None
         if (bucket is not None and t == s == n and feeds["block_tables"].shape[1] <= self._max_blocks
                 and set(feeds) == set(_META) | ({"lora_slots"} if self.lora_buffers else set())
-                | ({"state_slots"} if self._state is not None else set())):
+                | ({"state_slots"} if self._state is not None else set()) | self._idle_image_feeds(feeds)):
             logits = self._replay(bucket, feeds)[:n]
             self.graph_replays += 1
         else:
@@ -380,8 +385,23 @@ class CudaSession:
             self.eager_steps += 1
         return logits
 
+    def _idle_image_feeds(self, feeds: dict[str, np.ndarray]) -> set[str]:
+        """The image inputs of an image engine's step that places no image row (every decode step): a captured
+        graph holds them as constants (no rows; attend_end zeros), so such steps replay like a text engine's."""
+        names = {n for n in _IMAGE_FEEDS if n in feeds}
+        idle = all(len(feeds[n]) == 0 for n in names & {"image_embeds", "image_rows"}) and \
+            ("attend_end" not in names or not np.any(feeds["attend_end"]))
+        return names if names and idle else set()
+
     def _static_feeds(self, b: int) -> dict[str, torch.Tensor]:
         z = dict(dtype=torch.int64, device=self.device)
+        image = {}
+        if "image_embeds" in self.input_names:  # an image engine's decode step: no image rows
+            width = self._image_width
+            image = {"image_embeds": torch.zeros((0, width), dtype=torch.float32, device=self.device),
+                     "image_rows": torch.zeros(0, **z)}
+        if "attend_end" in self.input_names:
+            image["attend_end"] = torch.zeros(b, **z)
         return {"input_ids": torch.zeros(b, **z), "positions": torch.zeros(b, **z),
                 "slot_mapping": torch.full((b,), -1, **z), "block_tables": torch.zeros(b, self._max_blocks, **z),
                 "context_lens": torch.ones(b, **z), "query_start_loc": torch.arange(b + 1, **z),
@@ -389,7 +409,7 @@ class CudaSession:
                 # A LoRA engine: the tokens' slots, and the slot buffers (written in place: the graph keeps them).
                 **({"lora_slots": torch.zeros(b, **z), **self.lora_buffers} if self.lora_buffers else {}),
                 # A hybrid model: each sequence's state slot; padding rows' -1 reads a zero state and stores nothing.
-                **({"state_slots": torch.full((b,), -1, **z)} if self._state is not None else {})}
+                **({"state_slots": torch.full((b,), -1, **z)} if self._state is not None else {}), **image}
 
     def _capture(self, b: int):
         static = self._static_feeds(b)  # padding everywhere: slot -1 writes nothing while warming up
