@@ -890,7 +890,8 @@ def check_config(config: dict, world: int, where: str, int4_group: int | None = 
     the group size of an INT4 recipe, whose groups along a row-parallel linear's inputs must not straddle ranks;
     ``ep``: experts placed whole on the ranks (``--ep``), which must partition evenly."""
     cfg = config.get("text_config", config)
-    model_type = config.get("model_type")
+    # a vision-language wrapper's language model is split as its text model's family (LLaVA's is a llama)
+    model_type = cfg.get("model_type") if isinstance(cfg.get("model_type"), str) else config.get("model_type")
     if ep:
         experts = next((cfg[k] for k in ("n_routed_experts", "num_local_experts", "num_experts") if cfg.get(k)), None)
         if not experts:

@@ -126,7 +126,7 @@ def refuse_options(cfg_path: Path, model_type: str, options, backend: str) -> No
         raise UnsupportedError(f"{head}: the {backend} backend emits no encoder graph yet; build the CUDA engine "
                                "(leave --engine out) or --target cpu")
     for flag, on in (("--verify-passes", options.verify_passes),
-                     ("--lora-slots", options.lora_slots), ("--tp", options.tp > 1)):
+                     ("--lora-slots", options.lora_slots)):
         if on:
             raise UnsupportedError(f"{head}: {flag} is not combined with image inputs yet; build without {flag}")
 

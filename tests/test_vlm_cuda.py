@@ -148,3 +148,21 @@ def test_cuda_image_engine_equals_the_cpu_engine(tmp_path, model_type):
     got = Engine.load(tmp_path / "cuda", device="cpu", max_num_tokens=256).generate(prompts, params, images=images)
     for g, w in zip(got, want, strict=True):
         assert_same_greedy(g, (w.token_ids, [lp[t] for lp, t in zip(w.logprobs, w.token_ids, strict=True)]))
+
+
+def test_a_tensor_parallel_image_engine_equals_one_rank(llava, tmp_path):
+    """--tp 2 (two ranks on the CPU over gloo): the encoder runs once on rank 0, its rows reach every rank with the
+    step's inputs; tokens and log-probabilities as the one-rank engine's."""
+    _, _, _, engine_dir = llava
+    built = build(engine_dir.parent / "ckpt", tmp_path / "tp2",
+                  BuildOptions(target="h100", dtype="float32", tp=2, aot_kernels=False))
+    assert built.manifest["parallel"]["tensor"] == 2 and "vision_encoder" in built.manifest["graphs"]
+    rng = np.random.default_rng()
+    a, b = random_image(rng, (40, 70)), random_image(rng, (64, 48))
+    prompts = [[1, 7, IMAGE, 30, 41, 9], [1, 5, IMAGE, 17, 33, IMAGE, 40]]
+    images = [[a], [a, b]]
+    params = SamplingParams(max_tokens=NEW, ignore_eos=True, logprobs=0)
+    want = Engine.load(engine_dir, device="cpu").generate(prompts, params, images=images)
+    got = Engine.load(tmp_path / "tp2", device="cpu", max_num_tokens=12).generate(prompts, params, images=images)
+    for g, w in zip(got, want, strict=True):
+        assert_same_greedy(g, (w.token_ids, [lp[t] for lp, t in zip(w.logprobs, w.token_ids, strict=True)]))
