@@ -125,10 +125,9 @@ def refuse_options(cfg_path: Path, model_type: str, options, backend: str) -> No
     if backend not in ("onnxruntime", "cuda"):
         raise UnsupportedError(f"{head}: the {backend} backend emits no encoder graph yet; build the CUDA engine "
                                "(leave --engine out) or --target cpu")
-    for flag, on in (("--verify-passes", options.verify_passes),
-                     ("--lora-slots", options.lora_slots)):
-        if on:
-            raise UnsupportedError(f"{head}: {flag} is not combined with image inputs yet; build without {flag}")
+    if options.verify_passes:
+        raise UnsupportedError(f"{head}: --verify-passes is not combined with image inputs yet; build without "
+                               "--verify-passes")
 
 
 def rows_family(model_type: str) -> bool:

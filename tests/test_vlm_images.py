@@ -121,10 +121,8 @@ def test_bad_image_requests_are_refused(llava, tmp_path):
 
 def test_what_image_builds_do_not_combine_with_yet_is_refused(tmp_path):
     write_tiny_vlm("llava", tmp_path / "ckpt", seed=1)
-    with pytest.raises(UnsupportedError, match="--tp is not combined with image inputs"):
-        build(tmp_path / "ckpt", tmp_path / "e", BuildOptions(target="h100", tp=2))
-    with pytest.raises(UnsupportedError, match="--lora-slots"):
-        build(tmp_path / "ckpt", tmp_path / "e", BuildOptions(lora_slots=2))
+    with pytest.raises(UnsupportedError, match="--verify-passes is not combined with image inputs"):
+        build(tmp_path / "ckpt", tmp_path / "e", BuildOptions(verify_passes=True))
     assert not (tmp_path / "e").exists()
 
 

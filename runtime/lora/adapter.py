@@ -216,6 +216,12 @@ def _lora_pairs(weights_file: Path, tensors: dict[str, np.ndarray], spec: LoraSp
         module = key[len(_PREFIX): -len(suffix)]
         if module not in by_module:
             built = sorted({m.module.rsplit(".", 1)[-1] for m in spec.modules})
+            if module.rsplit(".", 1)[-1] in built:  # a layer of that kind outside the slots' model: an encoder's
+                raise UnsupportedError(
+                    f"{weights_file}: the adapter targets {module}, outside the language model whose layers hold "
+                    f"this engine's LoRA slots (e.g. {spec.modules[0].module}); llmc applies adapters to the "
+                    "language model only (an image encoder keeps its weights): save the adapter with target_modules "
+                    "limited to it, e.g. r'.*language_model.*\\.(q_proj|v_proj)'")
             raise UnsupportedError(f"{weights_file}: the adapter targets {module}, which this engine has no LoRA slots "
                                    f"for (built for {', '.join(built)}; target_modules "
                                    f"{config.get('target_modules')!r}); rebuild with --lora-targets covering it")
