@@ -35,7 +35,7 @@ from llmc.runtime.core.request import Request
 from llmc.runtime.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from llmc.runtime.core.state_cache import StatePool
 from llmc.runtime.core.step import Stepper
-from llmc.runtime.image_inputs import ImageInputs
+from llmc.runtime.image_inputs import EncodedImage, ImageInputs
 from llmc.runtime.loaders.common import EngineParts, LoadOptions, max_model_len
 from llmc.runtime.lora import requests as lora_requests
 from llmc.runtime.lora.adapter import LoraSpec
@@ -52,7 +52,8 @@ from llmc.runtime.workers.ort.session import OrtSession
 
 Prompt = str | Sequence[int]
 # Images of one prompt (paths, encoded bytes, or uint8 [H, W, 3] arrays), in the order of its image placeholders.
-Images = Sequence[str | Path | bytes | np.ndarray]
+# an image: a file, its bytes, a decoded array [H, W, 3], or an EncodedImage (ImageInputs.prefetch: already encoded)
+Images = Sequence[str | Path | bytes | np.ndarray | EncodedImage]
 # Re-exported for ``from llmc.runtime import ...``: the outputs are the engine's API.
 __all__ = ["Engine", "EngineStats", "GenerationOutput", "Prompt", "RequestOutput", "StreamEvent"]
 
@@ -262,16 +263,19 @@ class Engine:
         request that could never fit in the KV pool (the message says how many blocks it needs), or
         a full waiting queue.
         """
+        arrival = time.perf_counter()  # time to first token counts the encoder
+        if images and self.images is not None:  # encoded here, outside the lock: steps go on meanwhile
+            images = self.images.prefetch(images)
         with self._lock:
-            rid = self._submit(prompt, params, request_id, "prompt", images).request_id
+            rid = self._submit(prompt, params, request_id, "prompt", images, arrival).request_id
             self._stepper.retain.add(rid)
             return rid
 
     def _submit(self, prompt: Prompt, params: SamplingParams | None, request_id: str | None,
-                label: str, images: Images | None = None) -> Request:
+                label: str, images: Images | None = None, arrival: float | None = None) -> Request:
         params = params or SamplingParams()
         # Arrival before the images are preprocessed and encoded: time to first token counts the encoder
-        arrival = time.perf_counter()
+        arrival = time.perf_counter() if arrival is None else arrival
         lora_key = lora_requests.request_key(self.lora, self.path, params, label)
         ids = self._tokenize(prompt, label)
         spans, image_key = None, 0

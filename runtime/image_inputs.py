@@ -27,7 +27,8 @@ tokens with ``<|tile_x_separator|>`` between a row's tiles and ``<|tile_y_separa
 from __future__ import annotations
 
 import hashlib
-from collections import OrderedDict
+import threading
+from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -67,8 +68,22 @@ class ImageSpan:
         return at[keep], self.embeds[keep]
 
 
+@dataclass(frozen=True)
+class EncodedImage:
+    """One image already preprocessed and encoded (:meth:`ImageInputs.prefetch`): what a request's placeholder
+    expands to, with no further work. ``Engine.submit`` takes it wherever it takes an image."""
+
+    digest: bytes  # sha256 of the pixel values (and layout): the cache and prefix-cache key
+    embeds: np.ndarray  # [features, hidden] float32
+    grid: tuple[int, int] | None
+
+
 class ImageInputs:
-    """The artifact's image processor and encoder graph, and the encoder outputs cached by image content."""
+    """The artifact's image processor and encoder graph, and the encoder outputs cached by image content.
+
+    Thread-safe: the encoder runs outside any lock, so images can be encoded (:meth:`prefetch`) on other threads
+    while the engine steps (``Engine.submit`` does so before taking the engine's lock; the server on a worker
+    thread before the step loop sees the request)."""
 
     def __init__(self, root: Path, manifest: dict, threads: int | None = None, device: str | None = None) -> None:
         from llmc.runtime.vision import load_processor
@@ -111,7 +126,9 @@ class ImageInputs:
                             "(image_processor.json); rebuild it")
         self._encoder = None  # the encoder graph's session, opened on the first image
         self._cache: OrderedDict[bytes, np.ndarray] = OrderedDict()
+        self._lock = threading.Lock()  # the cache, the counters and opening the encoder
         self.encoded = 0  # images the encoder ran on (cache misses)
+        self.encode_threads: Counter[str] = Counter()  # the threads the encoder ran on, by name (how many runs)
 
     @classmethod
     def of(cls, root: Path, manifest: dict, threads: int | None = None,
@@ -214,6 +231,11 @@ class ImageInputs:
         tokens.append(ids["image_end_id"])
         return tuple(int(t) for t in tokens), np.asarray(slots, np.int64)
 
+    def prefetch(self, images: Sequence) -> list[EncodedImage]:
+        """Preprocess and encode ``images`` now, on this thread (cached by content): the :class:`EncodedImage` s a
+        request then takes with no encoder work on the thread that steps the engine."""
+        return [image if isinstance(image, EncodedImage) else EncodedImage(*self._encode(image)) for image in images]
+
     def encode(self, image) -> tuple[bytes, np.ndarray]:
         """``(sha256 of its pixel values, features [tokens, hidden])`` of one image (a path, bytes or an array;
         llmc.runtime.vision.decode_image), the encoder run only when its pixels are not cached."""
@@ -222,6 +244,8 @@ class ImageInputs:
 
     def _encode(self, image) -> tuple[bytes, np.ndarray, tuple[int, int] | None]:
         """:meth:`encode` and, for a dynamic-resolution image, its merged grid (rows, columns)."""
+        if isinstance(image, EncodedImage):
+            return image.digest, image.embeds, image.grid
         processed = self.processor([image])
         pixels = np.ascontiguousarray(processed.pixel_values, dtype=np.float32)
         grid = processed.extras.get("image_grid_thw") if self.mrope else None
@@ -242,14 +266,16 @@ class ImageInputs:
         if self.rows:  # one image per call: its pixels are its size, whole tokens (the key holds the shape too)
             merged = (pixels.shape[-2] // self.token_pixels, pixels.shape[-1] // self.token_pixels)
             digest = hashlib.sha256(pixels.tobytes() + np.asarray(pixels.shape, np.int64).tobytes()).digest()
-        hit = self._cache.get(digest)
-        if hit is not None:
-            self._cache.move_to_end(digest)
-            return digest, hit, merged
-        if self._encoder is None:
-            from llmc.runtime.graphs import load_graph
+        with self._lock:
+            hit = self._cache.get(digest)
+            if hit is not None:
+                self._cache.move_to_end(digest)
+                return digest, hit, merged
+            if self._encoder is None:
+                from llmc.runtime.graphs import load_graph
 
-            self._encoder = load_graph(self.root, self.manifest, self.graph_name, self.threads, self.device)
+                self._encoder = load_graph(self.root, self.manifest, self.graph_name, self.threads, self.device)
+        # the encoder runs outside the lock: another thread's steps and cache hits go on meanwhile
         feeds = self._encoder_feeds(pixels, grid)
         if positions is not None:
             feeds[self._encoder.inputs[1]] = np.ascontiguousarray(positions, np.int64)
@@ -259,10 +285,12 @@ class ImageInputs:
         if self.tiles or self.separators:  # [tiles, tokens per tile, hidden]: the tiles, row-major, then the global
             features = features.reshape(1, -1, features.shape[-1])
         embeds = np.ascontiguousarray(features[0] if count is None else features[0][: int(count[0])], np.float32)
-        self.encoded += 1
-        self._cache[digest] = embeds
-        if len(self._cache) > CACHE_IMAGES:
-            self._cache.popitem(last=False)
+        with self._lock:
+            self.encoded += 1
+            self.encode_threads[threading.current_thread().name] += 1
+            self._cache[digest] = embeds
+            if len(self._cache) > CACHE_IMAGES:
+                self._cache.popitem(last=False)
         return digest, embeds, merged
 
     def _encoder_feeds(self, pixels: np.ndarray, grid: np.ndarray | None) -> dict[str, np.ndarray]:

@@ -315,6 +315,18 @@ class _Choice:
     parsed: bool = False  # out has seen the whole text
 
 
+def _encode_images(encoder, refs: list[ImageRef], pixels: list) -> list:
+    """Each image preprocessed and encoded (llmc.runtime ImageInputs.prefetch, cached by content); one the image
+    processor refuses is a 400 naming where it was in the request."""
+    out = []
+    for ref, px in zip(refs, pixels, strict=True):
+        try:
+            out.extend(encoder.prefetch([px]))
+        except LlmcError as exc:
+            raise APIError(400, str(exc), param=ref.where, code="invalid_image") from exc
+    return out
+
+
 async def run(state: ServerState, plan: Plan, request: Request, arrival: float) -> Response:
     if state.draining:
         raise APIError(503, "the server is shutting down; retry on another replica", code="shutting_down")
@@ -328,6 +340,9 @@ async def run(state: ServerState, plan: Plan, request: Request, arrival: float) 
                        param=field_name)
     # Fetched and decoded off the event loop; a bad image is a 400 before anything is queued.
     pixels = await asyncio.to_thread(images.load_images, state, plan.images) if plan.images else None
+    encoder = getattr(state.engine, "images", None)
+    if pixels and encoder is not None:  # encoded on a worker thread too: the step loop never waits on an encoder
+        pixels = await asyncio.to_thread(_encode_images, encoder, plan.images, pixels)
     try:
         sink = await state.loop.submit(prompts, plan.params, plan.choice_ids, arrival,
                                        **({"images": [pixels] * len(prompts)} if pixels else {}))

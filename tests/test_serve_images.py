@@ -119,6 +119,18 @@ def test_chat_image_equals_engine_generate_streamed_and_not(client, llava, offli
     assert "".join(ch.delta.content or "" for c in chunks for ch in c.choices) == ref.text
 
 
+def test_the_encoder_never_runs_on_the_step_loop(server, client):
+    """Images are encoded on a worker thread before the step loop sees the request: an encode (seconds for a real
+    encoder) never holds up the steps of the requests already running."""
+    encoder = server.state.engine.images
+    before = encoder.encoded
+    out = client.chat.completions.create(model=MODEL, messages=_messages(_data_url(_png(7))), max_tokens=2,
+                                         temperature=0)
+    assert out.choices[0].message.content is not None
+    assert encoder.encoded == before + 1  # this image was new: it ran the encoder once
+    assert encoder.encode_threads and "llmc-step-loop" not in encoder.encode_threads
+
+
 def test_another_image_answers_as_the_engine_does(client, llava, offline):
     image = _png(2)
     ref = _reference(llava, offline, image)
