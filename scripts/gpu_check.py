@@ -29,6 +29,9 @@ Sections (each records its results; a failure in one does not stop the others):
 7. ``lora``: the multi-LoRA shrink/expand kernels at Llama-3-8B shapes (four rank-16 slots mixed with rows
    without an adapter) against the torch reference, their AOT cubins launched through the driver = the JIT
    kernels bit for bit, and their time per step beside the torch reference's; see ``scripts/gpu_lora_check.py``.
+8. ``images``: a tiny LLaVA's CUDA image engine (its encoder program and AOT kernels on the GPU) against transformers
+   on the GPU (fp32 tokens and log-probabilities, bf16 features), CUDA graphs after an image, and a Gemma-3-4B-shaped
+   SigLIP's encoder time beside transformers' tower; see ``scripts/gpu_image_check.py``.
 
 Prints a table per section and writes everything to ``--out`` (JSON). Exit status 0 when every
 check that ran passed, 1 otherwise. ``--cpu-smoke`` runs sections 1-2 and 6-7's kernel checks on tiny
@@ -91,7 +94,7 @@ def parse_args(argv):
                         "and 64, per kernel and per kind of work (where the step's time goes)")
     p.add_argument("--skip", action="append", default=[],
                    choices=["engine", "correctness", "aot", "bandwidth", "tensorrt", "calibration", "recurrent",
-                            "lora"])
+                            "lora", "images"])
     return p.parse_args(argv)
 
 
@@ -509,7 +512,7 @@ def main(argv=None) -> int:
 
             if args.quick:
                 section("engine", report, lambda: run_quick(report))
-                args.skip += ["bandwidth", "correctness", "aot", "tensorrt", "recurrent", "lora"]
+                args.skip += ["bandwidth", "correctness", "aot", "tensorrt", "recurrent", "lora", "images"]
             else:  # the kernel sections after it need about 90 s
                 section("engine", report, lambda: run_engine(args.budget_s - 90, t_start, report))
             print_engine(report["engine"])
@@ -538,14 +541,19 @@ def main(argv=None) -> int:
         copy_bw = report.get("bandwidth", {}).get("copy_bandwidth_gbs")
         section("lora", report, lambda: run_lora(args.cpu_smoke, device, _time_cuda, copy_bw))
         save()
+    if "images" not in args.skip:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from gpu_image_check import run_images
+
+        gpu_only("images", lambda: run_images(False, device, _time_cuda))
     for name in ("engine", "profile", "correctness", "aot", "bandwidth", "tensorrt", "calibration", "recurrent",
-                 "lora"):
+                 "lora", "images"):
         r = report.get(name)
         if r is not None and ("error" in r or "skipped" in r):
             print(f"\n{name}: " + (f"ERROR {r['error']}\n{r.get('traceback', '')}" if "error" in r
                                    else f"skipped: {r['skipped']}"))
     report["ok"] = all(report[k]["ok"] for k in ("engine", "profile", "correctness", "aot", "bandwidth", "tensorrt",
-                                                 "calibration", "recurrent", "lora") if k in report)
+                                                 "calibration", "recurrent", "lora", "images") if k in report)
     report["seconds"] = round(time.time() - t_start, 1)
     with open(args.out, "w") as f:
         json.dump(report, f, indent=1)
