@@ -84,6 +84,25 @@ def bf16_upper(hessian):
     return m.bfloat16()
 
 
+def bf16_upper_from_gram(gram: np.ndarray, rows: int, panel: int = 1024):
+    """:func:`bf16_upper` of ``H = gram / rows`` (``gram`` float32 ``[K, K]``), made a panel of rows at a time: the
+    same bits (every step is elementwise: the float32 quotient, the doubling, the rounding to bfloat16) without
+    the whole float32 ``H`` and its doubled triangle beside the Gram (at K = 8192, 536 MB of a 1B model's
+    calibration peak)."""
+    import torch
+
+    g = torch.from_numpy(gram)
+    k = g.shape[0]
+    out = torch.empty((k, k), dtype=torch.bfloat16)
+    for i0 in range(0, k, panel):
+        h = g[i0 : i0 + panel].to(torch.float32) / max(rows, 1)
+        m = torch.triu(h, i0 + 1).mul_(2.0)
+        r = torch.arange(h.shape[0])
+        m[r, r + i0] = h[r, r + i0]
+        out[i0 : i0 + panel] = m.bfloat16()
+    return out
+
+
 def bf16_output_error(e, upper) -> float:
     """:func:`output_error` from bfloat16 GEMMs (~3e-4 relative, tested): ``e`` the float32 torch weight error
     ``[N, K]``, ``upper`` the :func:`bf16_upper` form of ``H``."""
@@ -124,8 +143,8 @@ def screen_rows(n: int, k: int = 2048) -> np.ndarray:
     return np.unique(np.linspace(0, n - 1, budget).round().astype(np.int64))
 
 
-def search_scales(w: np.ndarray, abs_mean: np.ndarray, hessian: np.ndarray, group_size: int,
-                  symmetric: bool) -> ScaleSearch:
+def search_scales(w: np.ndarray, abs_mean: np.ndarray, hessian: np.ndarray | None, group_size: int,
+                  symmetric: bool, upper=None) -> ScaleSearch:
     """Grid-search ``α`` for ``w [N, K]`` (the group's linears stacked) given its input statistics.
 
     The objective is a sum over output rows, each row quantized on its own. A screen scores every candidate on
@@ -135,13 +154,14 @@ def search_scales(w: np.ndarray, abs_mean: np.ndarray, hessian: np.ndarray, grou
     :data:`SCREEN_MATTERS` of the objective (within :data:`SCREEN_SIGMAS` standard errors) are scored on every
     row (at most :data:`SCREEN_FINALISTS`, in the screen's order), again with bfloat16 GEMMs (~3e-4 relative,
     tested), and the lowest wins. A 1B model's down projection (2048 x 8192): a screen candidate costs 17 GFLOP
-    instead of 275, and a bfloat16 GFLOP a quarter of a float32 one here.
+    instead of 275, and a bfloat16 GFLOP a quarter of a float32 one here. ``upper``: :func:`bf16_upper` of
+    ``hessian`` already made (e.g. :func:`bf16_upper_from_gram`); ``hessian`` is then not read.
     """
     import torch
 
     w = np.ascontiguousarray(w, np.float32)  # candidates are scaled and fake-quantized in float32 (row_losses)
     x_mean = np.maximum(np.asarray(abs_mean, np.float64), 1e-4)
-    upper = bf16_upper(hessian)
+    upper = bf16_upper(hessian) if upper is None else upper
     n = w.shape[0]
     rows = screen_rows(n, w.shape[1])
 

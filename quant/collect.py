@@ -70,17 +70,17 @@ def _up_of(group: tuple[str, ...], stats: LayerStats) -> str | None:
 
 def _awq_layer(stats: LayerStats, recipe: QuantRecipe, result: CalibrationResult,
                tick: Callable[[str], None] = lambda what: None) -> None:
-    import torch
 
     gs, sym = recipe.group_size, recipe.symmetric
     searches, blocks = {}, {}
     for group in stats.groups:
         s = stats.inputs[group]
         # The search's bfloat16 H from float32 quotients: the same values as rounding float64 ones (float64 holds
-        # every float32 quotient's rounding exactly), without a K x K float64 temporary (512 MB at K = 8192).
-        h = torch.from_numpy(s.hessian_as(np.float32))
-        searches[group] = awq.search_scales(stats.stacked(group), s.abs_mean, h, gs, sym)
-        del h
+        # every float32 quotient's rounding exactly), without a K x K float64 temporary (512 MB at K = 8192), and
+        # a panel at a time, without the float32 H either (bf16_upper_from_gram: the same bits).
+        upper = awq.bf16_upper_from_gram(s.gram, s.rows)
+        searches[group] = awq.search_scales(stats.stacked(group), s.abs_mean, None, gs, sym, upper=upper)
+        del upper
         tick(f"{_short(group)} scales searched")
         # All the clip search reads of H, in float64 as before: the Gram's diagonal blocks over the row count.
         blocks[group] = awq.diagonal_blocks(s.gram, gs).astype(np.float64) / max(s.rows, 1)
@@ -115,8 +115,10 @@ def _gptq_layer(stats: LayerStats, recipe: QuantRecipe, result: CalibrationResul
     import torch
 
     for group in stats.groups:
-        h = stats.inputs[group].hessian_as(np.float32)  # GPTQ factorises it in float32
-        upper = awq.bf16_upper(h)  # the report's output errors: 3-4x float32's rate, ~3e-4 relative
+        s = stats.inputs[group]
+        h = s.hessian_as(np.float32)  # GPTQ factorises it in float32
+        # the report's output errors (3-4x float32's rate, ~3e-4 relative), from the Gram a panel at a time
+        upper = awq.bf16_upper_from_gram(s.gram, s.rows)
         weights = [stats.weight(name) for name in group]
         # GPTQ treats rows independently: the group's linears, stacked, share one factorisation and one
         # pass over the columns (Q/K/V, gate/up: a third and a half of the column loops).
