@@ -479,7 +479,11 @@ def _echo_multimodal(manifest: dict) -> None:
                        f"{mm.get('image_token_id')}, tokens per image {per}"
                        + (f", {mm['positions']} positions" if mm.get("positions") else ""))
     for name, g in sorted((manifest.get("graphs") or {}).items()):
-        click.echo(f"  graph     {name}: {g['backend']} {g['model_file']}, inputs {', '.join(g['inputs'])} → "
+        # an ONNX Runtime graph is one file; a CUDA engine's is a program (+ its AOT kernels, in its dtype)
+        what = g.get("model_file") or g.get("program_file", "?")
+        if g.get("backend") == "cuda":
+            what += f" ({g.get('dtype')}, {len(g.get('kernels') or [])} AOT kernels)"
+        click.echo(f"  graph     {name}: {g['backend']} {what}, inputs {', '.join(g['inputs'])} → "
                    f"{', '.join(g['outputs'])}")
 
 

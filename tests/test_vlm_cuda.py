@@ -71,6 +71,14 @@ def test_the_encoder_is_a_cuda_program_with_its_kernels_compiled_ahead_of_time(l
         assert cubin[:4] == b"\x7fELF" and k["target"] == "sm_90a" and k["name"].encode() in cubin
     assert built.manifest["engine"]["backend"] == "cuda"
     assert built.manifest["engine"]["inputs"][-2:] == ["image_embeds", "image_rows"]
+    from click.testing import CliRunner
+
+    from llmc.cli.main import cli
+
+    shown = CliRunner().invoke(cli, ["inspect", str(engine_dir)])
+    assert shown.exit_code == 0, shown.output
+    assert ("graph     vision_encoder: cuda vision_encoder/program.json (float32, 2 AOT kernels), inputs pixel_values"
+            in shown.output)
 
 
 @pytest.mark.parametrize("interpret", [False, True], ids=["torch-ops", "aot-kernels-interpreted"])
