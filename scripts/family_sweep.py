@@ -1,4 +1,4 @@
-"""Sweep every causal-LM model type of the installed transformers through ``llmc build`` (docs/family_sweep.md).
+"""Sweep every causal-LM (or image-text-to-text) model type of the installed transformers through ``llmc build``.
 
 For each ``model_type`` in transformers' ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``:
 
@@ -18,8 +18,21 @@ small`` (with why), ``bad input`` (exit 2: llmc rejected the fixture's config), 
 are kept in the JSON file as each family finishes, and a rerun skips the families already there (``--redo``
 runs them again).
 
+With ``--mapping image-text-to-text`` the sweep runs every type of transformers'
+``MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES`` instead (docs/family_sweep_vlm.{md,json}): the vision-language
+wrappers. Each gets a tiny random checkpoint of its wrapper class (``AutoModelForImageTextToText``, saved with
+``save_pretrained``): its config class's defaults with the text model made small as above, every encoder (vision,
+audio, projector, image tokenizer, at any depth) made small too (``ENCODER_SMALL``, and any size field at one of
+the wrapper's default widths), special tokens moved inside the small vocabulary, and a per-family table
+(``VLM_OVERRIDES``). It is built ``--text-only`` (the text model alone) and compared on text-only prompts (no image,
+video or audio placeholder, no special token its config names) with the wrapper's own ``generate``. One more
+outcome there: ``needs images`` (transformers' own wrapper cannot run on text alone, yet llmc built it). For the
+families whose images llmc places (compiler/vision_encoder.py ``IMAGE_FAMILIES``) the row also says whether the
+default build (the vision encoder too) of the same fixture succeeds.
+
     python scripts/family_sweep.py                           # every type; writes docs/family_sweep.{md,json}
     python scripts/family_sweep.py --families llama,bloom --json /tmp/s.json --md /tmp/s.md
+    python scripts/family_sweep.py --mapping image-text-to-text   # writes docs/family_sweep_vlm.{md,json}
 """
 
 from __future__ import annotations
@@ -45,6 +58,7 @@ SEED = 0
 # A token pair transformers scores closer than the self-check's tolerance (compiler/selfcheck.py, LOGPROB_ATOL) is a
 # tie, not a mismatch: either token is greedy within what the build's own check holds the engine to.
 TIE_LOGIT_GAP = 2e-3
+CAUSAL_LM, IMAGE_TEXT = "causal-lm", "image-text-to-text"  # the mappings swept (--mapping)
 MAX_PARAMETERS = 30_000_000  # above this a fixture is not "tiny": the family's defaults need a table entry
 VOCAB = 512
 
@@ -241,22 +255,220 @@ def tiny_config(model_type: str):
     return AutoConfig.for_model(family, **overrides)
 
 
-def write_fixture(model_type: str, out: Path) -> dict:
-    """Write the tiny random checkpoint of ``model_type`` (float32, no tokenizer: engines take token ids);
-    return facts about it. Raises :class:`CannotInstantiate` when the family cannot be made tiny."""
-    import torch
-    from transformers import AutoModelForCausalLM, GenerationConfig
+# Image-text-to-text wrappers (``--mapping image-text-to-text``): their encoders' size fields beyond GENERIC's, in
+# every nested config but the text model's (a vision tower's depth, its output width, which must be the text model's).
+ENCODER_SMALL = {"depth": 2, "encoder_layers": 2, "num_layers": 2, "layers": 2, "width": 64, "heads": 4,
+                 "embed_dim": 64, "num_heads": 4, "encoder_attention_heads": 4, "encoder_ffn_dim": 128,
+                 # projectors' and decoders' inner widths, image tokenizers' (VQ-GAN) channels and codebooks
+                 **dict.fromkeys(("projector_hidden_size", "alignment_intermediate_size", "projection_hidden_dim",
+                                  "projection_intermediate_size", "mlp_dim", "decoder_intermediate_size"), 128),
+                 "decoder_hidden_size": 64, "decoder_num_layers": 2, "base_channels": 32, "latent_channels": 32,
+                 "num_res_blocks": 1, "codebook_size": 64, "num_embeddings": 64, "output_channels": 32}
+_ENCODER_WIDTHS = ("out_hidden_size", "text_hidden_size", "projection_dim", "output_dim", "vision_output_dim",
+                   "projector_output_dim", "out_dim")
+# A wrapper's special-token fields (image, video, audio placeholders; start/end of image; ...), all of which must lie
+# inside the small vocabulary and apart from each other and from the prompts' tokens.
+_SPECIAL_FIELD = re.compile(r"(^|_)(token_id|token_index|token_ids|token_indices|id|index)$")
+# A size field that repeats a default width under another name (an adapter's input, a projector's output).
+_WIDTH_FIELD = re.compile(r"(dim|size|hidden|width)")
+_NOT_WIDTH = re.compile(r"(vocab|patch|image|kernel|merge|window|pool|chunk|position|resolution|bucket|max|num_|"
+                        r"feature_size|temporal|spatial|token|layer)")
+# Which of a wrapper's nested configs is its text model.
+_TEXT_KEYS = ("text_config", "llm_config", "language_config", "text_model_config")
+_NOT_CONFIGS = ("rope_parameters", "rope_scaling", "id2label", "label2id", "quantization_config", "per_layer_config")
 
+# Where a wrapper's defaults need more than that (model_type -> fields, merged into the small config at any depth).
+_IMAGE_VOCABULARY = {"<image>": VOCAB - 1, **{f"IMGIMG{chr(65 + i)}Z": 400 + i for i in range(8)},
+                     **{f"<|visual token {i:06d}|>": 400 + i for i in range(8)}, "<|extra_200|>": VOCAB - 2}
+VLM_OVERRIDES: dict[str, dict] = {
+    "apertus1p5": dict(image_token_offset=256, audio_token_offset=320, vision_config=dict(codebook_size=64),
+                       audio_config=dict(codebook_size=64)),
+    # the image tokens' vocabulary their models read when built (None in their defaults)
+    **dict.fromkeys(("chameleon", "emu3"), dict(vocabulary_map=_IMAGE_VOCABULARY)),
+    # M-RoPE sections the modeling code defaults to when the config names none (Qwen2-VL's [16, 24, 24] for 128-wide
+    # heads, GLM-4V's [8, 12, 12]), at the small heads' size
+    **dict.fromkeys(("qwen2_vl", "qwen2_5_vl", "qwen2_5_omni_thinker", "paddleocr_vl", "glm4v", "glm46v", "glm_ocr",
+                     "glmga"), dict(text_config=dict(rope_parameters=dict(mrope_section=[2, 3, 3])))),
+    "glm4v_moe": dict(text_config=dict(rope_parameters=dict(mrope_section=[1, 2, 1]))),  # half the head rotates
+    "hy_v4_vl": dict(text_config=dict(rope_parameters={"rope_type": "default", "rope_theta": 1e4,
+                                                       "mrope_section": [2, 1, 1]})),
+    "ernie4_5_vl_moe": dict(text_config=dict(rope_parameters={"rope_type": "default", "rope_theta": 5e5,
+                                                              "mrope_section": [3, 3, 2]},
+                                             moe_intermediate_size=[32, 16])),  # its text experts', vision experts'
+    "deepseek_ocr2": dict(text_config=dict(mlp_layer_types=["dense", "sparse"], num_experts_per_tok=2)),
+    "diffusion_gemma": dict(text_config=dict(moe_intermediate_size=32)),
+    "glm5_next": dict(text_config=dict(qk_rope_head_dim=0)),
+    # its defaults name no M-RoPE sections, without which its text model cannot run: HunYuan's four axes
+    "hunyuan_vl": dict(text_config=dict(rope_parameters={"rope_type": "default", "rope_theta": 1e4,
+                                                         "mrope_section": [2, 2, 2, 2]})),
+    "step3p7": dict(text_config=dict(sliding_window=16)),  # its text model makes a sliding mask whatever its layers
+    "granite4_vision": dict(downsample_rate="1/2", deepstack_layer_map=[[1, 0], [0, 1]], spatial_target_layers=[1]),
+    "molmo2": dict(adapter_config=dict(vision_feature_layer=[-1, -2])),
+    **dict.fromkeys(("inkling2", "inkling2_loop"), dict(text_config=dict(unpadded_vocab_size=VOCAB))),
+    "gemma4_unified": dict(vision_config=dict(mm_embed_dim=64, output_proj_dims=64)),
+    "mistral4": dict(qk_nope_head_dim=8),  # head_dim = nope + rope part, as its defaults have it
+    "muse_glimmer": dict(out_hidden_size=256),  # the tower's width merged 2 x 2
+    "muse_spark": dict(out_hidden_size=256, audio_config=dict(hidden_sizes=[16, 32, 32, 64], depths=[1, 1, 1, 1])),
+    "florence2": dict(vision_config=dict(embed_dim=[16, 32, 32, 64], num_heads=[1, 2, 2, 4], num_groups=[1, 2, 2, 4],
+                                         depths=[1, 1, 1, 1])),
+}
+
+
+def _deep_merge(base: dict, extra: dict) -> dict:
+    return {**base, **{k: _deep_merge(base[k], v) if isinstance(v, dict) and isinstance(base.get(k), dict)
+                       and k != "vocabulary_map" else v for k, v in extra.items()}}
+
+
+def _small_encoders(defaults: dict, small: dict, widths: set, width: int) -> None:
+    """Make ``small`` (the overrides of one config section, ``defaults``) small in its encoder sizes, and each nested
+    config but the text model's, at any depth: ENCODER_SMALL's fields, the output widths the text model's, and any
+    size field at one of the wrapper's default widths the small width."""
+    small.update({k: 64 for k, v in defaults.items() if isinstance(k, str) and type(v) is int and v in widths
+                  and small.get(k, v) == v and _WIDTH_FIELD.search(k) and not _NOT_WIDTH.search(k)})
+    small.update({k: v for k, v in ENCODER_SMALL.items() if k.startswith(("projector", "alignment"))
+                  and type(defaults.get(k)) is int})
+    for name, section in defaults.items():
+        if not isinstance(section, dict) or name in _TEXT_KEYS or name in _NOT_CONFIGS:
+            continue
+        sub = small[name] if isinstance(small.get(name), dict) else {**section, **_small(section)}
+        sub.update({k: v for k, v in ENCODER_SMALL.items() if type(section.get(k)) is int})
+        sub.update({k: width for k in _ENCODER_WIDTHS if type(section.get(k)) is int})
+        _small_encoders(section, sub, widths, width)
+        if sub != section:
+            small[name] = sub
+
+
+def _head_dim(section: dict) -> int | None:
+    heads, width = section.get("num_attention_heads"), section.get("hidden_size")
+    return section.get("head_dim") or (width // heads if heads and width else None)
+
+
+def _scale_mrope(defaults: dict, small: dict) -> None:
+    """M-RoPE sections (Qwen2-VL's ``mrope_section``: time, height, width) scaled with the head size, their sum kept
+    at the same share of it (each section at least 1)."""
+    rope = {**(defaults.get("rope_parameters") or {}), **(small.get("rope_parameters") or {})}
+    old, new = _head_dim(defaults), _head_dim({**defaults, **small})
+    sections = rope.get("mrope_section")
+    if not (isinstance(sections, list) and sections and all(isinstance(x, int) for x in sections) and old and new) \
+            or old == new:
+        return
+    total = max(len(sections), round(sum(sections) * new / old))
+    exact = [x * total / sum(sections) for x in sections]
+    cut = [max(1, int(x)) for x in exact]
+    for i in sorted(range(len(cut)), key=lambda i: cut[i] - exact[i]):  # the largest remainders first
+        if sum(cut) >= total:
+            break
+        cut[i] += 1
+    small["rope_parameters"] = {**rope, "mrope_section": cut}
+
+
+def _widths(section: dict) -> set:
+    """Every ``hidden_size`` of a config and its nested configs (the default widths)."""
+    found = {section.get("hidden_size")} - {None}
+    for k, v in section.items():
+        if isinstance(v, dict) and k not in _NOT_CONFIGS:
+            found |= _widths(v)
+    return found
+
+
+def _special_ids(section: dict, defaults: dict, assigned: dict, free: list[int]) -> dict:
+    """The changes that move each special-token id of ``section`` (and of its nested configs) whose default (in
+    ``defaults``) lies outside the small vocabulary to a free id at the vocabulary's top, the same default id to the
+    same new one, distinct ids apart (bos 1, eos 2, pad 0 as GENERIC's); a nested config's change is the whole nested
+    dict."""
+    changes: dict = {}
+    for k, v in section.items():
+        default = defaults.get(k, v)
+        if isinstance(v, dict) and k not in ("id2label", "label2id"):
+            sub = _special_ids(v, default if isinstance(default, dict) else v, assigned, free)
+            if sub:
+                changes[k] = {**v, **sub}
+            continue
+        if not isinstance(k, str) or not _SPECIAL_FIELD.search(k) or isinstance(v, bool):
+            continue
+        fixed = 2 if "eos" in k else 1 if "bos" in k else 0 if "pad" in k else None
+
+        def new(i, fixed=fixed):
+            if not isinstance(i, int) or i < VOCAB:
+                return i
+            if fixed is not None:
+                return fixed
+            if i not in assigned:
+                assigned[i] = free.pop()
+            return assigned[i]
+        if isinstance(default, int) and default >= VOCAB:
+            changes[k] = new(default)
+        elif isinstance(default, list) and any(isinstance(i, int) and i >= VOCAB for i in default):
+            changes[k] = [new(i) for i in default]
+    return changes
+
+
+def tiny_vlm_config(model_type: str):
+    """An image-text-to-text wrapper's config class at its defaults (its vision tower's where they leave it out),
+    small: its text model as :func:`tiny_config` makes one (GENERIC, and FAMILY_OVERRIDES of the text model's type),
+    its encoders (vision, audio, projectors, ...) at any depth with GENERIC's and ENCODER_SMALL's sizes and their
+    output width the text model's, its special tokens inside the small vocabulary and apart; then FAMILY_OVERRIDES
+    and VLM_OVERRIDES of the wrapper's type."""
+    from transformers import AutoConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    config_class = CONFIG_MAPPING[model_type]
+    defaults = config_class().to_dict()
+    vision_class = (getattr(config_class, "sub_configs", None) or {}).get("vision_config")
+    filled = defaults.get("vision_config", {}) is None and isinstance(vision_class, type) \
+        and vision_class.__name__ != "AutoConfig"  # a wrapper whose defaults leave out its vision tower (Gemma 4)
+    if filled:
+        defaults["vision_config"] = vision_class().to_dict()
+    overrides = _small(defaults)
+    if filled:
+        overrides.setdefault("vision_config", dict(defaults["vision_config"]))
+    text_key = next((k for k in _TEXT_KEYS if isinstance(defaults.get(k), dict)), None)
+    if text_key:
+        text = overrides.setdefault(text_key, dict(defaults[text_key]))
+        for k, v in FAMILY_OVERRIDES.get(text.get("model_type"), {}).items():
+            text[k] = {**text[k], **v} if isinstance(v, dict) and isinstance(text.get(k), dict) else v
+        _scale_mrope(defaults[text_key], text)
+    width = overrides[text_key].get("hidden_size", 64) if text_key else overrides.get("hidden_size", 64)
+    _small_encoders(defaults, overrides, _widths(defaults), width)
+    overrides.update(_special_ids({**defaults, **overrides}, defaults, {}, list(range(VOCAB - 64, VOCAB))))
+    for k, v in FAMILY_OVERRIDES.get(model_type, {}).items():
+        overrides[k] = {**overrides[k], **v} if isinstance(v, dict) and isinstance(overrides.get(k), dict) else v
+    return AutoConfig.for_model(model_type, **_deep_merge(overrides, VLM_OVERRIDES.get(model_type, {})))
+
+
+def _auto_class(mapping: str):
+    """transformers' auto class of a mapping's models: a causal LM, or an image-text-to-text wrapper as itself."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText if mapping == IMAGE_TEXT else AutoModelForCausalLM
+
+
+def _encoder_decoder(config) -> bool:
+    return any(getattr(c, "is_encoder_decoder", False) for c in (config, getattr(config, "text_config", None)))
+
+
+def write_fixture(model_type: str, out: Path, mapping: str = CAUSAL_LM) -> dict:
+    """Write the tiny random checkpoint of ``model_type`` (float32, no tokenizer: engines take token ids) under the
+    mapping's class (a wrapper of ``image-text-to-text`` with its encoders, all small); return facts about it. Raises
+    :class:`CannotInstantiate` when the family cannot be made tiny."""
+    import torch
+    from transformers import GenerationConfig
+
+    auto = _auto_class(mapping)
     try:
-        config = tiny_config(model_type)
+        config = tiny_vlm_config(model_type) if mapping == IMAGE_TEXT else tiny_config(model_type)
     except Exception as exc:  # noqa: BLE001 - the family's config class refuses the small sizes
+        if mapping == IMAGE_TEXT and getattr(_default_config(model_type), "is_encoder_decoder", False):
+            raise NotDecoderOnly(f"an encoder-decoder wrapper whose config refuses small sizes: {_one_line(exc)}") \
+                from None
         raise CannotInstantiate(f"its config class refuses small sizes: {_one_line(exc)}") from None
     with torch.device("meta"):
         try:
-            meta = AutoModelForCausalLM.from_config(config)
+            meta = auto.from_config(config)
         except Exception as exc:  # noqa: BLE001
-            if getattr(config, "is_encoder_decoder", False):
-                raise NotDecoderOnly(f"an encoder-decoder config ({type(config).__name__}) whose causal-LM class "
+            if _encoder_decoder(config):
+                kind = "image-text-to-text" if mapping == IMAGE_TEXT else "causal-LM"
+                raise NotDecoderOnly(f"an encoder-decoder config ({type(config).__name__}) whose {kind} class "
                                      f"cannot be built from it alone: {_one_line(exc)}") from None
             raise CannotInstantiate(f"its model class cannot be built from the small config: {_one_line(exc)}") \
                 from None
@@ -268,7 +480,7 @@ def write_fixture(model_type: str, out: Path) -> dict:
     del meta
     torch.manual_seed(SEED)
     try:
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+        model = auto.from_config(config, dtype=torch.float32).eval()
     except Exception as exc:  # noqa: BLE001 - sizes the meta device does not check (negative widths)
         raise CannotInstantiate(f"its model class cannot be built from the small config: {_one_line(exc)}") from None
     with torch.no_grad():
@@ -279,18 +491,60 @@ def write_fixture(model_type: str, out: Path) -> dict:
                 p.uniform_(0.8, 1.2)
             elif bool((p == 0).all()):  # a bias, or a (1 + w) norm's w: around 0, not exactly 0
                 p.uniform_(-0.2, 0.2) if "norm" in name or "ln" in name else p.normal_(0.0, 0.05)
+    text_error = None
     try:  # transformers itself must run the fixture, or a failure would be blamed on llmc
         with torch.no_grad():
-            model(torch.arange(4, 12)[None])
+            if mapping == IMAGE_TEXT:  # by name: a wrapper's first argument may be its pixels
+                model(input_ids=torch.tensor([prompt_ids(config.to_dict(), VOCAB)[:8]]))
+            else:
+                model(torch.arange(4, 12)[None])
     except Exception as exc:  # noqa: BLE001
-        raise CannotInstantiate(f"transformers' own forward fails on the small config: {_one_line(exc)}") from None
+        if mapping != IMAGE_TEXT:
+            raise CannotInstantiate(f"transformers' own forward fails on the small config: {_one_line(exc)}") \
+                from None
+        # A wrapper whose own forward needs more than text (pixels, a Q-Former's ids, bounding boxes): saved anyway,
+        # so that the sweep records how llmc answers a text-only build of it (a one-line refusal is right).
+        text_error = _one_line(exc)
     model.generation_config = GenerationConfig(do_sample=False)
     try:
         model.save_pretrained(out)
     except Exception as exc:  # noqa: BLE001 - transformers' own conversion on save (Inkling 2's padded vocabulary)
         raise CannotInstantiate(f"transformers cannot save the small model: {_one_line(exc)}") from None
-    return {"model_class": type(model).__name__, "parameters": sum(p.numel() for p in model.parameters()),
-            "encoder_decoder": bool(getattr(config, "is_encoder_decoder", False))}
+    text_config = getattr(config, "text_config", None) if mapping == IMAGE_TEXT else None
+    facts = {"model_class": type(model).__name__, "parameters": sum(p.numel() for p in model.parameters()),
+             **({"text_model_type": getattr(text_config, "model_type", None)} if text_config is not None else {}),
+             "encoder_decoder": _encoder_decoder(config) if mapping == IMAGE_TEXT
+             else bool(getattr(config, "is_encoder_decoder", False))}
+    return {**facts, "text_forward_error": text_error} if text_error else facts
+
+
+def _default_config(model_type: str):
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    try:
+        return CONFIG_MAPPING[model_type]()
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def special_token_ids(config: dict) -> set[int]:
+    """Every special-token id a (wrapper's) config names, at any depth: its image, video and audio placeholders,
+    start/end tokens, image-token vocabulary (``vocabulary_map``), bos/eos/pad."""
+    found: set[int] = set()
+    for k, v in config.items():
+        if k == "vocabulary_map" and isinstance(v, dict):
+            found |= {i for i in v.values() if isinstance(i, int)}
+        elif isinstance(v, dict) and k not in ("id2label", "label2id"):
+            found |= special_token_ids(v)
+        elif isinstance(k, str) and _SPECIAL_FIELD.search(k) and not isinstance(v, bool):
+            found |= {i for i in (v if isinstance(v, list) else [v]) if isinstance(i, int)}
+    return found
+
+
+def prompt_ids(config: dict, vocab: int) -> list[int]:
+    """The ids a text-only prompt of a wrapper draws from: 4 and above, none of its special tokens."""
+    avoid = special_token_ids(config)
+    return [i for i in range(4, min(vocab, VOCAB)) if i not in avoid]
 
 
 class CannotInstantiate(Exception):
@@ -306,9 +560,10 @@ def _one_line(exc: BaseException, limit: int = 300) -> str:
     return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
-def _llmc_build(ckpt: Path, engine: Path, cache: Path) -> tuple[int, str]:
-    """``llmc build CKPT -o ENGINE -q`` with the self-check on: its exit code and stderr. The command runs in this
-    (the family's own) process, through the CLI's entry point, which saves a second start of torch and
+def _llmc_build(ckpt: Path, engine: Path, cache: Path, *flags: str, self_check: bool = True) -> tuple[int, str]:
+    """``llmc build CKPT -o ENGINE -q [FLAGS]`` with the self-check on (a test may turn it off): its exit code and
+    stderr. The command runs in
+    this (the family's own) process, through the CLI's entry point, which saves a second start of torch and
     transformers per family; an exception that escapes the CLI is an internal error, with its traceback."""
     import traceback
 
@@ -316,8 +571,8 @@ def _llmc_build(ckpt: Path, engine: Path, cache: Path) -> tuple[int, str]:
 
     from llmc.cli.main import cli
 
-    result = CliRunner().invoke(cli, ["build", str(ckpt), "-o", str(engine), "-q"],
-                                env={"LLMC_SELF_CHECK": "1", "LLMC_CACHE_DIR": str(cache)})
+    result = CliRunner().invoke(cli, ["build", str(ckpt), "-o", str(engine), "-q", *flags],
+                                env={"LLMC_SELF_CHECK": "1" if self_check else "0", "LLMC_CACHE_DIR": str(cache)})
     stderr = result.stderr
     if result.exception is not None and not isinstance(result.exception, SystemExit):
         stderr += "".join(traceback.format_exception(result.exception))
@@ -332,7 +587,9 @@ def _positions_from_ids(hf) -> bool:
     return any(callable(getattr(m, "create_position_ids_from_input_ids", None)) for m in hf.modules())
 
 
-def _greedy_reference(hf, prompt: list[int], n: int) -> list[int]:
+def _greedy_reference(hf, prompt: list[int], n: int, by_name: bool = False) -> list[int]:
+    """transformers' greedy continuation of ``prompt``: ``generate``, else its forward token by token (``by_name``:
+    the ids passed as ``input_ids=``, for a wrapper whose first argument is its pixels)."""
     import torch
 
     with torch.no_grad():
@@ -345,19 +602,24 @@ def _greedy_reference(hf, prompt: list[int], n: int) -> list[int]:
                 pass
         ids = list(prompt)
         for _ in range(n):
-            ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
+            ids.append(int((hf(input_ids=torch.tensor([ids])) if by_name else hf(torch.tensor([ids])))
+                           .logits[0, -1].argmax()))
         return ids[len(prompt):]
 
 
-def run_one(model_type: str, work: Path) -> dict:
-    """One family, start to end: its outcome and the evidence."""
+def run_one(model_type: str, work: Path, mapping: str = CAUSAL_LM, *, self_check: bool = True,
+            image_build: bool = True) -> dict:
+    """One family, start to end: its outcome and the evidence. A wrapper of ``image-text-to-text`` is built
+    ``--text-only`` and its text prompts compared with the wrapper's own ``generate`` (then, for IMAGE_FAMILIES,
+    built with its images too, unless ``image_build`` is off). ``self_check`` off: a test's quicker build."""
     import numpy as np
 
     t0 = time.perf_counter()
     row: dict = {"model_type": model_type}
     ckpt = work / "checkpoint"
+    vlm = mapping == IMAGE_TEXT
     try:
-        row.update(write_fixture(model_type, ckpt))
+        row.update(write_fixture(model_type, ckpt, mapping))
     except CannotInstantiate as exc:
         row.update(outcome="cannot instantiate small", reason=str(exc))
         return row
@@ -365,7 +627,12 @@ def run_one(model_type: str, work: Path) -> dict:
         row.update(outcome="not decoder-only", reason=str(exc))
         return row
     engine = work / "engine"
-    code, stderr = _llmc_build(ckpt, engine, work / "cache")
+    code, stderr = _llmc_build(ckpt, engine, work / "cache", *(["--text-only"] if vlm else []),
+                               self_check=self_check)
+    if vlm and code == 2 and "leave --text-only out" in stderr:
+        # llmc sees no encoder to leave out (Fuyu's image path is a projection inside the wrapper): as it says
+        row["text_only_exit_2"] = stderr.strip().splitlines()[-1].replace(str(ckpt), "<checkpoint>")
+        code, stderr = _llmc_build(ckpt, engine, work / "cache", self_check=self_check)
     row["build_seconds"] = round(time.perf_counter() - t0, 1)
     row["exit_code"] = code
     lines = stderr.strip().splitlines()
@@ -376,26 +643,35 @@ def run_one(model_type: str, work: Path) -> dict:
             row["traceback_tail"] = stderr[-2000:]
         return row
     if code == 3:
-        row.update(outcome="not decoder-only" if row["encoder_decoder"] and "encoder" in last else "refused",
-                   reason=last.removeprefix("error: "))
+        # (every refusal of a vision-language wrapper names its encoders: there the config says which it is)
+        decoder_only = not row["encoder_decoder"] or not vlm and "encoder" not in last
+        row.update(outcome="refused" if decoder_only else "not decoder-only", reason=last.removeprefix("error: "))
         return row
     if code != 0:
         row.update(outcome="bad input" if code == 2 else f"exit {code}",
                    reason=last.removeprefix("error: "))
         return row
+    if row.get("text_forward_error"):
+        row.update(outcome="needs images", reason="transformers' own wrapper cannot run on text alone "
+                   f"({row['text_forward_error']}), yet llmc built it --text-only: no reference to compare with")
+        return row
 
     import torch
-    from transformers import AutoModelForCausalLM
 
     from llmc.runtime import Engine, SamplingParams
 
     eng = Engine.load(engine)
-    hf = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+    hf = _auto_class(mapping).from_pretrained(ckpt, dtype=torch.float32).eval()
     rng = np.random.default_rng(SEED)
-    prompts = [rng.integers(4, min(eng.vocab_size, VOCAB), n).tolist() for n in PROMPT_LENGTHS]
+    if vlm:  # text only: no image, video or audio placeholder, no start/end-of-image token
+        allowed = prompt_ids(json.loads((ckpt / "config.json").read_text()), eng.vocab_size)
+        prompts = [rng.choice(allowed, n).tolist() for n in PROMPT_LENGTHS]
+    else:
+        prompts = [rng.integers(4, min(eng.vocab_size, VOCAB), n).tolist() for n in PROMPT_LENGTHS]
     params = SamplingParams(max_tokens=GREEDY_TOKENS, ignore_eos=True)
     got = [eng.generate([p], params)[0].token_ids for p in prompts]
-    want = [_greedy_reference(hf, p, GREEDY_TOKENS) for p in prompts]
+    want = [_greedy_reference(hf, p, GREEDY_TOKENS, by_name=vlm) for p in prompts]
+    row["tokens_compared"] = sum(map(len, want))
     differs, ties = {}, []
     for p, g, w in zip(prompts, got, want, strict=True):
         if g == w:
@@ -403,7 +679,8 @@ def run_one(model_type: str, work: Path) -> dict:
         i = next(i for i, (a, b) in enumerate(zip(g, w, strict=True)) if a != b)
         # Random weights make near-ties: where transformers itself scores both tokens alike, either is greedy.
         with torch.no_grad():
-            logits = hf(torch.tensor([p + w[:i]])).logits[0, -1].double()
+            ids = torch.tensor([p + w[:i]])
+            logits = (hf(input_ids=ids) if vlm else hf(ids)).logits[0, -1].double()
         gap = float(logits[w[i]] - logits[g[i]])
         if gap <= TIE_LOGIT_GAP:
             ties.append(f"token {i} after the {len(p)}-token prompt, logit gap {gap:.1e}")
@@ -415,8 +692,29 @@ def run_one(model_type: str, work: Path) -> dict:
     else:
         tied = f"; a near-tie where transformers' top two tokens differ by <= {TIE_LOGIT_GAP}: {', '.join(ties)}"
         row.update(outcome="match", reason=_fusions(engine) + (tied if ties else ""))
+    if vlm and image_build:
+        row["image_build"] = _image_build(model_type, ckpt, work)
     row["seconds"] = round(time.perf_counter() - t0, 1)
     return row
+
+
+def _image_build(model_type: str, ckpt: Path, work: Path) -> str | None:
+    """For a family whose images llmc places (compiler/vision_encoder.py IMAGE_FAMILIES): whether the default build
+    (the vision encoder too, the self-check on) of the same fixture succeeds, in one line; None for other families.
+    The fixture has no tokenizer: families whose image layout names tokenizer tokens are refused for want of it."""
+    from llmc.compiler.vision_encoder import IMAGE_FAMILIES
+
+    if model_type not in IMAGE_FAMILIES:
+        return None
+    t0 = time.perf_counter()
+    code, stderr = _llmc_build(ckpt, work / "engine-images", work / "cache")
+    took = f" ({time.perf_counter() - t0:.0f} s)"
+    if code == 0:
+        graphs = json.loads((work / "engine-images" / "manifest.json").read_text()).get("graphs", {})
+        return f"built, with {', '.join(sorted(graphs)) or 'no further graph'}" + took
+    last = (stderr.strip().splitlines() or [""])[-1].replace(str(ckpt), "<checkpoint>").removeprefix("error: ")
+    kind = "refused" if code == 3 and "Traceback" not in stderr else f"exit {code}"
+    return f"{kind}: {re.sub(r'^<checkpoint>(/config.json)?: ', '', last)[:300]}" + took
 
 
 def _fusions(engine: Path) -> str:
@@ -441,21 +739,30 @@ POPULAR = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text
            "qwen3_next", "gemma4_text", "mamba", "rwkv", "jamba")
 
 
-def sweep_order() -> list[str]:
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+def sweep_order(mapping: str = CAUSAL_LM) -> list[str]:
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
+    )
 
+    if mapping == IMAGE_TEXT:
+        from llmc.compiler.vision_encoder import IMAGE_FAMILIES
+
+        every = list(MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES)
+        return [t for t in IMAGE_FAMILIES if t in every] + sorted(t for t in every if t not in IMAGE_FAMILIES)
     every = list(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
     return [t for t in POPULAR if t in every] + sorted(t for t in every if t not in POPULAR)
 
 
-def run_isolated(model_type: str, timeout: float, keep: Path | None = None) -> dict:
+def run_isolated(model_type: str, timeout: float, keep: Path | None = None, mapping: str = CAUSAL_LM) -> dict:
     """``run_one`` in a child process of its own (a session, so a timeout kills its whole tree), in a scratch
     directory; a crash or a timeout is an outcome, never the end of the sweep."""
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix=f"llmc-sweep-{model_type}-") as tmp:
         work = keep / model_type if keep is not None else Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
-        proc = subprocess.Popen([sys.executable, __file__, "--one", model_type, "--work", str(work)],
+        proc = subprocess.Popen([sys.executable, __file__, "--one", model_type, "--work", str(work),
+                                 "--mapping", mapping],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
                                 cwd=REPO_ROOT)
         try:
@@ -477,9 +784,12 @@ def run_isolated(model_type: str, timeout: float, keep: Path | None = None) -> d
 
 OUTCOMES = ("match", "refused", "not decoder-only", "cannot instantiate small", "bad input", "mismatch",
             "internal error", "timeout")
+VLM_OUTCOMES = (*OUTCOMES[:4], "needs images", *OUTCOMES[4:])
 
 
 def render_markdown(data: dict) -> str:
+    if data["meta"].get("mapping") == IMAGE_TEXT:
+        return render_vlm_markdown(data)
     meta, rows = data["meta"], data["rows"]
     counts = {o: sum(r["outcome"] == o for r in rows.values()) for o in OUTCOMES}
     counts.update({r["outcome"]: counts.get(r["outcome"], 0) for r in rows.values() if r["outcome"] not in counts})
@@ -490,7 +800,8 @@ def render_markdown(data: dict) -> str:
         f"<!-- Generated by `{COMMAND}`; do not edit by hand. -->",
         f"Generated by `{COMMAND}` (writes this file and `docs/family_sweep.json`); do not edit it by hand. "
         f"Run: {meta.get('run_at', meta['updated_at'])}{_rerun_summary(meta)} with llmc {meta['llmc']}, transformers "
-        f"{meta['transformers']}, torch {meta['torch']}, target `cpu`.",
+        f"{meta['transformers']}, torch {meta['torch']}, target `cpu`. The image-text-to-text types (vision-language "
+        f"wrappers, built `--text-only`) are in [family_sweep_vlm.md](family_sweep_vlm.md).",
         "",
         f"**{len(rows)} of {meta['types_total']} model types** in transformers' `MODEL_FOR_CAUSAL_LM_MAPPING_NAMES` "
         f"run: {summary}.",
@@ -517,6 +828,61 @@ def render_markdown(data: dict) -> str:
         r = rows[t]
         reason = re.sub(r"^<checkpoint>(/config\.json)?: ", "", str(r.get("reason", ""))).replace("|", "\\|")
         lines.append(f"| {t} | {r['outcome']} | {reason} |")
+    lines.append("")
+    return "\n".join(lines)
+
+
+VLM_COMMAND = f"{COMMAND} --mapping {IMAGE_TEXT}"
+
+
+def render_vlm_markdown(data: dict) -> str:
+    """The image-text-to-text table (docs/family_sweep_vlm.md)."""
+    meta, rows = data["meta"], data["rows"]
+    counts = {o: sum(r["outcome"] == o for r in rows.values()) for o in VLM_OUTCOMES}
+    counts.update({r["outcome"]: counts.get(r["outcome"], 0) for r in rows.values() if r["outcome"] not in counts})
+    summary = ", ".join(f"{n} {o}" for o, n in counts.items() if n)
+    images = {t: r["image_build"] for t, r in rows.items() if r.get("image_build")}
+    lines = [
+        "# Family sweep: every image-text-to-text model type of transformers through `llmc build --text-only`",
+        "",
+        f"<!-- Generated by `{VLM_COMMAND}`; do not edit by hand. -->",
+        f"Generated by `{VLM_COMMAND}` (writes this file and `docs/family_sweep_vlm.json`); do not edit it by hand. "
+        f"Run: {meta.get('run_at', meta['updated_at'])}{_rerun_summary(meta)} with llmc {meta['llmc']}, transformers "
+        f"{meta['transformers']}, torch {meta['torch']}, target `cpu`. The causal-LM types are in "
+        "[family_sweep.md](family_sweep.md).",
+        "",
+        f"**{len(rows)} of {meta['types_total']} model types** in transformers' "
+        f"`MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES` run: {summary}.",
+        "",
+        "Each type gets a tiny random float32 checkpoint of its wrapper (its own config class at its defaults, the "
+        "text model made small as in the causal-LM sweep, every encoder — vision, audio, projector, image tokenizer "
+        "— made small too, its special tokens inside the small vocabulary; a per-family table where that is not "
+        "enough: `scripts/family_sweep.py` `VLM_OVERRIDES`), saved with `save_pretrained` under "
+        "`AutoModelForImageTextToText`, and built by `llmc build --text-only` with the architecture self-check on. "
+        f"A build that succeeds generates {GREEDY_TOKENS} greedy tokens after each of {len(PROMPT_LENGTHS)} "
+        f"text-only prompts ({', '.join(map(str, PROMPT_LENGTHS))} tokens, none of them an image, video or audio "
+        "placeholder or any other special token the config names); **match** means they equal the wrapper's own "
+        "`generate` in transformers. **refused**: `llmc build` stopped with exit 3 and the reason shown. **not "
+        "decoder-only**: an encoder-decoder wrapper. **cannot instantiate small**: the wrapper cannot be made tiny "
+        "here (why shown). **needs images**: transformers' own wrapper cannot run on text alone, yet llmc built it. "
+        "**internal error**: exit 70, a traceback, or no outcome within the timeout. *image build*: for the families "
+        "whose images llmc places (`compiler/vision_encoder.py` `IMAGE_FAMILIES`), whether the default build of the "
+        "same fixture (the vision encoder compiled too) succeeds; the fixtures have no tokenizer, which families "
+        "whose image layout names tokenizer tokens need.",
+        "",
+        *([meta["note"], ""] if meta.get("note") else []),
+        *[f"Rerun {r['at']} ({len(r['families'])} rows: {', '.join(r['families'])}): {r['why']}" + "\n"
+          for r in meta.get("reruns", [])],
+        "| model_type | text model | outcome | reason / mechanism |" + (" image build |" if images else ""),
+        "|---|---|---|---|" + ("---|" if images else ""),
+    ]
+    for t in sorted(rows):
+        r = rows[t]
+        reason = re.sub(r"^<checkpoint>(/config\.json)?: ", "", str(r.get("reason", ""))).replace("|", "\\|")
+        if r.get("text_only_exit_2"):
+            reason = f"built without --text-only, which llmc refused (exit 2: no encoder to leave out): {reason}"
+        image = " " + str(images.get(t, "")).replace("|", "\\|") + " |" if images else ""
+        lines.append(f"| {t} | {r.get('text_model_type') or ''} | {r['outcome']} | {reason} |{image}")
     lines.append("")
     return "\n".join(lines)
 
@@ -556,11 +922,17 @@ def _save(data: dict, json_path: Path, md_path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--families", help="comma-separated model types (default: every causal-LM type)")
+    parser.add_argument("--mapping", choices=(CAUSAL_LM, IMAGE_TEXT), default=CAUSAL_LM,
+                        help=f"which transformers mapping to sweep: {CAUSAL_LM} (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, "
+                             f"the default; docs/family_sweep.*) or {IMAGE_TEXT} (MODEL_FOR_IMAGE_TEXT_TO_TEXT_"
+                             "MAPPING_NAMES: each wrapper built --text-only, compared with its own generate on text; "
+                             "docs/family_sweep_vlm.*)")
+    parser.add_argument("--families", help="comma-separated model types (default: every type of the mapping)")
     parser.add_argument("--variants", help=f"comma-separated knobs ({', '.join(VARIANTS)}): each family also built "
                                            "with each knob turned on, as rows FAMILY+KNOB")
-    parser.add_argument("--json", type=Path, default=REPO_ROOT / "docs" / "family_sweep.json")
-    parser.add_argument("--md", type=Path, default=REPO_ROOT / "docs" / "family_sweep.md")
+    parser.add_argument("--json", type=Path, help="the results (default: docs/family_sweep.json, or "
+                                                   "docs/family_sweep_vlm.json with --mapping image-text-to-text)")
+    parser.add_argument("--md", type=Path, help="the table (default: docs/family_sweep.md or family_sweep_vlm.md)")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per family (default 300)")
     parser.add_argument("--redo", action="store_true", help="run families already in the JSON file again")
     parser.add_argument("--redo-outcomes", help="comma-separated outcomes to run again (e.g. 'internal error')")
@@ -573,13 +945,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--one", help=argparse.SUPPRESS)
     parser.add_argument("--work", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    vlm = args.mapping == IMAGE_TEXT
+    stem = "family_sweep_vlm" if vlm else "family_sweep"
+    args.json = args.json or REPO_ROOT / "docs" / f"{stem}.json"
+    args.md = args.md or REPO_ROOT / "docs" / f"{stem}.md"
     if args.one:  # the worker: one family, its row as the last line of stdout
         import logging
         import warnings
 
         warnings.simplefilter("ignore")
         logging.disable(logging.WARNING)
-        print(json.dumps(run_one(args.one, args.work)), flush=True)
+        print(json.dumps(run_one(args.one, args.work, args.mapping)), flush=True)
         return 0
     if args.merge:
         if not args.why:
@@ -587,8 +963,10 @@ def main(argv: list[str] | None = None) -> int:
         merge(args.merge, args.json, args.md, args.why)
         return 0
 
-    every = sweep_order()
+    every = sweep_order(args.mapping)
     families = args.families.split(",") if args.families else every
+    if args.variants and vlm:
+        parser.error("--variants: causal-LM types only")
     if args.variants:
         knobs = args.variants.split(",")
         bad_knobs = [k for k in knobs if k not in VARIANTS]
@@ -597,15 +975,18 @@ def main(argv: list[str] | None = None) -> int:
         families = [f"{f}+{k}" if k else f for f in families for k in ("", *knobs)]
     unknown = [f for f in families if f.partition("+")[0] not in every]
     if unknown:
-        parser.error(f"--families: {', '.join(unknown)} not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES")
+        name = "IMAGE_TEXT_TO_TEXT" if vlm else "CAUSAL_LM"
+        parser.error(f"--families: {', '.join(unknown)} not in MODEL_FOR_{name}_MAPPING_NAMES")
     data = json.loads(args.json.read_text()) if args.json.is_file() else {"meta": {}, "rows": {}}
-    data["meta"].update(command=COMMAND, types_total=len(every), timeout_s=args.timeout)
+    data["meta"].update(command=VLM_COMMAND if vlm else COMMAND, types_total=len(every), timeout_s=args.timeout)
+    if vlm:
+        data["meta"]["mapping"] = IMAGE_TEXT
     if args.note:
         data["meta"]["note"] = args.note
     redo = set(args.redo_outcomes.split(",")) if args.redo_outcomes else set()
     todo = [f for f in families if f not in data["rows"] or args.redo or data["rows"][f]["outcome"] in redo]
     with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:  # threads wait; the work is in processes
-        running = {pool.submit(run_isolated, f, args.timeout, args.keep): f for f in todo}
+        running = {pool.submit(run_isolated, f, args.timeout, args.keep, args.mapping): f for f in todo}
         for done in as_completed(running):
             family, row = running[done], done.result()
             row.setdefault("seconds", row.get("build_seconds"))
