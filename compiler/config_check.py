@@ -38,8 +38,9 @@ _POSITIVE = (
 # 0 is transformers' own default for these where the feature is off (qwen2_moe: sliding_window 0 with
 # use_sliding_window false), and the attention lowering reads 0 as "no window".
 _ZERO_MEANS_OFF = frozenset({"sliding_window"})
-# Sizes a family may give per layer, as a list.
-_PER_LAYER_SIZES = frozenset({"intermediate_size"})
+# Sizes a family may give as a list (per layer: Gemma 3n's intermediate_size; per expert kind: ERNIE 4.5-VL's
+# moe_intermediate_size, its text and vision experts).
+_PER_LAYER_SIZES = frozenset({"intermediate_size", "moe_intermediate_size"})
 _DTYPE_FIELDS = ("dtype", "torch_dtype")
 _OBJECT_FIELDS = ("text_config", "quantization_config", "rope_scaling", "rope_parameters")
 # Per-layer lists and layer-index lists: transformers iterates them, and a scalar fails as "'bool' object is
@@ -106,6 +107,10 @@ def _check_section(config: dict, cfg_path: Path, prefix: str, tensor_names: list
         name, value = hit
         if name in _PER_LAYER_SIZES and isinstance(value, list) and value and all(_is_int(v) and v > 0 for v in value):
             continue  # one size per layer (Gemma 3n's intermediate_size): each entry positive
+        if name in ("head_dim", "qk_rope_head_dim") and value == 0 and _is_int(config.get("kv_lora_rank")):
+            # latent attention sizes its heads by qk_*_head_dim / v_head_dim, and may have no rotary part: GLM-5
+            # Next's defaults (head_dim 0, qk_rope_head_dim 0)
+            continue
         least = 0 if name in _ZERO_MEANS_OFF else 1
         if not _is_int(value) or value < least:
             kind = "a non-negative" if least == 0 else "a positive"

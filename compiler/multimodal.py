@@ -42,10 +42,18 @@ def is_wrapper(config: dict) -> bool:
 
 def auto_class(config: dict):
     """transformers' auto class a model of ``config`` is built with: a vision-language wrapper as itself (its weights
-    named as the checkpoint stores them), any other model as a causal LM."""
+    named as the checkpoint stores them), any other model as a causal LM, unless transformers registers its type
+    under image-text-to-text only (Mistral 4: no ``text_config``, no causal-LM class)."""
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
+    )
 
-    return AutoModelForImageTextToText if is_wrapper(config) else AutoModelForCausalLM
+    model_type = config.get("model_type")
+    only_image_text = (model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+                       and model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+    return AutoModelForImageTextToText if is_wrapper(config) or only_image_text else AutoModelForCausalLM
 
 
 def refuse_encoders(config: dict, model_type: str, cfg_path: Path, text_only: bool) -> None:

@@ -92,7 +92,7 @@ def _one_layer_encoder(enc: dict, text: dict, twin_text: dict) -> dict:
     c = dict(enc)
     for key in ("num_hidden_layers", "depth", "num_layers"):
         if isinstance(c.get(key), int) and c[key] > 1:
-            c[key] = 1
+            c = cut_layers(c, key, 1)  # and its per-layer lists (an encoder's layer_types: LFM3-VL, Muse)
     for key in ("deepstack_visual_indexes",):
         if isinstance(c.get(key), list):
             c[key] = [i for i in c[key] if i < 1][:1]

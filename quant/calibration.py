@@ -359,11 +359,15 @@ def _auto_class(config):
     this layer may not import): a vision-language wrapper (in the image-text-to-text mapping, its text model under
     ``text_config``) as itself, any other model as a causal LM."""
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
-    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
+    )
 
-    wrapper = config.model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES and isinstance(
-        config.to_dict().get("text_config"), dict)
-    return AutoModelForImageTextToText if wrapper else AutoModelForCausalLM
+    image_text = config.model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+    wrapper = image_text and isinstance(config.to_dict().get("text_config"), dict)
+    only_image_text = image_text and config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES  # Mistral 4
+    return AutoModelForImageTextToText if wrapper or only_image_text else AutoModelForCausalLM
 
 
 def decoder_layers(model, config) -> tuple[str, object]:
