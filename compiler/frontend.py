@@ -793,7 +793,8 @@ def _load_converted(checkpoint: Checkpoint, dtype: str) -> dict:
     Such checkpoints (per-expert MoE weights, for one) are read whole into RAM once instead of streamed.
     """
     import torch
-    from transformers import AutoModelForCausalLM
+
+    from llmc.compiler.multimodal import auto_class
 
     logging.getLogger(__name__).warning(
         "%s: checkpoint tensors need transformers' weight conversion; loading them into RAM instead of streaming",
@@ -802,7 +803,8 @@ def _load_converted(checkpoint: Checkpoint, dtype: str) -> dict:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
-            hf = AutoModelForCausalLM.from_pretrained(checkpoint.path, dtype=getattr(torch, dtype))
+            # the class the build traced (a vision-language wrapper as itself: its state dict's names are the trace's)
+            hf = auto_class(checkpoint.config).from_pretrained(checkpoint.path, dtype=getattr(torch, dtype))
         except OSError as exc:  # the files load_checkpoint indexed are gone (transformers says which)
             raise changed_during_build(checkpoint.path, exc) from None
     return {k: v.detach() for k, v in hf.state_dict().items()}
