@@ -40,22 +40,26 @@ def test_text_only_on_a_text_model_is_a_bad_flag(tiny_llama, tmp_path):
 
 
 def test_cli_text_only_flag_and_manifest(tmp_path):
-    import subprocess
-    import sys
-    from pathlib import Path
+    # The command's own entry (click's runner): a process of its own would add a start of torch, transformers and
+    # torch.export to each command; tests/test_bad_input.py runs the installed console script.
+    from click.testing import CliRunner
 
-    llmc = str(Path(sys.executable).parent / "llmc")
+    from llmc.cli.main import cli
+
+    def llmc(*args):
+        result = CliRunner().invoke(cli, [str(a) for a in args])
+        assert result.exception is None or isinstance(result.exception, SystemExit), repr(result.exception)
+        return result
+
     write_tiny_vlm("idefics3", tmp_path / "ckpt", seed=2)  # no tokenizer: its images refused, --text-only builds
-    refused = subprocess.run([llmc, "build", str(tmp_path / "ckpt"), "-o", str(tmp_path / "e"), "--json"],
-                             capture_output=True, text=True)
-    assert refused.returncode == 3 and "--text-only" in refused.stdout + refused.stderr
-    ok = subprocess.run([llmc, "build", str(tmp_path / "ckpt"), "-o", str(tmp_path / "e"), "--json", "--text-only"],
-                        capture_output=True, text=True)
-    assert ok.returncode == 0, ok.stderr
+    refused = llmc("build", tmp_path / "ckpt", "-o", tmp_path / "e", "--json")
+    assert refused.exit_code == 3 and "--text-only" in refused.stdout + refused.stderr
+    ok = llmc("build", tmp_path / "ckpt", "-o", tmp_path / "e", "--json", "--text-only")
+    assert ok.exit_code == 0, ok.stderr
     manifest = json.loads((tmp_path / "e" / "manifest.json").read_text())
     assert manifest["multimodal"]["wrapper"] == "Idefics3ForConditionalGeneration"
-    shown = subprocess.run([llmc, "inspect", str(tmp_path / "e")], capture_output=True, text=True)
-    assert shown.returncode == 0 and "Idefics3ForConditionalGeneration built --text-only" in shown.stdout
+    shown = llmc("inspect", tmp_path / "e")
+    assert shown.exit_code == 0 and "Idefics3ForConditionalGeneration built --text-only" in shown.stdout
 
 
 @pytest.mark.parametrize("model_type,text_only", [("qwen3_5", False), ("gemma3", True)])
