@@ -100,6 +100,30 @@ def default_engine(tmp_path_factory) -> Path:
     return _engine(tmp_path_factory, "engine-default", DEFAULT_MODEL)
 
 
+def _built(tmp_path_factory, name: str, checkpoint: Path, **options) -> Path:
+    """``checkpoint`` built once per session with exactly ``options`` (no pass verification): for tests in
+    several files that each built the same engine with the same options and only read it."""
+    from llmc.compiler.build import BuildOptions, build
+
+    def make(target: Path) -> None:
+        target.mkdir(parents=True, exist_ok=True)
+        build(checkpoint, target / "engine", BuildOptions(**options))
+
+    return _once(tmp_path_factory, name, make) / "engine"
+
+
+@pytest.fixture(scope="session")
+def tiny_engine_plain(tmp_path_factory, tiny_llama) -> Path:
+    """The tiny checkpoint's CPU engine with the default options (``llmc build`` as a user runs it)."""
+    return _built(tmp_path_factory, "engine-tiny-plain", tiny_llama)
+
+
+@pytest.fixture(scope="session")
+def tiny_cuda_engine(tmp_path_factory, tiny_llama) -> Path:
+    """The tiny checkpoint's CUDA engine for an H100 in float32, its AOT kernels compiled."""
+    return _built(tmp_path_factory, "engine-tiny-cuda-fp32", tiny_llama, target="h100", dtype="float32")
+
+
 @pytest.fixture(scope="session")
 def family_checkpoint(tmp_path_factory):
     """``family_checkpoint(model_type) -> checkpoint``: a tiny random checkpoint of that family, written once."""
@@ -121,3 +145,17 @@ def family_build(tmp_path_factory, family_checkpoint):
         return ckpt, _engine(tmp_path_factory, f"engine-family-{model_type}", ckpt)
 
     return get
+
+
+@pytest.fixture(scope="session")
+def family_cuda_engine(tmp_path_factory, family_checkpoint):
+    """``family_cuda_engine(model_type) -> engine``: that family's tiny checkpoint as a CUDA engine for an H100 in
+    float32 without its AOT kernels (they play no part on the CPU), built once per session
+    (tests/test_cuda_engine.py holds it to transformers; tests/test_tensor_parallel.py uses it as the tp=1 engine)."""
+
+    def get(model_type: str) -> Path:
+        return _built(tmp_path_factory, f"engine-family-cuda-{model_type}", family_checkpoint(model_type),
+                      target="h100", dtype="float32", aot_kernels=False)
+
+    return get
+

@@ -42,10 +42,10 @@ def _gelu(x):
     return 0.5 * x * (1 + np.vectorize(erf)(x / sqrt(2)))
 
 
-def test_a_second_graph_is_emitted_sealed_and_loaded(tiny_llama, tmp_path):
+def test_a_second_graph_is_emitted_sealed_and_loaded(tiny_llama, tiny_engine_plain, tmp_path):
     rng = np.random.default_rng()
     w, b = _projector(tmp_path / "projector.onnx", rng)
-    plain = build(tiny_llama, tmp_path / "plain", BuildOptions())
+    plain_dir = tiny_engine_plain  # the same checkpoint with the same options but the graph (tests/conftest.py)
     both = build(tiny_llama, tmp_path / "both",
                  BuildOptions(extra_graphs=(("projector", str(tmp_path / "projector.onnx")),)))
 
@@ -54,9 +54,9 @@ def test_a_second_graph_is_emitted_sealed_and_loaded(tiny_llama, tmp_path):
     assert entry["model_file"] in both.manifest["files"]
     # The language model is untouched by the graph beside it.
     for f in ("model.onnx", "model.onnx.data"):
-        assert (hashlib.sha256((tmp_path / "plain" / f).read_bytes()).digest()
+        assert (hashlib.sha256((plain_dir / f).read_bytes()).digest()
                 == hashlib.sha256((tmp_path / "both" / f).read_bytes()).digest())
-    assert graph_entries(plain.manifest) == {}
+    assert graph_entries(runtime_artifact.read_manifest(plain_dir)) == {}
     assert runtime_artifact.verify(tmp_path / "both") == []
 
     x = rng.standard_normal((5, w.shape[0])).astype(np.float32)
@@ -69,9 +69,9 @@ def test_a_second_graph_is_emitted_sealed_and_loaded(tiny_llama, tmp_path):
     params = SamplingParams(max_tokens=6, temperature=0.0)
     prompt = [int(t) for t in rng.integers(3, 200, 5)]
     engine = Engine.load(tmp_path / "both")
-    assert engine.generate([prompt], params)[0].token_ids == Engine.load(tmp_path / "plain").generate(
+    assert engine.generate([prompt], params)[0].token_ids == Engine.load(plain_dir).generate(
         [prompt], params)[0].token_ids
-    assert engine.graphs == ["projector"] and Engine.load(tmp_path / "plain").graphs == []
+    assert engine.graphs == ["projector"] and Engine.load(plain_dir).graphs == []
     (again,) = engine.graph("projector").run({"features": x})
     np.testing.assert_array_equal(again, got)
 

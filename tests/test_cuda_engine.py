@@ -38,11 +38,12 @@ def _mean_kl(p_logits: np.ndarray, q_logits: np.ndarray) -> float:
 
 
 @pytest.fixture(scope="module")
-def engines(tmp_path_factory, tiny_llama):
-    out = tmp_path_factory.mktemp("cuda-engines")
-    cuda = build(tiny_llama, out / "h100", BuildOptions(target="h100", dtype="float32"))
-    cpu = build(tiny_llama, out / "cpu", BuildOptions(target="cpu"))
-    return cuda.out_dir, cpu.out_dir, cuda.manifest
+def engines(tiny_cuda_engine, tiny_engine_plain):
+    """The tiny checkpoint's H100 engine in float32 (AOT kernels compiled) and its default CPU engine: session
+    builds (tests/conftest.py) that other files read too; the tests here only read them."""
+    from llmc.runtime.artifact import read_manifest
+
+    return tiny_cuda_engine, tiny_engine_plain, read_manifest(tiny_cuda_engine)
 
 
 def test_manifest_names_the_engine_and_its_aot_kernels(engines):
@@ -333,16 +334,16 @@ def test_cuda_engine_refusals_before_any_work(tmp_path, tiny_llama):
 
 
 @pytest.mark.parametrize("model_type", sorted(SUPPORTED_MODEL_TYPES))
-def test_every_family_cuda_engine_on_cpu_matches_transformers(model_type, family_build, tmp_path):
+def test_every_family_cuda_engine_on_cpu_matches_transformers(model_type, family_build, family_cuda_engine):
     """Every supported family through the CUDA backend (fp32, executed on torch's CPU ops): greedy tokens equal
     transformers', batched equals single, logits within 1e-4 of the family's ONNX Runtime engine. The AOT
-    kernels play no part on the CPU: their compilation is skipped here to keep the suite short."""
+    kernels play no part on the CPU: their compilation is skipped here to keep the suite short (the engine is
+    the session's, tests/conftest.py: tests/test_tensor_parallel.py's tp=1 engine too)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     ckpt, cpu_dir = family_build(model_type)
-    built = build(ckpt, tmp_path / "e", BuildOptions(target="h100", dtype="float32", aot_kernels=False))
-    eng = Engine.load(built.out_dir, device="cpu")
+    eng = Engine.load(family_cuda_engine(model_type), device="cpu")
     hf = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
     seed = int(np.random.SeedSequence().entropy % 2**31)
     rng = np.random.default_rng(seed)

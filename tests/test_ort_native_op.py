@@ -231,17 +231,17 @@ def test_engine_runs_native_without_python_per_layer(tiny_engine):
     assert out["steps"] > 0 and out["calls"] == layers * out["steps"]
 
 
-def test_native_and_pyop_engines_agree(tiny_llama, tmp_path):
+def test_native_and_pyop_engines_agree(tiny_llama, tiny_engine_plain, tmp_path):
     """The same checkpoint built for both routes: identical logits position by position (same C++
-    kernel behind both), identical greedy tokens; the PyOp engine still loads and says what it needs."""
+    kernel behind both), identical greedy tokens; the PyOp engine still loads and says what it needs. The native
+    engine is the session's build of the checkpoint with the default options (tests/conftest.py)."""
     from llmc.compiler.build import BuildOptions, build
     from llmc.runtime import Engine, SamplingParams
 
     build(tiny_llama, tmp_path / "pyop", BuildOptions(attention="pyop"))
     pyop_manifest = json.loads((tmp_path / "pyop" / "manifest.json").read_text())
     assert pyop_manifest["engine"]["custom_ops"] == "onnxruntime_extensions"
-    build(tiny_llama, tmp_path / "native", BuildOptions())
-    engines = [Engine.load(tmp_path / name) for name in ("native", "pyop")]
+    engines = [Engine.load(tiny_engine_plain), Engine.load(tmp_path / "pyop")]
     assert [e._session.custom_ops for e in engines] == [NATIVE, "onnxruntime_extensions"]
     rng = np.random.default_rng(21)
     tokens = rng.integers(3, engines[0].vocab_size, 70).tolist()

@@ -150,24 +150,25 @@ def test_split_rule():
 # The CUDA engine launching the flash kernels
 
 
-def test_engine_launch_path_on_cpu_matches_the_torch_ops(tmp_path, tiny_llama):
+def test_engine_launch_path_on_cpu_matches_the_torch_ops(tiny_cuda_engine):
     """The CUDA engine with its flash attention (prefill, split-KV decode + reduce) and fused kernels launched by
     the session as on a GPU (the Triton interpreter instead of the driver), against the same program on plain torch
     ops: scores of a 12-token prompt (prefill) and greedy tokens (prefill, then decode steps: split-KV over the
     session's split count)."""
-    from llmc.compiler.build import BuildOptions, build
     from llmc.runtime import Engine, SamplingParams
+    from llmc.runtime.artifact import read_manifest
     from llmc.runtime.workers.cuda.session import CudaSession
 
-    built = build(tiny_llama, tmp_path / "g", BuildOptions(target="h100", dtype="float32"))
-    variants = {k["variant"] for k in built.manifest["engine"]["kernels"] if k.get("op") == "paged_attention"}
+    # the tiny checkpoint's H100 engine in float32, its AOT kernels compiled: the session's (tests/conftest.py)
+    manifest = read_manifest(tiny_cuda_engine)
+    variants = {k["variant"] for k in manifest["engine"]["kernels"] if k.get("op") == "paged_attention"}
     assert variants == set(fr.VARIANTS)
-    eng = Engine.load(built.out_dir, device="cpu")
+    eng = Engine.load(tiny_cuda_engine, device="cpu")
     rng = np.random.default_rng(int(np.random.SeedSequence().entropy % 2**32))
     ids = [int(x) for x in rng.integers(3, eng.vocab_size, 12)]
     plain_tokens = eng.generate([ids[:9]], SamplingParams(max_tokens=6, ignore_eos=True))[0].token_ids
     plain = eng.score(ids)
-    session = CudaSession(built.out_dir, eng.manifest, device="cpu", interpret_kernels=True)
+    session = CudaSession(tiny_cuda_engine, eng.manifest, device="cpu", interpret_kernels=True)
     assert session._flash  # the attention configurations run the flash kernels
     launched = []
     for kernel in session.kernels.values():

@@ -193,13 +193,16 @@ def test_each_rank_holds_one_nth_of_the_split_weights(llama_engines):
 
 
 @pytest.fixture(scope="module")
-def family_engine(tmp_path_factory, family_checkpoint):
+def family_engine(tmp_path_factory, family_checkpoint, family_cuda_engine):
     """``family_engine(model_type, tp, ep=False) -> engine dir``, each built once per module (the tp=1 engine is
-    shared by the tensor- and expert-parallel tests of a family)."""
+    shared by the tensor- and expert-parallel tests of a family, and is the session's: tests/conftest.py, the
+    engine tests/test_cuda_engine.py holds to transformers, built with these options)."""
     built: dict = {}
 
     def get(model_type: str, tp: int, ep: bool = False):
         key = (model_type, tp, ep)
+        if tp == 1 and not ep:
+            return family_cuda_engine(model_type)
         if key not in built:
             out = tmp_path_factory.mktemp(f"tp-{model_type}-{tp}{'-ep' if ep else ''}")
             built[key] = _build(family_checkpoint(model_type), out / "engine", tp, ep=ep).out_dir
