@@ -22,16 +22,33 @@ def checked(monkeypatch, tmp_path):
     monkeypatch.setenv("LLMC_CACHE_DIR", str(tmp_path / "cache"))
 
 
-def test_every_build_checks_its_architecture_once_then_from_the_cache(checked, tmp_path, tiny_llama):
-    first = build(tiny_llama, tmp_path / "a", BuildOptions())
-    assert first.report["self_check"]["result"] == "passed"
-    info = first.build_info["self_check"]
+@pytest.fixture(scope="module")
+def first_checked(tmp_path_factory, tiny_llama):
+    """The tiny checkpoint's first build with the self-check on, through the CLI, into a cache of its own: the
+    twin is built and held to transformers once for this file's two tests of it."""
+    root = tmp_path_factory.mktemp("checked")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("LLMC_SELF_CHECK", "1")
+        mp.setenv("LLMC_CACHE_DIR", str(root / "cache"))
+        result = CliRunner().invoke(cli, ["build", str(tiny_llama), "-o", str(root / "e"), "--json", "-q"])
+    return root, result
+
+
+def test_every_build_checks_its_architecture_once_then_from_the_cache(first_checked, checked, tmp_path, tiny_llama,
+                                                                      monkeypatch):
+    root, result = first_checked
+    assert result.exit_code == 0, result.output
+    monkeypatch.setenv("LLMC_CACHE_DIR", str(root / "cache"))  # where the first build recorded its check
+    first = json.loads((root / "e" / "report.json").read_text())
+    assert first["self_check"]["result"] == "passed"
+    info = json.loads((root / "e" / "build_info.json").read_text())["self_check"]
     assert info["status"] == "passed" and info["max_logprob_error"] < 1e-4 and info["max_logit_rel_error"] < 1e-4
-    twin = first.report["self_check"]["twin_config"]
+    twin = first["self_check"]["twin_config"]
     assert twin["model_type"] == "llama" and twin["num_hidden_layers"] == 2
     again = build(tiny_llama, tmp_path / "b", BuildOptions(block_size=16))
     assert again.build_info["self_check"]["status"] == "cached"  # no twin built: the record answered
-    assert again.report["self_check"] == first.report["self_check"]  # sealed files stay deterministic
+    # sealed files stay deterministic
+    assert json.loads((tmp_path / "b" / "report.json").read_text())["self_check"] == first["self_check"]
     # another lowering (a CUDA engine) is another check
     cuda = build(tiny_llama, tmp_path / "c", BuildOptions(target="h100", dtype="float32", aot_kernels=False))
     assert cuda.build_info["self_check"]["status"] == "passed"
@@ -65,10 +82,10 @@ def test_a_lowering_that_drops_a_bias_is_stopped_and_named(checked, tmp_path):
     assert not (tmp_path / "e").exists()
 
 
-def test_cli_build_records_the_check_in_the_report(checked, tmp_path, tiny_llama):
-    r = CliRunner().invoke(cli, ["build", str(tiny_llama), "-o", str(tmp_path / "e"), "--json", "-q"])
+def test_cli_build_records_the_check_in_the_report(first_checked):
+    root, r = first_checked
     assert r.exit_code == 0, r.output
-    report = json.loads((tmp_path / "e" / "report.json").read_text())
+    report = json.loads((root / "e" / "report.json").read_text())
     assert report["self_check"]["result"] == "passed"
 
 
