@@ -159,3 +159,32 @@ def family_cuda_engine(tmp_path_factory, family_checkpoint):
 
     return get
 
+
+@pytest.fixture(scope="session")
+def vlm_checked_image_build(tmp_path_factory):
+    """``vlm_checked_image_build(model_type) -> root``: the tiny vision-language checkpoint of that family (seed 5)
+    with its image processor in ``root / "ckpt"``, built with the default options (its vision encoder too) and the
+    architecture self-check on, into a cache of its own, in ``root / "engine"``; once per session
+    (tests/test_vlm_text.py reads its check, tests/test_vlm_qwen_images.py runs the engine)."""
+
+    def get(model_type: str) -> Path:
+        def make(target: Path) -> None:
+            from llmc.compiler.build import BuildOptions, build
+            from llmc.testing.vlm import write_processor, write_tiny_vlm
+
+            write_tiny_vlm(model_type, target / "ckpt", seed=5)
+            write_processor(model_type, target / "ckpt")
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setenv("LLMC_SELF_CHECK", "1")
+                mp.setenv("LLMC_CACHE_DIR", str(target / "cache"))
+                build(target / "ckpt", target / "engine", BuildOptions())
+
+        return _once(tmp_path_factory, f"vlm-checked-{model_type}", make)
+
+    return get
+
+
+def same_checkpoint(a: Path, b: Path) -> bool:
+    """Whether two checkpoint directories hold the same config and weights, byte for byte."""
+    names = ("config.json", "model.safetensors")
+    return all((a / n).read_bytes() == (b / n).read_bytes() for n in names)

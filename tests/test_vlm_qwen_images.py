@@ -11,12 +11,14 @@ the Gated DeltaNet state carried between them)."""
 from __future__ import annotations
 
 import io
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 from llmc.compiler.build import BuildOptions, build
 from llmc.runtime import Engine, SamplingParams
+from llmc.runtime.artifact import read_manifest
 from llmc.runtime.graphs import load_graph
 from llmc.runtime.mrope import positions_of, prompt_positions
 from llmc.runtime.vision.qwen_grid import encoder_inputs
@@ -29,10 +31,19 @@ SIZES = [(96, 128), (160, 96), (64, 224)]  # (height, width) pixels: 12, 15 and 
 
 
 @pytest.fixture(scope="module", params=["qwen3_5", "qwen3_vl"])
-def qwen(request, tmp_path_factory):
+def qwen(request, tmp_path_factory, vlm_checked_image_build):
     root = tmp_path_factory.mktemp(request.param)
     hf = write_tiny_vlm(request.param, root / "ckpt", seed=5)
     processor = write_processor(request.param, root / "ckpt")
+    if request.param == "qwen3_5":
+        # The session's build of this same checkpoint (tests/conftest.py; tests/test_vlm_text.py reads its
+        # self-check): the same default options, so the same engine.
+        from tests.conftest import same_checkpoint
+
+        shared = vlm_checked_image_build(request.param)
+        assert same_checkpoint(root / "ckpt", shared / "ckpt")
+        engine = shared / "engine"
+        return hf, processor, SimpleNamespace(manifest=read_manifest(engine)), engine
     built = build(root / "ckpt", root / "engine", BuildOptions())
     return hf, processor, built, root / "engine"
 

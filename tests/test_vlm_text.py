@@ -63,20 +63,25 @@ def test_cli_text_only_flag_and_manifest(tmp_path):
 
 
 @pytest.mark.parametrize("model_type,text_only", [("qwen3_5", False), ("gemma3", True)])
-def test_vision_language_builds_pass_the_self_check(model_type, text_only, tmp_path, monkeypatch):
+def test_vision_language_builds_pass_the_self_check(model_type, text_only, tmp_path, monkeypatch,
+                                                    vlm_checked_image_build):
     """A user's build runs the self-check: the twin of a wrapper is the wrapper (text model shrunk, encoders cut to
-    one layer; an image build's twin with its encoder graph) and must match transformers on text."""
-    from llmc.testing.vlm import write_processor
-
-    monkeypatch.setenv("LLMC_SELF_CHECK", "1")
-    monkeypatch.setenv("LLMC_CACHE_DIR", str(tmp_path / "cache"))
-    write_tiny_vlm(model_type, tmp_path / "ckpt", seed=5)
+    one layer; an image build's twin with its encoder graph) and must match transformers on text. The image build
+    is the session's (tests/conftest.py: built with the check on, in a cache of its own; tests/test_vlm_qwen_images.py
+    runs its engine)."""
     if not text_only:
-        write_processor(model_type, tmp_path / "ckpt")
-    built = build(tmp_path / "ckpt", tmp_path / "engine", BuildOptions(text_only=text_only))
-    assert ("vision_encoder" in built.manifest.get("graphs", {})) is not text_only
-    assert built.report["self_check"]["result"] == "passed"
-    assert built.build_info["self_check"]["status"] == "passed"
+        root = vlm_checked_image_build(model_type)
+        manifest, report, info = (json.loads((root / "engine" / f).read_text())
+                                  for f in ("manifest.json", "report.json", "build_info.json"))
+    else:
+        monkeypatch.setenv("LLMC_SELF_CHECK", "1")
+        monkeypatch.setenv("LLMC_CACHE_DIR", str(tmp_path / "cache"))
+        write_tiny_vlm(model_type, tmp_path / "ckpt", seed=5)
+        built = build(tmp_path / "ckpt", tmp_path / "engine", BuildOptions(text_only=text_only))
+        manifest, report, info = built.manifest, built.report, built.build_info
+    assert ("vision_encoder" in manifest.get("graphs", {})) is not text_only
+    assert report["self_check"]["result"] == "passed"
+    assert info["self_check"]["status"] == "passed"
 
 
 @pytest.mark.parametrize("model_type", ["qwen3_5", "gemma3", "llama4"])
