@@ -15,7 +15,8 @@ import pytest
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "family_sweep.py"
 
 # model_type -> (outcome, a phrase (or phrases) its reason must contain); one family per mechanism. BUILT families
-# trace and build (tens of seconds each); QUICK ones end before tracing and share one sweep run.
+# trace and build (tens of seconds each); QUICK ones end before tracing. All of them, and VARIANTS, share one sweep
+# run (the ``sweep`` fixture).
 BUILT = {
     "qwen2": ("match", ""),  # the reference family at its defaults (Q/K/V biases, grouped-query attention)
     # caught by the self-check, which names the mechanism and where it first sees it
@@ -49,18 +50,29 @@ def _check(model_type: str, row: dict, expected: tuple, table: str) -> None:
     assert f"| {model_type} | {outcome} |" in table
 
 
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory):
+    """One run of the sweep over every family this file expects an outcome of (BUILT, QUICK and VARIANTS below),
+    two at a time, each in a process of its own as the sweep always runs them: one start of the sweep itself, not
+    six. Each test checks its families' rows, the table and the sweep's exit status."""
+    families = sorted({**BUILT, **QUICK, **VARIANTS})
+    rows, table, proc = _sweep(families, tmp_path_factory.mktemp("sweep"), jobs=2)
+    assert set(rows) == set(families) and f"**{len(families)} of" in table, (sorted(rows), proc.stderr[-2000:])
+    return rows, table, proc
+
+
 @pytest.mark.parametrize("model_type", sorted(BUILT))
-def test_sweep_outcome(model_type, tmp_path):
-    rows, table, proc = _sweep([model_type], tmp_path)
+def test_sweep_outcome(model_type, sweep):
+    rows, table, proc = sweep
     _check(model_type, rows[model_type], BUILT[model_type], table)
-    assert proc.returncode == 0 and "1 of" in table, proc.stderr[-2000:]
+    assert proc.returncode == 0, proc.stderr[-2000:]
 
 
-def test_sweep_outcomes_before_tracing(tmp_path):
-    rows, table, proc = _sweep(sorted(QUICK), tmp_path, jobs=2)
+def test_sweep_outcomes_before_tracing(sweep):
+    rows, table, proc = sweep
     for model_type, expected in QUICK.items():
         _check(model_type, rows[model_type], expected, table)
-    assert proc.returncode == 0 and f"{len(QUICK)} of" in table, proc.stderr[-2000:]
+    assert proc.returncode == 0, proc.stderr[-2000:]
 
 
 def test_mechanisms_are_named_from_config_fields_and_module_classes():
@@ -164,13 +176,8 @@ VARIANTS = {
 }
 
 
-def test_sweep_knob_variants(tmp_path):
-    out = tmp_path / "sweep.json"
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--families", ",".join(VARIANTS), "--json", str(out),
-                           "--md", str(tmp_path / "sweep.md"), "--timeout", "240", "--jobs", "2"],
-                          capture_output=True, text=True)
-    rows = json.loads(out.read_text())["rows"]
-    table = (tmp_path / "sweep.md").read_text()
+def test_sweep_knob_variants(sweep):
+    rows, table, proc = sweep
     for name, expected in VARIANTS.items():
         _check(name, rows[name], expected, table)
     assert proc.returncode == 0, proc.stderr[-2000:]
