@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -188,3 +189,33 @@ def same_checkpoint(a: Path, b: Path) -> bool:
     """Whether two checkpoint directories hold the same config and weights, byte for byte."""
     names = ("config.json", "model.safetensors")
     return all((a / n).read_bytes() == (b / n).read_bytes() for n in names)
+
+# xdist's default ("load") hands tests out in chunks, so a module's tests often land on both workers: each worker
+# then sets up the module's module-scoped fixtures (a build, a server, a Ray instance) again, or waits idle on the
+# other's lock for a session fixture the module shares across workers (tests/test_build_cache.py's cached build);
+# 9 modules were split so in one run. xdist's loadgroup cannot keep them together here (it tags Item._nodeid, which
+# pytest 9 no longer reads). This scheduler keeps each test module that defines a module-, class- or session-scoped
+# fixture on one worker and hands out every other test one at a time; the modules go first (most tests first), the
+# single tests fill in behind them. With --dist load (xdist's default) only; any other --dist is xdist's own.
+_SHARED_SCOPE = re.compile(r"""scope\s*=\s*["'](?:module|class|session)["']""")
+
+
+def pytest_xdist_make_scheduler(config, log):
+    if config.getvalue("dist") != "load":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    grouped: dict[str, bool] = {}
+
+    def has_shared_fixture(module: str) -> bool:
+        if module not in grouped:
+            path = Path(config.rootpath) / module
+            grouped[module] = path.suffix == ".py" and path.is_file() and bool(_SHARED_SCOPE.search(path.read_text()))
+        return grouped[module]
+
+    class ModuleFixtureScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return module if has_shared_fixture(module) else nodeid
+
+    return ModuleFixtureScheduling(config, log)
