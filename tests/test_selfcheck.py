@@ -188,13 +188,16 @@ def test_scratch_of_a_dead_owner_is_removed_and_live_or_unmarked_scratch_stays(t
     assert (new / OWNER_FILE).read_text() == str(os.getpid())
 
 
-def test_a_killed_builds_calibration_spill_is_removed_by_the_next_build(tmp_path, tiny_llama):
+def test_a_killed_builds_calibration_spill_is_removed_by_the_next_build(tmp_path, tiny_llama, monkeypatch):
     """The INT4 calibration spill (quant/stage.py: an 8B layer's weights waiting on disk) names its owner like the
     self-check's scratch: a build finds the spill of a dead build beside its own and removes it, leaves a live
-    process's, and removes its own when done."""
+    process's, and removes its own when done. The build runs through the CLI's entry in this process, its
+    temporary directory moved as TMPDIR would move a process's (a process of its own would add a start of torch,
+    transformers and torch.export); the live owner is another process, this one's parent."""
     import os
     import subprocess
     import sys
+    import tempfile
 
     from llmc.quant.stage import SPILL_PREFIX
     from llmc.scratch import OWNER_FILE
@@ -203,17 +206,18 @@ def test_a_killed_builds_calibration_spill_is_removed_by_the_next_build(tmp_path
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     spills = {}
-    for name, owner in (("orphan", dead.pid), ("live", os.getpid())):
+    for name, owner in (("orphan", dead.pid), ("live", os.getppid())):
         d = tmp / (SPILL_PREFIX + name)
         d.mkdir(parents=True)
         (d / "layer_0.npz").write_bytes(b"x" * 1024)
         (d / OWNER_FILE).write_text(str(owner))
         spills[name] = d
-    env = {**os.environ, "TMPDIR": str(tmp)}
-    p = subprocess.run([sys.executable, "-m", "llmc.cli.main", "build", str(tiny_llama), "-o", str(tmp_path / "e"),
-                        "--cache-dir", str(tmp_path / "cache"), "--quant", "int4-awq", "--calib-samples", "4",
-                        "--calib-seq-len", "32", "-q"],
-                       capture_output=True, text=True, env=env, timeout=600)
-    assert p.returncode == 0, p.stderr
+    monkeypatch.setenv("TMPDIR", str(tmp))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp))  # tempfile read TMPDIR once, when this process first asked
+    r = CliRunner().invoke(cli, ["build", str(tiny_llama), "-o", str(tmp_path / "e"), "--cache-dir",
+                                 str(tmp_path / "cache"), "--quant", "int4-awq", "--calib-samples", "4",
+                                 "--calib-seq-len", "32", "-q"])
+    assert r.exit_code == 0, r.stderr
+    assert r.exception is None or isinstance(r.exception, SystemExit), repr(r.exception)
     assert not spills["orphan"].exists() and spills["live"].exists()
     assert sorted(d.name for d in tmp.glob(SPILL_PREFIX + "*")) == [SPILL_PREFIX + "live"]
