@@ -167,15 +167,17 @@ def test_checkpoint_deleted_during_the_build(model_type, stage, family_checkpoin
     _no_cache_entry(cache)
 
 
-def test_self_check_scratch_space_on_a_full_disk(tiny_llama, full_disk, tmp_path):
+def test_self_check_scratch_space_on_a_full_disk(tiny_llama, full_disk, tmp_path, monkeypatch):
     """The self-check writes its random twin (checkpoint and engine) under TMPDIR; safetensors reports the full
-    disk in its own exception type, which must still end in one line."""
-    import sys
+    disk in its own exception type, which must still end in one line. The build runs through the CLI's entry in
+    this process, tempfile's directory moved as TMPDIR moves a process's (the self-check's worker inherits TMPDIR)."""
+    import tempfile
 
-    env = dict(os.environ, TMPDIR=str(full_disk), LLMC_SELF_CHECK="1")
+    monkeypatch.setenv("TMPDIR", str(full_disk))
+    monkeypatch.setenv("LLMC_SELF_CHECK", "1")
+    monkeypatch.setattr(tempfile, "tempdir", str(full_disk))  # tempfile read TMPDIR once, when first asked
     out = tmp_path / "engine"
-    proc = subprocess.run([sys.executable, "-m", "llmc.cli.main", "build", str(tiny_llama), "-o", str(out),
-                           "--cache-dir", str(tmp_path / "cache"), "-q"], capture_output=True, text=True, env=env)
-    _assert_one_line(proc.returncode, proc.stderr, *_NO_SPACE, str(full_disk), "TMPDIR")
+    code, err = _llmc("build", tiny_llama, "-o", out, "--cache-dir", tmp_path / "cache", "-q")
+    _assert_one_line(code, err, *_NO_SPACE, str(full_disk), "TMPDIR")
     _no_leftovers(out)
     _no_cache_entry(tmp_path / "cache")
