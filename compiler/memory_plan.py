@@ -4,8 +4,9 @@ refuses a build that cannot fit before any work, and sizes what it can.
 A build holds one decoder layer at a time (the traced graph's weights are lazy; calibration and the accuracy report
 go layer by layer), so its peak is the toolchain's own footprint plus the larger of
 
-- scoring: the largest stage's weights in float32, twice (the arrays and ONNX Runtime's pre-packed copy), and the
-  activations a round of windows keeps between layers;
+- scoring: the largest stage's weights in float32, twice (the arrays and ONNX Runtime's pre-packed copy), the
+  activations a round of windows keeps between layers, and the working activations of one step of windows run
+  together (llmc.quant.layerwise's groups: at most ``GROUP_TOKENS`` tokens, the MLP's widest values);
 - calibration (recipes that calibrate): the layer in float32 twice (the torch module and the statistics' copy),
   one Gram matrix per linear (AWQ, GPTQ: K x K float32), and the calibration set's activations at the layer's
   widest input.
@@ -18,12 +19,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from llmc.quant.layer_names import layer_of
+from llmc.quant.layerwise import LayerwiseScorer
 
 GB = 1 << 30
 # Python, torch, transformers, ONNX Runtime and the traced graph of a large model, measured: 0.55 GB at the
 # 1B shape's passes stage; rounded up for larger graphs and allocator slack.
 BASE = 1 * GB
 ROUND_TOKENS = 4096  # the accuracy report's default token limit (quant.evaluate.Precision.max_tokens)
+GROUP_TOKENS = LayerwiseScorer.BATCH_TOKENS  # held-out windows run together as one scoring step
 
 
 @dataclass
@@ -63,7 +66,8 @@ def estimate(tensors: dict, config: dict, recipe, round_tokens: int = ROUND_TOKE
     size = layers.get(largest, 0)
     hidden = int(config.get("hidden_size") or config.get("n_embd") or config.get("d_model") or 0)
     vocab = int(config.get("vocab_size") or 0)
-    scoring = 2 * size + round_tokens * 4 * (4 * hidden + 2 * vocab)
+    scoring = 2 * size + round_tokens * 4 * (4 * hidden + 2 * vocab) + step_bytes(min(round_tokens, GROUP_TOKENS),
+                                                                               config)
     calibration = 0
     if recipe.enabled and recipe.needs_calibration():
         tokens = recipe.calib_samples * recipe.calib_seq_len
@@ -101,9 +105,23 @@ def check(limit: int | None, tensors: dict, config: dict, recipe) -> tuple[Estim
     return est, max(MIN_ROUND, tokens_that_fit(limit, est, config))
 
 
+def step_bytes(tokens: int, config: dict) -> int:
+    """float32 working values of one scoring step of ``tokens`` tokens: the MLP's gate, up and product
+    ``[tokens, intermediate]`` and two hidden-wide values (the step's logits are counted with the round's)."""
+    hidden = int(config.get("hidden_size") or config.get("n_embd") or config.get("d_model") or 0)
+    inter = config.get("intermediate_size") or config.get("n_inner") or config.get("ffn_dim") or 4 * hidden
+    inter = max(inter) if isinstance(inter, list) else int(inter)
+    return tokens * 4 * (3 * inter + 2 * hidden)
+
+
 def tokens_that_fit(limit: int, est: Estimate, config: dict) -> int:
-    """Tokens a round of the accuracy report may hold under ``limit`` bytes beside the largest stage."""
+    """Tokens a round of the accuracy report may hold under ``limit`` bytes beside the largest stage and the
+    working values of a step of as many tokens (at most ``GROUP_TOKENS``)."""
     hidden = int(config.get("hidden_size") or config.get("n_embd") or config.get("d_model") or 1)
     vocab = int(config.get("vocab_size") or 1)
     room = limit - BASE - 2 * est.largest_bytes
-    return max(0, room // (4 * (4 * hidden + 2 * vocab)))
+    per_token = 4 * (4 * hidden + 2 * vocab)
+    grouped = step_bytes(1, config)
+    if room <= GROUP_TOKENS * (per_token + grouped):  # rounds of at most a group: a step's values per token too
+        return max(0, room // (per_token + grouped))
+    return max(0, (room - step_bytes(GROUP_TOKENS, config)) // per_token)

@@ -233,14 +233,28 @@ class KVShape:
 def window_feeds(ids: list[int], block_size: int) -> dict[str, np.ndarray]:
     """The graph inputs of one window scored as one prefill step on blocks ``0..``, as ``Engine.score`` feeds them
     (``rope_lengths``: every token's sequence length, for graphs that take it)."""
-    n = len(ids)
-    p = np.arange(n, dtype=np.int64)
-    table = np.arange(-(-n // block_size), dtype=np.int64)
-    return {"input_ids": np.asarray(ids, np.int64), "positions": p,
-            "slot_mapping": table[p // block_size] * block_size + p % block_size,
-            "block_tables": table[None, :], "context_lens": np.asarray([n], np.int64),
-            "query_start_loc": np.asarray([0, n], np.int64), "logits_indices": p,
-            "rope_lengths": np.full(n, n, np.int64), "lora_slots": np.zeros(n, np.int64)}
+    return batch_feeds([ids], block_size)
+
+
+def batch_feeds(windows: list[list[int]], block_size: int) -> dict[str, np.ndarray]:
+    """The graph inputs of several windows scored together as one prefill step of as many sequences (the engine's
+    continuous batching): window ``i`` is sequence ``i``, alone on its own blocks (after window ``i - 1``'s), every
+    token's logits row wanted."""
+    lens = np.asarray([len(w) for w in windows], np.int64)
+    blocks = -(-lens // block_size)
+    first = np.concatenate([[0], np.cumsum(blocks)[:-1]]).astype(np.int64)
+    p = np.concatenate([np.arange(n, dtype=np.int64) for n in lens])
+    start = np.repeat(first, lens)
+    table = np.zeros((len(windows), int(blocks.max())), np.int64)
+    for i, (f, b) in enumerate(zip(first, blocks, strict=True)):
+        table[i, :b] = np.arange(f, f + b)
+    total = int(lens.sum())
+    return {"input_ids": np.asarray([t for w in windows for t in w], np.int64), "positions": p,
+            "slot_mapping": (start + p // block_size) * block_size + p % block_size,
+            "block_tables": table, "context_lens": lens,
+            "query_start_loc": np.concatenate([[0], np.cumsum(lens)]).astype(np.int64),
+            "logits_indices": np.arange(total, dtype=np.int64),
+            "rope_lengths": np.repeat(lens, lens), "lora_slots": np.zeros(total, np.int64)}
 
 
 class LayerwiseScorer:
@@ -251,9 +265,13 @@ class LayerwiseScorer:
     with the process's resident memory."""
 
     PROGRESS_S = 10.0
+    # Windows run together up to these: 2048 tokens keep an 8B layer's activations (the MLP's [tokens, 14336]
+    # float32 values) near 0.5 GB; the logits of a group are whole in float32.
+    BATCH_TOKENS = 2048
+    BATCH_LOGITS_BYTES = 256 << 20
 
     def __init__(self, model: ir.Model, custom_ops: str, kv: KVShape, name: str = "model",
-                 progress: Callable[[str], None] | None = None) -> None:
+                 progress: Callable[[str], None] | None = None, batch_tokens: int | None = None) -> None:
         self.model = model
         self.stages = partition(model)
         self.custom_ops = custom_ops
@@ -266,51 +284,109 @@ class LayerwiseScorer:
         self.fixed = {v.name: np.zeros([int(d) for d in v.shape], v.dtype.numpy()) for v in model.graph.inputs
                       if v.shape is not None and v.shape.rank() > 0 and all(isinstance(d, int) for d in v.shape)}
         self.output = model.graph.outputs[0].name
+        self.batch_tokens = batch_tokens or self.BATCH_TOKENS
         self.session_seconds = 0.0
         self.run_seconds = 0.0
 
     def largest_stage_bytes(self) -> int:
         return max(s.weight_bytes() for s in self.stages)
 
-    def _defaults(self, ids: list[int]) -> dict[str, np.ndarray]:
-        """Feeds of an image build's language model for a text window: no image rows, and M-RoPE positions of text
-        (every axis the token's position)."""
+    def _defaults(self, positions: np.ndarray) -> dict[str, np.ndarray]:
+        """Feeds of an image build's language model for text tokens at ``positions``: no image rows, and M-RoPE
+        positions of text (every axis the token's position)."""
         out: dict[str, np.ndarray] = {}
+        n = len(positions)
         if "image_rows" in self.graph_inputs:
             width = next(int(v.shape[1]) for v in self.model.graph.inputs if v.name == "image_embeds")
             out.update(image_rows=np.zeros(0, np.int64), image_embeds=np.zeros((0, width), np.float32))
         if "attend_end" in self.graph_inputs:  # causal everywhere
-            out["attend_end"] = np.zeros(len(ids), np.int64)
+            out["attend_end"] = np.zeros(n, np.int64)
         if "mrope_positions" in self.graph_inputs:
-            out["mrope_positions"] = np.broadcast_to(np.arange(len(ids), dtype=np.int64), (3, len(ids))).copy()
+            out["mrope_positions"] = np.broadcast_to(positions, (3, n)).copy()
         return out
 
-    def _inputs(self, windows: list[list[int]], extras: list[dict[str, np.ndarray]] | None = None):
-        """The scoring pool, each window's feeds (``extras[i]``: window ``i``'s further inputs, e.g. its image rows)
-        and the recurrent state (None without recurrent layers)."""
+    def batches(self, windows: list[list[int]]) -> list[list[int]]:
+        """Window indices in the groups run as one step each: consecutive windows up to ``batch_tokens`` tokens
+        and ``BATCH_LOGITS_BYTES`` of float32 logits (at least one window a group)."""
+        vocab = self.model.graph.outputs[0].shape[-1] if self.model.graph.outputs[0].shape is not None else None
+        limit = self.batch_tokens
+        if isinstance(vocab, int) and vocab > 0:
+            limit = min(limit, self.BATCH_LOGITS_BYTES // (4 * vocab))
+        out: list[list[int]] = []
+        tokens = 0
+        for i, w in enumerate(windows):
+            if out and tokens + len(w) <= limit:
+                out[-1].append(i)
+                tokens += len(w)
+            else:
+                out.append([i])
+                tokens = len(w)
+        return out
+
+    def _inputs(self, windows: list[list[int]], groups: list[list[int]],
+                extras: list[dict[str, np.ndarray]] | None = None):
+        """The scoring pool, each group's feeds (``extras[i]``: window ``i``'s further inputs, e.g. its image rows,
+        for a group of that window alone) and the recurrent state (None without recurrent layers).
+
+        Every group has blocks of its own, so a layer's cache holds every window's keys and values once its stage
+        has run (a KV-shared layer of a later stage reads them); the pool is allocated zeroed, untouched (pages
+        the kernel maps on first write), and a layer's arrays are dropped once its last reader has run."""
         from llmc.runtime.core.kv_cache import KVPool
 
         kv = self.kv
-        blocks = max(-(-len(w) // kv.block_size) for w in windows)
-        pool = KVPool.allocate(kv.num_layers, blocks, kv.num_kv_heads, kv.block_size, kv.head_size, kv.dtype,
+        group_feeds: list[dict[str, np.ndarray]] = []
+        offset = 0
+        for g in groups:
+            f = {**self.fixed, **batch_feeds([windows[i] for i in g], kv.block_size)}
+            f.update(self._defaults(f["positions"]))
+            if extras is not None:
+                if len(g) != 1:
+                    raise ValueError("windows with extra inputs are scored a window a group")
+                f.update(extras[g[0]])
+            f["slot_mapping"] = f["slot_mapping"] + offset * kv.block_size
+            f["block_tables"] = f["block_tables"] + offset
+            offset += sum(-(-len(windows[i]) // kv.block_size) for i in g)
+            group_feeds.append(f)
+        pool = KVPool.allocate(kv.num_layers, offset, kv.num_kv_heads, kv.block_size, kv.head_size, kv.dtype,
                                kv.layers)
-        feeds = [{**self.fixed, **window_feeds(w, kv.block_size), **self._defaults(w),
-                  **(extras[i] if extras is not None else {})} for i, w in enumerate(windows)]
-        # Recurrent layers (hybrid models): one state slot serves every window. Each window is its sequence's whole
+        # Recurrent layers (hybrid models): a state slot per window of a group. Each window is its sequence's whole
         # context in one step, so the ops start it from a zero state and carry the state through the window, as a
-        # whole-sequence prefill does; the next window (in this stage or a later one) starts over in the same slot.
+        # whole-sequence prefill does; the next group (in this stage or a later one) starts over in the same slots.
         state = None
         if kv.state is not None:
             from llmc.runtime.core.state_cache import StatePool
 
-            state = StatePool.allocate(kv.state, 1).arrays
-            for f in feeds:
-                f["state_slots"] = np.zeros(1, np.int64)
-        return pool, feeds, state
+            state = StatePool.allocate(kv.state, max(len(g) for g in groups)).arrays
+            for g, f in zip(groups, group_feeds, strict=True):
+                f["state_slots"] = np.arange(len(g), dtype=np.int64)
+        return pool, group_feeds, state
+
+    def _release_layers(self, pool, done_stage: int) -> None:
+        """Replace the caches no stage after ``done_stage`` reads with fresh untouched zeros (a new list: the
+        native kernels rebind on a new pool object), so that only the running layers' caches are resident."""
+        from llmc.runtime.core.kv_cache import layer_geometry
+
+        kv = self.kv
+        geometry = layer_geometry(kv.num_layers, kv.num_kv_heads, kv.head_size, kv.layers)
+        last = {}
+        for i, (owner, _, _) in enumerate(geometry):
+            last[owner] = max(last.get(owner, -1), i)
+        layers = list(pool.layers)
+        fresh = {}
+        for i, (owner, _, _) in enumerate(geometry):
+            if last[owner] <= done_stage:
+                if owner not in fresh:
+                    k = layers[owner][0]
+                    fresh[owner] = (np.zeros(k.shape, k.dtype), np.zeros(k.shape, k.dtype))
+                layers[i] = fresh[owner]
+        if fresh:
+            pool.layers = layers
 
     def run(self, windows: list[list[int]], prefetch: bool = False,
             extras: list[dict[str, np.ndarray]] | None = None) -> list[np.ndarray]:
-        """float32 logits ``[len(w), vocab]`` of every window ``w`` (each scored alone, as ``Engine.score`` does).
+        """float32 logits ``[len(w), vocab]`` of every window ``w`` (each its own sequence, as ``Engine.score``
+        scores it; windows run together a group a step, :meth:`batches`: a stage's weights, an FP8 stage's
+        dequantized ones included, are made once a group, not once a window).
 
         Where ONNX Runtime copies a session's external initializers (:mod:`llmc.quant.ort_copies`), the arrays are
         dropped once the session is made (one layer's weights less resident while it runs). With ``prefetch`` the
@@ -323,8 +399,9 @@ class LayerwiseScorer:
 
         if not windows:
             return []
-        pool, feeds, state = self._inputs(windows, extras)
-        carried: list[dict[str, np.ndarray]] = [{} for _ in windows]
+        groups = [[i] for i in range(len(windows))] if extras is not None else self.batches(windows)
+        pool, feeds, state = self._inputs(windows, groups, extras)
+        carried: list[dict[str, np.ndarray]] = [{} for _ in groups]
         # After which stage each carried value is read for the last time.
         last_use: dict[str, int] = {}
         for i, stage in enumerate(self.stages):
@@ -347,6 +424,8 @@ class LayerwiseScorer:
                 self._run_stage(session, stage, i, carried, feeds, pool, state, last_use)
                 self.run_seconds += time.perf_counter() - t
                 del session
+                if stage.index >= 0:
+                    self._release_layers(pool, stage.index)
                 if drop:
                     release_freed_memory()
                 elapsed = time.perf_counter() - start
@@ -355,7 +434,14 @@ class LayerwiseScorer:
 
                     self.say(f"        {self.name}: stage {i + 1}/{len(self.stages)} of {len(windows)} windows, "
                              f"{elapsed:.0f}s, {rss_gb():.1f} GB resident")
-        return [values.pop(self.output) for values in carried]
+        out: list[np.ndarray] = []
+        for g, values in zip(groups, carried, strict=True):
+            logits = values.pop(self.output)
+            if len(g) == 1:
+                out.append(logits)
+            else:  # owned copies: a window's rows alone, not a view keeping the group's logits alive
+                out.extend(np.array(x) for x in np.split(logits, np.cumsum([len(windows[i]) for i in g])[:-1]))
+        return out
 
     def _session(self, stage: Stage, carried: dict[str, np.ndarray], weights: StageWeights, drop: bool):
         """The stage's session; with ``drop`` (ONNX Runtime holds its own copies) the external arrays are freed."""
@@ -369,7 +455,8 @@ class LayerwiseScorer:
 
     def _run_stage(self, session, stage: Stage, i: int, carried: list[dict[str, np.ndarray]],
                    feeds: list[dict[str, np.ndarray]], pool, state, last_use: dict[str, int]) -> None:
-        """Every window through stage ``i``: its outputs added to ``carried``, values read for the last time dropped."""
+        """Every group of windows through stage ``i``: its outputs added to ``carried``, values read for the last
+        time dropped."""
         wanted = [v.name for v in stage.outputs]
         for w, values in enumerate(carried):
             inputs = {name: (values[name] if name in values else feeds[w][name]) for name in session.input_names}

@@ -128,3 +128,41 @@ def test_initializers_of_numpy_dtypes_reach_ort_without_the_model_bytes(default_
            and layerwise._nbytes(v.const_value) >= layerwise.EMBED_BELOW]
     assert big and all(v.name in external for v in big)
     assert len(blob) < sum(layerwise._nbytes(v.const_value) for v in big)
+
+
+def test_windows_run_together_give_each_windows_own_logits(default_engine):
+    """Windows grouped into one step each (several sequences, each on blocks of its own) give the logits of the
+    same windows run a window a step, within float32 rounding, and groups respect the token budget."""
+    model, kv, custom_ops = _engine_graph(default_engine)
+    rng = np.random.default_rng(11)
+    vocab = int(model.graph.outputs[0].shape[-1])
+    windows = [rng.integers(0, vocab, n).tolist() for n in (200, 64, 9, 256, 130)]
+    grouped = layerwise.LayerwiseScorer(model, custom_ops, kv, batch_tokens=300)
+    assert grouped.batches(windows) == [[0, 1, 2], [3], [4]]
+    got = grouped.run(windows)
+    alone = layerwise.LayerwiseScorer(model, custom_ops, kv, batch_tokens=1)
+    assert alone.batches(windows) == [[0], [1], [2], [3], [4]]
+    want = alone.run(windows)
+    for g, w in zip(got, want, strict=True):
+        assert g.shape == w.shape and g.flags.owndata
+        assert float(np.abs(g - w).max()) <= 1e-5 * float(np.abs(w).max())
+
+
+def test_kv_shared_layers_read_their_own_windows_keys(tmp_path):
+    """Gemma 4's KV-shared layers read keys and values an earlier stage wrote: each window (alone in its group or
+    grouped) reads its own, so the stages give the whole engine's logits; the layers' caches are dropped once their
+    last reader has run."""
+    from llmc.compiler.build import BuildOptions, build
+    from llmc.testing.tried_families import write_tried_family
+
+    ckpt = write_tried_family("gemma4_text", tmp_path / "ckpt")
+    build(ckpt, tmp_path / "engine", BuildOptions(target="cpu", dtype="float32", self_check=False))
+    engine = Engine.load(tmp_path / "engine", kv_cache_tokens=1024)
+    model, kv, custom_ops = _engine_graph(tmp_path / "engine")
+    assert any("shares" in entry for entry in kv.layers)
+    windows = _windows(engine, seed=4, sizes=[40, 23, 64])
+    want = [engine.score(ids) for ids in windows]
+    for batch_tokens in (1, None):
+        scorer = layerwise.LayerwiseScorer(model, custom_ops, kv, batch_tokens=batch_tokens)
+        for got, ref in zip(scorer.run(windows), want, strict=True):
+            assert float(np.abs(got - ref).max()) <= 1e-5 * float(np.abs(ref).max())

@@ -274,3 +274,30 @@ def test_fast_e4m3_encode_equals_the_reference_on_every_float16_and_random_float
         mids = ((np.sort(grid)[1:] + np.sort(grid)[:-1]) / 2).astype(np.float32)
         x = np.concatenate([x, mids, -mids, np.float32([448.1, 463.9, 464.0, 1e30, -1e30, np.nan, -np.nan, -0.0])])
     assert np.array_equal(minifloat.E4M3.encode(x), minifloat.E4M3._encode(x))
+
+
+@pytest.mark.parametrize("case", ["float16_bits", "random_float32", "transposed"])
+def test_torch_e4m3_encode_equals_the_reference(case):
+    """fp8.encode (torch's cast after saturating) gives the reference codec's codes bit for bit: every float16 bit
+    pattern, float32 over the whole range with exact ties, values past 448, infinities, signed NaN and zero; for
+    contiguous and transposed input; the caller's array is not changed when it is not writeable."""
+    from llmc.quant import fp8, minifloat
+
+    rng = np.random.default_rng(5)
+    if case == "float16_bits":
+        x = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
+    else:
+        x = (rng.standard_normal(1 << 20) * np.exp(rng.uniform(-25, 8, 1 << 20))).astype(np.float32)
+        grid = minifloat.E4M3.table[np.isfinite(minifloat.E4M3.table)]
+        mids = ((np.sort(grid)[1:] + np.sort(grid)[:-1]) / 2).astype(np.float32)
+        x = np.concatenate([x, mids, -mids, np.float32([448.1, 463.9, 464.0, 1e30, -1e30, np.inf, -np.inf,
+                                                        np.nan, -np.nan, -0.0, 0.0])])
+    if case == "transposed":
+        x = x[: (x.size // 64) * 64].reshape(-1, 64).T
+    want = minifloat.E4M3._encode(x.astype(np.float64))
+    x.flags.writeable = False
+    before = x.copy()
+    got = fp8.encode(x)
+    assert got.dtype == np.uint8 and got.shape == x.shape
+    assert np.array_equal(got, want)
+    assert np.array_equal(x, before, equal_nan=True)
