@@ -333,6 +333,8 @@ def _build_json(result, target: str) -> dict:
         "target": target,
         "timings_s": {k: round(v, 3) for k, v in result.timings.items()},
         "build_timings_s": result.build_info.get("timings_s", {}),
+        # Peak resident memory per stage (GB) and the build's estimate and bound, as build_info.json has them.
+        "build_memory": result.build_info.get("memory"),
         "accuracy": result.report.get("accuracy"),
         "graph": result.report.get("graph"),
         "passes": result.report.get("passes"),

@@ -19,14 +19,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from llmc.quant.layer_names import layer_of
-from llmc.quant.layerwise import LayerwiseScorer
 
 GB = 1 << 30
 # Python, torch, transformers, ONNX Runtime and the traced graph of a large model, measured: 0.55 GB at the
 # 1B shape's passes stage; rounded up for larger graphs and allocator slack.
 BASE = 1 * GB
 ROUND_TOKENS = 4096  # the accuracy report's default token limit (quant.evaluate.Precision.max_tokens)
-GROUP_TOKENS = LayerwiseScorer.BATCH_TOKENS  # held-out windows run together as one scoring step
+# llmc.quant.layerwise.LayerwiseScorer.BATCH_TOKENS (held-out windows run together as one scoring step), not imported:
+# a cache hit reads this module and must not load onnx_ir (tests/test_layerwise.py holds the two equal).
+GROUP_TOKENS = 4096
 
 
 @dataclass

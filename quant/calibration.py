@@ -120,6 +120,8 @@ class InputStats:
 
     @property
     def abs_mean(self) -> np.ndarray:
+        if self.rows and not self.abs_sum.size:
+            raise RuntimeError("calibration collected ranges only (abs_sums=False): no mean magnitudes")
         return self.abs_sum / max(self.rows, 1)
 
     @property
@@ -208,6 +210,7 @@ class _Collector:
     groups: list[tuple[str, ...]] = field(default_factory=list)
     producers: dict[tuple[str, ...], str] = field(default_factory=dict)
     gram_dtype: object = None  # torch dtype of the X^T X GEMMs; None: no Gram matrices (ranges only)
+    abs_sums: bool = True  # the per-channel sums of |x| (AWQ's scales); False: the largest magnitude alone
     _keep: list = field(default_factory=list)
     # Sums kept where the activations are (the calibration device) until finish(): torch views of each
     # InputStats' arrays on the CPU, device tensors on a GPU.
@@ -244,7 +247,7 @@ class _Collector:
             if stats is None:
                 k = x.shape[1]
                 stats = self.inputs[group] = InputStats(np.zeros((k, k) if self.gram_dtype else (0, 0), np.float32),
-                                                        np.zeros(k))
+                                                        np.zeros(k if self.abs_sums else 0))
                 self._sums[group] = (torch.from_numpy(stats.gram).to(x.device),
                                      torch.from_numpy(stats.abs_sum).to(x.device))
             gram, abs_sum = self._sums[group]
@@ -256,11 +259,15 @@ class _Collector:
                 gram_ops.add_upper(gram, x, self.gram_dtype)
             # A few hundred rows at a time: 5-8x faster than one float64 column reduction over the batch here, and
             # the same sums (float64 adds a batch's bfloat16 / float32 magnitudes exactly but for extreme spreads).
-            amax = torch.zeros((), dtype=x.dtype, device=x.device)
-            for r0 in range(0, x.shape[0], ABS_ROWS):
-                a = x[r0 : r0 + ABS_ROWS].abs()
-                abs_sum += a.sum(0, dtype=torch.float64)
-                amax = torch.maximum(amax, a.max())
+            if self.abs_sums:
+                amax = torch.zeros((), dtype=x.dtype, device=x.device)
+                for r0 in range(0, x.shape[0], ABS_ROWS):
+                    a = x[r0 : r0 + ABS_ROWS].abs()
+                    abs_sum += a.sum(0, dtype=torch.float64)
+                    amax = torch.maximum(amax, a.max())
+            else:  # ranges only (FP8, NVFP4): one pass, no |x| temporaries (~30x faster than the sums here)
+                lo, hi = torch.aminmax(x)
+                amax = torch.maximum(hi, -lo)
             stats.amax = max(stats.amax, float(amax))
             stats.rows += x.shape[0]
         self.norm_outputs.clear()
@@ -408,7 +415,7 @@ class LayerwiseCalibration:
 
     def __init__(self, config, param_reader: Callable[[object], Callable[[str], np.ndarray]], samples: np.ndarray,
                  batch_size: int = 8, compute: str = "float32", gram: bool = True,
-                 gram_compute: str | None = None, device: str = "cpu") -> None:
+                 gram_compute: str | None = None, device: str = "cpu", abs_sums: bool = True) -> None:
         import torch
         from transformers.initialization import no_init_weights
 
@@ -434,6 +441,7 @@ class LayerwiseCalibration:
         # stream stay float32) and the Gram matrices run as bfloat16 GEMMs.
         self.compute = getattr(torch, compute)
         self.gram = gram
+        self.abs_sums = abs_sums  # False: InputStats.abs_sum stays zero (nothing reads it: FP8, NVFP4, GPTQ)
         self.gram_dtype = getattr(torch, gram_compute or compute)
         self._names = {id(p): n for n, p in self.model.named_parameters(remove_duplicate=False)}
         in_layers = {id(p) for p in self.blocks.parameters()}
@@ -557,7 +565,7 @@ class LayerwiseCalibration:
                  if not list(m.children()) and isinstance(getattr(m, "weight", None), _parameter_type())
                  and m.weight.dim() == 1}
         collector = _Collector({id(m): n for n, m in linears.items()}, {id(m): n for n, m in norms.items()},
-                               gram_dtype=self.gram_dtype if self.gram else None)
+                               gram_dtype=self.gram_dtype if self.gram else None, abs_sums=self.abs_sums)
         handles = [m.register_forward_hook(collector.hook) for m in linears.values() if m is not head]
         handles += [m.register_forward_hook(collector.norm_hook) for m in norms.values()]
         if head is not None:  # record the head's input, then stop: the logits themselves are not needed

@@ -27,6 +27,12 @@ _NO_CLIP = ("q_proj", "k_proj")
 # mean diagonal) is not far above what rounding its inputs to bfloat16 could move. Both are summed in float32
 # (quant/gram.py).
 ALGORITHM_COMPUTE = "bfloat16"
+# Range collection (FP8, NVFP4 activations, the FP8 KV cache) runs the same bfloat16 forward: its GEMMs are all of
+# its time (py-spy, 1B --gpu h100 --quant fp8: 91 % in Linear.forward), 4.2x float32's rate here (AMD EPYC, AVX-512
+# BF16: 816 vs 194 GFLOP/s); an 8B model's ranges took 617 s of a 1372 s build in float32. A maximum read from
+# bfloat16-rounded activations moves a scale by at most 2^-8 of itself; the reports before and after are in the
+# issue 50 note (1B and 8B: KL and perplexity within their noise).
+RANGE_COMPUTE = "bfloat16"
 
 
 @dataclass
@@ -146,8 +152,9 @@ def collect(config, param_reader: Callable[[object], Callable[[str], np.ndarray]
     (``param_reader`` as in :class:`~llmc.quant.calibration.LayerwiseCalibration`). ``head``: calibrate the LM
     head too (False when the build keeps it out of the format, e.g. INT8 beside INT4 on the CPU). ``compute``:
     the calibration forward's and Gram matrices' GEMM dtype; default :data:`ALGORITHM_COMPUTE` for AWQ/GPTQ,
-    float32 for range collection (FP8, NVFP4, the FP8 KV cache: no Gram matrices, only maxima). ``device``: where
-    the calibration forward and its statistics run (``"cpu"`` or ``"cuda"``); AWQ and GPTQ run on the CPU.
+    :data:`RANGE_COMPUTE` for range collection (FP8, NVFP4, the FP8 KV cache: no Gram matrices, only maxima).
+    ``device``: where the calibration forward and its statistics run (``"cpu"`` or ``"cuda"``); AWQ and GPTQ run on
+    the CPU.
     ``spill_dir``: a directory where each layer's INT4 weights go once the layer is done (None: kept in memory), so
     that calibrating a model holds one layer's weights, not the model's."""
     say = progress or (lambda msg: None)
@@ -155,8 +162,9 @@ def collect(config, param_reader: Callable[[object], Callable[[str], np.ndarray]
     result = CalibrationResult(num_tokens=int(samples.size))
     searching = algorithm in ("awq", "gptq")
     run = LayerwiseCalibration(config, param_reader, samples,
-                               compute=compute or (ALGORITHM_COMPUTE if searching else "float32"), gram=searching,
-                               gram_compute="float32" if algorithm == "gptq" else None, device=device)
+                               compute=compute or (ALGORITHM_COMPUTE if searching else RANGE_COMPUTE), gram=searching,
+                               gram_compute="float32" if algorithm == "gptq" else None, device=device,
+                               abs_sums=algorithm == "awq")
 
     def consume(stats: LayerStats, tick: Callable[[str], None] = lambda what: None) -> None:
         for group in stats.groups:

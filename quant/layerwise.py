@@ -265,10 +265,11 @@ class LayerwiseScorer:
     with the process's resident memory."""
 
     PROGRESS_S = 10.0
-    # Windows run together up to these: 2048 tokens keep an 8B layer's activations (the MLP's [tokens, 14336]
-    # float32 values) near 0.5 GB; the logits of a group are whole in float32.
-    BATCH_TOKENS = 2048
-    BATCH_LOGITS_BYTES = 256 << 20
+    # Windows run together up to these: 4096 tokens (the report's default round, 16 windows) keep an 8B layer's
+    # working values (the MLP's [tokens, 14336] float32 values) near 0.8 GB; a group's float32 logits, which ORT
+    # returns and the round then keeps, at most 512 MB (a 128k vocabulary: 4 windows a group).
+    BATCH_TOKENS = 4096
+    BATCH_LOGITS_BYTES = 512 << 20
 
     def __init__(self, model: ir.Model, custom_ops: str, kv: KVShape, name: str = "model",
                  progress: Callable[[str], None] | None = None, batch_tokens: int | None = None) -> None:

@@ -90,6 +90,8 @@ def test_first_build_is_a_miss_and_published(cached):
     assert entry["target"] == "cpu" and entry["model"]["model_type"] == "llama" and entry["size_bytes"] > 0
     assert entry["artifact_digest"] == result["artifact_digest"] == artifact.artifact_digest(cached["out"])
     assert set(result["build_timings_s"]) >= {"trace", "passes", "emit", "total"}
+    peaks = result["build_memory"]["peak_rss_gb"]
+    assert set(peaks) >= {"trace", "emit"} and all(0 < v < 64 for v in peaks.values())
 
 
 def test_second_identical_build_is_a_hit(cached, tiny_llama, tmp_path):

@@ -137,6 +137,9 @@ def test_windows_run_together_give_each_windows_own_logits(default_engine):
     rng = np.random.default_rng(11)
     vocab = int(model.graph.outputs[0].shape[-1])
     windows = [rng.integers(0, vocab, n).tolist() for n in (200, 64, 9, 256, 130)]
+    from llmc.compiler import memory_plan
+
+    assert memory_plan.GROUP_TOKENS == layerwise.LayerwiseScorer.BATCH_TOKENS  # the build's estimate counts them
     grouped = layerwise.LayerwiseScorer(model, custom_ops, kv, batch_tokens=300)
     assert grouped.batches(windows) == [[0, 1, 2], [3], [4]]
     got = grouped.run(windows)
