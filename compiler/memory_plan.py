@@ -27,7 +27,7 @@ BASE = 1 * GB
 ROUND_TOKENS = 4096  # the accuracy report's default token limit (quant.evaluate.Precision.max_tokens)
 # llmc.quant.layerwise.LayerwiseScorer.BATCH_TOKENS (held-out windows run together as one scoring step), not imported:
 # a cache hit reads this module and must not load onnx_ir (tests/test_layerwise.py holds the two equal).
-GROUP_TOKENS = 4096
+GROUP_TOKENS = 2048
 
 
 @dataclass

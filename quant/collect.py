@@ -178,6 +178,11 @@ def collect(config, param_reader: Callable[[object], Callable[[str], np.ndarray]
         elif algorithm == "gptq":
             _gptq_layer(stats, recipe, result, tick)
 
+    from llmc.quant.ort_copies import release_freed_memory
+
+    # The trace and the passes leave freed memory in malloc's arenas; calibration's peak (AWQ's down projection:
+    # its Gram, the bfloat16 H, the layer's float32 weights) sits on top of whatever stays resident.
+    release_freed_memory()
     total = len(run.blocks)
     start = last = time.perf_counter()
     for stats in run.layers():
@@ -194,6 +199,7 @@ def collect(config, param_reader: Callable[[object], Callable[[str], np.ndarray]
             for name, lq in result.linears.items():
                 if isinstance(lq.weights, int4.Int4Weights):
                     lq.weights = int4.spill(lq.weights, Path(spill_dir) / f"{len(result.layer_seconds)}-{name}.npz")
+        release_freed_memory()  # the layer's statistics and searches, freed in the arenas of torch's threads
         now = time.perf_counter()
         result.layer_seconds.append(now - last)
         last = now

@@ -265,11 +265,13 @@ class LayerwiseScorer:
     with the process's resident memory."""
 
     PROGRESS_S = 10.0
-    # Windows run together up to these: 4096 tokens (the report's default round, 16 windows) keep an 8B layer's
-    # working values (the MLP's [tokens, 14336] float32 values) near 0.8 GB; a group's float32 logits, which ORT
-    # returns and the round then keeps, at most 512 MB (a 128k vocabulary: 4 windows a group).
-    BATCH_TOKENS = 4096
+    # Windows run together up to these: 2048 tokens keep an 8B layer's working values (the MLP's [tokens, 14336]
+    # float32 values) near 0.4 GB, and ran as fast as 4096 at 8B (reference 152 vs 167 s, FP8 side 235 vs 231 s;
+    # one window a step: 215 and 607 s); a group's float32 logits, which ORT returns and the round then keeps, at
+    # most 512 MB (a 128k vocabulary: 4 windows a group).
+    BATCH_TOKENS = 2048
     BATCH_LOGITS_BYTES = 512 << 20
+    BATCH_STATE_BYTES = 256 << 20  # a hybrid model's state slots (every layer's, written as its stage runs)
 
     def __init__(self, model: ir.Model, custom_ops: str, kv: KVShape, name: str = "model",
                  progress: Callable[[str], None] | None = None, batch_tokens: int | None = None) -> None:
@@ -307,16 +309,22 @@ class LayerwiseScorer:
         return out
 
     def batches(self, windows: list[list[int]]) -> list[list[int]]:
-        """Window indices in the groups run as one step each: consecutive windows up to ``batch_tokens`` tokens
-        and ``BATCH_LOGITS_BYTES`` of float32 logits (at least one window a group)."""
+        """Window indices in the groups run as one step each: consecutive windows up to ``batch_tokens`` tokens,
+        ``BATCH_LOGITS_BYTES`` of float32 logits and, for a hybrid model, ``BATCH_STATE_BYTES`` of recurrent state (a
+        slot per window) (at least one window a group)."""
+        from llmc.runtime.core.state_cache import StatePool
+
         vocab = self.model.graph.outputs[0].shape[-1] if self.model.graph.outputs[0].shape is not None else None
         limit = self.batch_tokens
         if isinstance(vocab, int) and vocab > 0:
             limit = min(limit, self.BATCH_LOGITS_BYTES // (4 * vocab))
+        most = len(windows)
+        if self.kv.state is not None:
+            most = max(1, self.BATCH_STATE_BYTES // max(1, StatePool.bytes_per_slot(self.kv.state)))
         out: list[list[int]] = []
         tokens = 0
         for i, w in enumerate(windows):
-            if out and tokens + len(w) <= limit:
+            if out and tokens + len(w) <= limit and len(out[-1]) < most:
                 out[-1].append(i)
                 tokens += len(w)
             else:

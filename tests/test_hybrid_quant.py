@@ -110,12 +110,17 @@ def test_quantized_engine_close_to_transformers(family, tmp_path, kind):
     assert batched == [small.generate([list(s)], params)[0].token_ids for s in seqs]
     assert small.stats().state_slots_used == 0
 
-    # The layer-by-layer scorer (one state slot, each window from a zero state) = the engine's own score().
+    # The layer-by-layer scorer (a state slot per window of a group, each window from a zero state) = the engine's
+    # own score(), windows grouped and (state slots capped at one) a window a group.
     graph, kv, custom_ops = _engine_graph(out)
     assert kv.state is not None
-    scored = layerwise.LayerwiseScorer(graph, custom_ops, kv).run(seqs[:2])
-    for seq, logits in zip(seqs, scored, strict=False):
-        np.testing.assert_allclose(logits, engine.score(seq), rtol=1e-5, atol=1e-5)
+    for cap in (None, 1):
+        scorer = layerwise.LayerwiseScorer(graph, custom_ops, kv)
+        if cap is not None:
+            scorer.BATCH_STATE_BYTES = 1
+        assert len(scorer.batches(seqs[:3])) == (1 if cap is None else 3)
+        for seq, logits in zip(seqs, scorer.run(seqs[:3]), strict=False):
+            np.testing.assert_allclose(logits, engine.score(seq), rtol=1e-5, atol=1e-5)
 
     # Only the linears are quantized: every weight the recurrent ops read is fp32.
     from llmc.plugins.recurrent import CONV_OP_TYPE, DELTA_OP_TYPE, DOMAIN, SSD_OP_TYPE
