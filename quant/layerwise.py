@@ -230,19 +230,14 @@ class KVShape:
     state: dict | None = None
 
 
-def window_feeds(ids: list[int], block_size: int) -> dict[str, np.ndarray]:
-    """The graph inputs of one window scored as one prefill step on blocks ``0..``, as ``Engine.score`` feeds them
-    (``rope_lengths``: every token's sequence length, for graphs that take it)."""
-    return batch_feeds([ids], block_size)
-
-
-def batch_feeds(windows: list[list[int]], block_size: int) -> dict[str, np.ndarray]:
+def batch_feeds(windows: list[list[int]], block_size: int, first_block: int = 0) -> dict[str, np.ndarray]:
     """The graph inputs of several windows scored together as one prefill step of as many sequences (the engine's
-    continuous batching): window ``i`` is sequence ``i``, alone on its own blocks (after window ``i - 1``'s), every
-    token's logits row wanted."""
+    continuous batching, as ``Engine.score`` feeds one window): window ``i`` is sequence ``i``, alone on its own
+    blocks (from ``first_block``, after window ``i - 1``'s), every token's logits row wanted (``rope_lengths``:
+    every token's sequence length, for graphs that take it)."""
     lens = np.asarray([len(w) for w in windows], np.int64)
     blocks = -(-lens // block_size)
-    first = np.concatenate([[0], np.cumsum(blocks)[:-1]]).astype(np.int64)
+    first = first_block + np.concatenate([[0], np.cumsum(blocks)[:-1]]).astype(np.int64)
     p = np.concatenate([np.arange(n, dtype=np.int64) for n in lens])
     start = np.repeat(first, lens)
     table = np.zeros((len(windows), int(blocks.max())), np.int64)
@@ -288,6 +283,11 @@ class LayerwiseScorer:
                       if v.shape is not None and v.shape.rank() > 0 and all(isinstance(d, int) for d in v.shape)}
         self.output = model.graph.outputs[0].name
         self.batch_tokens = batch_tokens or self.BATCH_TOKENS
+        # Per layer, the layer whose cache it reads (KV-shared layers: an earlier one), and each cache's last reader.
+        from llmc.runtime.core.kv_cache import layer_geometry
+
+        self._owner = [o for o, _, _ in layer_geometry(kv.num_layers, kv.num_kv_heads, kv.head_size, kv.layers)]
+        self._last_reader = {o: i for i, o in enumerate(self._owner)}
         self.session_seconds = 0.0
         self.run_seconds = 0.0
 
@@ -346,14 +346,12 @@ class LayerwiseScorer:
         group_feeds: list[dict[str, np.ndarray]] = []
         offset = 0
         for g in groups:
-            f = {**self.fixed, **batch_feeds([windows[i] for i in g], kv.block_size)}
+            f = {**self.fixed, **batch_feeds([windows[i] for i in g], kv.block_size, offset)}
             f.update(self._defaults(f["positions"]))
             if extras is not None:
                 if len(g) != 1:
                     raise ValueError("windows with extra inputs are scored a window a group")
                 f.update(extras[g[0]])
-            f["slot_mapping"] = f["slot_mapping"] + offset * kv.block_size
-            f["block_tables"] = f["block_tables"] + offset
             offset += sum(-(-len(windows[i]) // kv.block_size) for i in g)
             group_feeds.append(f)
         pool = KVPool.allocate(kv.num_layers, offset, kv.num_kv_heads, kv.block_size, kv.head_size, kv.dtype,
@@ -370,25 +368,22 @@ class LayerwiseScorer:
                 f["state_slots"] = np.arange(len(g), dtype=np.int64)
         return pool, group_feeds, state
 
-    def _release_layers(self, pool, done_stage: int) -> None:
-        """Replace the caches no stage after ``done_stage`` reads with fresh untouched zeros (a new list: the
-        native kernels rebind on a new pool object), so that only the running layers' caches are resident."""
-        from llmc.runtime.core.kv_cache import layer_geometry
-
-        kv = self.kv
-        geometry = layer_geometry(kv.num_layers, kv.num_kv_heads, kv.head_size, kv.layers)
-        last = {}
-        for i, (owner, _, _) in enumerate(geometry):
-            last[owner] = max(last.get(owner, -1), i)
+    def _release_layers(self, pool, done_stage: int, released: set[int]) -> None:
+        """Replace the caches no stage after ``done_stage`` reads (owners not yet in ``released``) with fresh
+        untouched zeros (a new list: the native kernels rebind on a new pool object), so that only the running
+        layers' caches are resident."""
         layers = list(pool.layers)
-        fresh = {}
-        for i, (owner, _, _) in enumerate(geometry):
-            if last[owner] <= done_stage:
-                if owner not in fresh:
-                    k = layers[owner][0]
-                    fresh[owner] = (np.zeros(k.shape, k.dtype), np.zeros(k.shape, k.dtype))
-                layers[i] = fresh[owner]
-        if fresh:
+        for i, owner in enumerate(self._owner):
+            if owner in released or self._last_reader[owner] > done_stage:
+                continue
+            if i == owner:
+                k = layers[owner][0]
+                layers[i] = (np.zeros(k.shape, k.dtype), np.zeros(k.shape, k.dtype))
+            else:  # a KV-shared layer: its owner's fresh pair (owners come first)
+                layers[i] = layers[owner]
+        done = {o for o in self._owner if self._last_reader[o] <= done_stage} - released
+        if done:
+            released |= done
             pool.layers = layers
 
     def run(self, windows: list[list[int]], prefetch: bool = False,
@@ -417,6 +412,7 @@ class LayerwiseScorer:
             for v in stage.inputs:
                 last_use[v.name] = i
         start = time.perf_counter()
+        released: set[int] = set()  # layers whose caches _release_layers replaced
         drop = ort_copies_initializers()
         prefetch = prefetch and drop
         with ThreadPoolExecutor(1, thread_name_prefix="llmc-stage-weights") as reader:
@@ -434,7 +430,7 @@ class LayerwiseScorer:
                 self.run_seconds += time.perf_counter() - t
                 del session
                 if stage.index >= 0:
-                    self._release_layers(pool, stage.index)
+                    self._release_layers(pool, stage.index, released)
                 if drop:
                     release_freed_memory()
                 elapsed = time.perf_counter() - start
