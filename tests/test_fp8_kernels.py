@@ -98,10 +98,19 @@ def test_fp8_engine_kernel_launch_path_on_cpu_matches_the_torch_ops(tmp_path, ti
     ids = np.random.default_rng().integers(3, eng.vocab_size, 10).tolist()
     plain = eng.score(ids)
     plain_tokens = eng.generate([ids[:6]], SamplingParams(max_tokens=4, ignore_eos=True))[0].token_ids
+    plain_steps = eng.score(ids[:6] + plain_tokens)[5:]  # row k: the logits that chose plain_tokens[k]
     session = CudaSession(built.out_dir, eng.manifest, device="cpu", interpret_kernels=True)
     eng._pool = session.allocate_pool(eng.manifest["kv_cache"], eng._blocks.num_blocks)
     eng._session = session
     got = eng.score(ids)
-    # Same codes; the products summed by _scaled_mm and scaled once by (activation x weight) scale instead of twice.
-    np.testing.assert_allclose(got, plain, atol=1e-4 * np.abs(plain).max(), rtol=0)
-    assert eng.generate([ids[:6]], SamplingParams(max_tokens=4, ignore_eos=True))[0].token_ids == plain_tokens
+    # Same codes, so the same logits to float rounding (the products summed by _scaled_mm and scaled once by
+    # (activation x weight) scale instead of twice). That rounding can move one activation across an E4M3 rounding
+    # boundary: one code one step away, and every later position reading it through the KV cache. Measured over 300
+    # random prompts: 95% equal to 1e-4 of the logits' range, the rest within 5.1% of it (mean 3.7% of the mean |logit|
+    # at worst); the activation scale 6% off in the kernels moves them by 22-37% of it (mean 18-20%).
+    top, diff = np.abs(plain).max(), np.abs(got - plain)
+    assert diff.max() <= 0.1 * top and diff.mean() <= 0.06 * np.abs(plain).mean(), (diff.max() / top, diff.mean())
+    tokens = eng.generate([ids[:6]], SamplingParams(max_tokens=4, ignore_eos=True))[0].token_ids
+    k = next((i for i, (a, b) in enumerate(zip(tokens, plain_tokens, strict=True)) if a != b), None)
+    if k is not None:  # greedy paths part only where the plain engine's top two were within such a flip's reach
+        assert plain_steps[k, plain_tokens[k]] - plain_steps[k, tokens[k]] <= 0.1 * top, (k, tokens, plain_tokens)
