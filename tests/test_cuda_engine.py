@@ -203,15 +203,15 @@ def test_fp8_cuda_engine_on_cpu_matches_the_cpu_engine_of_the_recipe(tmp_path, t
     g, c = Engine.load(cuda.out_dir, device="cpu"), Engine.load(cpu.out_dir)
     ids = _fresh_ids(50, g.vocab_size)
     lg, lc = g.score(ids), c.score(ids)
-    # The two executions agree bit for bit on most inputs (measured: 39 of 40 seeds give identical logits),
+    # The two executions agree bit for bit on most inputs (measured: 193 of 200 prompts give identical logits),
     # but a last-bit difference upstream of an activation that sits on an FP8 rounding boundary flips one
     # code (a 6-12% step in that element) and moves that position's logits, and through attention the
-    # later ones, by up to a few percent. So: most positions identical, none far off, distributions close.
+    # later ones (all 50 where it is the first position's), by up to a few percent. So: none far off,
+    # distributions close. Measured over the 200: max 9.1% of the range, mean KL 2.8e-4, argmax agreeing >= 96%.
     rel = np.abs(lg - lc).max(-1) / np.abs(lc).max()
-    assert (rel < 1e-5).mean() >= 0.5, rel
     assert rel.max() < 0.15, rel
     assert _mean_kl(lc, lg) < 1e-3
-    assert (lg.argmax(-1) == lc.argmax(-1)).mean() >= 0.95
+    assert (lg.argmax(-1) == lc.argmax(-1)).mean() >= 0.9
 
 
 def test_fp8_kv_cache_cuda_engine_stores_e4m3_codes_and_matches_the_cpu_engine(tmp_path, tiny_llama):
@@ -235,10 +235,11 @@ def test_fp8_kv_cache_cuda_engine_stores_e4m3_codes_and_matches_the_cpu_engine(t
     assert all(k.dtype.itemsize == 1 for layer in g._pool.layers for k in layer)
     ids = _fresh_ids(50, g.vocab_size)
     lg, lc = g.score(ids), c.score(ids)
-    # Same codes, same scales; as with FP8 linears, a last-bit difference upstream can flip one code.
+    # Same codes, same scales; as with FP8 linears, a last-bit difference upstream can flip one code, and every
+    # later position reads it. Measured over 200 prompts: max 0.41% of the range, mean KL <= 2.2e-7.
     rel = np.abs(lg - lc).max(-1) / np.abs(lc).max()
-    assert (rel < 1e-4).mean() >= 0.5, rel
-    assert _mean_kl(lc, lg) < 1e-3
+    assert rel.max() < 0.05, rel
+    assert _mean_kl(lc, lg) < 1e-4
     # decode steps (one token a step, read back from the E4M3 pool) against the CPU engine
     params = SamplingParams(max_tokens=16, ignore_eos=True)
     got = [o.token_ids for o in g.generate(PROMPTS, params)]
