@@ -112,10 +112,22 @@ ENCODE_CHUNK = 1 << 20  # elements per step of Minifloat.encode (float64 tempora
 
 
 def _e4m3_fast(x: np.ndarray) -> np.ndarray:
-    """E4M3 codes of a float32/float16 array by ml_dtypes' C conversion (one rounding, to nearest even), after
-    saturating at ±448 (ml_dtypes turns out-of-range values into NaN): the codes of :meth:`Minifloat._encode`,
-    which stays the reference (tests hold them equal), ~20x faster. Building a GPU engine scores its quantized
-    graph on the CPU, re-encoding every FP8 weight per stage and round."""
+    """E4M3 codes of a float32/float16 array in one C conversion (one rounding, to nearest even) after saturating at
+    ±448 (both libraries below turn out-of-range values into NaN): the codes of :meth:`Minifloat._encode`, which
+    stays the reference (tests hold them equal bit for bit). Building a GPU engine encodes every FP8 weight twice
+    (to score the quantized graph on the CPU and to emit it): an 8B model's, ~5 s a layer each in the reference.
+
+    torch's vectorised cast where torch is installed (the compiler's processes: 4096x4096 in 16 ms), else
+    ml_dtypes' (the runtime-only install: 53 ms); ~20x the reference either way."""
+    try:
+        import torch
+    except ImportError:
+        return _e4m3_ml_dtypes(x)
+    t = torch.from_numpy(np.ascontiguousarray(x, np.float32).reshape(-1)).clamp(-448.0, 448.0)  # NaN stays NaN
+    return t.to(torch.float8_e4m3fn).view(torch.uint8).numpy().reshape(x.shape)
+
+
+def _e4m3_ml_dtypes(x: np.ndarray) -> np.ndarray:
     import ml_dtypes
 
     nan = np.isnan(x)
@@ -124,6 +136,7 @@ def _e4m3_fast(x: np.ndarray) -> np.ndarray:
     if nan.any():  # keep NaN's sign, as the reference does
         codes = np.where(nan, np.where(np.signbit(x), 0xFF, 0x7F), codes).astype(np.uint8)
     return codes
+
 
 E4M3 = Minifloat("float8_e4m3fn", exponent_bits=4, mantissa_bits=3, bias=7, max_finite=448.0, nan_code=0x7F)
 E2M1 = Minifloat("float4_e2m1fn", exponent_bits=2, mantissa_bits=1, bias=1, max_finite=6.0, nan_code=None)
